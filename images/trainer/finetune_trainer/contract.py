@@ -1,0 +1,427 @@
+"""The contract between the operator and the trainer.
+
+Two documents cross the boundary between the operator and the training pods:
+
+* ``TrainerConfig`` goes in: the renderer serialises it (camelCase JSON) into a
+  ConfigMap that is mounted at ``/etc/finetune/config.json``; the trainer reads it.
+* ``FailureReport`` comes out: the trainer writes it to the container's termination
+  message (``/dev/termination-log``) when it fails; the operator parses it from the
+  pod status.
+
+This module imports pydantic only (no torch), because the operator imports it too.
+Nothing here is defined a second time anywhere else.
+
+Exit codes (documented, distinct from the signal codes 137 = SIGKILL / kernel OOM kill
+and 143 = SIGTERM):
+
+====  ==================  =====================================================
+code  reason              meaning
+====  ==================  =====================================================
+0     -                   training finished
+1     Unknown             anything unclassified (a retry may help)
+65    DataError           the dataset cannot be read or parsed (retry cannot fix)
+71    HostOutOfMemory     Python raised MemoryError (host RAM); the kernel OOM
+                          killer shows as 137 with ``reason: OOMKilled`` instead
+75    GPUOutOfMemory      ``torch.OutOfMemoryError`` (retry with less memory)
+78    ConfigError         the config is invalid or cannot run here (no retry)
+====  ==================  =====================================================
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+DEFAULT_CONFIG_PATH = "/etc/finetune/config.json"
+DEFAULT_REPORT_PATH = "/dev/termination-log"
+# The kubelet truncates the termination message at 4096 bytes; stay within it so the
+# JSON is never cut in the middle.
+TERMINATION_MESSAGE_LIMIT = 4096
+
+EXIT_OK = 0
+EXIT_UNKNOWN = 1
+EXIT_DATA_ERROR = 65
+EXIT_HOST_OOM = 71
+EXIT_GPU_OOM = 75
+EXIT_CONFIG_ERROR = 78
+# Not ours: what a signal death looks like, listed so no one reuses them.
+EXIT_SIGKILL = 137
+EXIT_SIGTERM = 143
+
+
+class FailureReason(str, Enum):
+    GPU_OUT_OF_MEMORY = "GPUOutOfMemory"
+    HOST_OUT_OF_MEMORY = "HostOutOfMemory"
+    DATA_ERROR = "DataError"
+    CONFIG_ERROR = "ConfigError"
+    UNKNOWN = "Unknown"
+
+
+class Phase(str, Enum):
+    SETUP = "setup"
+    LOAD = "load"
+    DATA = "data"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    CHECKPOINT = "checkpoint"
+
+
+EXIT_CODE_FOR_REASON: dict[FailureReason, int] = {
+    FailureReason.GPU_OUT_OF_MEMORY: EXIT_GPU_OOM,
+    FailureReason.HOST_OUT_OF_MEMORY: EXIT_HOST_OOM,
+    FailureReason.DATA_ERROR: EXIT_DATA_ERROR,
+    FailureReason.CONFIG_ERROR: EXIT_CONFIG_ERROR,
+    FailureReason.UNKNOWN: EXIT_UNKNOWN,
+}
+_REASON_FOR_EXIT_CODE = {code: reason for reason, code in EXIT_CODE_FOR_REASON.items()}
+
+
+def reason_for_exit_code(exit_code: int) -> FailureReason | None:
+    """The failure reason our trainer signals with ``exit_code``.
+
+    ``None`` for 0 (success). Every other code that is not one of ours, including
+    137 and 143, gives ``Unknown``: a signal death is not something the trainer
+    reported, and the operator must look at the container's ``reason`` (``OOMKilled``)
+    to tell a kernel OOM kill from any other kill.
+    """
+    if exit_code == EXIT_OK:
+        return None
+    return _REASON_FOR_EXIT_CODE.get(exit_code, FailureReason.UNKNOWN)
+
+
+class _Contract(BaseModel):
+    """camelCase on the wire (matching the FineTuneJob API), snake_case in Python."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+
+# --------------------------------------------------------------------------- input
+
+
+class ModelSource(_Contract):
+    path: str = Field(min_length=1, description="Local directory with config.json and weights")
+    tokenizer_path: str | None = Field(None, description="Defaults to the model path")
+    trust_remote_code: bool = False
+
+
+class DatasetSource(_Contract):
+    """A JSONL file (or a directory of ``*.jsonl`` files).
+
+    Line formats: ``chat`` -> ``{"messages": [{"role": ..., "content": ...}, ...]}``
+    rendered with the tokenizer's chat template; ``instruction`` ->
+    ``{"instruction": ..., "input": optional, "response" | "output": ...}``;
+    ``text`` -> ``{"text": ...}``.
+    """
+
+    path: str = Field(min_length=1)
+    format: Literal["chat", "instruction", "text"] = "chat"
+    packing: bool = False
+
+
+class LoraSettings(_Contract):
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and (not value or any(not m for m in value)):
+            raise ValueError("targetModules must be 'all-linear' or a non-empty list of module names")
+        return value
+
+
+class FsdpSettings(_Contract):
+    """What the trainer hands to the transformers Trainer's FSDP integration.
+
+    Always full-shard with transformer-layer auto-wrap. Mixed precision under bf16/fp16
+    is param_dtype=compute dtype, reduce_dtype=fp32 (see notes/trainer_settings.md).
+    """
+
+    version: Literal[1, 2] = 2
+    reshard_after_forward: bool = True
+    # Layer classes to wrap; empty -> the model's own ``_no_split_modules``.
+    transformer_layer_cls_to_wrap: list[str] = Field(default_factory=list)
+    # Parameters and gradients on the host; set by the trainer from ``offload``
+    # when it is "optimizer+params", or explicitly here.
+    cpu_offload: bool = False
+
+
+class CheckpointSettings(_Contract):
+    directory: str = Field(min_length=1)
+    every_steps: int = Field(200, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+
+class FaultInjection(_Contract):
+    """Test-only hook; the operator never sets it.
+
+    ``gpu-oom`` raises ``torch.OutOfMemoryError``, ``error`` raises a RuntimeError
+    (-> Unknown), ``kill`` sends SIGKILL to the process (like a preemption) at the
+    given global step and phase. ``attempt``: fire only on that attempt (any if unset).
+    ``rank``: fire only on that rank (all if unset).
+    """
+
+    kind: Literal["gpu-oom", "error", "kill"]
+    step: int = Field(ge=0)
+    phase: Literal["forward", "backward", "optimizer", "checkpoint"] = "forward"
+    attempt: int | None = Field(None, ge=1)
+    rank: int | None = Field(None, ge=0)
+
+
+Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+
+ZERO_STAGE: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+class TrainerConfig(_Contract):
+    """The trainer's whole input, one JSON document."""
+
+    job_name: str = Field(min_length=1)
+    attempt: int = Field(1, ge=1)
+
+    model: ModelSource
+    dataset: DatasetSource
+
+    method: Literal["full", "lora", "qlora"] = "lora"
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    optimizer: Literal["adamw", "adamw-8bit", "paged-adamw-8bit"] = "adamw"
+    learning_rate: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = Field(1.0, ge=0)
+
+    sequence_length: int = Field(2048, ge=8)
+    micro_batch_size: int = Field(1, ge=1)
+    gradient_accumulation: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    gradient_checkpointing: bool = False
+    attention: Literal["sdpa", "flash", "eager"] = "sdpa"
+
+    strategy: Strategy = "ddp"
+    fsdp: FsdpSettings | None = None
+    # A complete DeepSpeed config for ZeRO-1/2/3 (offload included); batch-size keys
+    # may be "auto" so the Trainer fills them from microBatchSize/gradientAccumulation.
+    deepspeed: dict[str, Any] | None = None
+    offload: Offload = "none"
+
+    checkpoint: CheckpointSettings | None = None
+    output_directory: str = Field(min_length=1)
+    seed: int = 42
+    report_path: str = DEFAULT_REPORT_PATH
+    log_every_steps: int = Field(1, ge=1)
+
+    fault_injection: FaultInjection | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainerConfig":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("exactly one of maxSteps and epochs must be set")
+        if self.fsdp is not None and self.strategy != "fsdp":
+            raise ValueError(f"fsdp settings given but strategy is {self.strategy!r}")
+        stage = ZERO_STAGE.get(self.strategy)
+        if stage is None:
+            if self.deepspeed is not None:
+                raise ValueError(f"deepspeed config given but strategy is {self.strategy!r}")
+        else:
+            if self.deepspeed is None:
+                raise ValueError(f"strategy {self.strategy!r} needs a deepspeed config")
+            _check_deepspeed(self.deepspeed, stage, self.offload)
+        if self.offload != "none" and self.strategy == "ddp":
+            raise ValueError("offload needs strategy fsdp or zero1/2/3, not ddp")
+        if self.strategy == "fsdp" and self.offload == "optimizer":
+            raise ValueError(
+                "FSDP offloads parameters and optimizer together: use offload 'optimizer+params'"
+            )
+        if self.offload == "optimizer+params" and self.strategy in ("zero1", "zero2"):
+            raise ValueError("parameter offload needs ZeRO-3 (strategy zero3)")
+        if self.method == "qlora" and self.strategy != "ddp":
+            raise ValueError("qlora runs under strategy ddp only")
+        if self.method == "qlora" and self.precision == "fp32":
+            raise ValueError("qlora computes in bf16 or fp16, not fp32")
+        return self
+
+    @property
+    def zero_stage(self) -> int | None:
+        return ZERO_STAGE.get(self.strategy)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, exclude_none=True, indent=2)
+
+
+def _check_deepspeed(ds: dict[str, Any], stage: int, offload: str) -> None:
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict):
+        raise ValueError("deepspeed config needs a zero_optimization block")
+    if zero.get("stage") != stage:
+        raise ValueError(
+            f"deepspeed zero_optimization.stage is {zero.get('stage')!r}, strategy says {stage}"
+        )
+    opt_off = _offload_device(zero.get("offload_optimizer"))
+    param_off = _offload_device(zero.get("offload_param"))
+    declared = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
+                "optimizer+params": ("cpu", "cpu")}[offload]
+    actual = ("cpu" if opt_off in ("cpu", "nvme") else "none",
+              "cpu" if param_off in ("cpu", "nvme") else "none")
+    if actual != declared:
+        raise ValueError(
+            f"deepspeed offload (optimizer={opt_off}, params={param_off}) "
+            f"does not match offload {offload!r}"
+        )
+
+
+def _offload_device(block: Any) -> str:
+    if not block:
+        return "none"
+    if not isinstance(block, dict):
+        raise ValueError("deepspeed offload blocks must be objects")
+    return str(block.get("device", "none"))
+
+
+def deepspeed_config(stage: int, offload: str = "none") -> dict[str, Any]:
+    """A complete DeepSpeed config for ZeRO ``stage`` that the trainer accepts.
+
+    Batch sizes, precision and optimizer hyper-parameters are "auto": the transformers
+    Trainer fills them from the TrainerConfig, so the renderer need not repeat them and
+    a recovery step that changes the micro-batch cannot leave them inconsistent.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage!r}")
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+    }
+    if offload in ("optimizer", "optimizer+params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload == "optimizer+params":
+        if stage != 3:
+            raise ValueError("parameter offload needs ZeRO-3")
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if stage == 3:
+        # Gather the full weights on save so the output folder holds a normal model.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": zero,
+    }
+
+
+class ConfigLoadError(ValueError):
+    """The config file is missing, not JSON, or not a valid TrainerConfig."""
+
+
+def load_trainer_config(path: str | Path = DEFAULT_CONFIG_PATH) -> TrainerConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigLoadError(f"cannot read trainer config {path}: {exc}") from exc
+    try:
+        return TrainerConfig.model_validate_json(text)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigLoadError(f"invalid trainer config {path}: {problems}") from exc
+
+
+# -------------------------------------------------------------------------- output
+
+
+class FailureReport(_Contract):
+    """What the trainer writes to the termination message when it fails."""
+
+    reason: FailureReason
+    phase: Phase
+    step: int = Field(ge=0)
+    message: str = ""
+    exit_code: int
+    peak_allocated_bytes: int | None = Field(None, ge=0)
+    peak_reserved_bytes: int | None = Field(None, ge=0)
+    device_total_bytes: int | None = Field(None, ge=0)
+    micro_batch_size: int | None = Field(None, ge=1)
+    sequence_length: int | None = Field(None, ge=1)
+    gradient_accumulation: int | None = Field(None, ge=1)
+    rank: int = Field(0, ge=0)
+    world_size: int | None = Field(None, ge=1)
+    attempt: int | None = Field(None, ge=1)
+
+    def to_termination_message(self, limit: int = TERMINATION_MESSAGE_LIMIT) -> str:
+        """Compact JSON that fits in ``limit`` bytes (UTF-8); the message is cut to fit."""
+        text = self.model_dump_json(by_alias=True, exclude_none=True)
+        if len(text.encode()) <= limit:
+            return text
+        empty = self.model_copy(update={"message": ""}).model_dump_json(
+            by_alias=True, exclude_none=True
+        )
+        budget = limit - len(empty.encode())
+        if budget < 0:
+            raise ValueError("failure report does not fit the termination message even without a message")
+        # JSON escaping can grow the text (quotes, control characters); find the
+        # longest prefix of the message whose serialised report fits.
+        marker = " …[truncated]"
+
+        def render(cut: int) -> str:
+            return self.model_copy(update={"message": self.message[:cut] + marker}).model_dump_json(
+                by_alias=True, exclude_none=True
+            )
+
+        lo, hi = 0, min(len(self.message), budget)
+        if len(render(lo).encode()) > limit:
+            return empty
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(render(mid).encode()) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return render(lo)
+
+
+def parse_failure_report(text: str | None) -> FailureReport | None:
+    """The report in a termination message, or None when it holds something else
+    (e.g. the log tail that ``FallbackToLogsOnError`` puts there for other images)."""
+    if not text:
+        return None
+    text = text.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    try:
+        return FailureReport.model_validate(data)
+    except ValidationError:
+        return None
