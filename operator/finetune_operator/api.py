@@ -1,0 +1,958 @@
+"""The FineTuneJob API (finetune.dev/v1alpha1): the single source of truth.
+
+The CRD in `crds/` is generated from these models (see `crd.py`), so every field's
+docstring is what `kubectl explain` prints. Cross-field rules live twice by necessity:
+as pydantic validators (the operator and the CLI) and, where CEL can say them, as
+`x-kubernetes-validations` on the model (the API server, at `kubectl apply` time).
+Both name the same field and say what is allowed; `tests/test_api_invalid.py` checks it.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+GROUP = "finetune.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "FineTuneJob"
+PLURAL = "finetunejobs"
+SINGULAR = "finetunejob"
+SHORT_NAMES = ["ftj"]
+
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Label values: what `kueue.x-k8s.io/queue-name` and region label values must satisfy.
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+# Bounds that keep CEL rules within the API server's cost budget and catch typos
+# such as a sequence length of 4_000_000. They are generous on purpose.
+MAX_SEQUENCE_LENGTH = 1_048_576
+MAX_GLOBAL_BATCH = 1_048_576
+MAX_GPUS = 4096
+MAX_NAME = 253
+MAX_TEXT = 1024
+
+# ---------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------
+
+
+class ApiModel(BaseModel):
+    """Base of every spec model: camelCase in YAML, unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        # Strict, like the API server: "yes" is not a boolean and "4" is not an integer.
+        strict=True,
+    )
+
+
+def _auto_or_int(minimum: int, maximum: int, what: str) -> Any:
+    """`auto` or an integer in [minimum, maximum], spelled the way Kubernetes can check it."""
+    return WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-validations": [
+                {
+                    "rule": (
+                        f"type(self) == int ? (self >= {minimum} && self <= {maximum})"
+                        " : self == 'auto'"
+                    ),
+                    "message": f"must be 'auto' or an integer {what} between {minimum} and {maximum}",
+                }
+            ],
+        }
+    )
+
+
+AutoOrPositiveInt = Annotated[
+    Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_GPUS)]],
+    _auto_or_int(1, MAX_GPUS, "count"),
+]
+AutoOrMicroBatch = Annotated[
+    Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]],
+    _auto_or_int(1, 4096, "micro-batch size"),
+]
+
+ShortName = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=DNS1123_SUBDOMAIN)]
+Text = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+RelativePath = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_TEXT, pattern=r"^[^/].*$"),
+]
+
+
+class PvcSource(ApiModel):
+    """A path inside a PersistentVolumeClaim in the job's namespace."""
+
+    claim_name: ShortName
+    """Name of the PersistentVolumeClaim."""
+    path: RelativePath | None = None
+    """Path inside the volume, relative to its root; the whole volume when omitted."""
+    read_only: bool = True
+    """Mount the claim read-only (true for models and data; checkpoints are always mounted read-write)."""
+
+    @field_validator("path")
+    @classmethod
+    def _no_parent(cls, value: str | None) -> str | None:
+        if value is not None and ".." in value.split("/"):
+            raise ValueError("must not contain '..' segments")
+        return value
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the job's namespace."""
+
+    name: ShortName
+    """Name of the Secret."""
+    key: Text = "token"
+    """Key inside the Secret."""
+
+
+class HuggingFaceSource(ApiModel):
+    """A Hugging Face Hub repository, pinned to a revision. Downloaded by an init step in the pod."""
+
+    repo: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")]
+    """Repository id, `owner/name`."""
+    revision: Annotated[str, Field(min_length=1, max_length=200)]
+    """Commit hash, tag or branch. Required: an unpinned model is not reproducible."""
+    token_secret_ref: SecretKeyRef | None = None
+    """Secret holding the Hub token, for gated or private models."""
+
+
+class ModelSource(ApiModel):
+    """Where the model weights come from. Set exactly one of `pvc`, `uri`, `hf`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "[has(self.pvc), has(self.uri), has(self.hf)].filter(x, x).size() == 1",
+                    "message": "set exactly one of pvc, uri, hf",
+                }
+            ]
+        }
+    )
+
+    pvc: PvcSource | None = None
+    """Weights already on a volume (`HF_HUB_OFFLINE=1` is set in the pods)."""
+    uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs|https)://.+$")] | None = None
+    """An archive or prefix at `s3://`, `gs://` or `https://`, unpacked before training."""
+    hf: HuggingFaceSource | None = None
+    """A Hugging Face Hub repository at a pinned revision."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ModelSource":
+        _require_exactly_one(self, ("pvc", "uri", "hf"))
+        return self
+
+
+class DataSource(ApiModel):
+    """Where the training data comes from. Set exactly one of `pvc`, `uri`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.pvc) != has(self.uri)", "message": "set exactly one of pvc, uri"}
+            ]
+        }
+    )
+
+    pvc: PvcSource | None = None
+    """A JSONL file (or a folder of them) on a volume."""
+    uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs|https)://.+$")] | None = None
+    """A JSONL file at `s3://`, `gs://` or `https://`."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "DataSource":
+        _require_exactly_one(self, ("pvc", "uri"))
+        return self
+
+
+def _require_exactly_one(model: BaseModel, names: tuple[str, ...]) -> None:
+    set_names = [n for n in names if getattr(model, n) is not None]
+    if len(set_names) != 1:
+        spelled = ", ".join(to_camel(n) for n in names)
+        found = ", ".join(to_camel(n) for n in set_names) or "none"
+        raise ValueError(f"set exactly one of {spelled} (found: {found})")
+
+
+# ---------------------------------------------------------------------------
+# spec.model
+# ---------------------------------------------------------------------------
+
+ModelType = Literal["llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3"]
+
+
+class InlineArchitecture(BaseModel):
+    """Architecture numbers, spelled as in a Hugging Face `config.json`.
+
+    Only decoder-only families the sizing model knows are accepted (`model_type`).
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model_type: ModelType
+    """Model family, as `model_type` in config.json."""
+    hidden_size: Annotated[int, Field(ge=1, le=1_000_000)]
+    """Width of the residual stream."""
+    intermediate_size: Annotated[int, Field(ge=1, le=10_000_000)]
+    """Width of the MLP (of each expert, for MoE models)."""
+    num_hidden_layers: Annotated[int, Field(ge=1, le=10_000)]
+    """Number of transformer blocks."""
+    num_attention_heads: Annotated[int, Field(ge=1, le=10_000)]
+    """Number of query heads."""
+    num_key_value_heads: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    """Number of key/value heads (grouped-query attention); equals num_attention_heads when omitted."""
+    head_dim: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    """Width of one head; hidden_size / num_attention_heads when omitted."""
+    vocab_size: Annotated[int, Field(ge=1, le=10_000_000)]
+    """Vocabulary size (rows of the embedding and of the output head)."""
+    tie_word_embeddings: bool = False
+    """Whether the output head shares the embedding matrix."""
+    max_position_embeddings: Annotated[int, Field(ge=1, le=100_000_000)] | None = None
+    """Longest context the model was trained for; longer sequences give a warning."""
+    attention_bias: bool | None = None
+    """Bias on the q/k/v projections (Qwen2 has it whatever this says)."""
+    num_local_experts: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """MoE: number of experts per layer (Mixtral)."""
+    num_experts_per_tok: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """MoE: experts each token is routed to."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "InlineArchitecture":
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size "
+                f"({self.hidden_size}) unless head_dim is given"
+            )
+        kv = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % kv:
+            raise ValueError(
+                f"num_key_value_heads ({kv}) must divide num_attention_heads ({self.num_attention_heads})"
+            )
+        if (self.num_local_experts is None) != (self.num_experts_per_tok is None):
+            raise ValueError("num_local_experts and num_experts_per_tok go together")
+        if self.num_local_experts is not None and self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError("num_experts_per_tok must not exceed num_local_experts")
+        return self
+
+
+class ConfigMapKeyRef(ApiModel):
+    """A key of a ConfigMap in the job's namespace."""
+
+    name: ShortName
+    """Name of the ConfigMap."""
+    key: Text = "config.json"
+    """Key holding the Hugging Face config.json."""
+
+
+class ArchitectureSource(ApiModel):
+    """The model's architecture, which sizing needs. Set exactly one of `preset`, `inline`, `configMapRef`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "[has(self.preset), has(self.inline), has(self.configMapRef)].filter(x, x).size() == 1",
+                    "message": "set exactly one of preset, inline, configMapRef",
+                }
+            ]
+        }
+    )
+
+    preset: Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9.\-]*$")] | None = None
+    """A known architecture, e.g. `llama-3.1-8b`, `qwen2.5-7b`, `mixtral-8x7b` (`finetune-operator presets` lists them)."""
+    inline: InlineArchitecture | None = None
+    """The numbers themselves, with the keys of a Hugging Face config.json."""
+    config_map_ref: ConfigMapKeyRef | None = None
+    """A ConfigMap holding the model's config.json."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ArchitectureSource":
+        _require_exactly_one(self, ("preset", "inline", "config_map_ref"))
+        return self
+
+
+class ModelSpec(ApiModel):
+    """The model to fine-tune."""
+
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    """Human-readable model name, e.g. `meta-llama/Llama-3.1-8B-Instruct` (shown in `kubectl get`)."""
+    architecture: ArchitectureSource
+    """Architecture used to size GPU memory."""
+    source: ModelSource
+    """Where the weights come from."""
+
+
+# ---------------------------------------------------------------------------
+# spec.dataset, spec.lora, spec.training
+# ---------------------------------------------------------------------------
+
+
+class DatasetSpec(ApiModel):
+    """The training data: JSON lines."""
+
+    source: DataSource
+    """Where the JSONL data is."""
+    format: Literal["chat", "instruction", "text"] = "chat"
+    """`chat`: {"messages": [{"role", "content"}...]} rendered with the tokenizer's chat template;
+    `instruction`: {"instruction", "input"?, "output"}; `text`: {"text"}."""
+    packing: bool = False
+    """Pack several short examples into one sequence of `sequenceLength` tokens."""
+
+
+LoraAdjustableModule = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+class LoraSpec(ApiModel):
+    """LoRA adapter settings (methods `lora` and `qlora`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!('all-linear' in self.targetModules) || size(self.targetModules) == 1",
+                    "message": "targetModules: 'all-linear' stands alone; do not combine it with module names",
+                    "fieldPath": ".targetModules",
+                }
+            ]
+        }
+    )
+
+    rank: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Rank r of the adapter matrices."""
+    alpha: Annotated[float, Field(gt=0, le=100_000)] = 32
+    """Scaling numerator: the update is scaled by alpha / rank."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    """Dropout on the adapter input."""
+    target_modules: Annotated[list[LoraAdjustableModule], Field(min_length=1, max_length=64)] = ["all-linear"]
+    """Modules that get adapters: `[all-linear]` (every linear layer of the blocks, not the output head),
+    or module names such as `[q_proj, v_proj]`."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _all_linear_alone(cls, value: list[str]) -> list[str]:
+        if "all-linear" in value and len(value) != 1:
+            raise ValueError("'all-linear' stands alone; do not combine it with module names")
+        if len(set(value)) != len(value):
+            raise ValueError("module names must be unique")
+        return value
+
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
+Attention = Literal["sdpa", "flash", "eager"]
+
+
+class TrainingSpec(ApiModel):
+    """Training hyper-parameters. The global batch is kept exact whatever the plan."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.maxSteps) != has(self.epochs)",
+                    "message": "set exactly one of maxSteps, epochs",
+                },
+                {
+                    "rule": "!has(self.microBatchSize) || type(self.microBatchSize) == string || "
+                    "self.globalBatchSize % int(self.microBatchSize) == 0",
+                    "message": "globalBatchSize must be a multiple of microBatchSize",
+                    "fieldPath": ".globalBatchSize",
+                },
+            ]
+        }
+    )
+
+    sequence_length: Annotated[int, Field(ge=16, le=MAX_SEQUENCE_LENGTH)] = 2048
+    """Tokens per training sequence (longer examples are truncated)."""
+    global_batch_size: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)] = 32
+    """Sequences per optimizer step, over all GPUs: microBatchSize x gradient accumulation x data-parallel size."""
+    micro_batch_size: AutoOrMicroBatch = "auto"
+    """Sequences per GPU per forward pass: `auto` (the planner picks the largest that fits) or a number."""
+    max_steps: Annotated[int, Field(ge=1, le=100_000_000)] | None = None
+    """Optimizer steps to run. Set this or `epochs`."""
+    epochs: Annotated[float, Field(gt=0, le=10_000)] | None = None
+    """Passes over the dataset. Set this or `maxSteps`."""
+    learning_rate: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Peak learning rate; when omitted 2e-4 for lora/qlora and 2e-5 for full fine-tuning."""
+    warmup_ratio: Annotated[float, Field(ge=0, le=1)] = 0.03
+    """Fraction of steps spent warming the learning rate up."""
+    precision: Precision = "bf16"
+    """Compute precision: `bf16` (Ampere and newer), `fp16`, or `fp32`."""
+    optimizer: Optimizer = "adamw"
+    """`adamw` (fused torch AdamW), `adamw-8bit` or `paged-adamw-8bit` (bitsandbytes, CUDA only)."""
+    gradient_checkpointing: bool | None = None
+    """Recompute activations in backward to save memory: true or false; omit to let the planner decide."""
+    attention: Attention = "sdpa"
+    """Attention kernel: `sdpa` (PyTorch), `flash` (flash-attention 2), `eager` (keeps the s x s scores)."""
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 42
+    """Random seed."""
+
+    @model_validator(mode="after")
+    def _steps_and_batch(self) -> "TrainingSpec":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of maxSteps, epochs")
+        if isinstance(self.micro_batch_size, int) and self.global_batch_size % self.micro_batch_size:
+            raise _field_error(
+                "globalBatchSize",
+                f"must be a multiple of microBatchSize ({self.micro_batch_size}); got {self.global_batch_size}",
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------
+# spec.resources, placement, recovery, checkpoint, output
+# ---------------------------------------------------------------------------
+
+Strategy = Literal["auto", "ddp", "fsdp", "zero1", "zero2", "zero3"]
+Offload = Literal["auto", "none", "optimizer", "optimizer+params"]
+GpuType = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9.\-_]*$")]
+
+
+class ResourcesSpec(ApiModel):
+    """GPUs and how the model is spread over them. `auto` fields are searched by the planner."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "type(self.gpus) == string || self.maxGPUs >= int(self.gpus)",
+                    "message": "maxGPUs must be at least gpus",
+                    "fieldPath": ".maxGPUs",
+                },
+                {
+                    "rule": "!(self.strategy == 'ddp' && (self.offload == 'optimizer' || self.offload == 'optimizer+params'))",
+                    "message": "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies on every GPU",
+                    "fieldPath": ".offload",
+                },
+                {
+                    "rule": "!(self.offload == 'optimizer+params' && (self.strategy == 'zero1' || self.strategy == 'zero2'))",
+                    "message": "offloading parameters needs fsdp or zero3",
+                    "fieldPath": ".offload",
+                },
+            ]
+        }
+    )
+
+    gpus: AutoOrPositiveInt = "auto"
+    """Total GPUs: `auto` (the cheapest count that fits) or a number."""
+    max_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS, alias="maxGPUs")] = 8
+    """Upper bound for `gpus: auto` and for recovery."""
+    strategy: Strategy = "auto"
+    """`ddp`, `fsdp` (full shard), DeepSpeed `zero1`, `zero2`, `zero3`, or `auto`."""
+    offload: Offload = "auto"
+    """Move optimizer states (and parameters) to host memory: `none`, `optimizer`, `optimizer+params`, or `auto`."""
+    gpu_types: Annotated[list[GpuType], Field(max_length=32)] = []
+    """GPU types allowed, e.g. `[H100-80GB, A100-80GB]`; empty means any."""
+    node_pool: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^(auto|[a-z0-9]([-a-z0-9]*[a-z0-9])?)$")] = "auto"
+    """Node pool to use, or `auto`."""
+    memory_headroom: Annotated[float, Field(ge=0, le=0.5)] = 0.10
+    """Fraction of GPU memory the plan leaves free (0.10 plans to at most 90%)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ResourcesSpec":
+        if isinstance(self.gpus, int) and self.max_gpus < self.gpus:
+            raise _field_error("maxGPUs", f"must be at least gpus ({self.gpus}); got {self.max_gpus}")
+        if self.strategy == "ddp" and self.offload in ("optimizer", "optimizer+params"):
+            raise _field_error("offload", "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies on every GPU")
+        if self.offload == "optimizer+params" and self.strategy in ("zero1", "zero2"):
+            raise _field_error("offload", "offloading parameters needs fsdp or zero3")
+        return self
+
+
+Region = Annotated[str, Field(min_length=1, max_length=63, pattern=LABEL_VALUE)]
+
+
+class PlacementSpec(ApiModel):
+    """Where the job may run. A hard constraint: pods never land outside these regions."""
+
+    regions: Annotated[list[Region], Field(min_length=1, max_length=32)]
+    """Regions the job may use (values of the cluster's region label); narrowed further by the cluster policy."""
+
+    @field_validator("regions")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("regions must be unique")
+        return value
+
+
+Adjustment = Literal[
+    "gradientCheckpointing",
+    "microBatch",
+    "sharding",
+    "optimizer8bit",
+    "offload",
+    "moreGPUs",
+    "hostMemory",
+    "method",
+]
+DEFAULT_ADJUSTMENTS: list[str] = [
+    "gradientCheckpointing",
+    "microBatch",
+    "sharding",
+    "optimizer8bit",
+    "offload",
+    "moreGPUs",
+    "hostMemory",
+]
+
+
+class BackoffSpec(ApiModel):
+    """Wait before attempt N+1: initialSeconds x 2^(N-1), capped at maxSeconds."""
+
+    initial_seconds: Annotated[int, Field(ge=0, le=86_400)] = 10
+    """Wait before the second attempt."""
+    max_seconds: Annotated[int, Field(ge=0, le=86_400)] = 600
+    """Longest wait between attempts."""
+
+
+class RecoverySpec(ApiModel):
+    """What the operator may change by itself when an attempt runs out of memory."""
+
+    max_attempts: Annotated[int, Field(ge=1, le=20)] = 4
+    """Attempts in all, the first included; 1 turns recovery off."""
+    allowed_adjustments: Annotated[list[Adjustment], Field(max_length=8)] = list(DEFAULT_ADJUSTMENTS)
+    """Changes recovery may make. `method` (switch to QLoRA) is off unless listed."""
+    backoff: BackoffSpec = BackoffSpec()
+    """Exponential backoff between attempts."""
+
+    @field_validator("allowed_adjustments")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("adjustments must be unique")
+        return value
+
+
+class CheckpointSpec(ApiModel):
+    """Checkpoints, so that a recovered attempt resumes instead of starting over."""
+
+    pvc: PvcSource
+    """Volume for checkpoints (ReadWriteMany when the plan spans nodes). Mounted read-write."""
+    every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 200
+    """Save every N optimizer steps."""
+    keep_last: Annotated[int, Field(ge=1, le=100)] = 2
+    """Checkpoints to keep."""
+
+
+class OutputSpec(ApiModel):
+    """Where the result (the adapter, or the full model) is written."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.pvc) != has(self.uri)", "message": "set exactly one of pvc, uri"}
+            ]
+        }
+    )
+
+    pvc: PvcSource | None = None
+    """A volume path for the result. Mounted read-write."""
+    uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs)://.+$")] | None = None
+    """An `s3://` or `gs://` prefix to upload the result to."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "OutputSpec":
+        _require_exactly_one(self, ("pvc", "uri"))
+        return self
+
+
+Method = Literal["full", "lora", "qlora"]
+
+
+class FineTuneJobSpec(ApiModel):
+    """What to fine-tune, on what data, how, and where it may run."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.method == 'full' ? !has(self.lora) : has(self.lora)",
+                    "message": "lora is required for methods lora and qlora, and not allowed for full",
+                    "fieldPath": ".lora",
+                },
+                {
+                    "rule": "self.method != 'qlora' || !has(self.training) || self.training.precision != 'fp32'",
+                    "message": "qlora computes in bf16 or fp16; fp32 is not allowed",
+                    "fieldPath": ".training.precision",
+                },
+                {
+                    "rule": "!has(self.training) || !has(self.training.microBatchSize) || "
+                    "type(self.training.microBatchSize) == string || !has(self.resources) || "
+                    "!has(self.resources.gpus) || type(self.resources.gpus) == string || "
+                    "self.training.globalBatchSize % (int(self.training.microBatchSize) * int(self.resources.gpus)) == 0",
+                    "message": "globalBatchSize must be a multiple of microBatchSize x gpus",
+                    "fieldPath": ".training.globalBatchSize",
+                },
+            ]
+        }
+    )
+
+    model: ModelSpec
+    """The model to fine-tune."""
+    dataset: DatasetSpec
+    """The training data."""
+    method: Method
+    """`full` (all weights), `lora` (adapters on a frozen base), `qlora` (adapters on a 4-bit base, CUDA only)."""
+    lora: LoraSpec | None = None
+    """Adapter settings; required for lora and qlora."""
+    training: TrainingSpec
+    """Hyper-parameters."""
+    resources: ResourcesSpec = ResourcesSpec()
+    """GPUs and strategy."""
+    placement: PlacementSpec
+    """Allowed regions (data sovereignty)."""
+    recovery: RecoverySpec = RecoverySpec()
+    """Self-healing on out-of-memory failures."""
+    checkpoint: CheckpointSpec | None = None
+    """Checkpoints; without them a recovered attempt starts from step 0."""
+    output: OutputSpec | None = None
+    """Where the result goes; the checkpoint volume's `final/` folder when omitted."""
+    image: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")] | None = None
+    """Trainer image override; the cluster's default trainer image when omitted."""
+    queue_name: Annotated[str, Field(min_length=1, max_length=63, pattern=LABEL_VALUE)] | None = None
+    """Kueue LocalQueue; set as the `kueue.x-k8s.io/queue-name` label on the PyTorchJob."""
+    suspend: bool = False
+    """Suspend the job: no pods run until it is set back to false."""
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "FineTuneJobSpec":
+        if self.method == "full" and self.lora is not None:
+            raise _field_error("lora", "not allowed with method full (remove it, or use method lora)")
+        if self.method in ("lora", "qlora") and self.lora is None:
+            raise _field_error("lora", f"required for method {self.method} (e.g. lora: {{rank: 16}})")
+        if self.method == "qlora" and self.training.precision == "fp32":
+            raise _field_error("training.precision", "qlora computes in bf16 or fp16; fp32 is not allowed")
+        micro, gpus = self.training.micro_batch_size, self.resources.gpus
+        if isinstance(micro, int) and isinstance(gpus, int) and self.training.global_batch_size % (micro * gpus):
+            raise _field_error(
+                "training.globalBatchSize",
+                f"must be a multiple of microBatchSize x gpus ({micro} x {gpus} = {micro * gpus});"
+                f" got {self.training.global_batch_size}",
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------
+# status
+# ---------------------------------------------------------------------------
+
+Phase = Literal["Pending", "Planning", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
+
+# Condition types, Kubernetes API conventions (positive polarity, CamelCase reasons).
+COND_VALIDATED = "Validated"
+COND_PLANNED = "Planned"
+COND_RUNNING = "Running"
+COND_RECOVERING = "Recovering"
+COND_SUCCEEDED = "Succeeded"
+COND_FAILED = "Failed"
+COND_SUSPENDED = "Suspended"
+
+
+class StatusModel(ApiModel):
+    """Status comes back from the API server as JSON: timestamps are strings there."""
+
+    model_config = ConfigDict(strict=False)
+
+
+class Condition(StatusModel):
+    """A condition, following the Kubernetes API conventions."""
+
+    type: Annotated[str, Field(min_length=1, max_length=316)]
+    """Condition type: Validated, Planned, Running, Recovering, Suspended, Succeeded, Failed."""
+    status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
+    reason: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
+    """One CamelCase word that says why."""
+    message: Annotated[str, Field(max_length=32768)] = ""
+    """What a person should know."""
+    last_transition_time: datetime
+    """When the status last changed."""
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    """The .metadata.generation the condition was set for."""
+
+
+class PlanStatus(StatusModel):
+    """The plan the current attempt runs with, and why it won."""
+
+    node_pool: str
+    """Node pool."""
+    region: str
+    """Region of the node pool."""
+    gpu_type: str
+    """GPU type, e.g. H100-80GB."""
+    nodes: int
+    """Nodes."""
+    gpus_per_node: int
+    """GPUs per node (processes per node)."""
+    gpus: int
+    """GPUs in all."""
+    method: Method
+    """Method (recovery may switch lora to qlora when allowed)."""
+    strategy: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+    """Strategy."""
+    offload: Literal["none", "optimizer", "optimizer+params"]
+    """Offload."""
+    optimizer: Optimizer
+    """Optimizer."""
+    micro_batch_size: int
+    """Sequences per GPU per forward pass."""
+    gradient_accumulation: int
+    """Micro-batches per optimizer step."""
+    gradient_checkpointing: bool
+    """Activation recomputation."""
+    predicted_peak_gi_b: float = Field(alias="predictedPeakGiB")
+    """Predicted peak allocated GPU memory per GPU, GiB."""
+    required_gi_b: float = Field(alias="requiredGiB")
+    """Predicted GPU memory needed, with fragmentation and reserve, GiB."""
+    gpu_memory_gi_b: float = Field(alias="gpuMemoryGiB")
+    """GPU memory per GPU, GiB."""
+    host_memory_gi_b: float = Field(alias="hostMemoryGiB")
+    """Host memory requested per pod, GiB."""
+    breakdown: dict[str, float] = {}
+    """Predicted per-GPU memory by term, GiB."""
+    peak_phase: str = ""
+    """Training phase where the peak falls."""
+    estimated_hours: float | None = None
+    """Predicted wall time to finish, hours."""
+    estimated_cost: float | None = None
+    """Predicted cost to finish, in the catalog's currency."""
+    needs_scale_up: bool = False
+    """True when the pool has too few free GPUs now and must scale up."""
+    reason: str = ""
+    """Why this plan won."""
+
+
+class AttemptStatus(StatusModel):
+    """One attempt: a PyTorchJob run with one plan."""
+
+    attempt: Annotated[int, Field(ge=1)]
+    """Attempt number, from 1."""
+    pytorch_job: str = Field(alias="pytorchJob")
+    """Name of the PyTorchJob."""
+    plan_summary: str = ""
+    """The plan in one line."""
+    outcome: Literal[
+        "Running",
+        "Succeeded",
+        "GPUOutOfMemory",
+        "HostOutOfMemory",
+        "Evicted",
+        "NodeLost",
+        "DataError",
+        "ConfigError",
+        "Failed",
+        "Unknown",
+    ] = "Running"
+    """How it ended."""
+    message: str = ""
+    """What was observed (phase, step, peak) and, for a retry, what the next attempt changes."""
+    observed_peak_gi_b: float | None = Field(default=None, alias="observedPeakGiB")
+    """Peak allocated GPU memory the trainer reported, GiB."""
+    predicted_peak_gi_b: float | None = Field(default=None, alias="predictedPeakGiB")
+    """Peak the estimate predicted for this attempt, GiB."""
+    start_time: datetime | None = None
+    """When the attempt's PyTorchJob was created."""
+    end_time: datetime | None = None
+    """When it ended."""
+
+
+class FineTuneJobStatus(StatusModel):
+    """Observed state, written by the operator."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: Phase = "Pending"
+    """Pending, Planning, Launching, Running, Recovering, Suspended, Succeeded or Failed."""
+    conditions: list[Condition] = []
+    """Validated, Planned, Running, Recovering, Suspended, Succeeded, Failed."""
+    plan: PlanStatus | None = None
+    """The plan of the current attempt."""
+    attempts: list[AttemptStatus] = []
+    """Every attempt so far, oldest first."""
+    current_attempt: int | None = None
+    """Number of the current attempt."""
+    observed_generation: int | None = None
+    """The .metadata.generation last acted on."""
+    start_time: datetime | None = None
+    """When the first attempt was created."""
+    completion_time: datetime | None = None
+    """When the job succeeded or finally failed."""
+    spec_hash: str | None = None
+    """Hash of the spec the current attempt was planned from."""
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata the operator reads; everything else passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _dns1123(cls, value: str) -> str:
+        if not re.fullmatch(DNS1123_SUBDOMAIN, value):
+            raise ValueError(
+                "must be a DNS-1123 name: lower-case letters, digits, '-' and '.', starting and ending"
+                " with a letter or digit"
+            )
+        return value
+
+
+class FineTuneJob(BaseModel):
+    """A fine-tuning run that the operator sizes, places and recovers from out-of-memory failures."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
+
+    api_version: Literal["finetune.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    """finetune.dev/v1alpha1"""
+    kind: Literal["FineTuneJob"] = "FineTuneJob"
+    """FineTuneJob"""
+    metadata: ObjectMeta
+    """Standard object metadata."""
+    spec: FineTuneJobSpec
+    """What to fine-tune and where."""
+    status: FineTuneJobStatus | None = None
+    """Written by the operator."""
+
+
+# ---------------------------------------------------------------------------
+# Errors that name the field
+# ---------------------------------------------------------------------------
+
+
+class _FieldError(ValueError):
+    """A cross-field error that belongs to a field other than where the validator runs."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+def _field_error(path: str, message: str) -> _FieldError:
+    return _FieldError(path, message)
+
+
+class FieldProblem(BaseModel):
+    """One problem with a job, located by its field path (e.g. `spec.training.microBatchSize`)."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class JobValidationError(ValueError):
+    """A FineTuneJob that cannot be accepted; `problems` name each field."""
+
+    def __init__(self, problems: list[FieldProblem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+# Names pydantic inserts into an error location for the union member or validator it tried;
+# the user's field path has none of them.
+_UNION_TAG = re.compile(r"^(constrained-\w+|literal\[.*\]|int|str|float|bool|function-.*|lax-.*|json-or-python.*)$")
+
+
+def _path_of(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif _UNION_TAG.match(str(item)):
+            continue
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def _problems_from(error: ValidationError) -> list[FieldProblem]:
+    problems: list[FieldProblem] = []
+    seen: set[tuple[str, str]] = set()
+    for item in error.errors(include_url=False):
+        path = _path_of(item["loc"])
+        message = item["msg"]
+        ctx_error = (item.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, _FieldError):
+            # A cross-field rule raised from a parent: report the field it is about.
+            path = ".".join(p for p in (path, ctx_error.path) if p)
+            message = ctx_error.message
+        elif message.startswith("Value error, "):
+            message = message[len("Value error, ") :]
+        if item["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif item["type"] == "missing":
+            message = "required field is missing"
+        key = (path, message)
+        if key not in seen:
+            seen.add(key)
+            problems.append(FieldProblem(path=path or "(root)", message=message))
+    return problems
+
+
+def parse_job(document: dict[str, Any]) -> FineTuneJob:
+    """Validate a FineTuneJob document; raise JobValidationError naming each bad field."""
+    if not isinstance(document, dict):
+        raise JobValidationError([FieldProblem(path="(root)", message="a FineTuneJob must be a mapping")])
+    try:
+        return FineTuneJob.model_validate(document)
+    except ValidationError as error:
+        problems = _problems_from(error)
+        # A failed union (auto|int) reports once per member; keep the clearest.
+        raise JobValidationError(_merge_union_problems(problems)) from None
+
+
+def parse_spec(spec: dict[str, Any]) -> FineTuneJobSpec:
+    """Validate a bare spec (as kopf hands it over); paths start at `spec`."""
+    try:
+        return FineTuneJobSpec.model_validate(spec)
+    except ValidationError as error:
+        problems = [
+            FieldProblem(path=f"spec.{p.path}" if p.path != "(root)" else "spec", message=p.message)
+            for p in _problems_from(error)
+        ]
+        raise JobValidationError(_merge_union_problems(problems)) from None
+
+
+def _merge_union_problems(problems: list[FieldProblem]) -> list[FieldProblem]:
+    by_path: dict[str, list[FieldProblem]] = {}
+    for problem in problems:
+        by_path.setdefault(problem.path, []).append(problem)
+    merged: list[FieldProblem] = []
+    for path, group in by_path.items():
+        union_msgs = [p.message for p in group if "'auto'" in p.message or "Input should be" in p.message]
+        if len(group) > 1 and len(union_msgs) == len(group) and any("'auto'" in m for m in union_msgs):
+            merged.append(FieldProblem(path=path, message="must be 'auto' or an integer: " + "; ".join(union_msgs)))
+        else:
+            merged.extend(group)
+    return merged

@@ -1,0 +1,174 @@
+"""A table of invalid FineTuneJobs: each is rejected with a message that names the field.
+
+Each case breaks one thing in an otherwise valid job. `schema` says whether the CRD's
+OpenAPI schema alone (types, enums, bounds, patterns, required) must also reject it;
+the cross-field rules are CEL in the CRD and are checked against a real API server in
+the e2e suite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jsonschema
+import pytest
+
+from finetune_operator import api, crd
+
+Doc = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    mutate: Callable[[Doc], None]
+    path: str  # the field path the error must name
+    says: str  # a phrase the message must contain (case-insensitive)
+    schema: bool  # must the CRD's OpenAPI schema (without CEL) reject it too? (auto|int fields are CEL-checked)
+
+
+def _set(path: str, value: Any) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        *parents, last = path.split(".")
+        node = doc
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+
+    return mutate
+
+
+def _delete(path: str) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        *parents, last = path.split(".")
+        node = doc
+        for key in parents:
+            node = node[key]
+        del node[last]
+
+    return mutate
+
+
+def _both(*mutations: Callable[[Doc], None]) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        for m in mutations:
+            m(doc)
+
+    return mutate
+
+
+CASES = [
+    # wrong types
+    Case("seq-as-string", _set("spec.training.sequenceLength", "long"), "spec.training.sequenceLength", "integer", True),
+    Case("batch-as-float", _set("spec.training.globalBatchSize", 3.5), "spec.training.globalBatchSize", "integer", True),
+    Case("regions-as-string", _set("spec.placement.regions", "eu-de-berlin"), "spec.placement.regions", "list", True),
+    Case("suspend-as-string", _set("spec.suspend", "yes"), "spec.suspend", "bool", True),
+    Case("lora-as-list", _set("spec.lora", [16]), "spec.lora", "dictionary", True),
+    Case("gpus-bad-string", _set("spec.resources.gpus", "many"), "spec.resources.gpus", "auto", False),
+    Case("micro-bad-string", _set("spec.training.microBatchSize", "max"), "spec.training.microBatchSize", "auto", False),
+    # negative and huge numbers
+    Case("negative-seq", _set("spec.training.sequenceLength", -1), "spec.training.sequenceLength", "greater than", True),
+    Case("huge-seq", _set("spec.training.sequenceLength", 10**9), "spec.training.sequenceLength", "less than", True),
+    Case("zero-batch", _set("spec.training.globalBatchSize", 0), "spec.training.globalBatchSize", "greater than", True),
+    Case("negative-gpus", _set("spec.resources.gpus", -2), "spec.resources.gpus", "greater than", False),
+    Case("huge-gpus", _set("spec.resources.maxGPUs", 10**7), "spec.resources.maxGPUs", "less than", True),
+    Case("zero-lr", _set("spec.training.learningRate", 0), "spec.training.learningRate", "greater than", True),
+    Case("lora-rank-zero", _set("spec.lora.rank", 0), "spec.lora.rank", "greater than", True),
+    Case("dropout-one", _set("spec.lora.dropout", 1.0), "spec.lora.dropout", "less than", True),
+    Case("headroom-huge", _set("spec.resources.memoryHeadroom", 0.9), "spec.resources.memoryHeadroom", "less than", True),
+    Case("attempts-zero", _set("spec.recovery.maxAttempts", 0), "spec.recovery.maxAttempts", "greater than", True),
+    # unknown enum values
+    Case("method-unknown", _set("spec.method", "dora"), "spec.method", "'full', 'lora' or 'qlora'", True),
+    Case("strategy-unknown", _set("spec.resources.strategy", "zero4"), "spec.resources.strategy", "zero3", True),
+    Case("precision-unknown", _set("spec.training.precision", "fp8"), "spec.training.precision", "bf16", True),
+    Case("optimizer-unknown", _set("spec.training.optimizer", "sgd"), "spec.training.optimizer", "adamw", True),
+    Case("format-unknown", _set("spec.dataset.format", "csv"), "spec.dataset.format", "chat", True),
+    Case("offload-unknown", _set("spec.resources.offload", "disk"), "spec.resources.offload", "optimizer", True),
+    Case("adjustment-unknown", _set("spec.recovery.allowedAdjustments", ["prayer"]), "spec.recovery.allowedAdjustments[0]", "method", True),
+    Case("model-type-unknown", _set("spec.model.architecture", {"inline": {"model_type": "gpt2", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8}}), "spec.model.architecture.inline.model_type", "llama", True),
+    # missing required fields
+    Case("missing-model", _delete("spec.model"), "spec.model", "required", True),
+    Case("missing-placement", _delete("spec.placement"), "spec.placement", "required", True),
+    Case("missing-method", _delete("spec.method"), "spec.method", "required", True),
+    Case("missing-claim", _delete("spec.dataset.source.pvc.claimName"), "spec.dataset.source.pvc.claimName", "required", True),
+    Case("missing-spec", _delete("spec"), "spec", "required", True),
+    # unknown fields
+    Case("unknown-spec-field", _set("spec.gpuCount", 4), "spec.gpuCount", "unknown field", False),
+    Case("unknown-training-field", _set("spec.training.batchSize", 4), "spec.training.batchSize", "unknown field", False),
+    Case("typo-in-inline-arch", _set("spec.model.architecture", {"inline": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "num_layers": 2}}), "spec.model.architecture.inline.num_layers", "unknown field", False),
+    # conflicting fields
+    Case("full-with-lora", _set("spec.method", "full"), "spec.lora", "not allowed with method full", False),
+    Case("qlora-without-lora", _both(_set("spec.method", "qlora"), _delete("spec.lora")), "spec.lora", "required for method qlora", False),
+    Case("qlora-fp32", _both(_set("spec.method", "qlora"), _set("spec.training.precision", "fp32")), "spec.training.precision", "fp32 is not allowed", False),
+    Case("batch-not-multiple-of-micro", _set("spec.training.microBatchSize", 3), "spec.training.globalBatchSize", "multiple of microBatchSize", False),
+    Case("batch-not-multiple-of-micro-x-gpus", _both(_set("spec.training.microBatchSize", 4), _set("spec.resources.gpus", 3)), "spec.training.globalBatchSize", "microBatchSize x gpus", False),
+    Case("max-gpus-below-gpus", _both(_set("spec.resources.gpus", 8), _set("spec.resources.maxGPUs", 4)), "spec.resources.maxGPUs", "at least gpus", False),
+    Case("steps-and-epochs", _set("spec.training.epochs", 2), "spec.training", "exactly one of maxSteps, epochs", False),
+    Case("neither-steps-nor-epochs", _delete("spec.training.maxSteps"), "spec.training", "exactly one of maxSteps, epochs", False),
+    Case("ddp-with-offload", _both(_set("spec.resources.strategy", "ddp"), _set("spec.resources.offload", "optimizer")), "spec.resources.offload", "sharded strategy", False),
+    Case("zero2-offload-params", _both(_set("spec.resources.strategy", "zero2"), _set("spec.resources.offload", "optimizer+params")), "spec.resources.offload", "fsdp or zero3", False),
+    Case("two-model-sources", _set("spec.model.source.uri", "s3://bucket/llama"), "spec.model.source", "exactly one of pvc, uri, hf", False),
+    Case("two-architectures", _set("spec.model.architecture.configMapRef", {"name": "cfg"}), "spec.model.architecture", "exactly one of preset, inline, configMapRef", False),
+    Case("all-linear-with-names", _set("spec.lora.targetModules", ["all-linear", "q_proj"]), "spec.lora.targetModules", "stands alone", False),
+    Case("duplicate-regions", _set("spec.placement.regions", ["eu-de-berlin", "eu-de-berlin"]), "spec.placement.regions", "unique", False),
+    Case("heads-not-dividing-hidden", _set("spec.model.architecture", {"inline": {"model_type": "llama", "hidden_size": 100, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 3, "vocab_size": 100}}), "spec.model.architecture.inline", "must divide hidden_size", False),
+    # empty and malformed values
+    Case("empty-regions", _set("spec.placement.regions", []), "spec.placement.regions", "at least 1", True),
+    Case("region-with-space", _set("spec.placement.regions", ["eu de"]), "spec.placement.regions[0]", "pattern", True),
+    Case("path-escapes-volume", _set("spec.dataset.source.pvc.path", "data/../../etc"), "spec.dataset.source.pvc.path", "'..'", False),
+    Case("absolute-path", _set("spec.dataset.source.pvc.path", "/etc/passwd"), "spec.dataset.source.pvc.path", "pattern", True),
+    Case("uri-bad-scheme", _both(_delete("spec.model.source.pvc"), _set("spec.model.source.uri", "ftp://x/y")), "spec.model.source.uri", "pattern", True),
+    Case("hf-without-revision", _set("spec.model.source", {"hf": {"repo": "meta-llama/Llama-3.1-8B"}}), "spec.model.source.hf.revision", "required", True),
+    Case("queue-name-invalid", _set("spec.queueName", "team a/queue"), "spec.queueName", "pattern", True),
+    # names that are not DNS-1123
+    Case("name-upper-case", _set("metadata.name", "Support-Bot"), "metadata.name", "DNS-1123", False),
+    Case("name-underscore", _set("metadata.name", "support_bot"), "metadata.name", "DNS-1123", False),
+    Case("name-trailing-dash", _set("metadata.name", "support-"), "metadata.name", "DNS-1123", False),
+    Case("claim-name-invalid", _set("spec.checkpoint", {"pvc": {"claimName": "Ckpt!"}}), "spec.checkpoint.pvc.claimName", "pattern", True),
+    Case("wrong-api-version", _set("apiVersion", "finetune.dev/v1"), "apiVersion", "finetune.dev/v1alpha1", False),
+]
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 30
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_rejected_with_the_field_named(case: Case, lora_job: Doc):
+    case.mutate(lora_job)
+    with pytest.raises(api.JobValidationError) as caught:
+        api.parse_job(lora_job)
+    problems = caught.value.problems
+    named = [p for p in problems if p.path == case.path]
+    assert named, f"no problem names {case.path}; got {[str(p) for p in problems]}"
+    assert any(case.says.lower() in p.message.lower() for p in named), [str(p) for p in named]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.schema], ids=lambda c: c.id)
+def test_schema_rejects_too(case: Case, lora_job: Doc):
+    case.mutate(lora_job)
+    validator = jsonschema.Draft4Validator(crd.openapi_schema())
+    errors = list(validator.iter_errors(lora_job))
+    assert errors, f"the CRD schema accepts {case.id}"
+
+
+def test_the_valid_base_job_is_valid(lora_job: Doc):
+    job = api.parse_job(lora_job)
+    assert job.spec.lora.target_modules == ["all-linear"]
+    assert job.spec.resources.gpus == "auto"
+
+
+def test_not_a_mapping():
+    with pytest.raises(api.JobValidationError) as caught:
+        api.parse_job(["not", "a", "job"])  # type: ignore[arg-type]
+    assert "mapping" in str(caught.value)
+
+
+def test_parse_spec_prefixes_paths(lora_job: Doc):
+    spec = lora_job["spec"]
+    spec["training"]["sequenceLength"] = -5
+    with pytest.raises(api.JobValidationError) as caught:
+        api.parse_spec(spec)
+    assert caught.value.problems[0].path == "spec.training.sequenceLength"
