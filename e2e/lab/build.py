@@ -1,0 +1,257 @@
+"""Build (or reuse) the lab's binaries: one directory per version set under the cache.
+
+    ~/.cache/finetune-operator/lab/<key>/bin/{etcd,kube-apiserver,kube-scheduler,
+        kube-controller-manager,kubectl,kwok,training-operator,helm}
+    ~/.cache/finetune-operator/lab/<key>/share/   upstream files the lab reads at run time
+        (kwok's default stages, the PyTorchJob CRD and webhook manifest), taken from the Go
+        module cache of the pinned releases, never copied into the repository
+    ~/.cache/finetune-operator/lab/<key>/build.json   versions, go version, seconds per step
+
+<key> hashes versions.env, the Go version and tools/go.sum, so a version bump builds into a
+new directory and a warm start only checks that build.json exists.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from . import toolsmod
+from .versions import TOOLS_DIR, Versions, cache_root, load_versions
+
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kubectl",
+    "kwok",
+    "training-operator",
+    "helm",
+)
+
+# Upstream files the lab needs at run time: (module, path in module, name under share/).
+KWOK_STAGES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+)
+PYTORCHJOB_CRD = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
+TRAINING_WEBHOOKS = "manifests/base/webhook/manifests.yaml"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def go_version() -> str:
+    """The Go that builds (honours GOTOOLCHAIN); part of the cache key."""
+    try:
+        out = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True, timeout=120, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "no-go"
+
+
+def cache_key(versions: Versions) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"{versions.cache_key()}|{go_version()}".encode()).hexdigest()[:16]
+
+
+def lab_home(versions: Versions | None = None) -> Path:
+    versions = versions or load_versions()
+    return cache_root() / cache_key(versions)
+
+
+@dataclass(frozen=True)
+class Installation:
+    home: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.home / "bin"
+
+    @property
+    def share(self) -> Path:
+        return self.home / "share"
+
+    def binary(self, name: str) -> str:
+        return str(self.bin / name)
+
+    def manifest(self) -> dict:
+        return json.loads((self.home / "build.json").read_text())
+
+
+def find_installation(versions: Versions | None = None) -> Installation | None:
+    """The built lab for the pinned versions, or None when it has not been built."""
+    home = lab_home(versions)
+    if not (home / "build.json").is_file():
+        return None
+    inst = Installation(home)
+    if any(not (inst.bin / b).is_file() for b in BINARIES):
+        return None
+    return inst
+
+
+def _ldflags_for_kubernetes(v: Versions) -> str:
+    # Without these the binaries report v0.0.0-master, which breaks version checks in
+    # kubectl, helm (kubeVersion constraints) and the operator's discovery.
+    major = v.kubernetes.lstrip("v").split(".")[0]
+    parts = ["-s", "-w"]
+    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        parts += [
+            f"-X {pkg}.gitVersion={v.kubernetes}",
+            f"-X {pkg}.gitMajor={major}",
+            f"-X {pkg}.gitMinor={v.kubernetes_minor}",
+            f"-X {pkg}.gitTreeState=clean",
+        ]
+    return " ".join(parts)
+
+
+def check_tools_module(v: Versions) -> None:
+    declared = toolsmod.declared_versions((TOOLS_DIR / "go.mod").read_text())
+    want = {"k8s.io/kubernetes": v.kubernetes, "go.etcd.io/etcd/server/v3": v.etcd, "staging": v.staging}
+    if declared != want:
+        raise BuildError(
+            f"e2e/lab/tools/go.mod pins {declared} but versions.env says {want}; "
+            "run `python -m e2e.lab sync-tools` and commit go.mod and go.sum"
+        )
+
+
+def module_dir(module: str, version: str, env: dict) -> Path:
+    """Where the Go module cache holds module@version (downloading it if needed)."""
+    with tempfile.TemporaryDirectory() as cwd:
+        out = subprocess.run(
+            ["go", "mod", "download", "-json", f"{module}@{version}"],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+        )
+    if out.returncode != 0:
+        raise BuildError(f"go mod download {module}@{version} failed: {out.stdout}{out.stderr}")
+    return Path(json.loads(out.stdout)["Dir"])
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, log) -> None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); see {log.name}")
+
+
+def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, float]:
+    bindir = staging / "bin"
+    share = staging / "share"
+    bindir.mkdir(parents=True)
+    share.mkdir()
+    timings: dict[str, float] = {}
+
+    def step(name: str, fn) -> None:
+        say(f"building {name} ...")
+        t0 = time.monotonic()
+        fn()
+        timings[name] = round(time.monotonic() - t0, 1)
+        say(f"built {name} in {timings[name]:.0f}s")
+
+    k8s_cmds = list(toolsmod.KUBERNETES_COMMANDS)
+    step(
+        "kubernetes (" + ", ".join(c.rsplit("/", 1)[1] for c in k8s_cmds) + ")",
+        lambda: _run(
+            ["go", "build", "-trimpath", f"-ldflags={_ldflags_for_kubernetes(v)}", "-o", str(bindir) + "/", *k8s_cmds],
+            TOOLS_DIR, env, log,
+        ),
+    )
+    step(
+        "etcd",
+        lambda: _run(
+            ["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(bindir / "etcd"), toolsmod.ETCD_COMMAND],
+            TOOLS_DIR, env, log,
+        ),
+    )
+    # kwok, the training operator and helm build with the dependency set their own releases
+    # pinned (`go install module@version`), so their k8s.io client versions stay their own.
+    installs = {
+        "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{v.kwok}", "kwok"),
+        "training-operator": (
+            f"github.com/kubeflow/training-operator/cmd/training-operator.v1@{v.training_operator}",
+            "training-operator.v1",
+        ),
+        "helm": (f"helm.sh/helm/v3/cmd/helm@{v.helm}", "helm"),
+    }
+    for name, (spec, produced) in installs.items():
+        def install(spec=spec, produced=produced, name=name) -> None:
+            with tempfile.TemporaryDirectory() as cwd:
+                _run(
+                    ["go", "install", "-trimpath", "-ldflags=-s -w", spec],
+                    Path(cwd), {**env, "GOBIN": str(bindir)}, log,
+                )
+            if produced != name:
+                (bindir / produced).rename(bindir / name)
+
+        step(name, install)
+
+    kwok_dir = module_dir("sigs.k8s.io/kwok", v.kwok, env)
+    stages = share / "kwok-stages"
+    stages.mkdir()
+    for rel in KWOK_STAGES:
+        shutil.copyfile(kwok_dir / rel, stages / Path(rel).name)
+    to_dir = module_dir("github.com/kubeflow/training-operator", v.training_operator, env)
+    shutil.copyfile(to_dir / PYTORCHJOB_CRD, share / "pytorchjob-crd.yaml")
+    shutil.copyfile(to_dir / TRAINING_WEBHOOKS, share / "training-operator-webhooks.yaml")
+    return timings
+
+
+def build(force: bool = False, say=None) -> Installation:
+    """Build every lab binary for the pinned versions unless a complete build is cached."""
+    say = say or (lambda msg: print(f"[lab build] {msg}", file=sys.stderr, flush=True))
+    v = load_versions()
+    existing = find_installation(v)
+    if existing and not force:
+        say(f"reusing {existing.home}")
+        return existing
+    check_tools_module(v)
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    home = lab_home(v)
+    # One builder at a time per cache (a developer and CI may share the machine).
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        existing = find_installation(v)
+        if existing and not force:
+            say(f"reusing {existing.home} (built while waiting for the lock)")
+            return existing
+        env = dict(os.environ)
+        staging = Path(tempfile.mkdtemp(prefix=f"{home.name}.partial-", dir=root))
+        log_path = root / f"{home.name}.build.log"
+        say(f"cold build into {home} (log: {log_path})")
+        t0 = time.monotonic()
+        try:
+            with open(log_path, "w") as log:
+                timings = _build_into(staging, v, env, log, say)
+            manifest = {
+                "versions": {k: getattr(v, k) for k in v.__dataclass_fields__},
+                "go": go_version(),
+                "seconds": timings,
+                "total_seconds": round(time.monotonic() - t0, 1),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            (staging / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            if home.exists():
+                shutil.rmtree(home)
+            staging.rename(home)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        say(f"lab binaries ready in {manifest['total_seconds']:.0f}s: {home}")
+        return Installation(home)

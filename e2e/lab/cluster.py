@@ -1,0 +1,452 @@
+"""The lab cluster: a real control plane on loopback ports, fake GPU nodes, the training operator.
+
+    lab = up()            # seconds when the binaries are cached (see build.py)
+    lab.kubectl("get", "nodes")
+    lab.down()            # stops every process it started, by pid, and removes its directory
+
+Everything lives in one temporary directory (pki/, logs/, etcd data, kubeconfigs, lab.json);
+lab.json records the pids so that `python -m e2e.lab down` from another process can stop it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import nodes as lab_nodes
+from . import pki as lab_pki
+from .build import Installation, find_installation
+from .processes import LabStartError, Proc, free_ports, http_ok, is_alive, start, stop, tail, wait_until
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LAB_STAGES = Path(__file__).resolve().parent / "kwok" / "lab-pod-terminate.yaml"
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+TRAINING_OPERATOR_NAMESPACE = "kubeflow"
+WEBHOOK_CONFIGURATION = "validator.training-operator.kubeflow.org"
+WEBHOOK_SECRET = "training-operator-webhook-cert"
+PYTORCH_WEBHOOK = "validator.pytorchjob.training-operator.kubeflow.org"
+# Controllers the lab needs from kube-controller-manager: ownerReference deletes, namespace
+# deletion, the `default` ServiceAccount every pod needs, and kube-root-ca.crt.
+CONTROLLERS = (
+    "garbage-collector-controller",
+    "namespace-controller",
+    "serviceaccount-controller",
+    "root-ca-certificate-publisher-controller",
+)
+START_ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "training-operator", "fake-gpu")
+
+
+class LabNotBuilt(RuntimeError):
+    pass
+
+
+def _kubeconfig(server: str, ca: Path, user: dict) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "finetune-lab", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": "user", "user": user}],
+        "contexts": [{"name": "finetune-lab", "context": {"cluster": "finetune-lab", "user": "user"}}],
+        "current-context": "finetune-lab",
+    }
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, user: dict) -> Path:
+    path.write_text(yaml.safe_dump(_kubeconfig(server, ca, user), sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+@dataclass
+class Lab:
+    workdir: Path
+    home: Path  # the cached installation (binaries, upstream files)
+    server: str
+    ports: dict[str, int]
+    procs: list[Proc] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+
+    # ---- persistence -------------------------------------------------------------------
+    @property
+    def state_file(self) -> Path:
+        return self.workdir / "lab.json"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "admin.kubeconfig"
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.workdir / "pki"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.workdir / "logs"
+
+    @property
+    def installation(self) -> Installation:
+        return Installation(self.home)
+
+    def save(self) -> None:
+        data = {
+            "workdir": str(self.workdir),
+            "home": str(self.home),
+            "server": self.server,
+            "ports": self.ports,
+            "procs": [p.to_json() for p in self.procs],
+            "started_at": self.started_at,
+            "kubeconfig": str(self.kubeconfig),
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(self.state_file)
+
+    @classmethod
+    def load(cls, workdir: Path) -> "Lab":
+        data = json.loads((Path(workdir) / "lab.json").read_text())
+        return cls(
+            workdir=Path(data["workdir"]),
+            home=Path(data["home"]),
+            server=data["server"],
+            ports={k: int(v) for k, v in data["ports"].items()},
+            procs=[Proc(**p) for p in data["procs"]],
+            started_at=data["started_at"],
+        )
+
+    # ---- using the lab -----------------------------------------------------------------
+    def binary(self, name: str) -> str:
+        return self.installation.binary(name)
+
+    def env(self) -> dict[str, str]:
+        """Environment for a subprocess that should talk to this lab (kubectl, helm, the operator)."""
+        env = dict(os.environ)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = f"{self.installation.bin}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float = 60,
+        kubeconfig: Path | None = None,
+        as_user: str | None = None,
+        as_groups: tuple[str, ...] = (),
+    ) -> subprocess.CompletedProcess:
+        cmd = [self.binary("kubectl"), f"--kubeconfig={kubeconfig or self.kubeconfig}"]
+        if as_user:
+            cmd.append(f"--as={as_user}")
+            cmd += [f"--as-group={g}" for g in as_groups]
+        cmd += list(args)
+        proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
+
+    def api_client(self, kubeconfig: Path | None = None):
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
+
+    def impersonating_client(self, user: str, groups: tuple[str, ...] = ()):
+        """An admin client that acts as `user` (the apiserver authorizes the request as that user)."""
+        api = self.api_client()
+        api.set_default_header("Impersonate-User", user)
+        for g in groups:
+            # The python client cannot repeat a default header; one group is what tests need.
+            api.set_default_header("Impersonate-Group", g)
+        return api
+
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path | None = None, hours: int = 6) -> Path:
+        """A kubeconfig that authenticates as ServiceAccount namespace/name with a real bound
+        token (TokenRequest), so any client (kopf, kubectl, helm) runs with exactly that SA's RBAC.
+        The ServiceAccount must exist (the chart creates it)."""
+        proc = self.kubectl("create", "token", name, "-n", namespace, f"--duration={hours}h")
+        token = proc.stdout.strip()
+        path = path or (self.workdir / f"sa-{namespace}-{name}.kubeconfig")
+        return write_kubeconfig(path, self.server, self.pki_dir / "ca.crt", {"token": token})
+
+    def status(self) -> dict[str, bool]:
+        return {p.name: is_alive(p) for p in self.procs}
+
+    def down(self, keep_workdir: bool = False) -> list[str]:
+        """Stop every process of this lab, newest first; returns the names that needed SIGKILL."""
+        order = {name: i for i, name in enumerate(START_ORDER)}
+        procs = sorted(self.procs, key=lambda p: order.get(p.name, -1), reverse=True)
+        killed = stop(procs)
+        if not keep_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return killed
+
+
+# ---- bringing a lab up -----------------------------------------------------------------------
+def _tls_context(lab: Lab) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(lab.pki_dir / "ca.crt"))
+    admin = lab.pki_dir
+    ctx.load_cert_chain(str(admin / "admin.crt"), str(admin / "admin.key"))
+    return ctx
+
+
+def _insecure_context() -> ssl.SSLContext:
+    # The scheduler and controller-manager serve /healthz with a self-signed cert of their own.
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _component_kubeconfigs(lab: Lab) -> dict[str, Path]:
+    ca = lab.pki_dir / "ca.crt"
+    out = {}
+    for ident in lab_pki.CLIENTS:
+        user = {
+            "client-certificate": str(lab.pki_dir / f"{ident.file_stem}.crt"),
+            "client-key": str(lab.pki_dir / f"{ident.file_stem}.key"),
+        }
+        name = "admin.kubeconfig" if ident is lab_pki.ADMIN else f"{ident.file_stem}.kubeconfig"
+        out[ident.file_stem] = write_kubeconfig(lab.workdir / name, lab.server, ca, user)
+    return out
+
+
+def _kwok_config(lab: Lab) -> Path:
+    docs = []
+    for f in sorted((lab.home / "share" / "kwok-stages").glob("*.yaml")):
+        docs.append(f.read_text().strip())
+    docs.append(LAB_STAGES.read_text().strip())
+    path = lab.workdir / "kwok.yaml"
+    path.write_text("\n---\n".join(docs) + "\n")
+    return path
+
+
+def _webhook_configuration(lab: Lab, ca_pem: bytes) -> dict:
+    """The training operator's own PyTorchJob webhook (from its release manifests), pointed at
+    the local process instead of an in-cluster Service the lab cannot route."""
+    manifest = yaml.safe_load((lab.home / "share" / "training-operator-webhooks.yaml").read_text())
+    hooks = [h for h in manifest["webhooks"] if h["name"] == PYTORCH_WEBHOOK]
+    if len(hooks) != 1:
+        raise LabStartError(f"{PYTORCH_WEBHOOK} not found in the training operator's webhook manifest")
+    hook = hooks[0]
+    path = hook["clientConfig"]["service"]["path"]
+    hook["clientConfig"] = {
+        "url": f"https://127.0.0.1:{lab.ports['to-webhook']}{path}",
+        "caBundle": base64.b64encode(ca_pem).decode(),
+    }
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": WEBHOOK_CONFIGURATION},
+        "webhooks": [hook],
+    }
+
+
+def up(
+    workdir: Path | None = None,
+    die_with_parent: bool = False,
+    say=None,
+    start_fake_gpu: bool = True,
+) -> Lab:
+    """Start a lab. On any failure everything started so far is stopped again."""
+    say = say or (lambda msg: print(f"[lab] {msg}", file=sys.stderr, flush=True))
+    inst = find_installation()
+    if inst is None:
+        raise LabNotBuilt("the lab's binaries are not built: run `python -m e2e.lab build` (or e2e/lab/build.sh)")
+    t0 = time.monotonic()
+    workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="finetune-lab-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = free_ports(
+        ["etcd", "etcd-peer", "apiserver", "scheduler", "controller-manager", "kwok",
+         "to-metrics", "to-health", "to-webhook"]
+    )
+    lab = Lab(workdir=workdir, home=inst.home, server=f"https://127.0.0.1:{ports['apiserver']}", ports=ports)
+    lab.log_dir.mkdir(exist_ok=True)
+    lab.save()
+    try:
+        _bring_up(lab, inst, die_with_parent, say, start_fake_gpu)
+    except BaseException:
+        say(f"start failed; stopping what was started (logs kept in {lab.log_dir})")
+        lab.down(keep_workdir=True)
+        raise
+    say(f"lab ready in {time.monotonic() - t0:.1f}s: KUBECONFIG={lab.kubeconfig}")
+    return lab
+
+
+def _bring_up(lab: Lab, inst: Installation, die_with_parent: bool, say, start_fake_gpu: bool) -> None:
+    p = lab.ports
+    pki = lab_pki.make_lab_pki(lab.pki_dir, SERVICE_IP)
+    kubeconfigs = _component_kubeconfigs(lab)
+
+    def launch(name: str, argv: list[str], env: dict | None = None) -> Proc:
+        proc = start(name, argv, lab.log_dir, env=env, die_with_parent=die_with_parent)
+        lab.procs.append(proc)
+        lab.save()
+        return proc
+
+    etcd = launch("etcd", [
+        inst.binary("etcd"),
+        "--name=lab",
+        f"--data-dir={lab.workdir / 'etcd'}",
+        f"--listen-client-urls=http://127.0.0.1:{p['etcd']}",
+        f"--advertise-client-urls=http://127.0.0.1:{p['etcd']}",
+        f"--listen-peer-urls=http://127.0.0.1:{p['etcd-peer']}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{p['etcd-peer']}",
+        f"--initial-cluster=lab=http://127.0.0.1:{p['etcd-peer']}",
+        "--initial-cluster-state=new",
+        # A throwaway test store on a shared disk: durability is not worth the fsync latency.
+        "--unsafe-no-fsync",
+        "--log-level=warn",
+    ])
+    wait_until("etcd /health", lambda: http_ok(f"http://127.0.0.1:{p['etcd']}/health", expect=b'"health":"true"'), etcd, 60)
+
+    apiserver = launch("kube-apiserver", [
+        inst.binary("kube-apiserver"),
+        f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
+        "--bind-address=127.0.0.1",
+        "--advertise-address=127.0.0.1",
+        f"--secure-port={p['apiserver']}",
+        f"--tls-cert-file={pki.apiserver.cert}",
+        f"--tls-private-key-file={pki.apiserver.key}",
+        f"--client-ca-file={pki.ca.cert}",
+        "--authorization-mode=RBAC",
+        f"--service-account-issuer={SA_ISSUER}",
+        f"--api-audiences={SA_ISSUER}",
+        f"--service-account-key-file={pki.service_account.cert}",
+        f"--service-account-signing-key-file={pki.service_account.key}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        # The default `kubernetes` Endpoints would point at 127.0.0.1, which Endpoints reject.
+        "--endpoint-reconciler-type=none",
+        f"--cert-dir={lab.workdir / 'apiserver-certs'}",
+        "--allow-privileged=true",
+        "--profiling=false",
+        "--event-ttl=2h",
+    ])
+    ctx = _tls_context(lab)
+    wait_until("kube-apiserver /readyz", lambda: http_ok(f"{lab.server}/readyz", ctx), apiserver, 120)
+    say("apiserver ready")
+
+    launch("kube-controller-manager", [
+        inst.binary("kube-controller-manager"),
+        f"--kubeconfig={kubeconfigs['controller-manager']}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={p['controller-manager']}",
+        "--leader-elect=false",
+        f"--controllers={','.join(CONTROLLERS)}",
+        f"--root-ca-file={pki.ca.cert}",
+        "--use-service-account-credentials=false",
+        "--cluster-name=finetune-lab",
+    ])
+    launch("kube-scheduler", [
+        inst.binary("kube-scheduler"),
+        f"--kubeconfig={kubeconfigs['scheduler']}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={p['scheduler']}",
+        "--leader-elect=false",
+    ])
+    launch("kwok", [
+        inst.binary("kwok"),
+        f"--kubeconfig={kubeconfigs['kwok']}",
+        f"--config={_kwok_config(lab)}",
+        "--manage-all-nodes=false",
+        f"--manage-nodes-with-annotation-selector={lab_nodes.KWOK_ANNOTATION}={lab_nodes.KWOK_ANNOTATION_VALUE}",
+        f"--server-address=127.0.0.1:{p['kwok']}",
+        "--node-lease-duration-seconds=40",
+    ])
+
+    from kubernetes import client
+
+    api = lab.api_client()
+    core = client.CoreV1Api(api)
+    for manifest in lab_nodes.all_node_manifests():
+        core.create_node(manifest)
+
+    # The training operator: its PyTorchJob CRD, namespace, webhook cert Secret and webhook
+    # configuration, then the process itself (see e2e/README.md, "Webhooks").
+    lab.kubectl("apply", "--server-side", "-f", str(lab.home / "share" / "pytorchjob-crd.yaml"))
+    core.create_namespace({"metadata": {"name": TRAINING_OPERATOR_NAMESPACE}})
+    core.create_namespaced_secret(TRAINING_OPERATOR_NAMESPACE, {
+        "metadata": {"name": WEBHOOK_SECRET},
+        "type": "kubernetes.io/tls",
+        "data": {
+            "ca.crt": base64.b64encode(pki.webhook_ca.cert_pem()).decode(),
+            "ca.key": base64.b64encode(pki.webhook_ca.key_pem()).decode(),
+            "tls.crt": base64.b64encode(pki.webhook_server.cert_pem()).decode(),
+            "tls.key": base64.b64encode(pki.webhook_server.key_pem()).decode(),
+        },
+    })
+    client.AdmissionregistrationV1Api(api).create_validating_webhook_configuration(
+        _webhook_configuration(lab, pki.webhook_ca.cert_pem())
+    )
+    lab.kubectl("wait", "--for=condition=Established", "crd/pytorchjobs.kubeflow.org", "--timeout=60s")
+    to_tmp = lab.workdir / "training-operator-tmp"
+    certs = to_tmp / "k8s-webhook-server" / "serving-certs"
+    certs.mkdir(parents=True)
+    shutil.copyfile(pki.webhook_server.cert, certs / "tls.crt")
+    shutil.copyfile(pki.webhook_server.key, certs / "tls.key")
+    _satisfy_rotator_mount_check(pki)
+    training_operator = launch("training-operator", [
+        inst.binary("training-operator"),
+        "--enable-scheme=pytorchjob",
+        f"--metrics-bind-address=127.0.0.1:{p['to-metrics']}",
+        f"--health-probe-bind-address=127.0.0.1:{p['to-health']}",
+        f"--webhook-server-port={p['to-webhook']}",
+        "--leader-elect=false",
+        f"--kubeconfig={kubeconfigs['training-operator']}",
+    ], env={**os.environ, "MY_POD_NAMESPACE": TRAINING_OPERATOR_NAMESPACE, "TMPDIR": str(to_tmp)})
+
+    if start_fake_gpu:
+        launch("fake-gpu", [sys.executable, "-m", "e2e.lab.fakegpu", f"--kubeconfig={kubeconfigs['fake-gpu']}"],
+               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
+
+    def nodes_ready() -> bool:
+        items = core.list_node().items
+        ready = [n for n in items if any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))]
+        return len(ready) == len(items) > 0
+
+    wait_until("all fake nodes Ready (kwok)", nodes_ready, lab.procs[[q.name for q in lab.procs].index("kwok")], 60)
+    say("nodes ready")
+    wait_until(
+        "training operator /readyz (webhook certs and server)",
+        lambda: http_ok(f"http://127.0.0.1:{p['to-health']}/readyz"),
+        training_operator, 90,
+    )
+    wait_until(
+        "scheduler /healthz",
+        lambda: http_ok(f"https://127.0.0.1:{p['scheduler']}/healthz", _insecure_context()),
+        lab.procs[[q.name for q in lab.procs].index("kube-scheduler")], 60,
+    )
+    wait_until(
+        "ServiceAccount default/default (controller-manager)",
+        lambda: bool(core.read_namespaced_service_account("default", "default")),
+        lab.procs[[q.name for q in lab.procs].index("kube-controller-manager")], 60,
+    )
+    for proc in lab.procs:
+        if not is_alive(proc):
+            raise LabStartError(f"{proc.name} died during start-up:\n{tail(proc.log)}")
+
+
+# The cert rotator the training operator embeds checks, before it reports ready, that a file
+# exists at this fixed path (in a pod, the Secret is mounted there). The webhook server itself
+# reads its certs from $TMPDIR (set per lab), so the file here only has to exist.
+ROTATOR_CERT_CHECK = Path("/tmp/k8s-webhook-server/serving-certs/tls.crt")
+
+
+def _satisfy_rotator_mount_check(pki: lab_pki.LabPKI) -> None:
+    if ROTATOR_CERT_CHECK.exists():
+        return
+    ROTATOR_CERT_CHECK.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ROTATOR_CERT_CHECK.with_name(f".tls.crt.{os.getpid()}")
+    tmp.write_bytes(pki.webhook_server.cert_pem())
+    tmp.replace(ROTATOR_CERT_CHECK)

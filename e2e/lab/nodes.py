@@ -1,0 +1,103 @@
+"""The lab's fake nodes: pools.yaml (plain data) -> Node manifests kwok will manage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+POOLS_FILE = Path(__file__).resolve().parent / "pools.yaml"
+
+POOL_LABEL = "karpenter.sh/nodepool"
+REGION_LABEL = "topology.kubernetes.io/region"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+GPU_RESOURCE = "nvidia.com/gpu"
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+KWOK_ANNOTATION_VALUE = "fake"
+# The policy the chart ships by default (issue 9); the lab's scenarios check placement against it.
+DEFAULT_ALLOWED_REGIONS = ("eu-de-berlin", "eu-fr-paris")
+
+
+class GPU(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    product: str
+    memory_mib: int = Field(alias="memoryMiB", gt=0)
+    count: int = Field(gt=0)
+
+
+class Pool(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    region: str
+    zones: list[str] = Field(min_length=1)
+    nodes: int = Field(gt=0)
+    instance_type: str = Field(alias="instanceType")
+    gpu: GPU | None
+    cpu: str
+    memory: str
+
+    def node_names(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(self.nodes)]
+
+
+class PoolCatalog(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pools: list[Pool]
+
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def gpu_pools(self) -> list[Pool]:
+        return [p for p in self.pools if p.gpu]
+
+
+def load_pools(path: Path = POOLS_FILE) -> PoolCatalog:
+    return PoolCatalog.model_validate(yaml.safe_load(path.read_text()))
+
+
+def node_manifest(pool: Pool, index: int) -> dict:
+    name = pool.node_names()[index]
+    zone = pool.zones[index % len(pool.zones)]
+    labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "node.kubernetes.io/instance-type": pool.instance_type,
+        REGION_LABEL: pool.region,
+        ZONE_LABEL: zone,
+        POOL_LABEL: pool.name,
+        "karpenter.sh/capacity-type": "on-demand",
+        "type": "kwok",
+    }
+    capacity = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110", "ephemeral-storage": "3Ti"}
+    taints = []
+    if pool.gpu:
+        labels |= {
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": pool.gpu.product,
+            "nvidia.com/gpu.memory": str(pool.gpu.memory_mib),
+            "nvidia.com/gpu.count": str(pool.gpu.count),
+        }
+        capacity[GPU_RESOURCE] = str(pool.gpu.count)
+        # GPU nodes repel everything that does not ask for a GPU (the usual EKS/GKE/Karpenter setup).
+        taints.append({"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": {KWOK_ANNOTATION: KWOK_ANNOTATION_VALUE, "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {"taints": taints},
+        "status": {"capacity": capacity, "allocatable": dict(capacity)},
+    }
+
+
+def all_node_manifests(catalog: PoolCatalog | None = None) -> list[dict]:
+    catalog = catalog or load_pools()
+    return [node_manifest(p, i) for p in catalog.pools for i in range(p.nodes)]

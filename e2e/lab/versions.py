@@ -1,0 +1,91 @@
+"""The lab's pinned upstream versions (read from versions.env) and where their binaries are cached."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+LAB_DIR = Path(__file__).resolve().parent
+VERSIONS_FILE = LAB_DIR / "versions.env"
+TOOLS_DIR = LAB_DIR / "tools"
+
+_SEMVER = re.compile(r"^v(\d+)\.(\d+)\.(\d+)$")
+
+
+class VersionsError(ValueError):
+    """versions.env is missing a key or holds a malformed version."""
+
+
+@dataclass(frozen=True)
+class Versions:
+    kubernetes: str
+    etcd: str
+    kwok: str
+    training_operator: str
+    helm: str
+
+    @property
+    def staging(self) -> str:
+        """k8s.io/api & co. are published as v0.MINOR.PATCH for kubernetes v1.MINOR.PATCH."""
+        major, minor, patch = _SEMVER.match(self.kubernetes).groups()
+        return f"v0.{minor}.{patch}"
+
+    @property
+    def kubernetes_minor(self) -> str:
+        return _SEMVER.match(self.kubernetes).group(2)
+
+    def cache_key(self) -> str:
+        """Binaries depend on the pinned versions and the tools module's dependency graph
+        (go.sum); build.cache_key adds the Go version."""
+        h = hashlib.sha256()
+        for f in fields(self):
+            h.update(f"{f.name}={getattr(self, f.name)}\n".encode())
+        go_sum = TOOLS_DIR / "go.sum"
+        if go_sum.exists():
+            h.update(go_sum.read_bytes())
+        return h.hexdigest()[:16]
+
+
+_KEYS = {
+    "KUBERNETES_VERSION": "kubernetes",
+    "ETCD_VERSION": "etcd",
+    "KWOK_VERSION": "kwok",
+    "TRAINING_OPERATOR_VERSION": "training_operator",
+    "HELM_VERSION": "helm",
+}
+
+
+def parse_versions(text: str) -> Versions:
+    values: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise VersionsError(f"versions.env line {lineno}: expected KEY=VALUE, got {raw!r}")
+        key, value = key.strip(), value.strip()
+        if key not in _KEYS:
+            raise VersionsError(f"versions.env line {lineno}: unknown key {key!r} (known: {sorted(_KEYS)})")
+        if not _SEMVER.match(value):
+            raise VersionsError(f"versions.env: {key}={value!r} is not a version like v1.2.3")
+        values[_KEYS[key]] = value
+    missing = sorted(k for k, attr in _KEYS.items() if attr not in values)
+    if missing:
+        raise VersionsError(f"versions.env: missing {', '.join(missing)}")
+    return Versions(**values)
+
+
+def load_versions(path: Path = VERSIONS_FILE) -> Versions:
+    return parse_versions(path.read_text())
+
+
+def cache_root() -> Path:
+    override = os.environ.get("FINETUNE_LAB_CACHE")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "finetune-operator" / "lab"
