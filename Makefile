@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` and `make test`. Both install what they need.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .install-stamp
+
+.PHONY: install demo test test-fast lab-build crd clean
+
+# torch first, then the rest without build isolation, so that DeepSpeed builds against
+# the torch already installed instead of downloading another copy into an isolated env.
+$(STAMP): pyproject.toml
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet torch
+	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The demo: the lab cluster, the operator, an example job that hits one GPU OOM and recovers.
+demo: install
+	$(PYTHON) -m e2e.demo
+
+# Every test: fast unit tests and the end-to-end scenarios on the lab cluster (built on first use, cached).
+test: install lab-build
+	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest
+
+test-fast: install
+	$(PYTHON) -m pytest -m "not e2e and not slow"
+
+lab-build:
+	$(PYTHON) -m e2e.lab build
+
+crd: install
+	finetune-operator crd > crds/finetunejob.yaml
+
+clean:
+	rm -f $(STAMP)

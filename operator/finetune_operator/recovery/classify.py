@@ -1,0 +1,310 @@
+"""Why did an attempt fail? Classification from the pods and the PyTorchJob of the attempt.
+
+Sources, most trusted first:
+1. our trainer's failure report in a container's termination message (the contract);
+2. a CUDA out-of-memory error in the log tail that `FallbackToLogsOnError` puts in the
+   termination message, so images that are not ours recover too;
+3. what the kubelet says: `reason: OOMKilled` (the kernel killed the container for host
+   memory, exit code 137), eviction, preemption, node loss;
+4. the exit code alone, as the contract documents it.
+
+All ranks of a job fail when one of them does (torchrun tears the group down), so the
+pods' verdicts are merged and the most specific one wins: a GPU OOM on rank 3 explains
+the NCCL errors of ranks 0-2, not the other way round.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterable
+
+from finetune_trainer import contract
+
+
+class FailureKind(str, Enum):
+    GPU_OUT_OF_MEMORY = "GPUOutOfMemory"
+    HOST_OUT_OF_MEMORY = "HostOutOfMemory"
+    EVICTED = "Evicted"
+    NODE_LOST = "NodeLost"
+    DATA_ERROR = "DataError"
+    CONFIG_ERROR = "ConfigError"
+    UNKNOWN = "Unknown"
+
+
+class Remedy(str, Enum):
+    """What a failure of this kind calls for."""
+
+    ADJUST = "adjust"  # change the plan so it needs less memory
+    RETRY_SAME = "retry-same"  # nothing was wrong with the plan: run it again
+    GIVE_UP = "give-up"  # a retry cannot fix it (bad data, bad config)
+
+
+REMEDY: dict[FailureKind, Remedy] = {
+    FailureKind.GPU_OUT_OF_MEMORY: Remedy.ADJUST,
+    FailureKind.HOST_OUT_OF_MEMORY: Remedy.ADJUST,
+    FailureKind.EVICTED: Remedy.RETRY_SAME,
+    FailureKind.NODE_LOST: Remedy.RETRY_SAME,
+    FailureKind.DATA_ERROR: Remedy.GIVE_UP,
+    FailureKind.CONFIG_ERROR: Remedy.GIVE_UP,
+    FailureKind.UNKNOWN: Remedy.GIVE_UP,
+}
+
+# How specific each verdict is, when pods disagree (higher wins).
+_SPECIFICITY: dict[FailureKind, int] = {
+    FailureKind.GPU_OUT_OF_MEMORY: 60,
+    FailureKind.HOST_OUT_OF_MEMORY: 50,
+    FailureKind.DATA_ERROR: 40,
+    FailureKind.CONFIG_ERROR: 40,
+    FailureKind.NODE_LOST: 30,
+    FailureKind.EVICTED: 30,
+    FailureKind.UNKNOWN: 0,
+}
+_SOURCE_TRUST = {"report": 3, "log": 2, "kubelet": 2, "pod": 1, "exit-code": 1, "job": 0}
+
+_REPORT_KIND = {
+    contract.FailureReason.GPU_OUT_OF_MEMORY: FailureKind.GPU_OUT_OF_MEMORY,
+    contract.FailureReason.HOST_OUT_OF_MEMORY: FailureKind.HOST_OUT_OF_MEMORY,
+    contract.FailureReason.DATA_ERROR: FailureKind.DATA_ERROR,
+    contract.FailureReason.CONFIG_ERROR: FailureKind.CONFIG_ERROR,
+    contract.FailureReason.UNKNOWN: FailureKind.UNKNOWN,
+}
+
+# The container that runs training in a PyTorchJob replica is always called "pytorch".
+TRAINING_CONTAINER = "pytorch"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The verdict on one failed attempt."""
+
+    kind: FailureKind
+    message: str
+    source: str  # report | log | kubelet | pod | exit-code | job
+    pod: str | None = None
+    exit_code: int | None = None
+    phase: str | None = None  # training phase (forward, backward, optimizer, ...)
+    step: int | None = None
+    peak_allocated_bytes: int | None = None
+    capacity_bytes: int | None = None  # GPU memory the process could see
+    tried_to_allocate_bytes: int | None = None
+    micro_batch_size: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def remedy(self) -> Remedy:
+        return REMEDY[self.kind]
+
+    def describe(self) -> str:
+        """One line for a person: 'GPU OOM in backward at step 0, 79.1 of 80.0 GiB'."""
+        if self.kind is FailureKind.GPU_OUT_OF_MEMORY:
+            where = f" in {self.phase}" if self.phase else ""
+            when = f" at step {self.step}" if self.step is not None else ""
+            used = ""
+            if self.peak_allocated_bytes is not None and self.capacity_bytes:
+                used = f", {gib(self.peak_allocated_bytes):.1f} of {gib(self.capacity_bytes):.1f} GiB"
+            elif self.capacity_bytes:
+                used = f" on a {gib(self.capacity_bytes):.1f} GiB GPU"
+            return f"GPU OOM{where}{when}{used}"
+        if self.kind is FailureKind.HOST_OUT_OF_MEMORY:
+            return f"host memory exhausted ({self.message})" if self.message else "host memory exhausted"
+        return f"{self.kind.value}: {self.message}" if self.message else self.kind.value
+
+
+def gib(value: int | float) -> float:
+    return value / 2**30
+
+
+# ---------------------------------------------------------------------------
+# CUDA OOM messages in a log tail
+# ---------------------------------------------------------------------------
+
+_OOM_MARKERS = (
+    "torch.OutOfMemoryError",
+    "torch.cuda.OutOfMemoryError",
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "HIP out of memory",
+)
+_SIZE = r"([0-9]+(?:\.[0-9]+)?)\s*(B|bytes|KiB|MiB|GiB|TiB)"
+_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# torch >= 2.1: "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which
+# 1.53 GiB is free. ... Of the allocated memory 75.62 GiB is allocated by PyTorch, ..."
+_TRIED = re.compile(r"Tried to allocate " + _SIZE)
+_CAPACITY_NEW = re.compile(r"total capacity of " + _SIZE)
+_ALLOCATED_NEW = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch")
+# torch < 2.1: "(GPU 0; 15.78 GiB total capacity; 14.56 GiB already allocated; ...)"
+_CAPACITY_OLD = re.compile(_SIZE + r" total capacity")
+_ALLOCATED_OLD = re.compile(_SIZE + r" already allocated")
+_HOST_MEMORY_ERROR = re.compile(r"^\s*MemoryError\b", re.MULTILINE)
+
+
+def _size(match: re.Match[str] | None) -> int | None:
+    if match is None:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def parse_cuda_oom(log_tail: str) -> dict[str, int | None] | None:
+    """The figures of a CUDA OOM error in a log tail, or None when there is no such error."""
+    if not log_tail or not any(marker in log_tail for marker in _OOM_MARKERS):
+        return None
+    # The last error in the tail is the one that killed the process.
+    start = max(log_tail.rfind(marker) for marker in _OOM_MARKERS)
+    text = log_tail[start:]
+    return {
+        "tried_to_allocate_bytes": _size(_TRIED.search(text)),
+        "capacity_bytes": _size(_CAPACITY_NEW.search(text) or _CAPACITY_OLD.search(text)),
+        "peak_allocated_bytes": _size(_ALLOCATED_NEW.search(text) or _ALLOCATED_OLD.search(text)),
+    }
+
+
+# ---------------------------------------------------------------------------
+# One pod
+# ---------------------------------------------------------------------------
+
+
+def _terminated_states(pod: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    status = pod.get("status") or {}
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") != TRAINING_CONTAINER and len(status.get("containerStatuses") or []) > 1:
+            continue
+        for key in ("state", "lastState"):
+            terminated = ((cs.get(key) or {}).get("terminated")) or None
+            if terminated:
+                yield terminated
+    for cs in status.get("initContainerStatuses") or []:
+        terminated = ((cs.get("state") or {}).get("terminated")) or None
+        if terminated and terminated.get("exitCode", 0) != 0:
+            yield terminated
+
+
+def _name(pod: dict[str, Any]) -> str | None:
+    return (pod.get("metadata") or {}).get("name")
+
+
+def classify_pod(pod: dict[str, Any]) -> Failure | None:
+    """The verdict on one pod, or None when it did not fail."""
+    name = _name(pod)
+    status = pod.get("status") or {}
+
+    # The node went away or the pod was pushed off it: nothing wrong with the plan.
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            reason = condition.get("reason") or ""
+            kind = FailureKind.NODE_LOST if reason in ("DeletionByTaintManager", "DeletionByPodGC") else FailureKind.EVICTED
+            return Failure(kind, f"{reason}: {condition.get('message', '')}".strip(": "), "pod", pod=name)
+    pod_reason = status.get("reason") or ""
+    if pod_reason == "Evicted":
+        # Kubelet eviction for node pressure. Eviction for memory pressure is the node's
+        # problem (other pods), unless our pod was over its request - it never is, request == limit.
+        return Failure(FailureKind.EVICTED, status.get("message") or "evicted", "pod", pod=name)
+    if pod_reason in ("NodeLost", "NodeShutdown", "Terminated") or (
+        status.get("phase") == "Unknown"
+    ):
+        return Failure(FailureKind.NODE_LOST, status.get("message") or pod_reason or "node lost", "pod", pod=name)
+
+    verdicts: list[Failure] = []
+    for terminated in _terminated_states(pod):
+        verdict = _classify_terminated(terminated, name)
+        if verdict is not None:
+            verdicts.append(verdict)
+    if verdicts:
+        return _most_specific(verdicts)
+    if status.get("phase") == "Failed":
+        return Failure(FailureKind.UNKNOWN, status.get("message") or "pod failed", "pod", pod=name)
+    return None
+
+
+def _classify_terminated(terminated: dict[str, Any], pod: str | None) -> Failure | None:
+    exit_code = terminated.get("exitCode")
+    if exit_code == 0:
+        return None
+    message = terminated.get("message") or ""
+    reason = terminated.get("reason") or ""
+
+    report = contract.parse_failure_report(message)
+    if report is not None:
+        return Failure(
+            _REPORT_KIND[report.reason],
+            report.message,
+            "report",
+            pod=pod,
+            exit_code=exit_code,
+            phase=report.phase.value,
+            step=report.step,
+            peak_allocated_bytes=report.peak_allocated_bytes,
+            capacity_bytes=report.device_total_bytes,
+            micro_batch_size=report.micro_batch_size,
+            details={"peakReservedBytes": report.peak_reserved_bytes, "rank": report.rank},
+        )
+    if reason == "OOMKilled":
+        return Failure(
+            FailureKind.HOST_OUT_OF_MEMORY,
+            "the kernel killed the container for exceeding its memory limit (OOMKilled, exit 137)",
+            "kubelet",
+            pod=pod,
+            exit_code=exit_code,
+        )
+    oom = parse_cuda_oom(message)
+    if oom is not None:
+        return Failure(
+            FailureKind.GPU_OUT_OF_MEMORY,
+            _last_line_with(message, _OOM_MARKERS),
+            "log",
+            pod=pod,
+            exit_code=exit_code,
+            peak_allocated_bytes=oom["peak_allocated_bytes"],
+            capacity_bytes=oom["capacity_bytes"],
+            tried_to_allocate_bytes=oom["tried_to_allocate_bytes"],
+        )
+    if _HOST_MEMORY_ERROR.search(message):
+        return Failure(FailureKind.HOST_OUT_OF_MEMORY, "Python raised MemoryError", "log", pod=pod, exit_code=exit_code)
+    if exit_code is None:
+        return Failure(FailureKind.UNKNOWN, reason or "terminated", "pod", pod=pod)
+    by_code = contract.reason_for_exit_code(int(exit_code))
+    kind = _REPORT_KIND.get(by_code, FailureKind.UNKNOWN) if by_code else FailureKind.UNKNOWN
+    tail = _tail(message)
+    text = f"exit code {exit_code}" + (f" ({reason})" if reason and reason != "Error" else "")
+    return Failure(kind, f"{text}: {tail}" if tail else text, "exit-code", pod=pod, exit_code=exit_code)
+
+
+def _last_line_with(text: str, markers: tuple[str, ...]) -> str:
+    for line in reversed(text.splitlines()):
+        if any(m in line for m in markers):
+            return line.strip()[:500]
+    return _tail(text)
+
+
+def _tail(text: str, limit: int = 300) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
+def _most_specific(verdicts: list[Failure]) -> Failure:
+    return max(verdicts, key=lambda v: (_SPECIFICITY[v.kind], _SOURCE_TRUST.get(v.source, 0)))
+
+
+# ---------------------------------------------------------------------------
+# One attempt
+# ---------------------------------------------------------------------------
+
+
+def classify_attempt(pods: list[dict[str, Any]], pytorch_job: dict[str, Any] | None = None) -> Failure:
+    """The verdict on a failed attempt, from all its pods and its PyTorchJob."""
+    verdicts = [v for v in (classify_pod(p) for p in pods) if v is not None]
+    if verdicts:
+        return _most_specific(verdicts)
+    message = _job_failure_message(pytorch_job)
+    if pods == [] and message is None:
+        message = "the attempt failed and its pods are gone"
+    return Failure(FailureKind.UNKNOWN, message or "the attempt failed without a reason", "job")
+
+
+def _job_failure_message(pytorch_job: dict[str, Any] | None) -> str | None:
+    for condition in ((pytorch_job or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Failed" and condition.get("status") == "True":
+            return condition.get("message") or condition.get("reason")
+    return None
