@@ -108,6 +108,8 @@ CASES = [
     Case("neither-steps-nor-epochs", _delete("spec.training.maxSteps"), "spec.training", "exactly one of maxSteps, epochs", False),
     Case("ddp-with-offload", _both(_set("spec.resources.strategy", "ddp"), _set("spec.resources.offload", "optimizer")), "spec.resources.offload", "sharded strategy", False),
     Case("zero2-offload-params", _both(_set("spec.resources.strategy", "zero2"), _set("spec.resources.offload", "optimizer+params")), "spec.resources.offload", "fsdp or zero3", False),
+    Case("fsdp-offload-optimizer-only", _both(_set("spec.resources.strategy", "fsdp"), _set("spec.resources.offload", "optimizer")), "spec.resources.offload", "optimizer+params", False),
+    Case("qlora-with-zero3", _both(_set("spec.method", "qlora"), _set("spec.resources.strategy", "zero3")), "spec.resources.strategy", "ddp", False),
     Case("two-model-sources", _set("spec.model.source.uri", "s3://bucket/llama"), "spec.model.source", "exactly one of pvc, uri, hf", False),
     Case("two-architectures", _set("spec.model.architecture.configMapRef", {"name": "cfg"}), "spec.model.architecture", "exactly one of preset, inline, configMapRef", False),
     Case("all-linear-with-names", _set("spec.lora.targetModules", ["all-linear", "q_proj"]), "spec.lora.targetModules", "stands alone", False),

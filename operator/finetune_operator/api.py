@@ -450,6 +450,11 @@ class ResourcesSpec(ApiModel):
                     "message": "offloading parameters needs fsdp or zero3",
                     "fieldPath": ".offload",
                 },
+                {
+                    "rule": "!(self.strategy == 'fsdp' && self.offload == 'optimizer')",
+                    "message": "fsdp offloads parameters together with the optimizer: use optimizer+params",
+                    "fieldPath": ".offload",
+                },
             ]
         }
     )
@@ -477,6 +482,8 @@ class ResourcesSpec(ApiModel):
             raise _field_error("offload", "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies on every GPU")
         if self.offload == "optimizer+params" and self.strategy in ("zero1", "zero2"):
             raise _field_error("offload", "offloading parameters needs fsdp or zero3")
+        if self.strategy == "fsdp" and self.offload == "optimizer":
+            raise _field_error("offload", "fsdp offloads parameters together with the optimizer: use optimizer+params")
         return self
 
 
@@ -593,6 +600,12 @@ class FineTuneJobSpec(ApiModel):
                     "fieldPath": ".lora",
                 },
                 {
+                    "rule": "self.method != 'qlora' || !has(self.resources) || !has(self.resources.strategy) || "
+                    "self.resources.strategy == 'auto' || self.resources.strategy == 'ddp'",
+                    "message": "qlora runs with strategy ddp (or auto): the 4-bit base is replicated, only adapters train",
+                    "fieldPath": ".resources.strategy",
+                },
+                {
                     "rule": "self.method != 'qlora' || !has(self.training) || self.training.precision != 'fp32'",
                     "message": "qlora computes in bf16 or fp16; fp32 is not allowed",
                     "fieldPath": ".training.precision",
@@ -642,6 +655,11 @@ class FineTuneJobSpec(ApiModel):
             raise _field_error("lora", "not allowed with method full (remove it, or use method lora)")
         if self.method in ("lora", "qlora") and self.lora is None:
             raise _field_error("lora", f"required for method {self.method} (e.g. lora: {{rank: 16}})")
+        if self.method == "qlora" and self.resources.strategy not in ("auto", "ddp"):
+            raise _field_error(
+                "resources.strategy",
+                "qlora runs with strategy ddp (or auto): the 4-bit base is replicated, only adapters train",
+            )
         if self.method == "qlora" and self.training.precision == "fp32":
             raise _field_error("training.precision", "qlora computes in bf16 or fp16; fp32 is not allowed")
         micro, gpus = self.training.micro_batch_size, self.resources.gpus
@@ -753,6 +771,8 @@ class AttemptStatus(StatusModel):
     """Name of the PyTorchJob."""
     plan_summary: str = ""
     """The plan in one line."""
+    plan: PlanStatus | None = None
+    """The plan this attempt ran with."""
     outcome: Literal[
         "Running",
         "Succeeded",
