@@ -1,0 +1,99 @@
+"""The FineTuneJob CRD (crds/finetunejob.yaml) on a real API server."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e.lab.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+
+
+def _example(name: str | None = None) -> dict:
+    if not EXAMPLES:
+        pytest.skip("no examples/*.yaml yet")
+    path = next((p for p in EXAMPLES if name and p.stem == name), EXAMPLES[0])
+    return yaml.safe_load(path.read_text())
+
+
+def test_crd_is_established_with_its_names(lab, ftj_crd):
+    api = client.ApiextensionsV1Api(lab.api_client())
+    crd = api.read_custom_resource_definition("finetunejobs.finetune.dev")
+    conditions = {c.type: c.status for c in crd.status.conditions}
+    assert conditions["Established"] == "True" and conditions["NamesAccepted"] == "True"
+    assert "ftj" in crd.spec.names.short_names
+    resources = lab.kubectl("api-resources", "--api-group=finetune.dev", "-o", "name").stdout.split()
+    assert resources == ["finetunejobs.finetune.dev"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_applies(lab, ftj_crd, namespace, example):
+    out = lab.kubectl("apply", "-n", namespace, "-f", str(example))
+    assert "created" in out.stdout, out.stdout
+    name = yaml.safe_load(example.read_text())["metadata"]["name"]
+    got = lab.kubectl("get", "ftj", name, "-n", namespace, "-o", "yaml").stdout
+    assert yaml.safe_load(got)["spec"]["model"]["name"]
+    # Server-side dry run of the same file is clean too (what `kubectl diff` and helm rely on).
+    lab.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example))
+
+
+def test_invalid_finetunejob_is_rejected_with_the_crd_message(lab, ftj_crd, namespace):
+    bad = copy.deepcopy(_example("llama-8b-lora"))
+    bad["metadata"]["name"] = "bad-method"
+    bad["spec"]["method"] = "full"  # keeps spec.lora: the CRD's CEL rule forbids that
+    proc = lab.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(bad), check=False)
+    assert proc.returncode != 0
+    assert "lora is required for methods lora and qlora, and not allowed for full" in proc.stderr, proc.stderr
+
+    enum_bad = copy.deepcopy(_example("llama-8b-lora"))
+    enum_bad["metadata"]["name"] = "bad-enum"
+    enum_bad["spec"]["method"] = "prompt-tuning"
+    proc = lab.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(enum_bad), check=False)
+    assert proc.returncode != 0
+    assert "spec.method" in proc.stderr and "Unsupported value" in proc.stderr, proc.stderr
+
+
+def test_get_ftj_shows_the_printer_columns(lab, ftj_crd, namespace):
+    example = _example("llama-8b-lora")
+    lab.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(example))
+    api = client.ApiextensionsV1Api(lab.api_client())
+    columns = [c.name.upper() for c in api.read_custom_resource_definition("finetunejobs.finetune.dev")
+               .spec.versions[0].additional_printer_columns]
+    header = wait_for(lambda: lab.kubectl("get", "ftj", "-n", namespace).stdout.splitlines()[0], 10, "kubectl get ftj")
+    assert header.split()[0] == "NAME"
+    for column in columns:
+        assert column in header, (column, header)
+    row = lab.kubectl("get", "ftj", "-n", namespace).stdout.splitlines()[1]
+    assert example["metadata"]["name"] in row and example["spec"]["model"]["name"] in row
+
+
+def test_kubectl_explain_prints_the_docs(lab, ftj_crd):
+    out = wait_for(
+        lambda: lab.kubectl("explain", "finetunejob.spec", check=False).stdout, 30, "kubectl explain (OpenAPI published)"
+    )
+    assert "KIND:" in out and "FineTuneJob" in out
+    assert "DESCRIPTION:" in out and "FIELDS:" in out
+    for field in ("model", "method", "placement", "resources"):
+        assert f"  {field}\t" in out or f"  {field} " in out, field
+    placement = lab.kubectl("explain", "finetunejob.spec.placement.regions").stdout
+    assert len(placement.split("DESCRIPTION:")[1].strip()) > 20, placement
+
+
+def test_fake_gpu_reads_rules_from_the_finetunejob(lab, ftj_crd, namespace):
+    """A test can set the fake GPU's rule on the FineTuneJob the pods belong to."""
+    from e2e.helpers import GIB, terminated_state, training_pod
+
+    example = copy.deepcopy(_example("llama-8b-lora"))
+    example["metadata"]["annotations"] = {"lab.finetune.dev/outcome": "host-oom"}
+    lab.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(example))
+    core = client.CoreV1Api(lab.api_client())
+    core.create_namespaced_pod(namespace, training_pod("attempt-1", example["metadata"]["name"], 10 * GIB))
+    _, term = terminated_state(core, namespace, "attempt-1")
+    assert (term.exit_code, term.reason) == (137, "OOMKilled")
