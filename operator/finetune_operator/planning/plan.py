@@ -141,6 +141,7 @@ class Plan(BaseModel):
                 "hostMemoryGiB": round(self.host_memory_bytes / GiB, 2),
                 "breakdown": {k: round(v / GiB, 3) for k, v in self.breakdown_bytes.items()},
                 "peakPhase": self.peak_phase,
+                "calibration": round(self.calibration, 4),
                 "estimatedHours": None if self.estimated_hours is None else round(self.estimated_hours, 3),
                 "estimatedCost": None if self.estimated_cost is None else round(self.estimated_cost, 2),
                 "needsScaleUp": self.needs_scale_up,

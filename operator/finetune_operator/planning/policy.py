@@ -87,7 +87,8 @@ def load_policy(source: str | dict[str, Any]) -> ClusterPolicy:
     pools: list[NodePool] = []
     if pools_key is not None:
         try:
-            pools = load_catalog({"pools": document.pop(pools_key) or []})
+            keys = document.get("poolLabelKeys", document.get("pool_label_keys")) or DEFAULT_POOL_LABEL_KEYS
+            pools = load_catalog({"pools": document.pop(pools_key) or []}, default_pool_label_key=str(keys[0]))
         except CatalogError as error:
             raise PolicyError(f"policy.{pools_key}: {error}") from None
     try:

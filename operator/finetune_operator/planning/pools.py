@@ -196,3 +196,401 @@ class NodePool(BaseModel):
 
     def summary(self) -> str:
         return f"{self.name} ({self.gpus_per_node} x {self.gpu_type} per node, {self.region})"
+
+
+# ---------------------------------------------------------------------------
+# Quantities
+# ---------------------------------------------------------------------------
+
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|m)?\s*$")
+_FACTORS = {
+    None: 1, "m": 0.001, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+}
+
+
+def parse_quantity(value: object) -> float:
+    """A Kubernetes quantity ("2113523516Ki", "1800Gi", "192", "500m") as a number."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a quantity: {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"not a quantity: {value!r}")
+    match = _QUANTITY.match(value)
+    if not match:
+        raise ValueError(f"not a Kubernetes quantity: {value!r} (e.g. 80Gi, 2Ti, 192)")
+    return float(match.group(1)) * _FACTORS[match.group(2)]
+
+
+# ---------------------------------------------------------------------------
+# The catalog
+# ---------------------------------------------------------------------------
+
+
+class CatalogError(ValueError):
+    """A catalog that cannot be used. The message names the pool and the field."""
+
+
+# Catalog conveniences that are not NodePool fields: quantities a person writes.
+_QUANTITY_FIELDS = {"gpuMemory": "gpuMemoryBytes", "hostMemory": "hostMemoryBytes"}
+
+
+def _pool_label(index: int, entry: Any) -> str:
+    name = entry.get("name") if isinstance(entry, dict) else None
+    return f"pool {name!r} (pools[{index}])" if isinstance(name, str) and name else f"pools[{index}]"
+
+
+def _catalog_entries(document: Any) -> list[Any]:
+    if document is None:
+        return []
+    if isinstance(document, list):
+        return document
+    if isinstance(document, dict):
+        pools = document.get("pools", document.get("catalog"))
+        if pools is None:
+            raise CatalogError("catalog: expected a 'pools' list")
+        if not isinstance(pools, list):
+            raise CatalogError("pools: must be a list of pools")
+        return pools
+    raise CatalogError("catalog: must be a mapping with a 'pools' list, or a list of pools")
+
+
+def load_catalog(
+    source: str | dict[str, Any] | list[Any], *, default_pool_label_key: str = "karpenter.sh/nodepool"
+) -> list[NodePool]:
+    """Pools from catalog YAML text or its parsed form (`{pools: [...]}` or a bare list).
+
+    Each pool's fields are NodePool's, camelCase (`gpuType`, `gpusPerNode`, `maxNodes`,
+    `pricePerGpuHour`, ...). `gpuMemory` and `hostMemory` may be given as quantities
+    (`80Gi`, `2Ti`). A known GPU type fills in its memory; an unknown one needs `gpuMemory`.
+    A pool without `selector` is selected by `{default_pool_label_key: name}`.
+    """
+    if isinstance(source, str):
+        try:
+            source = yaml.safe_load(source)
+        except yaml.YAMLError as error:
+            raise CatalogError(f"catalog: not valid YAML: {error}") from None
+    entries = _catalog_entries(source)
+    pools: list[NodePool] = []
+    seen: dict[str, int] = {}
+    for index, entry in enumerate(entries):
+        where = _pool_label(index, entry)
+        if not isinstance(entry, dict):
+            raise CatalogError(f"{where}: must be a mapping of pool fields")
+        pool = _pool_from_entry(where, dict(entry), default_pool_label_key)
+        if pool.name in seen:
+            raise CatalogError(f"{where}: name: duplicate of pools[{seen[pool.name]}]; pool names must be unique")
+        seen[pool.name] = index
+        pools.append(pool)
+    return pools
+
+
+def _pool_from_entry(where: str, entry: dict[str, Any], default_pool_label_key: str) -> NodePool:
+    for short, long in _QUANTITY_FIELDS.items():
+        if short in entry:
+            if long in entry:
+                raise CatalogError(f"{where}: {short}: give {short} or {long}, not both")
+            try:
+                entry[long] = int(parse_quantity(entry.pop(short)))
+            except ValueError as error:
+                raise CatalogError(f"{where}: {short}: {error}") from None
+    gpu_type = entry.get("gpuType", entry.get("gpu_type"))
+    if isinstance(gpu_type, str):
+        info = gpu_type_info(gpu_type)
+        if info is not None:
+            entry["gpuType" if "gpuType" in entry else "gpu_type"] = info.name
+            if "gpuMemoryBytes" not in entry and "gpu_memory_bytes" not in entry:
+                entry["gpuMemoryBytes"] = info.memory_bytes
+        elif "gpuMemoryBytes" not in entry and "gpu_memory_bytes" not in entry:
+            known = ", ".join(g.name for g in _CANONICAL)
+            raise CatalogError(
+                f"{where}: gpuType: unknown GPU type {gpu_type!r} and no gpuMemory given;"
+                f" give gpuMemory (e.g. 192Gi) or use a known type ({known})"
+            )
+    entry.setdefault("source", "catalog")
+    if "selector" not in entry and isinstance(entry.get("name"), str):
+        # Pods must be pinned to the pool; the pool's name under the platform's pool label is the usual way.
+        entry["selector"] = {default_pool_label_key: entry["name"]}
+    if "intraNode" not in entry and "intra_node" not in entry and isinstance(gpu_type, str):
+        info = gpu_type_info(gpu_type)
+        entry["intraNode"] = "nvlink" if info is None or info.nvlink else "pcie"
+    try:
+        return NodePool.model_validate(entry)
+    except ValidationError as error:
+        problems = []
+        for item in error.errors(include_url=False):
+            field = ".".join(str(p) for p in item["loc"]) or "(pool)"
+            message = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
+            if item["type"] == "missing":
+                message = "required field is missing"
+            problems.append(f"{field}: {message}")
+        raise CatalogError(f"{where}: " + "; ".join(problems)) from None
+
+
+# ---------------------------------------------------------------------------
+# Discovery from Node and Pod objects
+# ---------------------------------------------------------------------------
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GFD_PRODUCT = "nvidia.com/gpu.product"
+GFD_MEMORY = "nvidia.com/gpu.memory"  # MiB
+GFD_COUNT = "nvidia.com/gpu.count"
+# Taints the node lifecycle controller sets for a while; they say nothing about the pool.
+_TRANSIENT_TAINT_PREFIXES = ("node.kubernetes.io/", "node.cloudprovider.kubernetes.io/", "ToBeDeletedByClusterAutoscaler",
+                             "karpenter.sh/disrupted", "karpenter.sh/disruption")
+
+
+def _get(obj: Any, *names: str) -> Any:
+    """obj[name] for the first name present (the API's camelCase or the client's snake_case)."""
+    if not isinstance(obj, Mapping):
+        return None
+    for name in names:
+        if name in obj and obj[name] is not None:
+            return obj[name]
+    return None
+
+
+@dataclass(frozen=True)
+class SkippedNode:
+    """A node discovery left out, and why (shown by the operator's logs and `plan --explain`)."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Discovery:
+    pools: list[NodePool]
+    skipped: list[SkippedNode]
+
+
+def _node_ready(node: Mapping[str, Any]) -> bool:
+    for condition in _get(_get(node, "status") or {}, "conditions") or []:
+        if _get(condition, "type") == "Ready":
+            return _get(condition, "status") == "True"
+    return False
+
+
+def _pod_gpu_request(pod: Mapping[str, Any]) -> int:
+    """GPUs a pod holds on its node: the larger of its containers' sum and its biggest init container."""
+    spec = _get(pod, "spec") or {}
+
+    def gpus(container: Mapping[str, Any]) -> int:
+        resources = _get(container, "resources") or {}
+        # For extended resources a request defaults to the limit, and they must be equal when both are set.
+        value = _get(_get(resources, "requests") or {}, GPU_RESOURCE)
+        if value is None:
+            value = _get(_get(resources, "limits") or {}, GPU_RESOURCE)
+        try:
+            return int(parse_quantity(value)) if value is not None else 0
+        except ValueError:
+            return 0
+
+    main = sum(gpus(c) for c in _get(spec, "containers") or [])
+    init = max((gpus(c) for c in _get(spec, "initContainers", "init_containers") or []), default=0)
+    return max(main, init)
+
+
+def _gpus_in_use(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    used: dict[str, int] = {}
+    for pod in pods:
+        spec = _get(pod, "spec") or {}
+        node = _get(spec, "nodeName", "node_name")
+        phase = _get(_get(pod, "status") or {}, "phase")
+        if not node or phase in ("Succeeded", "Failed"):
+            continue
+        used[node] = used.get(node, 0) + _pod_gpu_request(pod)
+    return used
+
+
+def _sanitize_pool_name(value: str) -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", value.lower()).strip("-")[:63].strip("-")
+    return name or "pool"
+
+
+@dataclass
+class _NodeFacts:
+    name: str
+    pool_key: str  # label key that named the pool ("" when a catalog selector matched)
+    pool_name: str
+    selector: dict[str, str]
+    region: str
+    zone: str | None
+    gpu_type: str
+    gpu_memory_bytes: int
+    gpus: int
+    free: int
+    host_memory_bytes: int
+    cpus: int
+    taints: tuple[Taint, ...]
+
+
+def discover(
+    nodes: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    policy: Any,
+) -> Discovery:
+    """Pools as the Node objects show them now, with free GPUs, and the nodes left out and why.
+
+    `policy` is a ClusterPolicy (region/zone label keys, pool label keys, the catalog whose
+    selectors name pools first).
+    """
+    used = _gpus_in_use(pods)
+    catalog: list[NodePool] = list(getattr(policy, "catalog", []) or [])
+    pool_keys: list[str] = list(getattr(policy, "pool_label_keys", []) or [])
+    region_key: str = policy.region_label_key
+    zone_key: str = getattr(policy, "zone_label_key", "topology.kubernetes.io/zone")
+    facts: list[_NodeFacts] = []
+    skipped: list[SkippedNode] = []
+    for node in nodes:
+        meta = _get(node, "metadata") or {}
+        name = str(_get(meta, "name") or "?")
+        labels: dict[str, str] = dict(_get(meta, "labels") or {})
+        spec = _get(node, "spec") or {}
+        status = _get(node, "status") or {}
+        allocatable = _get(status, "allocatable") or {}
+        try:
+            gpus = int(parse_quantity(allocatable.get(GPU_RESOURCE, 0)))
+        except ValueError:
+            gpus = 0
+        product = labels.get(GFD_PRODUCT)
+        if gpus <= 0 and not product:
+            continue  # not a GPU node: nothing to say about it
+        if _get(spec, "unschedulable"):
+            skipped.append(SkippedNode(name, "cordoned (spec.unschedulable)"))
+            continue
+        if not _node_ready(node):
+            skipped.append(SkippedNode(name, "not Ready"))
+            continue
+        if gpus <= 0:
+            skipped.append(SkippedNode(name, f"no allocatable {GPU_RESOURCE} (device plugin not running?)"))
+            continue
+        region = labels.get(region_key)
+        if not region:
+            skipped.append(SkippedNode(name, f"no region label {region_key}"))
+            continue
+        if not product:
+            skipped.append(SkippedNode(name, f"no {GFD_PRODUCT} label (GPU Feature Discovery not running?)"))
+            continue
+        info = gpu_type_info(product)
+        memory_bytes = None
+        if labels.get(GFD_MEMORY, "").isdigit():
+            memory_bytes = int(labels[GFD_MEMORY]) * MiB
+        if info is None and memory_bytes is None:
+            skipped.append(SkippedNode(name, f"unknown GPU {product!r} and no {GFD_MEMORY} label"))
+            continue
+        if "-MIG-" in product.upper():
+            skipped.append(SkippedNode(name, f"MIG slices ({product}) are not planned for training"))
+            continue
+        gpu_type = info.name if info else _sanitize_pool_name(product).upper()
+        memory_bytes = memory_bytes or info.memory_bytes  # type: ignore[union-attr]
+        # A catalog selector wins: it is how the platform team names its pools.
+        match = next((p for p in catalog if p.selector and all(labels.get(k) == v for k, v in p.selector.items())), None)
+        if match is not None:
+            pool_key, pool_name, selector = "", match.name, dict(match.selector)
+        else:
+            key = next((k for k in pool_keys if labels.get(k)), None)
+            if key is None:
+                skipped.append(SkippedNode(name, "no pool label (" + ", ".join(pool_keys) + ")"))
+                continue
+            pool_key, pool_name, selector = key, _sanitize_pool_name(labels[key]), {key: labels[key]}
+        try:
+            host_memory = int(parse_quantity(allocatable.get("memory", 0)))
+            cpus = int(parse_quantity(allocatable.get("cpu", 0)))
+        except ValueError:
+            host_memory, cpus = 0, 0
+        taints = tuple(
+            Taint(key=_get(t, "key"), value=_get(t, "value"), effect=_get(t, "effect") or "NoSchedule")
+            for t in _get(spec, "taints") or []
+            if _get(t, "key") and not str(_get(t, "key")).startswith(_TRANSIENT_TAINT_PREFIXES)
+        )
+        facts.append(
+            _NodeFacts(
+                name=name, pool_key=pool_key, pool_name=pool_name, selector=selector, region=region,
+                zone=labels.get(zone_key), gpu_type=gpu_type, gpu_memory_bytes=memory_bytes, gpus=gpus,
+                free=max(0, gpus - used.get(name, 0)), host_memory_bytes=host_memory, cpus=cpus, taints=taints,
+            )
+        )
+    return Discovery(pools=_group(facts, region_key), skipped=skipped)
+
+
+def _group(facts: list[_NodeFacts], region_key: str) -> list[NodePool]:
+    groups: dict[tuple[str, str, str], list[_NodeFacts]] = {}
+    for f in facts:
+        groups.setdefault((f.pool_name, f.region, f.gpu_type), []).append(f)
+    names_seen: dict[str, int] = {}
+    for pool_name, _, _ in groups:
+        names_seen[pool_name] = names_seen.get(pool_name, 0) + 1
+    pools: list[NodePool] = []
+    for (pool_name, region, gpu_type), members in sorted(groups.items()):
+        first = members[0]
+        selector = dict(first.selector)
+        name = pool_name
+        if names_seen[pool_name] > 1:
+            # One pool label spanning regions or GPU types: split it, and pin each part by region too.
+            name = _sanitize_pool_name(f"{pool_name}-{region}-{gpu_type}")
+            selector[region_key] = region
+        info = gpu_type_info(gpu_type)
+        # Nodes of a pool may differ slightly (allocatable after system reservations): plan to the smallest.
+        pools.append(
+            NodePool(
+                name=name,
+                region=region,
+                zones=sorted({f.zone for f in members if f.zone}),
+                gpu_type=gpu_type,
+                gpu_memory_bytes=min(f.gpu_memory_bytes for f in members),
+                gpus_per_node=min(max(f.gpus for f in members), 64),
+                max_nodes=len(members),
+                free_gpus=sum(f.free for f in members),
+                nodes_now=len(members),
+                intra_node="nvlink" if info is None or info.nvlink else "pcie",
+                host_memory_bytes=min(f.host_memory_bytes for f in members),
+                cpus=min(f.cpus for f in members),
+                selector=selector,
+                taints=list(first.taints),
+                source="discovered",
+            )
+        )
+    return pools
+
+
+def discover_pools(nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], policy: Any) -> list[NodePool]:
+    """Pools as the Node objects show them now (see `discover` for the nodes left out)."""
+    return discover(nodes, pods, policy).pools
+
+
+def merge_pools(catalog: Sequence[NodePool], discovered: Sequence[NodePool]) -> list[NodePool]:
+    """One list of pools: catalog facts (price, ceiling, interconnect) plus what discovery sees now.
+
+    A discovered pool matches a catalog pool of the same name and region. The hardware
+    the nodes report (GPU type, memory, GPUs per node) wins over the catalog's; the
+    ceiling is at least the nodes up now. Discovered pools without a catalog entry
+    are kept (no price, ceiling = nodes up now).
+    """
+    by_key = {(p.name, p.region): p for p in discovered}
+    merged: list[NodePool] = []
+    for pool in catalog:
+        seen = by_key.pop((pool.name, pool.region), None)
+        if seen is None:
+            merged.append(pool)
+            continue
+        merged.append(
+            pool.model_copy(
+                update={
+                    "zones": sorted(set(pool.zones) | set(seen.zones)),
+                    "gpu_type": seen.gpu_type,
+                    "gpu_memory_bytes": seen.gpu_memory_bytes,
+                    "gpus_per_node": seen.gpus_per_node,
+                    "max_nodes": max(pool.max_nodes, seen.nodes_now),
+                    "free_gpus": seen.free_gpus,
+                    "nodes_now": seen.nodes_now,
+                    "host_memory_bytes": seen.host_memory_bytes or pool.host_memory_bytes,
+                    "cpus": seen.cpus or pool.cpus,
+                    "taints": pool.taints or seen.taints,
+                    "source": "both",
+                }
+            )
+        )
+    merged.extend(p for p in discovered if (p.name, p.region) in by_key)
+    return merged
