@@ -212,6 +212,9 @@ class TrainerConfig(_Contract):
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    # Fraction of all optimizer steps spent warming up, for runs by epochs whose step
+    # count only the trainer knows; used when warmupSteps is 0 (as in the HF Trainer).
+    warmup_ratio: float | None = Field(None, ge=0, le=1)
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = Field(1.0, ge=0)
 

@@ -1,0 +1,203 @@
+"""The data that fills the pod template: placement, resources, volumes, env, command.
+
+Everything here is plain data (dicts and lists of strings and numbers); the template in
+`templates/_pod_template.json.j2` fixes the shape around it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .. import api
+from ..planning import ClusterPolicy, Plan
+from . import layout as paths
+from .errors import RenderError
+from .layout import Layout
+
+GPU_RESOURCE = "nvidia.com/gpu"
+MiB = 1024**2
+# Share of a node's CPUs the pods of a full node request: the rest is left to the
+# kubelet, the container runtime and daemon sets, which allocatable may not account for.
+CPU_SHARE = 0.9
+# When the catalog does not know a node's CPUs: what GPU nodes commonly have per GPU.
+FALLBACK_CPUS_PER_GPU = 8
+RUN_AS_USER = 1000
+FETCH_CONTAINER = "fetch-model"
+
+
+def allowed_regions(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> list[str]:
+    """The regions to pin the pods to: the plan's, checked once more against policy and job.
+
+    The planner computes them; the renderer does not trust it blindly, because this list
+    is the one thing that keeps the pods inside the allowed regions.
+    """
+    permitted = set(policy.allowed_regions) & set(job.spec.placement.regions)
+    regions = sorted(set(plan.allowed_regions))
+    if not regions:
+        raise RenderError("plan.allowedRegions", "empty; a pod must be pinned to at least one region")
+    outside = [r for r in regions if r not in permitted]
+    if outside:
+        raise RenderError(
+            "plan.allowedRegions",
+            f"{outside} not allowed by both the cluster policy {sorted(policy.allowed_regions)}"
+            f" and spec.placement.regions {list(job.spec.placement.regions)}",
+        )
+    if plan.region not in regions or plan.pool.region != plan.region:
+        raise RenderError(
+            "plan.region",
+            f"pool {plan.pool.name} is in {plan.pool.region!r}, plan says {plan.region!r},"
+            f" allowed regions are {regions}",
+        )
+    return regions
+
+
+def match_expressions(region_label_key: str, regions: list[str], plan: Plan) -> list[dict[str, Any]]:
+    """One required node-selector term: the region label in `regions` and the pool's labels."""
+    expressions = [{"key": region_label_key, "operator": "In", "values": list(regions)}]
+    for key in sorted(plan.pool.selector):
+        if key == region_label_key:
+            raise RenderError(
+                f"pool {plan.pool.name}.selector",
+                f"selects on the region label {key!r}; the region is pinned by the policy, not the pool",
+            )
+        expressions.append({"key": key, "operator": "In", "values": [plan.pool.selector[key]]})
+    return expressions
+
+
+def tolerations(plan: Plan) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    for taint in plan.pool.taints:
+        if taint.value is None:
+            result.append({"key": taint.key, "operator": "Exists", "effect": taint.effect})
+        else:
+            result.append({"key": taint.key, "operator": "Equal", "value": taint.value, "effect": taint.effect})
+    return result
+
+
+def resources(plan: Plan) -> dict[str, str]:
+    """Requests, equal to limits: the pod gets Guaranteed QoS and the estimate's host memory."""
+    pool = plan.pool
+    if plan.gpus_per_node > pool.gpus_per_node:
+        raise RenderError("plan.gpusPerNode", f"{plan.gpus_per_node} exceeds the {pool.gpus_per_node} GPUs of pool {pool.name}")
+    if pool.cpus > 0:
+        cpus = math.floor(pool.cpus * CPU_SHARE * plan.gpus_per_node / pool.gpus_per_node)
+    else:
+        cpus = FALLBACK_CPUS_PER_GPU * plan.gpus_per_node
+    if plan.host_memory_bytes <= 0:
+        raise RenderError("plan.hostMemoryBytes", "must be positive: the pod's memory request and limit come from it")
+    return {
+        GPU_RESOURCE: str(plan.gpus_per_node),
+        "cpu": str(max(1, cpus)),
+        "memory": f"{math.ceil(plan.host_memory_bytes / MiB)}Mi",
+    }
+
+
+def volumes(config_map_name: str, layout: Layout) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name}},
+        # NCCL and the data loader workers pass tensors through /dev/shm; the default 64 MiB is far too small.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "scratch", "emptyDir": {}},
+    ]
+    if layout.model is None:
+        result.append({"name": "model", "emptyDir": {}})
+    for mount in layout.claims:
+        result.append(
+            {"name": mount.role, "persistentVolumeClaim": {"claimName": mount.claim_name, "readOnly": mount.read_only}}
+        )
+    return result
+
+
+def volume_mounts(layout: Layout) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": paths.CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": paths.SHM_DIR},
+        {"name": "scratch", "mountPath": paths.SCRATCH_DIR},
+    ]
+    if layout.model is None:
+        result.append({"name": "model", "mountPath": paths.MODEL_DIR, "readOnly": True})
+    for mount in layout.claims:
+        result.append({"name": mount.role, "mountPath": mount.mount_path, "readOnly": mount.read_only})
+    return result
+
+
+def env() -> list[dict[str, Any]]:
+    return [
+        # The home of the non-root user may not be writable; caches go to the scratch volume.
+        {"name": "HOME", "value": paths.SCRATCH_DIR},
+        {"name": "HF_HOME", "value": f"{paths.SCRATCH_DIR}/huggingface"},
+        # The weights are local (on a volume, or fetched by the init container before
+        # training starts): the trainer must never reach for the Hub.
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        # Fewer, larger CUDA segments: less fragmentation than the sizing model allows for.
+        {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"},
+    ]
+
+
+def trainer_command(plan: Plan) -> list[str]:
+    """torchrun with the plan's shape; the training operator sets the rendezvous (PET_MASTER_ADDR, ...)."""
+    return [
+        "torchrun",
+        f"--nnodes={plan.nodes}",
+        f"--nproc-per-node={plan.gpus_per_node}",
+        "-m",
+        "finetune_trainer",
+        "--config",
+        f"{paths.CONFIG_DIR}/{paths.CONFIG_KEY}",
+    ]
+
+
+def init_containers(
+    job: api.FineTuneJob, image: str, security_context: dict[str, Any], limits: dict[str, str]
+) -> list[dict[str, Any]]:
+    """For a Hub model: download the pinned revision into the model volume before training."""
+    hf = job.spec.model.source.hf
+    if hf is None:
+        return []
+    fetch_env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": paths.SCRATCH_DIR},
+        {"name": "HF_HOME", "value": f"{paths.SCRATCH_DIR}/huggingface"},
+    ]
+    if hf.token_secret_ref is not None:
+        fetch_env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": hf.token_secret_ref.name, "key": hf.token_secret_ref.key}},
+            }
+        )
+    return [
+        {
+            "name": FETCH_CONTAINER,
+            "image": image,
+            "imagePullPolicy": "IfNotPresent",
+            # `hf` is huggingface_hub's CLI, which transformers depends on; arguments are a list, never a shell line.
+            "command": ["hf", "download", hf.repo, "--revision", hf.revision, "--local-dir", paths.MODEL_DIR],
+            "env": fetch_env,
+            "volumeMounts": [
+                {"name": "model", "mountPath": paths.MODEL_DIR},
+                {"name": "scratch", "mountPath": paths.SCRATCH_DIR},
+            ],
+            # Requests equal to limits, like the trainer's, so the pod keeps Guaranteed QoS.
+            "resources": {"requests": dict(limits), "limits": dict(limits)},
+            "securityContext": security_context,
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }
+    ]
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        # Only chown a volume whose root is not already ours: a model volume holds many large files.
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True}
+

@@ -1,0 +1,145 @@
+"""Render attempt N of a FineTuneJob under a plan: a ConfigMap and a PyTorchJob, as plain dicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune_trainer.contract import DEFAULT_REPORT_PATH, TrainerConfig
+
+from .. import api
+from ..planning import ClusterPolicy, Plan
+from . import layout as paths
+from . import pod
+from .errors import RenderError
+from .layout import layout_of
+from .names import attempt_name, label_value
+from .templating import render_json_template
+from .trainer_config import build_trainer_config
+
+JOB_LABEL = "finetune.dev/job"
+ATTEMPT_LABEL = "finetune.dev/attempt"
+PREDICTED_PEAK_ANNOTATION = "finetune.dev/predicted-peak-bytes"
+MODEL_ANNOTATION = "finetune.dev/model"
+PLAN_ANNOTATION = "finetune.dev/plan"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+MANAGER = "finetune-operator"
+
+
+@dataclass(frozen=True)
+class RenderedAttempt:
+    """What the operator creates for one attempt, ready for the API (ConfigMap first)."""
+
+    name: str
+    config_map: dict[str, Any]
+    pytorch_job: dict[str, Any]
+    trainer_config: TrainerConfig
+
+    @property
+    def objects(self) -> list[dict[str, Any]]:
+        """In creation order: the pods mount the ConfigMap, so it goes first."""
+        return [self.config_map, self.pytorch_job]
+
+
+def common_labels(job: api.FineTuneJob, attempt: int) -> dict[str, str]:
+    """Labels on every object of the attempt and on its pods."""
+    return {
+        "app.kubernetes.io/name": "finetune-trainer",
+        "app.kubernetes.io/instance": label_value(job.metadata.name),
+        "app.kubernetes.io/component": "trainer",
+        "app.kubernetes.io/part-of": "finetune-operator",
+        "app.kubernetes.io/managed-by": MANAGER,
+        JOB_LABEL: label_value(job.metadata.name),
+        ATTEMPT_LABEL: str(attempt),
+    }
+
+
+def owner_reference(job: api.FineTuneJob) -> dict[str, Any] | None:
+    """Controller reference to the FineTuneJob; None for a job not yet stored (no uid, e.g. the CLI)."""
+    if not job.metadata.uid:
+        return None
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": job.metadata.name,
+        "uid": job.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy) -> RenderedAttempt:
+    """The ConfigMap and PyTorchJob of attempt `attempt` (from 1) of `job` under `plan`.
+
+    Raises RenderError naming the field when the job or plan cannot be rendered.
+    """
+    if attempt < 1:
+        raise RenderError("attempt", f"must be at least 1, got {attempt}")
+    name = attempt_name(job.metadata.name, attempt)
+    layout = layout_of(job.spec)
+    regions = pod.allowed_regions(job, plan, policy)
+    trainer_config = build_trainer_config(job, plan, attempt, layout)
+    labels = common_labels(job, attempt)
+    owner = owner_reference(job)
+    image = job.spec.image or policy.trainer_image
+    limits = pod.resources(plan)
+
+    config_map = render_json_template(
+        "configmap.json.j2",
+        config_map_meta=_meta(name, job, labels, owner, {}),
+        config_key=paths.CONFIG_KEY,
+        config_json=trainer_config.to_json(),
+    )
+
+    object_labels = dict(labels)
+    if job.spec.queue_name is not None:
+        object_labels[QUEUE_LABEL] = job.spec.queue_name
+    container_security = pod.container_security_context()
+    pod_data = {
+        "labels": labels,
+        "annotations": {PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes)},
+        "security_context": pod.pod_security_context(),
+        "match_expressions": pod.match_expressions(policy.region_label_key, regions, plan),
+        "tolerations": pod.tolerations(plan),
+        "init_containers": pod.init_containers(
+            job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}
+        ),
+        "image": image,
+        "command": pod.trainer_command(plan),
+        "env": pod.env(),
+        "resources": limits,
+        "volume_mounts": pod.volume_mounts(layout),
+        "container_security_context": container_security,
+        "report_path": DEFAULT_REPORT_PATH,
+        "volumes": pod.volumes(name, layout),
+    }
+    replicas = [{"type": "Master", "count": 1}]
+    if plan.nodes > 1:
+        replicas.append({"type": "Worker", "count": plan.nodes - 1})
+    pytorch_job = render_json_template(
+        "pytorchjob.json.j2",
+        pytorch_job_meta=_meta(
+            name,
+            job,
+            object_labels,
+            owner,
+            {MODEL_ANNOTATION: job.spec.model.name, PLAN_ANNOTATION: plan.summary()},
+        ),
+        suspend=job.spec.suspend,
+        nproc_per_node=str(plan.gpus_per_node),
+        replicas=replicas,
+        pod=pod_data,
+    )
+    return RenderedAttempt(name=name, config_map=config_map, pytorch_job=pytorch_job, trainer_config=trainer_config)
+
+
+def _meta(
+    name: str, job: api.FineTuneJob, labels: dict[str, str], owner: dict[str, Any] | None, annotations: dict[str, str]
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.metadata.namespace,
+        "labels": labels,
+        "owner": owner,
+        "annotations": annotations,
+    }
