@@ -1,0 +1,141 @@
+"""How long a training step takes on a pool, and so what a run costs. A documented model, not a measurement.
+
+Compute
+  FLOPs per token (Kaplan et al. 2020; Chinchilla's 6N rule):
+    full:   6 x N   (forward 2N, backward 4N: gradients of activations and of weights)
+    lora:   4 x N + 6 x N_adapter   (the frozen base needs activation gradients (2N) but no
+            weight gradients (2N saved); the adapters are trained fully)
+    qlora:  as lora; the 4-bit base is dequantised on the fly, which `QLORA_EFFICIENCY` charges.
+  N counts the parameters a token passes through: for a mixture of experts only the
+  experts it is routed to. Attention adds 6 x layers x seq x q_width per token for full
+  fine-tuning (4 x ... for LoRA; causal masking halves the 12 of a full score matrix).
+  Gradient checkpointing recomputes the forward pass: + 2N per token, which is +1/3 of
+  full fine-tuning's compute and +1/2 of LoRA's (whose backward is cheaper).
+  Achieved throughput = peak dense tensor FLOP/s x utilisation (`STRATEGY_MFU`, typical
+  model-FLOPs utilisation of each strategy in published runs) x a micro-batch factor
+  tokens / (tokens + `MICRO_BATCH_HALF_TOKENS`) (small micro-batches leave the GPU idle
+  between kernels). fp32 runs on TF32 tensor cores at half the bf16 rate.
+Communication (per optimizer step, bytes each GPU moves, ring collectives)
+  ddp, zero1, zero2: one all-reduce (or reduce-scatter + all-gather) of the trainable
+      gradients: 2 x G bytes.
+  fsdp, zero3: per micro-step, an all-gather of the (frozen or trained) weights in forward
+      and again in backward (and once more when checkpointing recomputes), plus a
+      reduce-scatter of the trainable gradients: (2 + ckpt) x P + G bytes.
+  Within a node the traffic runs over NVLink or PCIe (`INTRA_NODE_GBYTES`); across nodes
+  the hierarchical collectives move (nodes-1)/nodes of it over each node's network link
+  (the pool's `interNodeGbps`). Half of the compute time hides communication
+  (`COMM_OVERLAP`); the rest is exposed.
+Offload
+  Moving optimizer states (and parameters) to host memory puts the optimizer step on the
+  CPU and adds PCIe traffic: the step takes `OFFLOAD_SLOWDOWN` times as long (ZeRO-Offload
+  and ZeRO-Infinity report 10-60% slowdowns on fine-tuning sized batches).
+Cost = steps x seconds per step x GPUs / 3600 x price per GPU-hour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sizing import ModelArchitecture
+from .pools import NodePool
+
+STRATEGY_MFU = {"ddp": 0.45, "zero1": 0.43, "zero2": 0.42, "fsdp": 0.40, "zero3": 0.38}
+MICRO_BATCH_HALF_TOKENS = 512
+QLORA_EFFICIENCY = 0.70
+FP32_RATE = 0.5
+OFFLOAD_SLOWDOWN = {"none": 1.0, "optimizer": 1.3, "optimizer+params": 1.8}
+INTRA_NODE_GBYTES = {"nvlink": 200.0, "pcie": 20.0}  # achieved collective bandwidth per GPU, GB/s
+COMM_OVERLAP = 0.5
+
+
+@dataclass(frozen=True)
+class JobWork:
+    """What a job asks of the hardware, independent of where it runs."""
+
+    flops_per_token: float  # without recomputation
+    recompute_flops_per_token: float  # extra when gradient checkpointing is on
+    tokens_per_step: int  # global batch x sequence length
+    weight_bytes: float  # bytes of the weights a sharded strategy all-gathers
+    grad_bytes: float  # bytes of the trainable gradients that are reduced
+    efficiency: float  # method factor (QLoRA dequantisation)
+    rate: float  # precision factor on the peak (fp32 on TF32)
+    sequence_length: int
+
+
+def active_params(arch: ModelArchitecture) -> int:
+    """Parameters a token passes through (a mixture of experts routes it to a few experts)."""
+    kinds = arch.params_by_kind()
+    if not arch.is_moe:
+        return sum(kinds.values())
+    return sum(kinds.values()) - kinds["mlp"] + kinds["mlp"] * arch.experts_per_token // arch.num_experts
+
+
+def job_work(
+    arch: ModelArchitecture,
+    *,
+    method: str,
+    lora_rank: int,
+    lora_targets: str | tuple[str, ...],
+    precision: str,
+    sequence_length: int,
+    global_batch_size: int,
+) -> JobWork:
+    n = float(active_params(arch))
+    attention = 2.0 * arch.num_layers * sequence_length * arch.q_size  # forward, causal
+    compute_bytes = 4 if precision == "fp32" else 2
+    if method == "full":
+        trainable = float(arch.total_params)
+        flops = 3 * (2 * n + attention)
+        weight_bytes = compute_bytes * float(arch.total_params)
+    else:
+        trainable = float(arch.lora_trainable_params(lora_rank, lora_targets))
+        flops = 2 * (2 * n + attention) + 6 * trainable
+        # QLoRA gathers NF4 weights: half a byte each plus ~1/16 for the quantisation constants.
+        per_weight = 0.5625 if method == "qlora" else compute_bytes
+        weight_bytes = per_weight * float(arch.total_params)
+    return JobWork(
+        flops_per_token=flops,
+        recompute_flops_per_token=2 * n + attention,
+        tokens_per_step=global_batch_size * sequence_length,
+        weight_bytes=weight_bytes,
+        grad_bytes=compute_bytes * trainable,
+        efficiency=QLORA_EFFICIENCY if method == "qlora" else 1.0,
+        rate=FP32_RATE if precision == "fp32" else 1.0,
+        sequence_length=sequence_length,
+    )
+
+
+def step_seconds(
+    work: JobWork,
+    pool: NodePool,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    strategy: str,
+    offload: str,
+    gradient_checkpointing: bool,
+    micro_batch_size: int,
+) -> float:
+    """Predicted wall time of one optimizer step (see the module docstring for the model)."""
+    world = nodes * gpus_per_node
+    per_token = work.flops_per_token + (work.recompute_flops_per_token if gradient_checkpointing else 0.0)
+    micro_tokens = micro_batch_size * work.sequence_length
+    utilisation = STRATEGY_MFU[strategy] * micro_tokens / (micro_tokens + MICRO_BATCH_HALF_TOKENS)
+    flops_per_second = world * pool.tflops * 1e12 * utilisation * work.efficiency * work.rate
+    compute = per_token * work.tokens_per_step / flops_per_second
+
+    communication = 0.0
+    if world > 1:
+        accumulation = work.tokens_per_step // (micro_tokens * world) or 1
+        if strategy in ("fsdp", "zero3"):
+            gathers = 3 if gradient_checkpointing else 2
+            volume = accumulation * (gathers * work.weight_bytes + work.grad_bytes)
+        else:
+            volume = 2 * work.grad_bytes
+        if gpus_per_node > 1:
+            communication += volume * (gpus_per_node - 1) / gpus_per_node / (INTRA_NODE_GBYTES[pool.intra_node] * 1e9)
+        if nodes > 1:
+            link = max(pool.inter_node_gbps, 1.0) / 8 * 1e9
+            communication += volume * (nodes - 1) / nodes / link
+    exposed = max(0.0, communication - COMM_OVERLAP * compute)
+    return (compute + exposed) * OFFLOAD_SLOWDOWN[offload]
