@@ -64,11 +64,17 @@ class Layout:
         return None if self.checkpoints is None else self.checkpoints.local_path
 
     @property
+    def output_is_ephemeral(self) -> bool:
+        """Neither an output nor a checkpoint volume: the result goes to an emptyDir and is lost with the pod."""
+        return self.output is None and self.checkpoints is None
+
+    @property
     def output_path(self) -> str:
         if self.output is not None:
             return self.output.local_path
-        assert self.checkpoints is not None  # layout_of guarantees one of the two
-        return f"{self.checkpoints.local_path}/{FINAL_FOLDER}"
+        if self.checkpoints is not None:
+            return f"{self.checkpoints.local_path}/{FINAL_FOLDER}"
+        return OUTPUT_DIR
 
 
 def layout_of(spec: api.FineTuneJobSpec) -> Layout:
@@ -103,9 +109,4 @@ def layout_of(spec: api.FineTuneJobSpec) -> Layout:
                 "uploading the result to s3:// or gs:// is not supported yet; use output.pvc",
             )
         output = ClaimMount("output", spec.output.pvc.claim_name, OUTPUT_DIR, False, spec.output.pvc.path)
-    if output is None and checkpoints is None:
-        raise RenderError(
-            "spec.output",
-            "the result needs a volume: set spec.output.pvc, or spec.checkpoint (the result then goes to its final/ folder)",
-        )
     return Layout(model=model, data=data, checkpoints=checkpoints, output=output)

@@ -13,6 +13,7 @@ from .. import api
 from ..planning import ClusterPolicy, Plan
 from . import layout as paths
 from .errors import RenderError
+from .k8s_names import is_label_value, is_qualified_name
 from .layout import Layout
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -54,8 +55,12 @@ def allowed_regions(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> 
 
 def match_expressions(region_label_key: str, regions: list[str], plan: Plan) -> list[dict[str, Any]]:
     """One required node-selector term: the region label in `regions` and the pool's labels."""
+    if not is_qualified_name(region_label_key):
+        raise RenderError("policy.regionLabelKey", f"{region_label_key!r} is not a valid label key")
     expressions = [{"key": region_label_key, "operator": "In", "values": list(regions)}]
     for key in sorted(plan.pool.selector):
+        if not is_qualified_name(key):
+            raise RenderError(f"pool {plan.pool.name}.selector", f"{key!r} is not a valid label key")
         if key == region_label_key:
             raise RenderError(
                 f"pool {plan.pool.name}.selector",
@@ -68,6 +73,10 @@ def match_expressions(region_label_key: str, regions: list[str], plan: Plan) -> 
 def tolerations(plan: Plan) -> list[dict[str, Any]]:
     result: list[dict[str, Any]] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     for taint in plan.pool.taints:
+        if not is_qualified_name(taint.key):
+            raise RenderError(f"pool {plan.pool.name}.taints", f"{taint.key!r} is not a valid taint key")
+        if taint.value is not None and not is_label_value(taint.value):
+            raise RenderError(f"pool {plan.pool.name}.taints", f"value {taint.value!r} of {taint.key} is not a valid taint value")
         if taint.value is None:
             result.append({"key": taint.key, "operator": "Exists", "effect": taint.effect})
         else:
@@ -102,6 +111,10 @@ def volumes(config_map_name: str, layout: Layout) -> list[dict[str, Any]]:
     ]
     if layout.model is None:
         result.append({"name": "model", "emptyDir": {}})
+    if layout.output_is_ephemeral:
+        # The API allows a job with neither output nor checkpoint volume (a smoke test);
+        # its result lives only as long as the pod.
+        result.append({"name": "output", "emptyDir": {}})
     for mount in layout.claims:
         result.append(
             {"name": mount.role, "persistentVolumeClaim": {"claimName": mount.claim_name, "readOnly": mount.read_only}}
@@ -117,6 +130,8 @@ def volume_mounts(layout: Layout) -> list[dict[str, Any]]:
     ]
     if layout.model is None:
         result.append({"name": "model", "mountPath": paths.MODEL_DIR, "readOnly": True})
+    if layout.output_is_ephemeral:
+        result.append({"name": "output", "mountPath": paths.OUTPUT_DIR})
     for mount in layout.claims:
         result.append({"name": mount.role, "mountPath": mount.mount_path, "readOnly": mount.read_only})
     return result

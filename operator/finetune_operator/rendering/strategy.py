@@ -73,11 +73,12 @@ def build_deepspeed_config(strategy: str, offload: str, batch: BatchSettings) ->
 
 
 def build_fsdp_settings(offload: str) -> FsdpSettings:
-    """Full shard with the model's own layer classes wrapped; parameters offloaded when asked.
+    """Full shard over all ranks with the model's own FSDP plan (the contract's defaults).
 
-    FSDP moves parameters, gradients and optimizer states to the host together, so only
-    `none` and `optimizer+params` exist for it.
+    The trainer reads the offload from the config's `offload`; FSDP moves parameters,
+    gradients and optimizer states to the host together, so only `none` and
+    `optimizer+params` exist for it.
     """
     if offload == "optimizer":
         raise RenderError("plan.offload", "FSDP offloads parameters and optimizer together; use optimizer+params")
-    return FsdpSettings(version=2, reshard_after_forward=True, cpu_offload=offload == "optimizer+params")
+    return FsdpSettings()
