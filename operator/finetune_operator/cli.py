@@ -85,7 +85,41 @@ def _run_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_crd, _add_validate]
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan a FineTuneJob against node pools: pool, GPUs, strategy, batch split")
+    p.add_argument("job", help="FineTuneJob YAML file (- for standard input)")
+    p.add_argument("--pools", help="node-pool catalog YAML (e.g. examples/pools.yaml)")
+    p.add_argument("--policy", help="cluster policy YAML (allowedRegions, catalog, ...); default: the pools file's allowedRegions")
+    p.add_argument("--nodes", help="Node list for discovery (kubectl get nodes -o json)")
+    p.add_argument("--pods", help="Pod list for free GPUs (kubectl get pods -A -o json)")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .planning import plan_job
+    from .planning.plan import Plan
+    from .planning.report import PlanInputError, format_table, planning_inputs, result_json
+
+    job = load_job(args.job)
+    try:
+        pools, policy = planning_inputs(
+            args.pools, _read(args.pools) if args.pools else None,
+            args.policy, _read(args.policy) if args.policy else None,
+            (args.nodes, _read(args.nodes)) if args.nodes else None,
+            (args.pods, _read(args.pods)) if args.pods else None,
+        )
+    except PlanInputError as error:
+        raise CliError(str(error)) from None
+    result = plan_job(job.spec, pools, policy)
+    if args.output == "json":
+        print_json(result_json(result))
+    else:
+        sys.stdout.write(format_table(result, job.metadata.name))
+    return 0 if isinstance(result, Plan) else 1
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_crd, _add_validate, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

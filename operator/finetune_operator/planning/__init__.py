@@ -2,11 +2,28 @@
 
 from .plan import Infeasible, Plan, PlanKey, PlanningResult, plan_key_of
 from .policy import ClusterPolicy, PolicyError, load_policy
-from .pools import GPU_TYPES, GpuType, NodePool, Taint, canonical_gpu_name, gpu_type_info
+from .pools import (
+    GPU_TYPES,
+    CatalogError,
+    Discovery,
+    GpuType,
+    NodePool,
+    SkippedNode,
+    Taint,
+    canonical_gpu_name,
+    discover,
+    discover_pools,
+    gpu_type_info,
+    load_catalog,
+    merge_pools,
+)
+from .search import exhaustive_plan, plan_job
 
 __all__ = [
     "GPU_TYPES",
+    "CatalogError",
     "ClusterPolicy",
+    "Discovery",
     "GpuType",
     "Infeasible",
     "NodePool",
@@ -14,9 +31,16 @@ __all__ = [
     "PlanKey",
     "PlanningResult",
     "PolicyError",
+    "SkippedNode",
     "Taint",
     "canonical_gpu_name",
+    "discover",
+    "discover_pools",
+    "exhaustive_plan",
     "gpu_type_info",
+    "load_catalog",
     "load_policy",
+    "merge_pools",
+    "plan_job",
     "plan_key_of",
 ]

@@ -715,7 +715,7 @@ def _to_plan(ask: _Ask, winner: _Candidate, others: list[_Candidate], stats: _St
     reason = (
         f"{_shape(g)} in pool {pool.name} ({pool.region}) with {_setup_words(g)}, micro-batch {winner.micro} x"
         f" accumulation {ask.global_batch_size // (winner.micro * g.world)}: it needs {_gib(required)} per GPU{calib}"
-        f" of {_gib(usable)} usable ({pool.gpu_memory_bytes / GiB:.0f} GiB less {ask.headroom:.0%} headroom), peak in"
+        f" of {_gib(usable)} usable ({pool.gpu_memory_bytes / GiB:.1f} GiB less {ask.headroom:.0%} headroom), peak in"
         f" {f.peak_phase or 'training'}, and is the cheapest feasible plan ({cost_words}; searched {searched})."
         f" {free_words[0].upper() + free_words[1:]}."
         + (f" Changes: {', '.join(winner.changes)}." if winner.changes else "")
