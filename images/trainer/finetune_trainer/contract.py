@@ -152,19 +152,15 @@ class LoraSettings(_Contract):
 
 
 class FsdpSettings(_Contract):
-    """What the trainer hands to the transformers Trainer's FSDP integration.
+    """FSDP2 as transformers applies it at load time (``DistributedConfig``).
 
-    Always full-shard with transformer-layer auto-wrap. Mixed precision under bf16/fp16
-    is param_dtype=compute dtype, reduce_dtype=fp32 (see notes/trainer_settings.md).
+    Always full-shard over all ranks; under bf16/fp16 the mixed-precision policy is
+    param_dtype=bf16, reduce_dtype=fp32 (see notes/trainer_settings.md); parameters go
+    to the host when ``offload`` is "optimizer+params". ``plan`` overrides the model's
+    own FSDP plan per module pattern (transformers' ``fsdp_plan``).
     """
 
-    version: Literal[1, 2] = 2
-    reshard_after_forward: bool = True
-    # Layer classes to wrap; empty -> the model's own ``_no_split_modules``.
-    transformer_layer_cls_to_wrap: list[str] = Field(default_factory=list)
-    # Parameters and gradients on the host; set by the trainer from ``offload``
-    # when it is "optimizer+params", or explicitly here.
-    cpu_offload: bool = False
+    plan: dict[str, Literal["free_full_weight", "keep_full_weight"]] = Field(default_factory=dict)
 
 
 class CheckpointSettings(_Contract):
@@ -265,6 +261,8 @@ class TrainerConfig(_Contract):
             raise ValueError("parameter offload needs ZeRO-3 (strategy zero3)")
         if self.method == "qlora" and self.strategy != "ddp":
             raise ValueError("qlora runs under strategy ddp only")
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ValueError("strategy fsdp computes in bf16 (or fp32), not fp16")
         if self.method == "qlora" and self.precision == "fp32":
             raise ValueError("qlora computes in bf16 or fp16, not fp32")
         return self

@@ -1,0 +1,281 @@
+"""Checkpoints: atomic, keep the last K, resume from the newest complete one.
+
+Layout under the checkpoint directory::
+
+    step-00000040/            complete (renamed into place only after everything is written)
+      meta.json               CheckpointMeta
+      scheduler.pt            LR scheduler state (rank 0)
+      dcp/                    model (+ optimizer) via torch.distributed.checkpoint   (ddp, fsdp)
+      deepspeed/state/        DeepSpeed's own checkpoint                             (zero1/2/3)
+    .staging-step-00000060/   being written; removed at the next start
+
+torch.distributed.checkpoint stores tensors by their fully qualified names with
+sharding metadata, so a checkpoint written by N ranks under DDP or FSDP loads on M
+ranks under DDP or FSDP, optimizer state included (for LoRA only the adapters and
+their optimizer state are stored). A DeepSpeed checkpoint resumes fully on the same
+ZeRO stage and world size; anywhere else the weights are recovered with DeepSpeed's
+zero_to_fp32 and the optimizer starts fresh (logged as ``optimizerRestored: false``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .reporting import log_json
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+DCP_DIR = "dcp"
+DS_DIR = "deepspeed"
+DS_TAG = "state"
+
+
+@dataclass
+class CheckpointMeta:
+    step: int
+    samples_consumed: int
+    world_size: int
+    strategy: str
+    method: str
+    format: str  # "dcp" | "deepspeed"
+    micro_batch_size: int
+    gradient_accumulation: int
+    attempt: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CheckpointMeta":
+        return cls(**json.loads(text))
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    meta: CheckpointMeta
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Checkpoint]:
+    """Complete checkpoints, oldest first. Anything without a readable meta.json is skipped."""
+    root = Path(root)
+    found = []
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        if not _STEP_DIR.match(entry.name) or not entry.is_dir():
+            continue
+        try:
+            meta = CheckpointMeta.from_json((entry / "meta.json").read_text())
+        except (OSError, ValueError, TypeError):
+            continue
+        found.append(Checkpoint(entry, meta))
+    return sorted(found, key=lambda c: c.meta.step)
+
+
+def newest_checkpoint(root: str | Path) -> Checkpoint | None:
+    checkpoints = list_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+def clean_staging(root: str | Path) -> None:
+    """Remove half-written checkpoints of an attempt that died while saving (rank 0)."""
+    root = Path(root)
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(".staging-"):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def prune(root: str | Path, keep_last: int) -> list[Path]:
+    removed = []
+    for checkpoint in list_checkpoints(root)[:-keep_last]:
+        # Rename first so a half-deleted folder never looks complete.
+        doomed = checkpoint.path.with_name(".staging-deleting-" + checkpoint.path.name)
+        os.rename(checkpoint.path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(checkpoint.path)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------- torch side
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _plain_optimizer(optimizer):
+    # accelerate wraps the torch optimizer; DCP needs the torch one.
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _options(lora: bool, **extra):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=lora, **extra)
+
+
+def save_checkpoint(
+    *, root: Path, meta: CheckpointMeta, model, optimizer, scheduler, deepspeed_engine, lora: bool, keep_last: int
+) -> Path:
+    """Collective: every rank calls it. Returns the final path."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    final = root / step_dir_name(meta.step)
+    staging = root / f".staging-{step_dir_name(meta.step)}"
+    if _is_rank0():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    _barrier()
+    if deepspeed_engine is not None:
+        deepspeed_engine.save_checkpoint(str(staging / DS_DIR), tag=DS_TAG, save_latest=True)
+    else:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, _plain_optimizer(optimizer), options=_options(lora))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging / DCP_DIR))
+    _barrier()
+    if _is_rank0():
+        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        # meta.json last: its presence marks the content complete, the rename publishes it.
+        with open(staging / "meta.json", "w") as handle:
+            handle.write(meta.to_json())
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(staging)
+        if final.exists():  # the same step saved by an earlier attempt
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _fsync_dir(root)
+        removed = prune(root, keep_last)
+        log_json("checkpoint", step=meta.step, path=str(final), samplesConsumed=meta.samples_consumed,
+                 pruned=[str(p) for p in removed])
+    _barrier()
+    return final
+
+
+def can_restore_optimizer(checkpoint: Checkpoint, strategy: str, world_size: int) -> bool:
+    meta = checkpoint.meta
+    if meta.format == "dcp":
+        return strategy in ("ddp", "fsdp")
+    return meta.strategy == strategy and meta.world_size == world_size
+
+
+def load_full_state(checkpoint: Checkpoint, *, model, optimizer, deepspeed_engine, lora: bool) -> None:
+    """Model and optimizer state, when ``can_restore_optimizer`` says so (collective)."""
+    if checkpoint.meta.format == "deepspeed":
+        deepspeed_engine.load_checkpoint(
+            str(checkpoint.path / DS_DIR),
+            tag=DS_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=not lora,
+        )
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    plain = _plain_optimizer(optimizer)
+    model_sd, optim_sd = get_state_dict(model, plain, options=_options(lora))
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(checkpoint.path / DCP_DIR))
+    set_state_dict(model, plain, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(lora))
+
+
+def load_weights(checkpoint: Checkpoint, model, lora: bool) -> None:
+    """Weights only, into a model not yet wrapped by DeepSpeed (DDP-plain, FSDP or ZeRO-3 partitioned)."""
+    if checkpoint.meta.format == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if _is_zero3_partitioned(model):
+            full = _dcp_full_state(checkpoint)
+        else:
+            model_sd = get_model_state_dict(model, options=_options(lora))
+            dcp.load({"model": model_sd}, checkpoint_id=str(checkpoint.path / DCP_DIR))
+            _set_model(model, model_sd, lora, full=False)
+            return
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        full = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.path / DS_DIR), tag=DS_TAG)
+    if _is_zero3_partitioned(model):
+        _load_into_zero3(model, full)
+    else:
+        _set_model(model, full, lora, full=True)
+
+
+def _set_model(model, state_dict, lora: bool, full: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    result = set_model_state_dict(model, state_dict, options=_options(lora, full_state_dict=full, strict=False))
+    missing = [k for k in result.missing_keys if (not lora) or "lora_" in k]
+    if missing and full:
+        raise RuntimeError(f"checkpoint lacks weights for {missing[:5]} ...")
+
+
+def _dcp_full_state(checkpoint: Checkpoint) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = checkpoint.path / "consolidated.pt"
+    if _is_rank0() and not target.exists():
+        dcp_to_torch_save(str(checkpoint.path / DCP_DIR), str(target))
+    _barrier()
+    return torch.load(target, map_location="cpu", weights_only=True)["model"]
+
+
+def _is_zero3_partitioned(model) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _load_into_zero3(model, state_dict: dict) -> None:
+    import deepspeed
+    import torch
+
+    for name, param in model.named_parameters():
+        if name not in state_dict:
+            continue
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if _is_rank0():
+                with torch.no_grad():
+                    param.copy_(state_dict[name].to(param.dtype))
+
+
+def load_scheduler(checkpoint: Checkpoint, scheduler, optimizer) -> None:
+    import torch
+
+    state = torch.load(checkpoint.path / "scheduler.pt", map_location="cpu", weights_only=False)
+    scheduler.load_state_dict(state)
+    # The learning rate lives in the optimizer; a fresh optimizer must get it too.
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr

@@ -1,0 +1,239 @@
+"""Read the JSONL dataset, tokenize it per format, pack or truncate, and order it.
+
+Labels are -100 where the model must not learn: prompts and chat turns other than
+the assistant's. The sample order of a whole run is a pure function of the seed, so a
+resumed attempt can skip exactly the samples earlier attempts consumed, whatever the
+micro-batch, accumulation or GPU count of each attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import DataError
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Record:
+    source: str  # "path:line" for error messages
+    data: dict[str, Any]
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def read_jsonl(path: str | Path) -> list[Record]:
+    """All records of a JSONL file, or of every ``*.jsonl`` in a directory (sorted)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise DataError(f"dataset directory {path} holds no *.jsonl files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise DataError(f"dataset {path} does not exist")
+    records: list[Record] = []
+    for file in files:
+        with open(file, encoding="utf-8") as handle:
+            for number, line in enumerate(_lines(handle, file), start=1):
+                if not line.strip():
+                    continue
+                where = f"{file}:{number}"
+                try:
+                    data = json.loads(line)
+                except ValueError as exc:
+                    raise DataError(f"dataset line {number} of {file} is not valid JSON: {exc}") from exc
+                if not isinstance(data, dict):
+                    raise DataError(f"dataset line {number} of {file} is not a JSON object")
+                records.append(Record(where, data))
+    if not records:
+        raise DataError(f"dataset {path} is empty")
+    return records
+
+
+def _lines(handle, file: Path) -> Iterator[str]:
+    try:
+        yield from handle
+    except UnicodeDecodeError as exc:
+        raise DataError(f"dataset {file} is not UTF-8: {exc}") from exc
+
+
+def _field(record: Record, key: str, required: bool = True) -> str | None:
+    value = record.data.get(key)
+    if value is None:
+        if required:
+            raise DataError(f"dataset line {record.source} has no {key!r} field")
+        return None
+    if not isinstance(value, str):
+        raise DataError(f"dataset line {record.source}: {key!r} must be a string")
+    return value
+
+
+def _messages(record: Record) -> list[dict[str, str]]:
+    messages = record.data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"dataset line {record.source} needs a non-empty 'messages' list")
+    for i, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise DataError(
+                f"dataset line {record.source}: messages[{i}] needs string 'role' and 'content'"
+            )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"dataset line {record.source}: no assistant message to learn from")
+    return messages
+
+
+def instruction_messages(record: Record) -> list[dict[str, str]]:
+    instruction = _field(record, "instruction")
+    extra = _field(record, "input", required=False)
+    response = record.data.get("response", record.data.get("output"))
+    if not isinstance(response, str):
+        raise DataError(f"dataset line {record.source} needs a string 'response' (or 'output')")
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]], source: str) -> Example:
+    """Render with the chat template; learn only the assistant turns.
+
+    The character span of each assistant turn is found by rendering the conversation
+    up to it (with the generation prompt) and up to its end; tokens whose first
+    character falls in a span get labels.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"dataset line {source}: format chat needs a tokenizer with a chat template")
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not full.startswith(through) or not through.startswith(before):
+            # A template that is not prefix-stable: learn the whole conversation.
+            spans = [(0, len(full))]
+            break
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    labels = [
+        tok if any(start <= begin < end for start, end in spans) else IGNORE
+        for tok, (begin, _) in zip(ids, encoded["offset_mapping"])
+    ]
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    return Example(ids, labels)
+
+
+def encode_text(tokenizer, text: str) -> Example:
+    ids = list(tokenizer(text)["input_ids"])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return Example(ids, list(ids))
+
+
+def encode(tokenizer, record: Record, fmt: str) -> Example:
+    if fmt == "text":
+        return encode_text(tokenizer, _field(record, "text"))
+    if fmt == "chat":
+        return encode_chat(tokenizer, _messages(record), record.source)
+    if fmt == "instruction":
+        messages = instruction_messages(record)
+        if getattr(tokenizer, "chat_template", None):
+            return encode_chat(tokenizer, messages, record.source)
+        prompt = tokenizer(messages[0]["content"] + "\n")["input_ids"]
+        answer = encode_text(tokenizer, messages[1]["content"])
+        # Tokenizing the answer alone may add a BOS again; drop it.
+        if tokenizer.bos_token_id is not None and answer.input_ids[:1] == [tokenizer.bos_token_id]:
+            answer = Example(answer.input_ids[1:], answer.labels[1:])
+        return Example(list(prompt) + answer.input_ids, [IGNORE] * len(prompt) + answer.labels)
+    raise DataError(f"unknown dataset format {fmt!r}")
+
+
+def build_examples(tokenizer, records: list[Record], fmt: str, sequence_length: int, packing: bool) -> list[Example]:
+    encoded = [encode(tokenizer, r, fmt) for r in records]
+    if packing:
+        examples = pack(encoded, sequence_length)
+    else:
+        examples = [Example(e.input_ids[:sequence_length], e.labels[:sequence_length]) for e in encoded]
+    # An example whose learnable tokens were all cut off teaches nothing (and makes the
+    # loss NaN when a micro-batch holds only such examples).
+    examples = [e for e in examples if any(label != IGNORE for label in e.labels[1:])]
+    if not examples:
+        raise DataError(
+            f"no example keeps a learnable token within sequenceLength {sequence_length}"
+        )
+    return examples
+
+
+def pack(examples: list[Example], sequence_length: int) -> list[Example]:
+    """Concatenate and cut into blocks of ``sequence_length`` (the last partial block is kept)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for e in examples:
+        ids.extend(e.input_ids)
+        labels.extend(e.labels)
+    return [
+        Example(ids[i : i + sequence_length], labels[i : i + sequence_length])
+        for i in range(0, len(ids), sequence_length)
+    ]
+
+
+def sample_order(num_examples: int, start: int, count: int, seed: int) -> list[int]:
+    """Indices of samples ``start .. start+count`` of the run's endless stream.
+
+    The stream is one seeded permutation per epoch, concatenated.
+    """
+    order: list[int] = []
+    epoch = start // num_examples
+    offset = start % num_examples
+    while len(order) < count:
+        permutation = list(range(num_examples))
+        random.Random(seed * 1_000_003 + epoch).shuffle(permutation)
+        order.extend(permutation[offset:])
+        offset = 0
+        epoch += 1
+    return order[:count]
+
+
+def total_samples(num_examples: int, epochs: float) -> int:
+    return max(1, math.ceil(num_examples * epochs))
+
+
+class Collator:
+    """Pads a micro-batch to its longest example (labels with -100)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: list[dict[str, list[int]]]):
+        import torch
+
+        longest = max(len(item["input_ids"]) for item in batch)
+        input_ids, labels, mask = [], [], []
+        for item in batch:
+            pad = longest - len(item["input_ids"])
+            input_ids.append(item["input_ids"] + [self.pad_token_id] * pad)
+            labels.append(item["labels"] + [IGNORE] * pad)
+            mask.append([1] * len(item["input_ids"]) + [0] * pad)
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "attention_mask": torch.tensor(mask, dtype=torch.long),
+        }

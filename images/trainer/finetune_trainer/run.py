@@ -1,0 +1,195 @@
+"""``python -m finetune_trainer --config /etc/finetune/config.json``: one process per GPU
+(torchrun starts them). Exits 0, or writes a FailureReport and exits with its code."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+
+from . import checkpointing
+from .contract import DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH, ConfigLoadError, Phase, TrainerConfig, load_trainer_config
+from .errors import ConfigError
+from .phases import PROGRESS
+from .reporting import build_report, log_json, rank, world_size, write_report
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="finetune_trainer", description=__doc__)
+    parser.add_argument("--config", default=DEFAULT_CONFIG_PATH, help="TrainerConfig JSON")
+    parser.add_argument("--report-path", default=None,
+                        help="where to write the failure report (default: the config's reportPath)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report_path = args.report_path or DEFAULT_REPORT_PATH
+    cfg: TrainerConfig | None = None
+    try:
+        PROGRESS.enter(Phase.SETUP, 0)
+        try:
+            cfg = load_trainer_config(args.config)
+        except ConfigLoadError as exc:
+            raise ConfigError(str(exc)) from exc
+        report_path = args.report_path or cfg.report_path
+        train(cfg)
+        return 0
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a report
+        report = build_report(exc, PROGRESS, cfg.attempt if cfg else None)
+        log_json("failure", **report.model_dump(mode="json", by_alias=True, exclude_none=True),
+                 traceback=traceback.format_exc(limit=20))
+        write_report(report, report_path)
+        return report.exit_code
+
+
+def plan_run(cfg: TrainerConfig, num_examples: int, world: int, checkpoint) -> "RunPlan":
+    from .checkpointing import can_restore_optimizer
+    from .data import total_samples
+    from .training import RunPlan
+
+    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation * world
+    start_step = checkpoint.meta.step if checkpoint else 0
+    start_samples = checkpoint.meta.samples_consumed if checkpoint else 0
+    if cfg.max_steps is not None:
+        max_steps = cfg.max_steps
+    else:
+        remaining = max(0, total_samples(num_examples, cfg.epochs) - start_samples)
+        max_steps = start_step + math.ceil(remaining / global_batch)
+    return RunPlan(
+        start_step=start_step,
+        start_samples=start_samples,
+        max_steps=max_steps,
+        global_batch=global_batch,
+        world_size=world,
+        resume_from=checkpoint,
+        restore_optimizer=bool(checkpoint) and can_restore_optimizer(checkpoint, cfg.strategy, world),
+    )
+
+
+def usable_checkpoint(cfg: TrainerConfig):
+    if cfg.checkpoint is None:
+        return None
+    if rank() == 0:
+        checkpointing.clean_staging(cfg.checkpoint.directory)
+    checkpoint = checkpointing.newest_checkpoint(cfg.checkpoint.directory)
+    if checkpoint is None:
+        return None
+    adapters = {"lora", "qlora"}
+    if checkpoint.meta.method != cfg.method and not {checkpoint.meta.method, cfg.method} <= adapters:
+        log_json("warning", message=f"checkpoint {checkpoint.path} is from method {checkpoint.meta.method}, "
+                                    f"this attempt runs {cfg.method}: starting from the base model")
+        return None
+    return checkpoint
+
+
+def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
+    from transformers import TrainingArguments
+
+    from .model_setup import OPTIMIZER
+
+    return TrainingArguments(
+        output_dir=cfg.output_directory,
+        per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        lr_scheduler_type=cfg.lr_scheduler,
+        max_grad_norm=cfg.max_grad_norm,
+        max_steps=max_steps,
+        bf16=cfg.precision == "bf16",
+        fp16=cfg.precision == "fp16",
+        optim=OPTIMIZER[cfg.optimizer],
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
+        deepspeed=cfg.deepspeed if cfg.zero_stage else None,
+        logging_steps=cfg.log_every_steps,
+        save_strategy="no",  # our own atomic, reshardable checkpoints (checkpointing.py)
+        report_to=[],
+        disable_tqdm=True,
+        log_level="warning",
+        seed=cfg.seed,
+        use_cpu=not cuda,
+        # gloo on CPU; with a single process no backend at all (accelerate would
+        # otherwise expect a process group).
+        ddp_backend="gloo" if not cuda and world_size() > 1 else None,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+
+
+def train(cfg: TrainerConfig) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import PrinterCallback
+
+    from .data import Collator, build_examples, read_jsonl, sample_order
+    from .faults import FaultInjector
+    from .model_setup import check_runnable, load_model, load_tokenizer
+    from .training import CheckpointCallback, FineTuneTrainer, PhaseCallback, ProgressCallback, ResumeCallback
+
+    started = time.time()
+    cuda = torch.cuda.is_available()
+    world = world_size()
+    PROGRESS.micro_batch_size = cfg.micro_batch_size
+    PROGRESS.sequence_length = cfg.sequence_length
+    PROGRESS.gradient_accumulation = cfg.gradient_accumulation
+    check_runnable(cfg, cuda)
+    faults = FaultInjector(cfg.fault_injection, cfg.attempt)
+
+    PROGRESS.enter(Phase.DATA, 0)
+    tokenizer = load_tokenizer(cfg)
+    examples = build_examples(tokenizer, read_jsonl(cfg.dataset.path), cfg.dataset.format,
+                              cfg.sequence_length, cfg.dataset.packing)
+    checkpoint = usable_checkpoint(cfg)
+    plan = plan_run(cfg, len(examples), world, checkpoint)
+    log_json("start", job=cfg.job_name, attempt=cfg.attempt, method=cfg.method, strategy=cfg.strategy,
+             worldSize=world, examples=len(examples), microBatchSize=cfg.micro_batch_size,
+             gradientAccumulation=cfg.gradient_accumulation, globalBatch=plan.global_batch,
+             startStep=plan.start_step, maxSteps=plan.max_steps,
+             resumeFrom=str(checkpoint.path) if checkpoint else None, device="cuda" if cuda else "cpu")
+    remaining = plan.max_steps - plan.start_step
+    if remaining <= 0:
+        log_json("summary", status="already-complete", step=plan.start_step, maxSteps=plan.max_steps)
+        return
+    order = sample_order(len(examples), plan.start_samples, remaining * plan.global_batch, cfg.seed)
+    dataset = [{"input_ids": examples[i].input_ids, "labels": examples[i].labels} for i in order]
+
+    # TrainingArguments first: it starts the process group (and, for ZeRO-3, makes
+    # from_pretrained partition the weights as they load).
+    PROGRESS.enter(Phase.SETUP, plan.start_step)
+    args = training_arguments(cfg, plan.max_steps, cuda)
+    PROGRESS.enter(Phase.LOAD, plan.start_step)
+    model = load_model(cfg, world)
+    if checkpoint is not None and not plan.restore_optimizer:
+        checkpointing.load_weights(checkpoint, model, lora=cfg.method != "full")
+
+    trainer = FineTuneTrainer(model=model, args=args, train_dataset=dataset,
+                              data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
+                              faults=faults)
+    trainer.remove_callback(PrinterCallback)
+    progress = ProgressCallback(trainer, plan)
+    for callback in (PhaseCallback(faults), ResumeCallback(trainer, plan, cfg.method != "full"),
+                     CheckpointCallback(trainer, cfg, plan, faults), progress):
+        trainer.add_callback(callback)
+
+    PROGRESS.enter(Phase.FORWARD, plan.start_step + 1)
+    result = trainer.train()
+
+    PROGRESS.enter(Phase.CHECKPOINT, trainer.state.global_step)
+    trainer.save_model(cfg.output_directory)
+    elapsed = time.time() - started
+    tokens = progress._global_tokens()
+    if trainer.is_world_process_zero():
+        from .training import memory_fields
+
+        log_json("summary", status="completed", job=cfg.job_name, attempt=cfg.attempt,
+                 startStep=plan.start_step, step=trainer.state.global_step, maxSteps=plan.max_steps,
+                 finalLoss=progress.last_loss, attemptMeanLoss=round(result.training_loss, 6),
+                 tokens=tokens, tokensPerSecond=round(tokens / max(elapsed, 1e-9), 1),
+                 runtimeSeconds=round(elapsed, 2), output=cfg.output_directory, **memory_fields())

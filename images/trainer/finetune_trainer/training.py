@@ -1,0 +1,192 @@
+"""The transformers Trainer, plus what it lacks: phase tracking for failure reports,
+fault injection, our own checkpoints and resume, and JSON progress lines."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import SequentialSampler
+from transformers import Trainer, TrainerCallback
+
+from . import checkpointing
+from .checkpointing import Checkpoint, CheckpointMeta
+from .contract import Phase, TrainerConfig
+from .faults import FaultInjector
+from .phases import PROGRESS
+from .reporting import log_json
+
+
+@dataclass
+class RunPlan:
+    """Where this attempt starts and ends, in optimizer steps and samples."""
+
+    start_step: int
+    start_samples: int
+    max_steps: int
+    global_batch: int
+    world_size: int
+    resume_from: Checkpoint | None
+    restore_optimizer: bool
+
+
+class FineTuneTrainer(Trainer):
+    def __init__(self, *args, faults: FaultInjector, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+        self.tokens_seen = 0  # this rank, this attempt
+
+    def _get_train_sampler(self, train_dataset=None):
+        # The dataset is already in the run's seeded order, starting where the last
+        # attempt stopped; shuffling again would break resume.
+        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        step = self.state.global_step + 1
+        PROGRESS.enter(Phase.FORWARD, step)
+        self.faults.maybe_fire(Phase.FORWARD, step)
+        self.tokens_seen += int(inputs["attention_mask"].sum())
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        loss = result[0] if return_outputs else result
+        PROGRESS.enter(Phase.BACKWARD, step)
+        if loss.requires_grad:
+            # Fires inside autograd, as a real out-of-memory in backward would.
+            loss.register_hook(lambda grad: self.faults.maybe_fire(Phase.BACKWARD, step) or grad)
+        return result
+
+
+class PhaseCallback(TrainerCallback):
+    def __init__(self, faults: FaultInjector):
+        self.faults = faults
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        PROGRESS.enter(Phase.OPTIMIZER, state.global_step + 1)
+        self.faults.maybe_fire(Phase.OPTIMIZER, state.global_step + 1)
+
+
+class ResumeCallback(TrainerCallback):
+    """Puts the Trainer at the checkpoint's step before the first batch."""
+
+    def __init__(self, trainer: FineTuneTrainer, plan: RunPlan, lora: bool):
+        self.trainer = trainer
+        self.plan = plan
+        self.lora = lora
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        checkpoint = self.plan.resume_from
+        if checkpoint is None:
+            return
+        PROGRESS.enter(Phase.LOAD, checkpoint.meta.step)
+        trainer = self.trainer
+        engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
+        if self.plan.restore_optimizer:
+            checkpointing.load_full_state(checkpoint, model=trainer.model, optimizer=trainer.optimizer,
+                                          deepspeed_engine=engine, lora=self.lora)
+        checkpointing.load_scheduler(checkpoint, trainer.lr_scheduler, trainer.optimizer)
+        state.global_step = checkpoint.meta.step
+        # Loss averaging and throughput count from here, not from step 0.
+        trainer._globalstep_last_logged = state.global_step
+        trainer._initial_global_step = state.global_step
+        log_json("resume", step=checkpoint.meta.step, path=str(checkpoint.path),
+                 samplesConsumed=checkpoint.meta.samples_consumed, optimizerRestored=self.plan.restore_optimizer,
+                 fromStrategy=checkpoint.meta.strategy, fromWorldSize=checkpoint.meta.world_size,
+                 fromMicroBatchSize=checkpoint.meta.micro_batch_size,
+                 fromGradientAccumulation=checkpoint.meta.gradient_accumulation)
+
+
+class CheckpointCallback(TrainerCallback):
+    def __init__(self, trainer: FineTuneTrainer, cfg: TrainerConfig, plan: RunPlan, faults: FaultInjector):
+        self.trainer = trainer
+        self.cfg = cfg
+        self.plan = plan
+        self.faults = faults
+
+    def on_step_end(self, args, state, control, **kwargs):
+        ckpt = self.cfg.checkpoint
+        step = state.global_step
+        # Not at the last step: the final output is written right after it, and an attempt
+        # killed before that redoes the steps since the last checkpoint and writes it then.
+        if ckpt is None or step % ckpt.every_steps != 0 or step >= self.plan.max_steps:
+            return
+        PROGRESS.enter(Phase.CHECKPOINT, step)
+        self.faults.maybe_fire(Phase.CHECKPOINT, step)
+        trainer = self.trainer
+        meta = CheckpointMeta(
+            step=step,
+            samples_consumed=self.plan.start_samples + (step - self.plan.start_step) * self.plan.global_batch,
+            world_size=self.plan.world_size,
+            strategy=self.cfg.strategy,
+            method=self.cfg.method,
+            format="deepspeed" if trainer.is_deepspeed_enabled else "dcp",
+            micro_batch_size=self.cfg.micro_batch_size,
+            gradient_accumulation=self.cfg.gradient_accumulation,
+            attempt=self.cfg.attempt,
+        )
+        checkpointing.save_checkpoint(
+            root=Path(ckpt.directory), meta=meta, model=trainer.model, optimizer=trainer.optimizer,
+            scheduler=trainer.lr_scheduler,
+            deepspeed_engine=trainer.model_wrapped if trainer.is_deepspeed_enabled else None,
+            lora=self.cfg.method != "full", keep_last=ckpt.keep_last,
+        )
+        # The next failure (if any) happens in the next step's forward.
+        PROGRESS.enter(Phase.FORWARD, step + 1)
+
+
+def memory_fields() -> dict:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "peakAllocatedBytes": int(torch.cuda.max_memory_allocated()),
+            "peakReservedBytes": int(torch.cuda.max_memory_reserved()),
+        }
+    # ru_maxrss is KiB on Linux.
+    return {"hostPeakRssBytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class ProgressCallback(TrainerCallback):
+    """One JSON line per logging step (rank 0), and a summary at the end."""
+
+    def __init__(self, trainer: FineTuneTrainer, plan: RunPlan):
+        self.trainer = trainer
+        self.plan = plan
+        self.last_time = time.time()
+        self.last_tokens = 0
+        self.start_time = time.time()
+        self.last_loss: float | None = None
+
+    def _global_tokens(self) -> int:
+        import torch.distributed as dist
+
+        tokens = torch.tensor([self.trainer.tokens_seen], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized() and not self.trainer.is_deepspeed_enabled:
+            if dist.get_backend() == "nccl":
+                tokens = tokens.cuda()
+            dist.all_reduce(tokens)
+            return int(tokens.item())
+        return int(self.trainer.tokens_seen * self.plan.world_size)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" not in logs:
+            return
+        tokens = self._global_tokens()
+        now = time.time()
+        rate = (tokens - self.last_tokens) / max(now - self.last_time, 1e-9)
+        self.last_time, self.last_tokens = now, tokens
+        self.last_loss = float(logs["loss"])
+        if state.is_world_process_zero:
+            log_json(
+                "progress",
+                step=state.global_step,
+                maxSteps=self.plan.max_steps,
+                loss=round(float(logs["loss"]), 6),
+                learningRate=logs.get("learning_rate"),
+                gradNorm=None if logs.get("grad_norm") is None else round(float(logs["grad_norm"]), 6),
+                tokensPerSecond=round(rate, 1),
+                samplesConsumed=self.plan.start_samples
+                + (state.global_step - self.plan.start_step) * self.plan.global_batch,
+                **memory_fields(),
+            )
