@@ -588,12 +588,43 @@ class OutputSpec(ApiModel):
 Method = Literal["full", "lora", "qlora"]
 
 
+def _immutable(field: str, optional: bool) -> dict[str, str]:
+    """A CEL transition rule: `field` cannot change once the job exists."""
+    if optional:
+        rule = f"has(self.{field}) == has(oldSelf.{field}) && (!has(self.{field}) || self.{field} == oldSelf.{field})"
+    else:
+        rule = f"self.{field} == oldSelf.{field}"
+    return {
+        "rule": rule,
+        "message": f"{field} is immutable: create a new FineTuneJob to change it (only suspend, recovery and resources may change)",
+        "fieldPath": f".{field}",
+    }
+
+
+# After creation only `suspend`, `recovery` and `resources` (which apply to the next plan) may change.
+# Changing the model, data or hyper-parameters under a running job would make its checkpoints
+# meaningless; changing placement could move a running job's data out of its regions.
+IMMUTABLE_FIELDS: list[tuple[str, bool]] = [
+    ("model", False),
+    ("dataset", False),
+    ("method", False),
+    ("training", False),
+    ("placement", False),
+    ("lora", True),
+    ("checkpoint", True),
+    ("output", True),
+    ("image", True),
+    ("queueName", True),
+]
+
+
 class FineTuneJobSpec(ApiModel):
     """What to fine-tune, on what data, how, and where it may run."""
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [
+            "x-kubernetes-validations": [_immutable(f, optional) for f, optional in IMMUTABLE_FIELDS]
+            + [
                 {
                     "rule": "self.method == 'full' ? !has(self.lora) : has(self.lora)",
                     "message": "lora is required for methods lora and qlora, and not allowed for full",
@@ -752,6 +783,8 @@ class PlanStatus(StatusModel):
     """Predicted per-GPU memory by term, GiB."""
     peak_phase: str = ""
     """Training phase where the peak falls."""
+    calibration: float = 1.0
+    """Factor applied to the estimate, learned from out-of-memory failures of earlier attempts."""
     estimated_hours: float | None = None
     """Predicted wall time to finish, hours."""
     estimated_cost: float | None = None
@@ -821,6 +854,8 @@ class FineTuneJobStatus(StatusModel):
     """When the job succeeded or finally failed."""
     spec_hash: str | None = None
     """Hash of the spec the current attempt was planned from."""
+    next_attempt_time: datetime | None = None
+    """When the next attempt starts (recovery backoff)."""
 
 
 class ObjectMeta(BaseModel):

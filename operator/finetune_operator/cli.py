@@ -85,6 +85,60 @@ def _run_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run the operator (kopf) against the current cluster")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    scope.add_argument("--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)")
+    p.add_argument("--policy-configmap", help="ConfigMap holding the cluster policy (key policy.yaml); reloaded on change")
+    p.add_argument("--policy-namespace", default=None, help="its namespace (default: $POD_NAMESPACE or 'default')")
+    p.add_argument("--policy-file", help="read the policy from a file instead (no reload)")
+    p.add_argument("--kubeconfig", help="kubeconfig to use (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--health-port", type=int, default=8080, help="kopf liveness endpoint port (/healthz); 0 turns it off")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port; 0 turns it off")
+    p.add_argument("--peering", default="finetune-operator", help="kopf peering name ('' for standalone)")
+    p.add_argument("--workers", type=int, default=4, help="jobs reconciled in parallel")
+    p.add_argument("--log-format", choices=["json", "plain"], default="json")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=_run_operator)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    import kopf
+
+    from . import handlers
+
+    if args.kubeconfig:
+        # kopf and our client both read it from here, so they act as the same user.
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    kopf.configure(
+        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN,
+        verbose=args.log_level == "debug",
+        quiet=args.log_level in ("warning", "error"),
+    )
+    logging.getLogger().setLevel(args.log_level.upper())
+    handlers.RUNTIME.options = handlers.Options(
+        policy_configmap=args.policy_configmap,
+        policy_namespace=args.policy_namespace or os.environ.get("POD_NAMESPACE", "default"),
+        policy_file=args.policy_file,
+        metrics_port=args.metrics_port or None,
+        workers=args.workers,
+        peering=args.peering or None,
+        clusterwide=not args.namespace,
+        kubeconfig=args.kubeconfig,
+    )
+    kopf.run(
+        standalone=not args.peering,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
+    )
+    return 0
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan a FineTuneJob against node pools: pool, GPUs, strategy, batch split")
     p.add_argument("job", help="FineTuneJob YAML file (- for standard input)")
@@ -119,7 +173,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if isinstance(result, Plan) else 1
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_crd, _add_validate, _add_plan]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_crd, _add_validate, _add_run, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,364 @@
+"""The shell around the lifecycle: read the world, call `lifecycle.step`, write the result.
+
+`Cluster` is the only code that talks to the Kubernetes API for a job; `Reconciler` runs
+one reconcile of one job; `WorkQueue` serialises reconciles per job and schedules the
+"look again in N seconds" that the lifecycle asks for. kopf (in `handlers.py`) feeds the
+queue from watch events, so a pod that dies wakes its job at once.
+
+Order of writes, chosen so that a kill at any point is harmless: status first (it names
+the attempt and its plan), then the attempt's objects (deterministic names: a second
+create is answered AlreadyExists and the existing object is adopted), then events.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from . import api, lifecycle, metrics
+from .planning.policy import ClusterPolicy
+from .planning.pools import NodePool, discover_pools, merge_pools
+from .rendering.names import attempt_name
+from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+
+log = logging.getLogger("finetune_operator.controller")
+
+PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+# Discovery lists every node and running pod; several jobs planning at once share one look.
+DISCOVERY_CACHE_SECONDS = 5.0
+
+
+def _json(response: Any) -> dict[str, Any]:
+    return json.loads(response.data)
+
+
+class Cluster:
+    """Reads and writes of the Kubernetes API that reconciling a job needs."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self._pool_cache: tuple[float, list[NodePool]] | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- FineTuneJobs -------------------------------------------------------
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _json(self.custom.get_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status})
+
+    # -- the attempt's objects ---------------------------------------------
+    def get_pytorch_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _json(self.custom.get_namespaced_custom_object(
+                PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, name, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list_attempt_pods(self, namespace: str, job: str, attempt: int) -> list[dict[str, Any]]:
+        selector = f"{JOB_LABEL}={job},{ATTEMPT_LABEL}={attempt}"
+        return _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
+
+    def create(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create `obj`; if it exists already, return the existing one (adoption)."""
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        try:
+            if kind == "ConfigMap":
+                return _json(self.core.create_namespaced_config_map(namespace, obj, _preload_content=False))
+            if kind == "PyTorchJob":
+                return _json(self.custom.create_namespaced_custom_object(
+                    PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, obj, _preload_content=False))
+        except ApiException as error:
+            if error.status != 409:
+                raise
+            existing = (self.get_pytorch_job(namespace, name) if kind == "PyTorchJob"
+                        else _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False)))
+            if existing is not None:
+                return existing
+            raise
+        raise ValueError(f"cannot create a {kind}")
+
+    def delete(self, namespace: str, ref: lifecycle.ObjectRef) -> None:
+        try:
+            if ref.kind == "ConfigMap":
+                self.core.delete_namespaced_config_map(ref.name, namespace)
+            elif ref.kind == "PyTorchJob":
+                # Foreground: the pods go before the job, so the next attempt never shares GPUs with this one.
+                self.custom.delete_namespaced_custom_object(
+                    PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, ref.name,
+                    body=client.V1DeleteOptions(propagation_policy="Background"))
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def set_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        self.custom.patch_namespaced_custom_object(
+            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, name,
+            {"spec": {"runPolicy": {"suspend": suspend}}})
+
+    def read_config_map_key(self, namespace: str, name: str, key: str) -> str | None:
+        try:
+            cm = _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return (cm.get("data") or {}).get(key)
+
+    # -- pools --------------------------------------------------------------
+    def pools(self, policy: ClusterPolicy) -> list[NodePool]:
+        """Catalog pools merged with what the Node objects show now (cached a few seconds)."""
+        with self._pool_lock:
+            now = time.monotonic()
+            if self._pool_cache is None or now - self._pool_cache[0] > DISCOVERY_CACHE_SECONDS:
+                nodes = _json(self.core.list_node(_preload_content=False))["items"]
+                pods = _json(self.core.list_pod_for_all_namespaces(
+                    field_selector="status.phase!=Succeeded,status.phase!=Failed", _preload_content=False))["items"]
+                discovered = discover_pools(nodes, pods, policy)
+                self._pool_cache = (now, merge_pools(policy.catalog, discovered))
+            return list(self._pool_cache[1])
+
+    # -- events -------------------------------------------------------------
+    def post_event(self, job_body: dict[str, Any], event: lifecycle.Event) -> None:
+        meta = job_body["metadata"]
+        now = datetime.now(timezone.utc)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+            involved_object=client.V1ObjectReference(
+                api_version=api.API_VERSION, kind=api.KIND, name=meta["name"],
+                namespace=meta["namespace"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion")),
+            type=event.type, reason=event.reason, message=event.message[:1024],
+            first_timestamp=now, last_timestamp=now, count=1,
+            source=client.V1EventSource(component="finetune-operator"),
+            reporting_component="finetune.dev/operator", reporting_instance="finetune-operator",
+            action=event.reason,
+        )
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as error:  # events are best effort: never fail a reconcile for one
+            log.warning("could not post event %s: %s", event.reason, error.reason)
+
+
+class PolicyHolder:
+    """The current cluster policy; swapped in whole when its ConfigMap changes."""
+
+    def __init__(self, policy: ClusterPolicy) -> None:
+        self._policy = policy
+        self._lock = threading.Lock()
+
+    def get(self) -> ClusterPolicy:
+        with self._lock:
+            return self._policy
+
+    def set(self, policy: ClusterPolicy) -> None:
+        with self._lock:
+            self._policy = policy
+
+
+@dataclass
+class Reconciler:
+    cluster: Cluster
+    policy: PolicyHolder
+    clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
+
+    def reconcile(self, namespace: str, name: str) -> float | None:
+        """One look at one job. Returns seconds until the next look, or None (wait for events)."""
+        body = self.cluster.get_job(namespace, name)
+        if body is None:
+            return None
+        started = time.monotonic()
+        policy = self.policy.get()
+        now = self.clock()
+        status = _status_of(body)
+        if status.phase in ("Succeeded", "Failed"):
+            return None
+        try:
+            job = api.parse_job(_without_status(body))
+            job = job.model_copy(update={"status": status})
+            problems = self._resolve_architecture(job)
+        except api.JobValidationError as error:
+            decision = lifecycle.invalid(status, error.problems, now, body["metadata"].get("generation"))
+            self._apply(body, decision)
+            return None
+        if problems:
+            decision = lifecycle.invalid(status, problems, now, job.metadata.generation)
+            self._apply(body, decision)
+            return None
+        attempt = status.current_attempt
+        pytorch_job, pods = None, []
+        if attempt is not None:
+            pytorch_job = self.cluster.get_pytorch_job(namespace, attempt_name(name, attempt))
+            if pytorch_job is not None and not _owned_by(pytorch_job, body):
+                # Left over from an earlier FineTuneJob of the same name: not ours to adopt.
+                self.cluster.delete(namespace, lifecycle.ObjectRef("kubeflow.org/v1", "PyTorchJob", attempt_name(name, attempt)))
+                return 2.0
+            pods = self.cluster.list_attempt_pods(namespace, name, attempt)
+        needs_plan = attempt is None or pytorch_job is None or _failed(pytorch_job)
+        pools = self.cluster.pools(policy) if needs_plan else []
+        observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools,
+                                      pytorch_job=pytorch_job, pods=pods)
+        decision = lifecycle.step(observed)
+        self._apply(body, decision)
+        metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
+        return decision.requeue_after
+
+    def _resolve_architecture(self, job: api.FineTuneJob) -> list[api.FieldProblem]:
+        """A configMapRef architecture is read here, so the pure core sees inline numbers."""
+        ref = job.spec.model.architecture.config_map_ref
+        if ref is None:
+            return []
+        path = "spec.model.architecture.configMapRef"
+        text = self.cluster.read_config_map_key(job.metadata.namespace or "default", ref.name, ref.key)
+        if text is None:
+            return [api.FieldProblem(path=path, message=f"ConfigMap {ref.name} has no key {ref.key!r} (or does not exist)")]
+        try:
+            config = json.loads(text)
+        except ValueError as error:
+            return [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key} is not JSON: {error}")]
+        known = set(api.InlineArchitecture.model_fields)
+        try:
+            inline = api.InlineArchitecture.model_validate({k: v for k, v in config.items() if k in known})
+        except Exception as error:  # pydantic ValidationError: name the keys
+            return [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key}: {error}")]
+        job.spec.model.architecture.inline = inline
+        job.spec.model.architecture.config_map_ref = None
+        return []
+
+    def _apply(self, body: dict[str, Any], decision: lifecycle.Decision) -> None:
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        for ref in decision.delete:
+            self.cluster.delete(namespace, ref)
+        status = decision.status.model_dump(mode="json", by_alias=True, exclude_none=True)
+        self.cluster.patch_job_status(namespace, name, status)
+        for obj in decision.create:
+            self.cluster.create(namespace, obj)
+        if decision.set_suspend is not None and decision.status.current_attempt is not None:
+            self.cluster.set_suspend(namespace, attempt_name(name, decision.status.current_attempt), decision.set_suspend)
+        for event in decision.events:
+            self.cluster.post_event(body, event)
+            log.info("%s/%s %s: %s", namespace, name, event.reason, event.message)
+
+
+def _status_of(body: dict[str, Any]) -> api.FineTuneJobStatus:
+    raw = body.get("status") or {}
+    # kopf keeps its own bookkeeping in status too; only our fields are read.
+    try:
+        return api.FineTuneJobStatus.model_validate(raw)
+    except Exception:
+        log.warning("unreadable status on %s; starting from a fresh one", body["metadata"].get("name"))
+        return api.FineTuneJobStatus()
+
+
+def _without_status(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != "status"}
+
+
+def _owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:
+    uid = owner["metadata"].get("uid")
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return uid is None or any(r.get("uid") == uid for r in refs)
+
+
+def _failed(pytorch_job: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Failed" and c.get("status") == "True"
+               for c in ((pytorch_job.get("status") or {}).get("conditions") or []))
+
+
+class WorkQueue:
+    """Keys to reconcile, each worked on by one thread at a time, some after a delay (like client-go's)."""
+
+    def __init__(self, handle: Callable[[tuple[str, str]], float | None], workers: int = 4) -> None:
+        self._handle = handle
+        self._heap: list[tuple[float, int, tuple[str, str]]] = []
+        self._due: dict[tuple[str, str], float] = {}  # the earliest time each queued key is due
+        self._busy: set[tuple[str, str]] = set()
+        self._counter = 0
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._threads = [threading.Thread(target=self._work, name=f"reconcile-{i}", daemon=True) for i in range(workers)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    def add(self, key: tuple[str, str], delay: float = 0.0) -> None:
+        when = time.monotonic() + max(delay, 0.0)
+        with self._cv:
+            current = self._due.get(key)
+            if current is not None and current <= when:
+                return  # already due sooner
+            self._due[key] = when
+            self._counter += 1
+            heapq.heappush(self._heap, (when, self._counter, key))
+            self._cv.notify()
+
+    def _next(self) -> tuple[str, str] | None:
+        with self._cv:
+            while not self._stopped:
+                now = time.monotonic()
+                ready = None
+                for index, (when, _, key) in enumerate(sorted(self._heap)):
+                    if when > now:
+                        break
+                    if self._due.get(key) == when and key not in self._busy:
+                        ready = (when, key)
+                        break
+                if ready is not None:
+                    when, key = ready
+                    self._heap = [entry for entry in self._heap if entry[2] != key or entry[0] != when]
+                    heapq.heapify(self._heap)
+                    del self._due[key]
+                    self._busy.add(key)
+                    return key
+                # Drop stale entries; wait for the next due time (busy keys wake us when done).
+                self._heap = [e for e in self._heap if self._due.get(e[2]) == e[0]]
+                heapq.heapify(self._heap)
+                future = [e[0] for e in self._heap if e[0] > now]
+                self._cv.wait(timeout=(min(future) - now) if future else 1.0)
+            return None
+
+    def _work(self) -> None:
+        while True:
+            key = self._next()
+            if key is None:
+                return
+            delay: float | None = None
+            try:
+                delay = self._handle(key)
+            except ApiException as error:
+                log.warning("reconcile %s/%s: API error %s %s; retrying", *key, error.status, error.reason)
+                delay = 5.0
+            except Exception:  # a bug must not kill the worker; the job is retried with backoff
+                log.exception("reconcile %s/%s failed; retrying", *key)
+                delay = 30.0
+            with self._cv:
+                self._busy.discard(key)
+                self._cv.notify_all()
+            if delay is not None:
+                self.add(key, delay)

@@ -1,0 +1,172 @@
+"""The kopf handlers: the thin shell. They only turn watch events into queued reconciles.
+
+Every FineTuneJob, PyTorchJob and pod event puts the job's key on the work queue
+(`controller.WorkQueue`); the queue runs `Reconciler.reconcile`, which reads the world,
+calls the pure lifecycle and writes the result. No kopf handler keeps progress on the
+object and none needs a finalizer: children go by ownerReference.
+
+Two replicas use kopf peering. kopf pauses *every* operator when peers share a priority,
+so each replica takes its priority from its start time: the oldest one runs, the others
+wait, and when it goes the next oldest resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import yaml
+from kubernetes import client, config
+
+from . import api, metrics
+from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
+from .planning.policy import ClusterPolicy, PolicyError, load_policy
+from .rendering.renderer import JOB_LABEL
+
+log = logging.getLogger("finetune_operator")
+
+POLICY_KEY = "policy.yaml"
+
+
+@dataclass
+class Options:
+    """What `finetune-operator run` was told (set before kopf starts)."""
+
+    policy_configmap: str | None = None
+    policy_namespace: str = "default"
+    policy_file: str | None = None  # for running outside a cluster
+    metrics_port: int | None = 9090
+    workers: int = 4
+    peering: str | None = "finetune-operator"
+    clusterwide: bool = True
+    kubeconfig: str | None = None
+
+
+@dataclass
+class Runtime:
+    options: Options = field(default_factory=Options)
+    queue: WorkQueue | None = None
+    reconciler: Reconciler | None = None
+    policy: PolicyHolder = field(default_factory=lambda: PolicyHolder(ClusterPolicy()))
+    known: set[tuple[str, str]] = field(default_factory=set)
+
+
+RUNTIME = Runtime()
+
+
+def kube_api_client(options: Options) -> client.ApiClient:
+    """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount."""
+    if options.kubeconfig:
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
+    else:
+        try:
+            cfg = client.Configuration()
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            cfg = client.Configuration()
+            config.load_kube_config(client_configuration=cfg)
+    return client.ApiClient(cfg)
+
+
+def _read_policy(cluster: Cluster, options: Options) -> ClusterPolicy:
+    if options.policy_file:
+        with open(options.policy_file, encoding="utf-8") as handle:
+            return load_policy(handle.read())
+    if options.policy_configmap:
+        text = cluster.read_config_map_key(options.policy_namespace, options.policy_configmap, POLICY_KEY)
+        if text is None:
+            raise kopf.PermanentError(
+                f"policy ConfigMap {options.policy_namespace}/{options.policy_configmap} has no {POLICY_KEY!r}")
+        return load_policy(text)
+    log.warning("no policy given: no region is allowed, so no job can be placed")
+    return ClusterPolicy()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    options = RUNTIME.options
+    settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's would be noise
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    settings.networking.error_backoffs = [1, 2, 5, 10, 20, 30]
+    settings.peering.name = options.peering or "finetune-operator"
+    settings.peering.standalone = options.peering is None
+    settings.peering.clusterwide = options.clusterwide
+    # Oldest replica wins (see module docstring); the fraction keeps ties practically impossible.
+    settings.peering.priority = 2_000_000_000 - int(time.time() * 10) % 1_000_000_000
+    # Only our pods and PyTorchJobs, filtered by the API server rather than in the operator.
+    settings.watching.label_selectors["pods"] = JOB_LABEL
+    settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = JOB_LABEL
+    if options.policy_configmap:
+        settings.watching.field_selectors["configmaps"] = f"metadata.name={options.policy_configmap}"
+
+    cluster = Cluster(kube_api_client(options))
+    RUNTIME.policy.set(_read_policy(cluster, options))
+    RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy)
+    RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
+    RUNTIME.queue.start()
+    if options.metrics_port:
+        metrics.serve(options.metrics_port)
+    log.info("started: %d allowed regions, %d catalog pools", len(RUNTIME.policy.get().allowed_regions), len(RUNTIME.policy.get().catalog))
+
+
+@kopf.on.cleanup()
+def shutdown(**_: Any) -> None:
+    if RUNTIME.queue is not None:
+        RUNTIME.queue.stop()
+
+
+def _enqueue(namespace: str | None, name: str | None) -> None:
+    if namespace and name and RUNTIME.queue is not None:
+        RUNTIME.known.add((namespace, name))
+        RUNTIME.queue.add((namespace, name))
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+def finetunejob_event(event: dict[str, Any], namespace: str, name: str, status: dict[str, Any], **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        RUNTIME.known.discard((namespace, name))
+        metrics.track_phase(namespace, name, None)
+        return
+    metrics.track_phase(namespace, name, (status or {}).get("phase") or "Pending")
+    _enqueue(namespace, name)
+
+
+@kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={JOB_LABEL: kopf.PRESENT})
+def pytorchjob_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    _enqueue(namespace, labels.get(JOB_LABEL))
+
+
+@kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
+def pod_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    _enqueue(namespace, labels.get(JOB_LABEL))
+
+
+@kopf.on.event("", "v1", "configmaps", when=lambda name, namespace, **_: (
+    RUNTIME.options.policy_configmap == name and RUNTIME.options.policy_namespace == namespace))
+def policy_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    """The platform changed the policy (helm upgrade): use it from now on, no restart."""
+    if event.get("type") == "DELETED":
+        log.warning("the policy ConfigMap was deleted; keeping the last policy")
+        return
+    text = (body.get("data") or {}).get(POLICY_KEY)
+    if text is None:
+        return
+    try:
+        policy = load_policy(text)
+    except (PolicyError, yaml.YAMLError, ValueError) as error:
+        log.error("the new policy is invalid, keeping the last one: %s", error)
+        return
+    if policy == RUNTIME.policy.get():
+        return
+    RUNTIME.policy.set(policy)
+    log.info("policy reloaded: regions %s, %d catalog pools", policy.allowed_regions, len(policy.catalog))
+    if RUNTIME.queue is not None:
+        for key in list(RUNTIME.known):  # jobs waiting for a fit may fit now
+            RUNTIME.queue.add(key)
