@@ -31,6 +31,7 @@ lab-build:
 
 crd: install
 	finetune-operator crd > crds/finetunejob.yaml
+	cp crds/finetunejob.yaml charts/finetune-operator/crds/finetunejob.yaml
 
 clean:
 	rm -f $(STAMP)

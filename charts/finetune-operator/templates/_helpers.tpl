@@ -1,0 +1,91 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "finetune-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release's full name: <release>-<chart>, or just <release> when it already contains the chart name. */}}
+{{- define "finetune-operator.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Cluster-scoped objects carry the namespace too, so releases in two namespaces do not collide. */}}
+{{- define "finetune-operator.clusterName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "finetune-operator.fullname" .) -}}
+{{- end -}}
+
+{{- define "finetune-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "finetune-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "finetune-operator.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "finetune-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: finetune-operator
+{{- end -}}
+
+{{- define "finetune-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "finetune-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "finetune-operator.policyConfigMapName" -}}
+{{- printf "%s-policy" (include "finetune-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "finetune-operator.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "finetune-operator.trainerImage" -}}
+{{- with .Values.policy.trainer -}}
+{{- printf "%s/%s:%s" .registry .repository .tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The operator's policy (finetune_operator.planning.policy.ClusterPolicy) as a dict; the ConfigMap
+renders it with toYaml, so values reach the operator as data, never as text spliced into YAML.
+*/}}
+{{- define "finetune-operator.policy" -}}
+{{- $p := .Values.policy -}}
+{{- $policy := dict
+  "allowedRegions" $p.allowedRegions
+  "regionLabelKey" $p.regionLabelKey
+  "zoneLabelKey" $p.zoneLabelKey
+  "poolLabelKeys" $p.poolLabelKeys
+  "defaultMemoryHeadroom" $p.defaultMemoryHeadroom
+  "defaultMaxAttempts" $p.defaultMaxAttempts
+  "trainerImage" (include "finetune-operator.trainerImage" .)
+  "catalog" $p.catalog
+-}}
+{{- toYaml $policy -}}
+{{- end -}}
+
+{{/* The namespaces the namespaced objects (Roles, KopfPeerings) go to; empty when all are watched. */}}
+{{- define "finetune-operator.watchedNamespaces" -}}
+{{- if not .Values.watch.allNamespaces -}}
+{{- toJson (uniq .Values.watch.namespaces) -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,47 @@
+{{/* Rules on cluster-scoped resources; needed whichever namespaces are watched. */}}
+{{- define "finetune-operator.clusterRules" -}}
+# Planning discovers GPU nodes: their pool, region, zone, GPU labels and allocatable GPUs.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get, list, watch]
+# kopf lists and watches namespaces to resolve the namespaces it serves.
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+# kopf scans custom resources at startup and when CRDs change; the operator checks that the
+# PyTorchJob CRD is there before it plans.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+{{- end -}}
+
+{{/* Rules on namespaced resources, granted cluster-wide or per watched namespace. */}}
+{{- define "finetune-operator.namespacedRules" -}}
+# The operator's own resource: kopf watches it, and patches finalizers and its progress annotations.
+- apiGroups: [finetune.dev]
+  resources: [finetunejobs]
+  verbs: [get, list, watch, patch, update]
+# Phase, conditions, plan and attempts are written to the status subresource.
+- apiGroups: [finetune.dev]
+  resources: [finetunejobs/status]
+  verbs: [get, patch, update]
+# Each attempt is a PyTorchJob the operator creates, watches, and deletes before the next attempt.
+- apiGroups: [kubeflow.org]
+  resources: [pytorchjobs]
+  verbs: [get, list, watch, create, delete, patch]
+# The trainer config of each attempt is a ConfigMap mounted into its pods; the policy is one too.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, delete, patch]
+# Training pods are read (never written) to classify failures from their termination state.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+# kopf and the operator explain what they do with Events on the FineTuneJob.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

@@ -1,0 +1,396 @@
+"""The chart lints and renders with the default and several other value sets, and what it renders is
+what the operator needs: its command line, probes, hardening, policy and least-privilege RBAC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from chart_support import CHART, Rendered, granted, kubernetes_version, needed, operator_access, with_values
+from finetune_operator.planning.policy import load_policy
+
+RELEASE_NS = "finetune-system"
+FULLNAME = "finetune-operator"  # release "finetune-operator" already contains the chart name
+
+
+def _namespaced(values: dict[str, Any], *namespaces: str) -> dict[str, Any]:
+    return with_values(values, **{"watch.allNamespaces": False, "watch.namespaces": list(namespaces)})
+
+
+def value_sets(defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Value sets a platform team plausibly installs with; each must lint and render."""
+    return {
+        "default": defaults,
+        "namespaced": _namespaced(defaults, "team-a", "team-b"),
+        "namespaced-incl-release-ns": _namespaced(defaults, "team-a", RELEASE_NS),
+        "single-replica": with_values(defaults, replicaCount=1),
+        "monitoring": with_values(defaults, **{"metrics.serviceMonitor.enabled": True,
+                                               "metrics.serviceMonitor.labels": {"release": "prom"}}),
+        "byo-identity": with_values(defaults, **{"serviceAccount.create": False, "serviceAccount.name": "ops-bot",
+                                                 "rbac.create": False}),
+        "pinned-digest": with_values(defaults, **{"image.digest": "sha256:" + "ab" * 32, "logLevel": "debug",
+                                                  "logFormat": "plain"}),
+        "empty-policy": with_values(defaults, **{"policy.allowedRegions": [], "policy.catalog": [],
+                                                 "topologySpread.enabled": False,
+                                                 "podDisruptionBudget.enabled": False}),
+        "platform-extras": with_values(defaults, **{
+            "nodeSelector": {"node-role.example.com/system": "true"},
+            "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}],
+            "priorityClassName": "system-cluster-critical",
+            "podAnnotations": {"example.com/owner": "platform"},
+            "securityContext.runAsUser": None, "securityContext.runAsGroup": None, "securityContext.fsGroup": None,
+        }),
+    }
+
+
+VALUE_SET_NAMES = [
+    "default", "namespaced", "namespaced-incl-release-ns", "single-replica", "monitoring", "byo-identity",
+    "pinned-digest", "empty-policy", "platform-extras",
+]
+
+
+@pytest.fixture
+def render(helm, tmp_path):
+    def _render(values: dict[str, Any], **kw: Any) -> Rendered:
+        return helm.render(values, tmp_path, namespace=RELEASE_NS, **kw)
+
+    return _render
+
+
+def test_value_set_names_match(default_values):
+    assert list(value_sets(default_values)) == VALUE_SET_NAMES
+
+
+@pytest.mark.parametrize("name", VALUE_SET_NAMES)
+def test_lint_and_template_pass(helm, default_values, tmp_path, name):
+    values = value_sets(default_values)[name]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    lint = helm.run("lint", str(CHART), "--strict", "--kube-version", kubernetes_version(),
+                    "--namespace", RELEASE_NS, "--values", str(path))
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    rendered = helm.render(values, tmp_path, namespace=RELEASE_NS)
+    for obj in rendered.objects:
+        assert obj["apiVersion"] and obj["kind"] and obj["metadata"]["name"], obj
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "finetune-operator", obj["kind"]
+
+
+def test_default_objects(render, default_values):
+    r = render(default_values)
+    assert r.kinds() == sorted([
+        "ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
+        "PodDisruptionBudget", "ClusterKopfPeering",
+    ])
+    peering = r.one("ClusterKopfPeering", "finetune-operator")
+    assert peering["apiVersion"] == "kopf.dev/v1"
+    assert "namespace" not in peering["metadata"]
+
+
+def _container(r: Rendered) -> dict[str, Any]:
+    (container,) = r.one("Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _flag(args: list[str], name: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == name]
+
+
+def test_deployment_runs_the_operator_as_agreed(render, default_values):
+    r = render(default_values)
+    deploy = r.one("Deployment", FULLNAME)
+    pod = deploy["spec"]["template"]["spec"]
+    c = _container(r)
+    assert deploy["spec"]["replicas"] == 2
+    assert c["image"] == "ghcr.io/finetune-operator/operator:0.1.0"
+    args = c["args"]
+    assert args[0] == "run" and "--all-namespaces" in args and "--namespace" not in args
+    policy_cm = r.one("ConfigMap")["metadata"]
+    assert _flag(args, "--policy-configmap") == [policy_cm["name"]]
+    assert _flag(args, "--policy-namespace") == [RELEASE_NS] == [policy_cm["namespace"]]
+    assert _flag(args, "--health-port") == ["8080"]
+    assert _flag(args, "--metrics-port") == ["9090"]
+    assert _flag(args, "--peering") == ["finetune-operator"]
+    assert _flag(args, "--log-format") == ["json"]
+    assert _flag(args, "--log-level") == ["info"]
+    assert all(isinstance(a, str) for a in args)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["HOME"]["value"] == env["TMPDIR"]["value"] == "/tmp"
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert pod["serviceAccountName"] == r.one("ServiceAccount")["metadata"]["name"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"health": 8080, "metrics": 9090}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+
+def test_pod_template_has_no_policy_checksum(render, default_values):
+    """The operator reloads the policy ConfigMap itself; a checksum annotation would restart it on
+    every policy change, so a policy-only upgrade must leave the pod template byte-identical."""
+    before = render(default_values).one("Deployment", FULLNAME)["spec"]["template"]
+    changed = with_values(default_values, **{"policy.allowedRegions": ["eu-de-berlin"],
+                                             "policy.defaultMaxAttempts": 2})
+    after_r = render(changed)
+    assert after_r.one("Deployment", FULLNAME)["spec"]["template"] == before
+    assert load_policy(after_r.one("ConfigMap")["data"]["policy.yaml"]).allowed_regions == ["eu-de-berlin"]
+
+
+def test_container_is_hardened(render, default_values):
+    r = render(default_values)
+    pod = r.one("Deployment", FULLNAME)["spec"]["template"]["spec"]
+    sc = _container(r)["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["privileged"] is False
+    assert sc["runAsNonRoot"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 65532
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_security_context_user_can_be_left_to_the_platform(render, default_values):
+    values = value_sets(default_values)["platform-extras"]
+    r = render(values)
+    pod = r.one("Deployment", FULLNAME)["spec"]["template"]["spec"]
+    assert "runAsUser" not in pod["securityContext"] and "fsGroup" not in pod["securityContext"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["nodeSelector"] == {"node-role.example.com/system": "true"}
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert pod["tolerations"] == [{"key": "CriticalAddonsOnly", "operator": "Exists"}]
+
+
+def test_replicas_spread_across_zones_and_nodes(render, default_values):
+    r = render(default_values)
+    deploy = r.one("Deployment", FULLNAME)
+    constraints = deploy["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert [c["topologyKey"] for c in constraints] == ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    for c in constraints:
+        assert c["labelSelector"]["matchLabels"] == selector
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway"
+
+
+def test_pdb_only_with_more_than_one_replica(render, default_values):
+    pdb = render(default_values).one("PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == render(default_values).one("Deployment")["spec"]["selector"]["matchLabels"]
+    assert render(with_values(default_values, replicaCount=1)).of_kind("PodDisruptionBudget") == []
+
+
+def test_metrics_service_and_service_monitor(render, default_values):
+    r = render(default_values)
+    assert r.of_kind("ServiceMonitor") == []
+    svc = r.one("Service")
+    deploy = r.one("Deployment")
+    assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+    m = render(value_sets(default_values)["monitoring"])
+    monitor = m.one("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= m.one("Service")["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_image_digest_wins_over_tag(render, default_values):
+    c = _container(render(value_sets(default_values)["pinned-digest"]))
+    assert c["image"] == "ghcr.io/finetune-operator/operator@sha256:" + "ab" * 32
+    assert _flag(c["args"], "--log-level") == ["debug"]
+    assert _flag(c["args"], "--log-format") == ["plain"]
+
+
+# ---- the policy ------------------------------------------------------------------------------
+
+
+def test_policy_configmap_is_the_operators_cluster_policy(render, default_values):
+    cm = render(default_values).one("ConfigMap", f"{FULLNAME}-policy", RELEASE_NS)
+    assert list(cm["data"]) == ["policy.yaml"]
+    policy = load_policy(cm["data"]["policy.yaml"])
+    p = default_values["policy"]
+    assert policy.allowed_regions == ["eu-de-berlin", "eu-fr-paris"]
+    assert policy.region_label_key == "topology.kubernetes.io/region"
+    assert policy.zone_label_key == "topology.kubernetes.io/zone"
+    assert policy.default_memory_headroom == pytest.approx(p["defaultMemoryHeadroom"])
+    assert policy.default_max_attempts == p["defaultMaxAttempts"]
+    assert policy.pool_label_keys == p["poolLabelKeys"]
+    assert policy.trainer_image == "registry.eu-de-berlin.internal/finetune-operator/trainer:0.1.0"
+    assert [pool.name for pool in policy.catalog] == [pool["name"] for pool in p["catalog"]]
+
+
+def test_every_catalog_field_the_schema_allows_reaches_the_operator(render, default_values):
+    """The schema's pool fields and the operator's catalog loader agree: a pool using every field the
+    schema allows loads, and keeps the values given."""
+    pool = {
+        "name": "b200-berlin", "region": "eu-de-berlin", "zones": ["eu-de-berlin-1c"], "gpuType": "B200-192GB",
+        "gpuMemory": "180Gi", "gpusPerNode": 8, "maxNodes": 4, "pricePerGpuHour": 6.5, "intraNode": "nvlink",
+        "interNodeGbps": 3200, "hostMemory": "2Ti", "cpus": 224, "peakTflops": 2250,
+        "selector": {"example.com/pool": "b200"}, "taints": [{"key": "example.com/gpu", "effect": "NoExecute"}],
+    }
+    schema = __import__("json").loads((CHART / "values.schema.json").read_text())
+    assert set(pool) == set(schema["properties"]["policy"]["properties"]["catalog"]["items"]["properties"])
+    values = with_values(default_values, **{"policy.catalog": [pool]})
+    (loaded,) = load_policy(render(values).one("ConfigMap")["data"]["policy.yaml"]).catalog
+    assert loaded.gpu_memory_bytes == 180 * 2**30
+    assert loaded.host_memory_bytes == 2 * 2**40
+    assert loaded.peak_tflops == 2250 and loaded.price_per_gpu_hour == 6.5 and loaded.max_nodes == 4
+    assert loaded.selector == {"example.com/pool": "b200"}
+    assert loaded.taints[0].effect == "NoExecute"
+
+
+def test_default_catalog_describes_the_lab(default_values):
+    """The default values describe the lab of e2e/ (pools.yaml): every GPU pool, same region, zones,
+    GPU type and count, node count as the ceiling, and the lab's pool label and GPU taint."""
+    from e2e.lab import nodes as lab_nodes
+    from finetune_operator.planning.pools import canonical_gpu_name, load_catalog
+
+    catalog = {p.name: p for p in load_catalog(default_values["policy"]["catalog"])}
+    lab = {p.name: p for p in lab_nodes.load_pools().gpu_pools()}
+    assert sorted(catalog) == sorted(lab)
+    for name, lab_pool in lab.items():
+        pool = catalog[name]
+        assert pool.region == lab_pool.region, name
+        assert pool.zones == lab_pool.zones, name
+        assert pool.gpu_type == canonical_gpu_name(lab_pool.gpu.product), name
+        assert pool.gpus_per_node == lab_pool.gpu.count, name
+        assert pool.max_nodes == lab_pool.nodes, name
+        assert pool.cpus == int(lab_pool.cpu), name
+        assert pool.selector == {lab_nodes.POOL_LABEL: name}, name
+        assert [(t.key, t.value, t.effect) for t in pool.taints] == [(lab_nodes.GPU_RESOURCE, "present", "NoSchedule")]
+    assert tuple(default_values["policy"]["allowedRegions"]) == lab_nodes.DEFAULT_ALLOWED_REGIONS
+    regions = {p.region for p in lab.values()}
+    assert "us-east-virginia" in regions and "us-east-virginia" not in default_values["policy"]["allowedRegions"]
+
+
+def test_default_catalog_agrees_with_examples_pools(default_values):
+    """examples/pools.yaml (the catalog users copy) and the chart's default catalog describe the same
+    hardware at the same prices: a pool of the same name has the same GPUs, interconnect, price,
+    selector and taints, and the same GPU type in the same region costs the same. Zones, node counts
+    and node sizes are the lab's own (the chart describes the lab)."""
+    from finetune_operator.planning.pools import load_catalog
+
+    path = CHART.parents[1] / "examples" / "pools.yaml"
+    if not path.exists():
+        pytest.skip("examples/pools.yaml is not written yet")
+    example = {p.name: p for p in load_catalog(path.read_text())}
+    chart = {p.name: p for p in load_catalog(default_values["policy"]["catalog"])}
+    shared = sorted(set(example) & set(chart))
+    assert shared, f"no pool in common: chart {sorted(chart)}, examples {sorted(example)}"
+    for name in shared:
+        a, b = example[name], chart[name]
+        for field in ("region", "gpu_type", "gpu_memory_bytes", "gpus_per_node", "intra_node", "inter_node_gbps",
+                      "price_per_gpu_hour", "selector", "taints"):
+            assert getattr(a, field) == getattr(b, field), f"{name}.{field}: examples {getattr(a, field)!r} chart {getattr(b, field)!r}"
+    prices = {(p.region, p.gpu_type): p.price_per_gpu_hour for p in example.values()}
+    for pool in chart.values():
+        key = (pool.region, pool.gpu_type)
+        if key in prices:
+            assert pool.price_per_gpu_hour == prices[key], f"{pool.name}: {key} costs {prices[key]} in examples/pools.yaml"
+
+
+def test_policy_values_are_data_not_yaml_text(render, default_values):
+    """Strings that look like YAML stay strings in policy.yaml (toYaml, no splicing)."""
+    values = with_values(default_values, **{
+        "policy.allowedRegions": ["true", "1.0", "null"],
+        "policy.poolLabelKeys": ["example.com/yes"],
+    })
+    policy = yaml.safe_load(render(values).one("ConfigMap")["data"]["policy.yaml"])
+    assert policy["allowedRegions"] == ["true", "1.0", "null"]
+    assert policy["poolLabelKeys"] == ["example.com/yes"]
+
+
+# ---- namespaces and RBAC -----------------------------------------------------------------------
+
+
+def _rules(obj: dict[str, Any]) -> set:
+    return granted(obj["rules"])
+
+
+def test_all_namespaces_rbac_grants_exactly_what_the_operator_needs(render, default_values):
+    r = render(default_values)
+    assert r.of_kind("Role") == [] and r.of_kind("RoleBinding") == []
+    want = (needed("namespaced", True, "finetune-operator") | needed("cluster", True, "finetune-operator")
+            | needed("peering", True, "finetune-operator"))
+    assert _rules(r.one("ClusterRole")) == want
+    binding = r.one("ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": r.one("ClusterRole")["metadata"]["name"]}
+    sa = r.one("ServiceAccount")["metadata"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+
+
+def test_namespaced_rbac_grants_only_in_the_watched_namespaces(render, default_values):
+    r = render(value_sets(default_values)["namespaced"])
+    args = _container(r)["args"]
+    assert "--all-namespaces" not in args and _flag(args, "--namespace") == ["team-a", "team-b"]
+    assert _rules(r.one("ClusterRole")) == needed("cluster", False, "finetune-operator")
+    sa = r.one("ServiceAccount")["metadata"]
+    for ns in ("team-a", "team-b"):
+        role = r.one("Role", FULLNAME, ns)
+        assert _rules(role) == needed("namespaced", False, "finetune-operator") | needed("peering", False, "finetune-operator")
+        binding = r.one("RoleBinding", FULLNAME, ns)
+        assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["name"] == FULLNAME
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": RELEASE_NS}]
+        assert r.one("KopfPeering", "finetune-operator", ns)["apiVersion"] == "kopf.dev/v1"
+    assert r.of_kind("ClusterKopfPeering") == []
+    # The release namespace is not served, but the operator reads its policy there.
+    reader = r.one("Role", f"{FULLNAME}-policy-reader", RELEASE_NS)
+    assert _rules(reader) == {("", "configmaps", v, "") for v in ("get", "list", "watch")}
+    r.one("RoleBinding", f"{FULLNAME}-policy-reader", RELEASE_NS)
+
+
+def test_namespaced_rbac_without_extra_reader_when_release_namespace_is_watched(render, default_values):
+    r = render(value_sets(default_values)["namespaced-incl-release-ns"])
+    assert sorted(o["metadata"]["namespace"] for o in r.of_kind("Role")) == sorted(["team-a", RELEASE_NS])
+    assert all(o["metadata"]["name"] == FULLNAME for o in r.of_kind("Role"))
+
+
+def test_rbac_never_grants_wildcards_secrets_or_writes_to_nodes(render, default_values):
+    for name in ("default", "namespaced"):
+        r = render(value_sets(default_values)[name])
+        for obj in r.of_kind("ClusterRole") + r.of_kind("Role"):
+            for group, resource, verb, _ in _rules(obj):
+                assert "*" not in (group, resource, verb), obj["metadata"]["name"]
+                assert resource not in ("secrets", "serviceaccounts", "serviceaccounts/token", "pods/exec",
+                                        "pods/log", "leases"), (name, resource)
+                assert not (resource == "nodes" and verb not in ("get", "list", "watch")), (name, verb)
+                assert verb not in ("escalate", "bind", "impersonate", "deletecollection"), (name, verb)
+
+
+def test_access_file_lists_a_reason_for_every_need():
+    access = operator_access()
+    for need in access["needs"]:
+        assert need["why"].strip() and need["verbs"], need
+        assert need["scope"] in ("namespaced", "cluster", "peering"), need
+    assert access["forbidden"]
+
+
+def test_cluster_scoped_names_carry_the_release_namespace(helm, tmp_path, default_values):
+    """The same release name in two namespaces must not fight over one ClusterRole."""
+    names = {}
+    for ns in ("team-a-ops", "team-b-ops"):
+        r = helm.render(default_values, tmp_path, namespace=ns)
+        names[ns] = {o["metadata"]["name"] for o in r.of_kind("ClusterRole") + r.of_kind("ClusterRoleBinding")}
+        assert names[ns] == {f"{ns}-{FULLNAME}"}
+
+
+def test_bring_your_own_identity(render, default_values):
+    r = render(value_sets(default_values)["byo-identity"])
+    assert r.of_kind("ServiceAccount") == []
+    assert not any(r.of_kind(k) for k in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"))
+    assert r.one("Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops-bot"
+
+
+def test_release_name_shapes_the_names(helm, tmp_path, default_values):
+    r = helm.render(default_values, tmp_path, namespace="ml-platform", release="ftop")
+    assert r.one("Deployment")["metadata"]["name"] == "ftop-finetune-operator"
+    assert r.one("ConfigMap")["metadata"]["name"] == "ftop-finetune-operator-policy"
+    assert _flag(_container(r)["args"], "--policy-configmap") == ["ftop-finetune-operator-policy"]
+    assert _flag(_container(r)["args"], "--policy-namespace") == ["ml-platform"]
+    assert r.one("ClusterRole")["metadata"]["name"] == "ml-platform-ftop-finetune-operator"
