@@ -100,6 +100,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.clusterwide = options.clusterwide
     # Oldest replica wins (see module docstring); the fraction keeps ties practically impossible.
     settings.peering.priority = 2_000_000_000 - int(time.time() * 10) % 1_000_000_000
+    # A replica that died without saying goodbye blocks the others until its record expires.
+    settings.peering.lifetime = 30
     # Only our pods and PyTorchJobs, filtered by the API server rather than in the operator.
     settings.watching.label_selectors["pods"] = JOB_LABEL
     settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = JOB_LABEL

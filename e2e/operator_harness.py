@@ -1,0 +1,199 @@
+"""The operator on the lab: installed with the Helm chart (CRDs, RBAC, policy), run as a
+local process that authenticates as the chart's ServiceAccount, so that a missing RBAC
+rule fails the scenario instead of hiding behind the lab's admin credentials."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.lab.waiting import wait_for
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHART = REPO_ROOT / "charts" / "finetune-operator"
+RELEASE = "ft"
+RELEASE_NAMESPACE = "finetune-system"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def install_chart(lab: Any, *extra: str) -> None:
+    """helm install the chart with no operator pods (the operator runs as a local process here)."""
+    helm = lab.binary("helm")
+    cmd = [helm, "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+           "--create-namespace", "--set", "replicaCount=0", "--wait=false", *extra]
+    proc = subprocess.run(cmd, env=lab.env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm install failed: {proc.stderr or proc.stdout}")
+
+
+def service_account() -> str:
+    return f"{RELEASE}-finetune-operator"
+
+
+class OperatorProcess:
+    """`finetune-operator run` as the chart's ServiceAccount; start, kill -9 and start again."""
+
+    def __init__(self, lab: Any, workdir: Path) -> None:
+        self.lab = lab
+        self.workdir = workdir
+        self.kubeconfig = lab.service_account_kubeconfig(RELEASE_NAMESPACE, service_account(),
+                                                         path=workdir / "operator-sa.kubeconfig")
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / "operator.log"
+        self.health_port = free_port()
+        self.metrics_port = free_port()
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.log_path, "a")
+        log.write(f"\n===== start {self.starts} =====\n")
+        log.flush()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("KUBECONFIG", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "finetune_operator.cli", "run", "--all-namespaces",
+             "--kubeconfig", str(self.kubeconfig),
+             "--policy-configmap", f"{RELEASE}-finetune-operator-policy", "--policy-namespace", RELEASE_NAMESPACE,
+             "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
+             "--log-format", "plain", "--log-level", "info"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        wait_for(self._healthy, 60, "the operator's health endpoint")
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"the operator exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.health_port), timeout=1) as sock:
+                sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+                return b"200" in sock.recv(64)
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL, like a node failure: no cleanup runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def logs(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def metrics(self) -> str:
+        with socket.create_connection(("127.0.0.1", self.metrics_port), timeout=5) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+
+def volumes(lab: Any, namespace: str, claims: list[str]) -> None:
+    """PersistentVolumes pre-bound to the job's claims, so the scheduler can place the pods."""
+    docs = []
+    for claim in claims:
+        pv = f"{namespace}-{claim}"
+        docs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                     "spec": {"capacity": {"storage": "100Gi"}, "accessModes": ["ReadWriteMany"],
+                              "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "",
+                              "hostPath": {"path": f"/tmp/lab-volumes/{pv}"},
+                              "claimRef": {"namespace": namespace, "name": claim}}})
+        docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                     "metadata": {"name": claim, "namespace": namespace},
+                     "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                              "resources": {"requests": {"storage": "100Gi"}}}})
+    lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def job_from_example(example: str, name: str, namespace: str, *, rule: dict[str, str] | None = None,
+                     **spec: Any) -> dict[str, Any]:
+    """An example FineTuneJob, renamed, with the lab's fake-GPU rule as annotations and spec overrides."""
+    doc = copy.deepcopy(yaml.safe_load((REPO_ROOT / "examples" / example).read_text()))
+    doc["metadata"] = {"name": name, "namespace": namespace,
+                       "annotations": {f"lab.finetune.dev/{k}": v for k, v in (rule or {}).items()}}
+    for key, value in spec.items():
+        doc["spec"][key] = value
+    return doc
+
+
+def claims_of(job: dict[str, Any]) -> list[str]:
+    found = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "claimName" in node:
+                found.add(node["claimName"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(job["spec"])
+    return sorted(found)
+
+
+def apply_job(lab: Any, job: dict[str, Any]) -> None:
+    volumes(lab, job["metadata"]["namespace"], claims_of(job))
+    lab.kubectl("apply", "-f", "-", input=json.dumps(job))
+
+
+def get_job(lab: Any, namespace: str, name: str) -> dict[str, Any]:
+    return json.loads(lab.kubectl("get", "ftj", name, "-n", namespace, "-o", "json").stdout)
+
+
+def wait_phase(lab: Any, namespace: str, name: str, phases: tuple[str, ...], timeout: float = 120) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        job = get_job(lab, namespace, name)
+        return job if (job.get("status") or {}).get("phase") in phases else None
+
+    return wait_for(check, timeout, f"FineTuneJob {namespace}/{name} in phase {'/'.join(phases)}", interval=0.5)
+
+
+def pytorch_jobs(lab: Any, namespace: str, job: str) -> list[dict[str, Any]]:
+    out = lab.kubectl("get", "pytorchjobs", "-n", namespace, "-l", f"finetune.dev/job={job}", "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def pods(lab: Any, namespace: str, job: str) -> list[dict[str, Any]]:
+    out = lab.kubectl("get", "pods", "-n", namespace, "-l", f"finetune.dev/job={job}", "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def events(lab: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    out = lab.kubectl("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}",
+                      "-o", "json").stdout
+    return sorted(json.loads(out)["items"], key=lambda e: e.get("lastTimestamp") or "")
+
+
+def condition(job: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == type_), None)
+
+
+def elapsed(start: float) -> str:
+    return f"{time.monotonic() - start:.1f}s"

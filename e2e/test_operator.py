@@ -1,0 +1,162 @@
+"""The operator's scenarios on the lab cluster (issue 7): the whole lifecycle against a real
+API server, scheduler, training operator and kwok nodes, with the fake GPU deciding each
+training pod's fate. The operator runs as the Helm chart's ServiceAccount."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from e2e import operator_harness as h
+from e2e.lab.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+ALLOWED = {"eu-de-berlin", "eu-fr-paris"}
+
+
+@pytest.fixture(scope="session")
+def operator(lab, ftj_crd, tmp_path_factory):
+    h.install_chart(lab)
+    process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator"))
+    process.start()
+    yield process
+    process.stop()
+    print(f"operator log: {process.log_path}")
+
+
+def _fast(job: dict, attempts: int = 4) -> dict:
+    job["spec"]["recovery"] = {"maxAttempts": attempts, "backoff": {"initialSeconds": 1, "maxSeconds": 2}}
+    return job
+
+
+def _nodes_by_name(lab) -> dict[str, dict]:
+    return {n["metadata"]["name"]: n for n in json.loads(lab.kubectl("get", "nodes", "-o", "json").stdout)["items"]}
+
+
+def test_apply_plan_run_succeed(lab, operator, namespace):
+    start = time.monotonic()
+    job = _fast(h.job_from_example("llama-8b-lora.yaml", "happy", namespace, rule={"true-peak-factor": "1.0", "run-duration": "2s"}))
+    h.apply_job(lab, job)
+    planned = h.wait_phase(lab, namespace, "happy", ("Launching", "Running", "Succeeded"))
+    assert h.condition(planned, "Planned")["status"] == "True"
+    plan = planned["status"]["plan"]
+    assert plan["region"] == "eu-de-berlin" and plan["reason"]
+    lab.kubectl("wait", "--for=condition=Succeeded", "ftj/happy", "-n", namespace, "--timeout=120s", timeout=130)
+    done = h.get_job(lab, namespace, "happy")
+    assert done["status"]["phase"] == "Succeeded" and done["status"]["completionTime"]
+    assert [a["outcome"] for a in done["status"]["attempts"]] == ["Succeeded"]
+    # Every training pod landed on a node of an allowed region, chosen by the real scheduler.
+    nodes = _nodes_by_name(lab)
+    placed = [p["spec"]["nodeName"] for p in h.pods(lab, namespace, "happy") if p["spec"].get("nodeName")]
+    assert placed, "no training pod was scheduled"
+    assert {nodes[n]["metadata"]["labels"]["topology.kubernetes.io/region"] for n in placed} <= {"eu-de-berlin"}
+    reasons = [e["reason"] for e in h.events(lab, namespace, "happy")]
+    assert "Planned" in reasons and "Succeeded" in reasons
+    printed = lab.kubectl("get", "ftj", "-n", namespace).stdout
+    assert "Succeeded" in printed and "h100-berlin" in printed
+    print(f"scenario happy path: {h.elapsed(start)}")
+
+
+def test_gpu_oom_recovers_with_a_new_attempt(lab, operator, namespace):
+    start = time.monotonic()
+    # The true peak is 1.7 x our estimate: the first plan (no checkpointing) dies of a GPU OOM,
+    # the recovered one fits.
+    job = _fast(h.job_from_example("llama-8b-lora.yaml", "oom-once", namespace,
+                                   rule={"true-peak-factor": "1.7", "run-duration": "1s"}))
+    h.apply_job(lab, job)
+    lab.kubectl("wait", "--for=condition=Succeeded", "ftj/oom-once", "-n", namespace, "--timeout=180s", timeout=190)
+    status = h.get_job(lab, namespace, "oom-once")["status"]
+    outcomes = [a["outcome"] for a in status["attempts"]]
+    assert outcomes[0] == "GPUOutOfMemory" and outcomes[-1] == "Succeeded", outcomes
+    first, second = status["attempts"][0], status["attempts"][1]
+    assert "GPU OOM in backward at step 0" in first["message"]
+    assert "next:" in first["message"]
+    assert first["plan"] != second["plan"]
+    assert second["plan"]["calibration"] > 1.0
+    for attempt in status["attempts"]:
+        plan = attempt["plan"]
+        assert plan["microBatchSize"] * plan["gradientAccumulation"] * plan["gpus"] == 64
+        assert plan["region"] in ALLOWED
+    recovering = h.condition(h.get_job(lab, namespace, "oom-once"), "Recovering")
+    assert recovering is not None and "attempt 2" in recovering["message"]
+    # The failed attempt's PyTorchJob is gone; exactly the successful one is left.
+    names = [p["metadata"]["name"] for p in h.pytorch_jobs(lab, namespace, "oom-once")]
+    assert names == [f"oom-once-a{len(outcomes)}"]
+    print(f"scenario GPU OOM recovery: {h.elapsed(start)}")
+
+
+def test_repeated_ooms_fail_at_max_attempts(lab, operator, namespace):
+    start = time.monotonic()
+    job = _fast(h.job_from_example("llama-8b-lora.yaml", "always-oom", namespace,
+                                   rule={"outcome": "gpu-oom", "run-duration": "1s"}), attempts=2)
+    h.apply_job(lab, job)
+    failed = h.wait_phase(lab, namespace, "always-oom", ("Failed",), timeout=180)
+    attempts = failed["status"]["attempts"]
+    assert [a["outcome"] for a in attempts] == ["GPUOutOfMemory", "GPUOutOfMemory"]
+    assert "all 2 attempts are used" in h.condition(failed, "Failed")["message"]
+    print(f"scenario repeated OOM -> Failed: {h.elapsed(start)}")
+
+
+def test_operator_killed_midway_makes_no_duplicates(lab, operator, namespace):
+    start = time.monotonic()
+    job = _fast(h.job_from_example("llama-8b-lora.yaml", "restart", namespace,
+                                   rule={"true-peak-factor": "1.0", "run-duration": "8s"}))
+    h.apply_job(lab, job)
+    wait_for(lambda: h.pytorch_jobs(lab, namespace, "restart"), 60, "the first PyTorchJob")
+    operator.kill()
+    operator.start()
+    lab.kubectl("wait", "--for=condition=Succeeded", "ftj/restart", "-n", namespace, "--timeout=120s", timeout=130)
+    status = h.get_job(lab, namespace, "restart")["status"]
+    assert [a["attempt"] for a in status["attempts"]] == [1]
+    assert [p["metadata"]["name"] for p in h.pytorch_jobs(lab, namespace, "restart")] == ["restart-a1"]
+    print(f"scenario operator killed mid-way: {h.elapsed(start)}")
+
+
+def test_invalid_job_gets_an_invalid_condition(lab, operator, namespace):
+    start = time.monotonic()
+    job = h.job_from_example("llama-8b-lora.yaml", "no-config", namespace)
+    job["spec"]["model"]["architecture"] = {"configMapRef": {"name": "missing-config"}}
+    h.apply_job(lab, job)
+    failed = h.wait_phase(lab, namespace, "no-config", ("Failed",), timeout=60)
+    validated = h.condition(failed, "Validated")
+    assert validated["status"] == "False" and validated["reason"] == "Invalid"
+    assert "spec.model.architecture.configMapRef" in validated["message"]
+    assert h.pytorch_jobs(lab, namespace, "no-config") == []
+    print(f"scenario invalid job: {h.elapsed(start)}")
+
+
+def test_region_without_a_suitable_pool_stays_unplanned(lab, operator, namespace):
+    start = time.monotonic()
+    # Virginia has H100s, but the cluster policy does not allow it: nothing may land there.
+    job = h.job_from_example("llama-8b-lora.yaml", "virginia", namespace, placement={"regions": ["us-east-virginia"]})
+    h.apply_job(lab, job)
+
+    def unplanned():
+        current = h.get_job(lab, namespace, "virginia")
+        planned = h.condition(current, "Planned")
+        return current if planned and planned["status"] == "False" else None
+
+    current = wait_for(unplanned, 60, "Planned=False on the virginia job")
+    message = h.condition(current, "Planned")["message"]
+    assert "us-east-virginia" in message
+    assert current["status"]["phase"] == "Pending"
+    assert h.pytorch_jobs(lab, namespace, "virginia") == []
+    print(f"scenario region without a pool: {h.elapsed(start)}")
+
+
+def test_configmap_architecture_is_read(lab, operator, namespace):
+    start = time.monotonic()
+    config = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "tie_word_embeddings": True, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}
+    lab.kubectl("create", "configmap", "llama-1b-config", "-n", namespace, f"--from-literal=config.json={json.dumps(config)}")
+    job = _fast(h.job_from_example("llama-8b-lora.yaml", "from-configmap", namespace, rule={"run-duration": "1s"}))
+    job["spec"]["model"]["architecture"] = {"configMapRef": {"name": "llama-1b-config"}}
+    h.apply_job(lab, job)
+    lab.kubectl("wait", "--for=condition=Succeeded", "ftj/from-configmap", "-n", namespace, "--timeout=120s", timeout=130)
+    plan = h.get_job(lab, namespace, "from-configmap")["status"]["plan"]
+    assert plan["predictedPeakGiB"] < 40  # a 1B model, not the 8B preset
+    print(f"scenario configMapRef architecture: {h.elapsed(start)}")
