@@ -324,6 +324,8 @@ def _pool_from_entry(where: str, entry: dict[str, Any], default_pool_label_key: 
             message = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
             if item["type"] == "missing":
                 message = "required field is missing"
+            elif item["type"] == "string_pattern_mismatch" and field == "name":
+                message = "must be a DNS-1123 label (lower-case letters, digits and '-'), as Kubernetes names pools"
             problems.append(f"{field}: {message}")
         raise CatalogError(f"{where}: " + "; ".join(problems)) from None
 

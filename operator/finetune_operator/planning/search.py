@@ -33,7 +33,6 @@ Fast (branch and bound)
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -49,14 +48,17 @@ COST_TIE = 0.01
 RUNNERS_UP = 3
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
-# Offload each strategy can do (DeepSpeed ZeRO-1/2 offload optimizer states only; DDP none).
+# Offload each strategy can do, as the API allows it: DeepSpeed ZeRO-1/2 offload optimizer states
+# only, FSDP's CPUOffload moves parameters and optimizer together, DDP none.
 _STRATEGY_OFFLOADS = {
     "ddp": ("none",),
     "zero1": ("none", "optimizer"),
     "zero2": ("none", "optimizer"),
-    "fsdp": OFFLOADS,
+    "fsdp": ("none", "optimizer+params"),
     "zero3": OFFLOADS,
 }
+# QLoRA replicates its 4-bit base (the API accepts only ddp for it): only adapters train.
+_METHOD_STRATEGIES = {"qlora": ("ddp",)}
 
 Estimator = Callable[[TrainingSetup], Any]
 
@@ -349,7 +351,7 @@ def _ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architectur
         steps=t.max_steps,
         gpus=r.gpus if isinstance(r.gpus, int) else None,
         max_gpus=r.gpus if isinstance(r.gpus, int) else r.max_gpus,
-        strategies=STRATEGIES if r.strategy == "auto" else (r.strategy,),
+        strategies=_METHOD_STRATEGIES.get(spec.method, STRATEGIES) if r.strategy == "auto" else (r.strategy,),
         offloads=OFFLOADS if r.offload == "auto" else (r.offload,),
         checkpointing=(False, True) if t.gradient_checkpointing is None else (t.gradient_checkpointing,),
         micro_batch_size=t.micro_batch_size if isinstance(t.micro_batch_size, int) else None,
@@ -532,12 +534,14 @@ def _search(
         return found, stats
 
     bounded = sorted(((cost_of(g, g.micros[-1])[1], g.order, g) for g in groups), key=lambda t: (t[0], t[1]))
-    best_costs: list[float] = []  # max-heap (negated) of the RUNNERS_UP + 1 lowest costs found
+    # Besides the tie window, keep going until the best plan of the RUNNERS_UP + 1 cheapest pools is
+    # known: the runners-up say why the other pools lost.
+    pool_best: dict[str, float] = {}
     lowest = math.inf
     for bound, _, group in bounded:
         if lowest < math.inf:
             window = lowest * (1 + COST_TIE)
-            kth = -best_costs[0] if len(best_costs) > RUNNERS_UP else math.inf
+            kth = sorted(pool_best.values())[RUNNERS_UP] if len(pool_best) > RUNNERS_UP else math.inf
             if bound > max(window, kth):
                 break
         stats.groups_visited += 1
@@ -548,9 +552,8 @@ def _search(
         c = candidate(group, micro, facts)
         found.append(c)
         lowest = min(lowest, c.cost_per_step)
-        heapq.heappush(best_costs, -c.cost_per_step)
-        if len(best_costs) > RUNNERS_UP + 1:
-            heapq.heappop(best_costs)
+        name = group.pool.name
+        pool_best[name] = min(pool_best.get(name, math.inf), c.cost_per_step)
     return found, stats
 
 
@@ -683,16 +686,17 @@ def _to_plan(ask: _Ask, winner: _Candidate, others: list[_Candidate], stats: _St
     usable = int(pool.gpu_memory_bytes * (1 - ask.headroom))
     required = int(f.required_bytes * calibration)
     runners: list[str] = []
-    seen_shapes = set()
+    # The best plan of each other pool, then the best other setup in the winner's pool.
+    seen_pools = {pool.name}
     for other in others:
-        # One line per kind of alternative: the same setup on more GPUs says little.
-        shape = (other.group.pool.name, other.group.strategy, other.group.offload, other.group.checkpointing)
-        if shape in seen_shapes:
-            continue
-        seen_shapes.add(shape)
+        if other.group.pool.name not in seen_pools and len(runners) < RUNNERS_UP - 1:
+            seen_pools.add(other.group.pool.name)
+            runners.append(_runner_up_line(ask, winner, other))
+    same_pool = [o for o in others if o.group.pool.name == pool.name]
+    differs = [o for o in same_pool if (o.group.strategy, o.group.offload, o.group.checkpointing)
+               != (g.strategy, g.offload, g.checkpointing)]
+    for other in (differs or same_pool)[:RUNNERS_UP - len(runners)]:
         runners.append(_runner_up_line(ask, winner, other))
-        if len(runners) == RUNNERS_UP:
-            break
     cheaper = sorted((m for m in stats.cheaper_misses if m[0] < winner.cost_per_step), key=lambda m: m[0])
     if cheaper:
         cost_m, group_m, required_m, usable_m = cheaper[0]
@@ -792,10 +796,11 @@ def _relaxed_suggestion(ask: _Ask, all_pools: Sequence[NodePool], work: JobWork,
 
     biggest = max((p.max_gpus for p in all_pools), default=1)
     relaxations: list[tuple[_Ask, str, bool]] = []  # (relaxed ask, what stops it, search all regions)
-    if ask.gpus is not None:
-        relaxations.append((replace(ask, gpus=None, max_gpus=biggest), f"gpus is fixed at {ask.gpus}", False))
-    else:
-        relaxations.append((replace(ask, max_gpus=biggest), f"maxGPUs is {ask.max_gpus}", False))
+    # More GPUs: the smallest count that fits is the suggestion, so try the counts in turn.
+    stopper = f"gpus is fixed at {ask.gpus}" if ask.gpus is not None else f"maxGPUs is {ask.max_gpus}"
+    for count in _divisors(ask.global_batch_size):
+        if ask.max_gpus < count <= biggest:
+            relaxations.append((replace(ask, gpus=None, max_gpus=count), stopper, False))
     fixed = []
     if ask.fixed_strategy:
         fixed.append("strategy")
@@ -807,7 +812,7 @@ def _relaxed_suggestion(ask: _Ask, all_pools: Sequence[NodePool], work: JobWork,
         fixed.append("microBatchSize")
     if fixed:
         relaxations.append((
-            replace(ask, strategies=STRATEGIES, offloads=OFFLOADS, checkpointing=(False, True), micro_batch_size=None,
+            replace(ask, strategies=_METHOD_STRATEGIES.get(ask.method, STRATEGIES), offloads=OFFLOADS, checkpointing=(False, True), micro_batch_size=None,
                     fixed_strategy=False, fixed_offload=False, fixed_checkpointing=False),
             "the job fixes " + ", ".join(fixed), False))
     if ask.node_pool is not None:

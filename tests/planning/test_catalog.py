@@ -1,0 +1,107 @@
+"""The catalog and the policy: loading, defaults, and errors that name the pool and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune_operator.planning import CatalogError, PolicyError, load_catalog, load_policy
+from finetune_operator.planning.pools import GiB, MiB, canonical_gpu_name, parse_quantity
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pools.yaml"
+
+
+def _pool(**fields):
+    base = {"name": "p1", "region": "eu-de-berlin", "gpuType": "H100-80GB", "gpusPerNode": 8, "maxNodes": 2}
+    base.update(fields)
+    return base
+
+
+def test_example_catalog_is_realistic():
+    pools = load_catalog(EXAMPLE.read_text())
+    regions = {p.region for p in pools}
+    assert {"eu-de-berlin", "eu-fr-paris", "us-east-virginia"} <= regions
+    assert {"H100-80GB", "A100-80GB", "A100-40GB", "L40S-48GB", "H200-141GB"} <= {p.gpu_type for p in pools}
+    assert all(p.price_per_gpu_hour for p in pools)
+    assert all(p.selector == {"karpenter.sh/nodepool": p.name} for p in pools)
+    h200 = next(p for p in pools if p.gpu_type == "H200-141GB")
+    assert h200.gpu_memory_bytes == 143771 * MiB
+    assert next(p for p in pools if p.gpu_type == "L40S-48GB").intra_node == "pcie"
+
+
+def test_defaults_and_quantities():
+    (pool,) = load_catalog({"pools": [_pool(gpuType="NVIDIA-A100-SXM4-80GB", hostMemory="1Ti", cpus=96)]})
+    assert pool.gpu_type == "A100-80GB"  # product spellings become canonical
+    assert pool.gpu_memory_bytes == 81920 * MiB
+    assert pool.host_memory_bytes == 1024 * GiB
+    assert pool.selector == {"karpenter.sh/nodepool": "p1"}
+    assert pool.free_gpus is None and pool.source == "catalog"
+    (custom,) = load_catalog([_pool(gpuType="B200-192GB", gpuMemory="180Gi", peakTflops=2250)])
+    assert custom.gpu_memory_bytes == 180 * GiB and custom.tflops == 2250
+
+
+@pytest.mark.parametrize(
+    "pools, expected",
+    [
+        ([_pool(), _pool()], "pool 'p1' (pools[1]): name: duplicate of pools[0]"),
+        ([_pool(gpuType="B300")], "pool 'p1' (pools[0]): gpuType: unknown GPU type 'B300' and no gpuMemory given"),
+        ([_pool(gpusPerNode=-1)], "pool 'p1' (pools[0]): gpusPerNode: Input should be greater than or equal to 1"),
+        ([_pool(maxNodes=-2)], "pool 'p1' (pools[0]): maxNodes: Input should be greater than or equal to 0"),
+        ([_pool(freeGpus=-1)], "pool 'p1' (pools[0]): freeGpus: Input should be greater than or equal to 0"),
+        ([_pool(pricePerGpuHour=-3)], "pool 'p1' (pools[0]): pricePerGpuHour"),
+        ([_pool(hostMemory="lots")], "pool 'p1' (pools[0]): hostMemory: not a Kubernetes quantity: 'lots'"),
+        ([_pool(colour="red")], "pool 'p1' (pools[0]): colour: unknown field"),
+        ([_pool(intraNode="infiniband")], "pool 'p1' (pools[0]): intraNode"),
+        ([_pool(name="H100_Berlin")], "pool 'H100_Berlin' (pools[0]): name: must be a DNS-1123 label"),
+        ([{"region": "x", "gpuType": "H100-80GB", "gpusPerNode": 1, "maxNodes": 1}], "pools[0]: name: required field"),
+        (["h100"], "pools[0]: must be a mapping of pool fields"),
+        ([_pool(taints=[{"key": "a", "effect": "Sometimes"}])], "pool 'p1' (pools[0]): taints.0.effect"),
+    ],
+)
+def test_catalog_errors_name_pool_and_field(pools, expected):
+    with pytest.raises(CatalogError) as error:
+        load_catalog({"pools": pools})
+    assert str(error.value).startswith(expected), str(error.value)
+
+
+def test_catalog_shape_errors():
+    with pytest.raises(CatalogError, match="not valid YAML"):
+        load_catalog("pools: [")
+    with pytest.raises(CatalogError, match="pools: must be a list"):
+        load_catalog({"pools": {"name": "x"}})
+    with pytest.raises(CatalogError, match="expected a 'pools' list"):
+        load_catalog({"nodes": []})
+
+
+def test_policy_loads_catalog_with_its_pool_label_and_names_errors():
+    policy = load_policy(
+        "allowedRegions: [eu-de-berlin]\n"
+        "regionLabelKey: node-restriction.kubernetes.io/region\n"
+        "poolLabelKeys: [cloud.google.com/gke-nodepool]\n"
+        "catalog:\n- {name: a100, region: eu-de-berlin, gpuType: A100-80GB, gpusPerNode: 8, maxNodes: 1}\n"
+    )
+    assert policy.allowed_regions == ["eu-de-berlin"]
+    assert policy.region_label_key == "node-restriction.kubernetes.io/region"
+    assert policy.catalog[0].selector == {"cloud.google.com/gke-nodepool": "a100"}
+    with pytest.raises(PolicyError, match=r"policy.catalog: pool 'a' \(pools\[0\]\): gpusPerNode"):
+        load_policy({"catalog": [_pool(name="a", gpusPerNode=0)]})
+    with pytest.raises(PolicyError, match="defaultMemoryHeadroom"):
+        load_policy({"defaultMemoryHeadroom": 0.9})
+    with pytest.raises(PolicyError, match="allowedRegions: .*unique"):
+        load_policy({"allowedRegions": ["a", "a"]})
+    with pytest.raises(PolicyError, match="regionKey: unknown field"):
+        load_policy({"regionKey": "x"})
+    assert load_policy("").allowed_regions == []  # nothing allowed unless the platform says so
+
+
+def test_quantities_and_gpu_names():
+    assert parse_quantity("2063146352Ki") == 2063146352 * 1024
+    assert parse_quantity("191500m") == 191.5
+    assert parse_quantity("80Gi") == 80 * GiB
+    assert parse_quantity(8) == 8
+    with pytest.raises(ValueError):
+        parse_quantity("8 GPUs")
+    assert canonical_gpu_name("nvidia-h100-80gb") == "H100-80GB"
+    assert canonical_gpu_name("NVIDIA-H200") == "H200-141GB"
+    assert canonical_gpu_name("Something-Else") == "Something-Else"

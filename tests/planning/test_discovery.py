@@ -1,0 +1,153 @@
+"""Discovery of node pools from Node and Pod objects, and merging with the catalog."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune_operator.planning import ClusterPolicy, discover, discover_pools, load_catalog, merge_pools
+from finetune_operator.planning.pools import MiB
+
+from .nodes import cpu_node, gpu_node, gpu_pod, snake_case
+
+POLICY = ClusterPolicy(allowed_regions=["eu-de-berlin", "eu-fr-paris"])
+
+
+def _by_name(pools):
+    return {p.name: p for p in pools}
+
+
+def test_karpenter_pool_with_gfd_labels_and_free_gpus():
+    nodes = [gpu_node("ip-10-0-1-1"), gpu_node("ip-10-0-1-2", zone="eu-de-berlin-2"), cpu_node("ip-10-0-9-9")]
+    pods = [
+        gpu_pod("train-a", "ip-10-0-1-1", 4),
+        gpu_pod("train-b", "ip-10-0-1-1", 2, limits_only=True),  # a limit alone is the request
+        gpu_pod("done", "ip-10-0-1-2", 8, phase="Succeeded"),  # finished pods hold nothing
+        gpu_pod("init", "ip-10-0-1-2", 1, init_gpus=3),  # init container needs 3 before the 1 runs
+        gpu_pod("unscheduled", "", 8, phase="Pending"),
+    ]
+    pools = discover_pools(nodes, pods, POLICY)
+    assert [p.name for p in pools] == ["h100-berlin"]
+    pool = pools[0]
+    assert pool.gpu_type == "H100-80GB"
+    assert pool.gpu_memory_bytes == 81559 * MiB
+    assert pool.gpus_per_node == 8
+    assert pool.nodes_now == 2 and pool.max_nodes == 2
+    assert pool.free_gpus == (8 - 4 - 2) + (8 - 3)
+    assert pool.region == "eu-de-berlin"
+    assert pool.zones == ["eu-de-berlin-1", "eu-de-berlin-2"]
+    assert pool.selector == {"karpenter.sh/nodepool": "h100-berlin"}
+    assert [(t.key, t.value, t.effect) for t in pool.taints] == [("nvidia.com/gpu", "present", "NoSchedule")]
+    assert pool.host_memory_bytes == 2063146352 * 1024
+    assert pool.cpus == 191
+    assert pool.source == "discovered"
+
+
+def test_gke_pool_label_and_gke_product_spelling():
+    node = gpu_node(
+        "gke-train-a100-pool-1a2b", product="NVIDIA-A100-SXM4-40GB", memory_mib=40960, gpus=8,
+        region="eu-fr-paris", zone="eu-fr-paris-a",
+        pool_labels={"cloud.google.com/gke-nodepool": "a100-pool", "cloud.google.com/gke-accelerator": "nvidia-tesla-a100"},
+    )
+    pool = discover_pools([node], [], POLICY)[0]
+    assert pool.name == "a100-pool"
+    assert pool.gpu_type == "A100-40GB"
+    assert pool.selector == {"cloud.google.com/gke-nodepool": "a100-pool"}
+
+
+def test_cordoned_not_ready_and_unlabelled_nodes_are_left_out_with_reasons():
+    nodes = [
+        gpu_node("ok"),
+        gpu_node("cordoned", unschedulable=True),
+        gpu_node("sick", ready=False),
+        gpu_node("no-region", extra_labels={}, region=""),
+        gpu_node("no-pool", pool_labels={}),
+        gpu_node("mig", product="NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", memory_mib=4864),
+    ]
+    found = discover(nodes, [], POLICY)
+    assert [p.name for p in found.pools] == ["h100-berlin"]
+    assert found.pools[0].nodes_now == 1
+    reasons = {s.node: s.reason for s in found.skipped}
+    assert "cordoned" in reasons["cordoned"]
+    assert "not Ready" in reasons["sick"]
+    assert "region" in reasons["no-region"]
+    assert "pool label" in reasons["no-pool"]
+    assert "MIG" in reasons["mig"]
+
+
+def test_transient_taints_are_not_pool_taints_but_custom_ones_are():
+    node = gpu_node("n1", taints=[
+        {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+        {"key": "dedicated", "value": "training", "effect": "NoExecute"},
+        {"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"},
+    ])
+    pool = discover_pools([node], [], POLICY)[0]
+    assert {(t.key, t.effect) for t in pool.taints} == {("nvidia.com/gpu", "NoSchedule"), ("dedicated", "NoExecute")}
+
+
+def test_region_label_key_is_configurable():
+    # A platform that does not trust kubelet-set labels keeps the region under node-restriction.
+    key = "node-restriction.kubernetes.io/region"
+    policy = ClusterPolicy(allowed_regions=["eu-de-berlin"], region_label_key=key)
+    spoofed = gpu_node("n1", region="us-east-virginia", extra_labels={key: "eu-de-berlin"})
+    pool = discover_pools([spoofed], [], policy)[0]
+    assert pool.region == "eu-de-berlin"
+    unlabelled = discover([gpu_node("n2")], [], policy)
+    assert unlabelled.pools == [] and key in unlabelled.skipped[0].reason
+
+
+def test_catalog_selector_names_the_pool_and_unknown_gpu_uses_gfd_memory():
+    catalog = load_catalog({"pools": [{
+        "name": "team-gpus", "region": "eu-de-berlin", "gpuType": "H100-80GB", "gpusPerNode": 8, "maxNodes": 4,
+        "selector": {"example.com/pool": "team"},
+    }]})
+    policy = ClusterPolicy(allowed_regions=["eu-de-berlin"], catalog=catalog)
+    nodes = [
+        gpu_node("n1", extra_labels={"example.com/pool": "team"}),
+        gpu_node("n2", product="NVIDIA-B200", memory_mib=183359, pool_labels={"karpenter.sh/nodepool": "b200"}),
+    ]
+    pools = _by_name(discover_pools(nodes, [], policy))
+    assert pools["team-gpus"].selector == {"example.com/pool": "team"}
+    assert pools["b200"].gpu_type == "NVIDIA-B200"
+    assert pools["b200"].gpu_memory_bytes == 183359 * MiB
+
+
+def test_snake_case_objects_from_the_python_client_read_the_same():
+    nodes = [gpu_node("n1"), gpu_node("n2", unschedulable=True)]
+    pods = [gpu_pod("p", "n1", 3, init_gpus=1)]
+    assert discover_pools([snake_case(n) for n in nodes], [snake_case(p) for p in pods], POLICY) == \
+        discover_pools(nodes, pods, POLICY)
+
+
+def test_pool_label_spanning_regions_is_split_and_pinned_by_region():
+    nodes = [gpu_node("b1"), gpu_node("p1", region="eu-fr-paris", zone="eu-fr-paris-a")]
+    pools = _by_name(discover_pools(nodes, [], POLICY))
+    assert set(pools) == {"h100-berlin-eu-de-berlin-h100-80gb", "h100-berlin-eu-fr-paris-h100-80gb"}
+    paris = pools["h100-berlin-eu-fr-paris-h100-80gb"]
+    assert paris.selector == {"karpenter.sh/nodepool": "h100-berlin", "topology.kubernetes.io/region": "eu-fr-paris"}
+
+
+def test_merge_keeps_catalog_price_and_ceiling_and_takes_live_facts():
+    catalog = load_catalog({"pools": [
+        {"name": "h100-berlin", "region": "eu-de-berlin", "gpuType": "H100-80GB", "gpusPerNode": 8, "maxNodes": 4,
+         "pricePerGpuHour": 3.4, "interNodeGbps": 3200},
+        {"name": "l40s-berlin", "region": "eu-de-berlin", "gpuType": "L40S-48GB", "gpusPerNode": 4, "maxNodes": 6},
+    ]})
+    live = discover_pools(
+        [gpu_node("n1"), gpu_node("n2"), gpu_node("x1", pool_labels={"karpenter.sh/nodepool": "h100-spot"})],
+        [gpu_pod("p", "n1", 8)], POLICY,
+    )
+    merged = _by_name(merge_pools(catalog, live))
+    h100 = merged["h100-berlin"]
+    assert h100.source == "both"
+    assert (h100.price_per_gpu_hour, h100.max_nodes, h100.inter_node_gbps) == (3.4, 4, 3200)
+    assert (h100.free_gpus, h100.nodes_now) == (8, 2)
+    assert merged["l40s-berlin"].source == "catalog" and merged["l40s-berlin"].free_gpus is None
+    assert merged["h100-spot"].source == "discovered" and merged["h100-spot"].price_per_gpu_hour is None
+
+
+@pytest.mark.parametrize("allocatable", ["0", "not-a-number"])
+def test_node_without_usable_gpu_resource_is_reported(allocatable):
+    node = gpu_node("n1")
+    node["status"]["allocatable"]["nvidia.com/gpu"] = allocatable
+    found = discover([node], [], POLICY)
+    assert found.pools == [] and "allocatable" in found.skipped[0].reason
