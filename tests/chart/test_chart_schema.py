@@ -26,7 +26,7 @@ def _catalog_pool(values: dict[str, Any], index: int, **changes: Any) -> list[di
 # (case id, changes as dotted paths, text helm's error must contain: the path of the bad value)
 BAD_VALUES: list[tuple[str, Any, str]] = [
     ("replicas-not-a-number", {"replicaCount": "two"}, "/replicaCount"),
-    ("replicas-zero", {"replicaCount": 0}, "/replicaCount"),
+    ("replicas-negative", {"replicaCount": -1}, "/replicaCount"),
     ("unknown-top-level-key", {"replicas": 2}, "'replicas'"),
     ("typo-in-policy-key", {"policy.allowedRegion": ["eu-de-berlin"]}, "'allowedRegion'"),
     ("region-with-space", {"policy.allowedRegions": ["eu de berlin"]}, "/policy/allowedRegions/0"),

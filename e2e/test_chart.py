@@ -1,0 +1,342 @@
+"""The Helm chart on the lab cluster: every rendered object passes the API server's validation
+(server-side dry run), the operator's pod passes the `restricted` Pod Security Standard, and the chart
+installs, upgrades (a policy change reloads without a restart) and uninstalls cleanly. The chart's
+ServiceAccount can do exactly what the operator needs (tests/chart/operator_access.yaml), asked of
+the API server as that ServiceAccount, and nothing it must not.
+
+The lab runs no deployment controller, so the Deployment makes no pods here; the operator itself runs
+as a local process with the chart's ServiceAccount in the operator scenarios (e2e/operator_harness.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.lab.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "finetune-operator"
+ACCESS = yaml.safe_load((REPO / "tests" / "chart" / "operator_access.yaml").read_text())
+SA_GROUPS = ("system:serviceaccounts", "system:authenticated")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+class Helm:
+    """helm against the lab, with its own cache and config directories."""
+
+    def __init__(self, lab, home: Path) -> None:
+        self.lab = lab
+        self.env = lab.env()
+        for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
+            self.env[var] = str(home / var.lower())
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        proc = subprocess.run([self.lab.binary("helm"), *args], capture_output=True, text=True,
+                              env=self.env, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}")
+        return proc
+
+    def values_file(self, tmp: Path, values: dict[str, Any]) -> str:
+        path = tmp / f"values-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return str(path)
+
+
+def _objects(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def _kubectl_json(lab, *args: str) -> dict[str, Any]:
+    return json.loads(lab.kubectl(*args, "-o", "json").stdout)
+
+
+def _exists(lab, *args: str) -> bool:
+    proc = lab.kubectl("get", *args, "--ignore-not-found", "-o", "name", check=False)
+    assert proc.returncode == 0, proc.stderr
+    return bool(proc.stdout.strip())
+
+
+def _make_namespace(lab, prefix: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:5]}"
+    lab.kubectl("create", "namespace", name)
+    return name
+
+
+def can_i(lab, sa: str, verb: str, resource: str, namespace: str | None, subresource: str | None = None) -> bool:
+    """`kubectl auth can-i` as the ServiceAccount (with the groups a ServiceAccount token carries);
+    namespace None asks cluster-wide (all namespaces, or a cluster-scoped resource)."""
+    ns, name = sa.split(":")
+    args = ["auth", "can-i", verb, resource]
+    if subresource:
+        args.append(f"--subresource={subresource}")
+    args += ["-n", namespace] if namespace else ["--all-namespaces"]
+    groups = (*SA_GROUPS, f"system:serviceaccounts:{ns}")
+    proc = lab.kubectl(*args, check=False, as_user=f"system:serviceaccount:{ns}:{name}", as_groups=groups)
+    answer = proc.stdout.strip()
+    assert answer in ("yes", "no"), f"kubectl auth can-i {' '.join(args)}: {proc.stdout}{proc.stderr}"
+    return answer == "yes"
+
+
+def _resource_arg(group: str, resource: str) -> tuple[str, str | None]:
+    """operator_access.yaml's (group, resource[/subresource]) as kubectl's RESOURCE and --subresource."""
+    base, _, sub = resource.partition("/")
+    return (f"{base}.{group}" if group else base), (sub or None)
+
+
+def expected_access(all_namespaces: bool, peering: str) -> list[tuple[str, str, str | None, str]]:
+    """(verb, kubectl resource[/name], subresource, scope) for every need of operator_access.yaml."""
+    out = []
+    for need in ACCESS["needs"]:
+        resource = need["resource"]
+        if resource == "PEERINGS":
+            resource = "clusterkopfpeerings" if all_namespaces else "kopfpeerings"
+        arg, sub = _resource_arg(need["group"], resource)
+        if need.get("resourceName") == "PEERING":
+            arg = f"{arg}/{peering}"
+        scope = need["scope"]
+        if scope == "peering":
+            scope = "cluster" if all_namespaces else "namespaced"
+        for verb in need["verbs"]:
+            out.append((verb, arg, sub, scope))
+    return out
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helm(lab, tmp_path_factory) -> Helm:
+    return Helm(lab, tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="module")
+def chart_crds(lab):
+    """The chart's CRDs, applied the way helm would leave them (create if missing)."""
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        lab.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=chart-e2e", "-f", str(path))
+    for name in ("finetunejobs.finetune.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
+        lab.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+
+
+@pytest.fixture(scope="module")
+def installed(lab, helm, tmp_path_factory):
+    """The chart installed watching all namespaces, in its own namespace with its own peering name
+    (the operator scenarios install another release; one ClusterKopfPeering name per release)."""
+    tmp = tmp_path_factory.mktemp("chart-install")
+    ns = _make_namespace(lab, "chart-e2e")
+    release = f"fto-{uuid.uuid4().hex[:5]}"
+    peering = f"chart-e2e-{uuid.uuid4().hex[:5]}"
+    proc = helm("install", release, str(CHART), "--namespace", ns, "--set", f"peering.name={peering}",
+                "--set", "trainingOperator.requireCRD=true")
+    info = {"namespace": ns, "release": release, "peering": peering, "notes": proc.stdout, "tmp": tmp,
+            "fullname": f"{release}-finetune-operator", "sa": f"{ns}:{release}-finetune-operator"}
+    yield info
+    helm("uninstall", release, "--namespace", ns, "--wait", check=False)
+    lab.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+# ---- server-side validation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
+def test_every_rendered_object_passes_server_side_dry_run(lab, helm, chart_crds, namespace, tmp_path, mode):
+    args = ["template", "dry", str(CHART), "--namespace", namespace, "--set", "peering.name=chart-dry-run"]
+    if mode == "namespaced":
+        team_a, team_b = _make_namespace(lab, "chart-team-a"), _make_namespace(lab, "chart-team-b")
+        args += ["--set", "watch.allNamespaces=false", "--set", f"watch.namespaces={{{team_a},{team_b}}}"]
+    try:
+        objects = _objects(helm(*args).stdout)
+        assert len(objects) >= 8
+        manifest = yaml.safe_dump_all(objects)
+        proc = lab.kubectl("apply", "--dry-run=server", "--server-side", "--field-manager=chart-e2e", "-f", "-",
+                           input=manifest, check=False)
+        assert proc.returncode == 0, proc.stderr
+        applied = [line for line in proc.stdout.splitlines() if "(server dry run)" in line]
+        assert len(applied) == len(objects), proc.stdout
+    finally:
+        if mode == "namespaced":
+            lab.kubectl("delete", "namespace", team_a, team_b, "--wait=false", check=False)
+
+
+def test_operator_pod_passes_the_restricted_pod_security_standard(lab, helm, namespace):
+    """The Deployment's pod, created (dry run) in a namespace that enforces `restricted`: PodSecurity
+    admission rejects any pod that could escalate, run as root, keep capabilities or skip seccomp."""
+    lab.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted",
+                "pod-security.kubernetes.io/enforce-version=latest", "--overwrite")
+    objects = _objects(helm("template", "psa", str(CHART), "--namespace", namespace).stdout)
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "operator-psa", "namespace": namespace, **deploy["spec"]["template"]["metadata"]},
+           "spec": deploy["spec"]["template"]["spec"]}
+    pod["spec"]["serviceAccountName"] = "default"  # the chart's SA is not installed in this namespace
+    proc = lab.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+    assert proc.returncode == 0, proc.stderr
+    # The check bites: the same pod with privilege escalation allowed is refused.
+    pod["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    proc = lab.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+    assert proc.returncode != 0 and "allowPrivilegeEscalation" in proc.stderr, proc.stderr
+
+
+# ---- install, access, upgrade --------------------------------------------------------------------
+
+
+def test_install_creates_the_objects_and_notes(lab, installed):
+    ns, full = installed["namespace"], installed["fullname"]
+    for kind, name in (("deployment", full), ("serviceaccount", full), ("configmap", f"{full}-policy"),
+                       ("service", f"{full}-metrics"), ("poddisruptionbudget", full)):
+        assert _exists(lab, kind, name, "-n", ns), f"{kind}/{name} missing"
+    assert _exists(lab, "clusterrole", f"{ns}-{full}") and _exists(lab, "clusterrolebinding", f"{ns}-{full}")
+    assert _exists(lab, "clusterkopfpeering", installed["peering"])
+    for crd in ("finetunejobs.finetune.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
+        lab.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    notes = installed["notes"]
+    assert "NOTES:" in notes and "kubectl get finetunejobs -w" in notes
+    # The lab has the training operator: the lookup finds its CRD, so no warning (and requireCRD passed).
+    assert "pytorchjobs.kubeflow.org is missing" not in notes and "Could not check" not in notes, notes
+
+
+def test_service_account_can_do_what_the_operator_needs(lab, installed, namespace):
+    """Every rule the operator needs, asked of the API server as the chart's ServiceAccount:
+    cluster-wide, and in a namespace the release knows nothing about (all namespaces are watched)."""
+    sa = installed["sa"]
+    missing = []
+    for verb, resource, sub, scope in expected_access(True, installed["peering"]):
+        for where in ((namespace, None) if scope == "namespaced" else (None,)):
+            if not can_i(lab, sa, verb, resource, where, sub):
+                missing.append(f"{verb} {resource}{'/' + sub if sub else ''} in {where or 'cluster'}")
+    assert not missing, f"the chart's RBAC does not allow: {missing}"
+
+
+def test_service_account_cannot_do_what_it_must_not(lab, installed, namespace):
+    sa = installed["sa"]
+    allowed = []
+    for item in ACCESS["forbidden"]:
+        base, _, sub = item["resource"].partition("/")
+        for where in (namespace, None):
+            if can_i(lab, sa, item["verb"], base, where, sub or None):
+                allowed.append(f"{item['verb']} {item['resource']} in {where or 'cluster'}")
+    # Only its own peering object is writable.
+    if can_i(lab, sa, "patch", "clusterkopfpeerings.kopf.dev/someone-elses", None):
+        allowed.append("patch another release's ClusterKopfPeering")
+    assert not allowed, f"the chart's RBAC allows too much: {allowed}"
+
+
+def test_service_account_token_does_the_work(lab, installed, namespace, tmp_path):
+    """Real requests with a bound token of the ServiceAccount (not impersonation): what kopf and the
+    operator do first, and one thing it must be refused."""
+    ns, full = installed["namespace"], installed["fullname"]
+    kubeconfig = lab.service_account_kubeconfig(ns, full, path=tmp_path / "sa.kubeconfig")
+
+    def as_sa(*args: str, input: str | None = None, check: bool = True):
+        return lab.kubectl(*args, input=input, check=check, kubeconfig=kubeconfig)
+
+    as_sa("get", "finetunejobs.finetune.dev", "--all-namespaces")
+    as_sa("get", "nodes", "-l", "nvidia.com/gpu.present=true")
+    as_sa("get", "pytorchjobs.kubeflow.org", "-n", namespace)
+    as_sa("get", "configmap", f"{full}-policy", "-n", ns)
+    as_sa("create", "configmap", "attempt-1-trainer", "-n", namespace, "--from-literal=trainer.json={}")
+    as_sa("delete", "configmap", "attempt-1-trainer", "-n", namespace)
+    as_sa("patch", "clusterkopfpeering", installed["peering"], "--type=merge",
+          "-p", json.dumps({"status": {"e2e-peer": {"priority": 0, "lifetime": 60}}}))
+    event = {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "chart-e2e-", "namespace": namespace},
+             "involvedObject": {"kind": "FineTuneJob", "apiVersion": "finetune.dev/v1alpha1", "name": "x",
+                                "namespace": namespace},
+             "reason": "Planned", "message": "from the chart e2e test", "type": "Normal"}
+    as_sa("create", "-f", "-", input=json.dumps(event))
+    refused = as_sa("get", "secrets", "-n", namespace, check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+
+
+def test_upgrade_with_a_new_policy_does_not_restart_the_operator(lab, helm, installed):
+    ns, release, full = installed["namespace"], installed["release"], installed["fullname"]
+    before = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
+    helm("upgrade", release, str(CHART), "--namespace", ns, "--reuse-values",
+         "--set", "policy.allowedRegions={eu-de-berlin}", "--set", "policy.defaultMaxAttempts=2")
+    cm = _kubectl_json(lab, "get", "configmap", f"{full}-policy", "-n", ns)
+    policy = yaml.safe_load(cm["data"]["policy.yaml"])
+    assert policy["allowedRegions"] == ["eu-de-berlin"] and policy["defaultMaxAttempts"] == 2
+    after = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
+    assert after["metadata"]["generation"] == before["metadata"]["generation"], "a policy change rolled the pods"
+    assert after["spec"]["template"] == before["spec"]["template"]
+    # A change to the operator's command line does roll it.
+    helm("upgrade", release, str(CHART), "--namespace", ns, "--reuse-values", "--set", "logLevel=debug")
+    rolled = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
+    assert rolled["metadata"]["generation"] == before["metadata"]["generation"] + 1
+    assert "debug" in rolled["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_upgrade_with_bad_values_is_rejected_and_changes_nothing(lab, helm, installed):
+    ns, release = installed["namespace"], installed["release"]
+    history = json.loads(helm("history", release, "--namespace", ns, "-o", "json").stdout)
+    proc = helm("upgrade", release, str(CHART), "--namespace", ns, "--reuse-values",
+                "--set", "policy.defaultMemoryHeadroom=0.9", check=False)
+    assert proc.returncode != 0 and "/policy/defaultMemoryHeadroom" in proc.stderr, proc.stderr
+    assert json.loads(helm("history", release, "--namespace", ns, "-o", "json").stdout) == history
+
+
+# ---- a namespaced install, and uninstall ---------------------------------------------------------
+
+
+def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_crds, tmp_path):
+    release_ns = _make_namespace(lab, "chart-ops")
+    team_a, team_b, other = (_make_namespace(lab, p) for p in ("chart-team-a", "chart-team-b", "chart-other"))
+    release = f"ftn-{uuid.uuid4().hex[:5]}"
+    full = f"{release}-finetune-operator"
+    peering = f"chart-e2e-{uuid.uuid4().hex[:5]}"
+    sa = f"{release_ns}:{full}"
+    values = {"watch": {"allNamespaces": False, "namespaces": [team_a, team_b]}, "peering": {"name": peering}}
+    try:
+        helm("install", release, str(CHART), "--namespace", release_ns, "--values", helm.values_file(tmp_path, values))
+        for ns in (team_a, team_b):
+            assert _exists(lab, "role", full, "-n", ns) and _exists(lab, "rolebinding", full, "-n", ns)
+            assert _exists(lab, "kopfpeering", peering, "-n", ns)
+        assert not _exists(lab, "clusterkopfpeering", peering)
+
+        missing = [
+            f"{verb} {resource} in {ns if scope == 'namespaced' else 'cluster'}"
+            for verb, resource, sub, scope in expected_access(False, peering)
+            for ns in (team_a, team_b)
+            if not can_i(lab, sa, verb, resource, ns if scope == "namespaced" else None, sub)
+        ]
+        assert not missing, f"the chart's RBAC does not allow: {missing}"
+        # Nothing namespaced outside the watched namespaces, except reading the policy at home.
+        for verb, resource in (("list", "finetunejobs.finetune.dev"), ("create", "pytorchjobs.kubeflow.org"),
+                               ("create", "configmaps"), ("list", "pods")):
+            assert not can_i(lab, sa, verb, resource, other), f"{verb} {resource} in an unwatched namespace"
+            assert not can_i(lab, sa, verb, resource, None), f"{verb} {resource} cluster-wide"
+        assert can_i(lab, sa, "watch", "configmaps", release_ns)
+        assert not can_i(lab, sa, "create", "configmaps", release_ns)
+        assert can_i(lab, sa, "list", "nodes", None)
+
+        helm("uninstall", release, "--namespace", release_ns, "--wait")
+        leftovers = []
+        for ns in (team_a, team_b):
+            for kind, name in (("role", full), ("rolebinding", full), ("kopfpeering", peering)):
+                if _exists(lab, kind, name, "-n", ns):
+                    leftovers.append(f"{ns}/{kind}/{name}")
+        for kind, name in (("deployment", full), ("serviceaccount", full), ("configmap", f"{full}-policy"),
+                           ("service", f"{full}-metrics"), ("role", f"{full}-policy-reader")):
+            if _exists(lab, kind, name, "-n", release_ns):
+                leftovers.append(f"{release_ns}/{kind}/{name}")
+        for kind in ("clusterrole", "clusterrolebinding"):
+            if _exists(lab, kind, f"{release_ns}-{full}"):
+                leftovers.append(f"{kind}/{release_ns}-{full}")
+        assert not leftovers, f"helm uninstall left: {leftovers}"
+        # CRDs stay (helm never deletes crds/): FineTuneJobs of other releases survive an uninstall.
+        assert _exists(lab, "crd", "finetunejobs.finetune.dev")
+        wait_for(lambda: not can_i(lab, sa, "list", "nodes", None), 10, "the ClusterRoleBinding to be gone")
+    finally:
+        helm("uninstall", release, "--namespace", release_ns, check=False)
+        lab.kubectl("delete", "namespace", release_ns, team_a, team_b, other, "--wait=false", check=False)
