@@ -1,0 +1,73 @@
+"""The throughput model: the documented rules hold exactly where they are exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune_operator.planning import load_catalog
+from finetune_operator.planning.throughput import OFFLOAD_SLOWDOWN, active_params, job_work, step_seconds
+from finetune_operator.sizing import PRESETS
+
+H100, L40S = load_catalog([
+    {"name": "h", "region": "r", "gpuType": "H100-80GB", "gpusPerNode": 8, "maxNodes": 4, "interNodeGbps": 400},
+    {"name": "l", "region": "r", "gpuType": "L40S-48GB", "gpusPerNode": 4, "maxNodes": 4, "interNodeGbps": 100},
+])
+
+
+def work(method="full", preset="llama-3.1-8b", precision="bf16", seq=4096, batch=64):
+    return job_work(PRESETS[preset], method=method, lora_rank=16, lora_targets="all-linear", precision=precision,
+                    sequence_length=seq, global_batch_size=batch)
+
+
+def seconds(w, pool=H100, nodes=1, gpus=1, strategy="ddp", offload="none", ckpt=False, micro=1):
+    return step_seconds(w, pool, nodes=nodes, gpus_per_node=gpus, strategy=strategy, offload=offload,
+                        gradient_checkpointing=ckpt, micro_batch_size=micro)
+
+
+def test_full_fine_tuning_is_6n_per_token_plus_attention():
+    arch = PRESETS["llama-3.1-8b"]
+    w = work()
+    attention = 6 * arch.num_layers * 4096 * arch.q_size
+    assert w.flops_per_token == pytest.approx(6 * arch.total_params + attention)
+
+
+def test_checkpointing_costs_a_third_more_for_full_and_a_half_more_for_lora():
+    assert seconds(work(), ckpt=True) / seconds(work()) == pytest.approx(4 / 3)
+    lora = work("lora")
+    assert seconds(lora, ckpt=True) / seconds(lora) == pytest.approx(1.5, rel=0.01)
+
+
+def test_lora_is_about_two_thirds_of_full_and_qlora_pays_for_dequantisation():
+    assert seconds(work("lora")) / seconds(work()) == pytest.approx(2 / 3, rel=0.01)
+    assert seconds(work("qlora")) > seconds(work("lora"))
+
+
+def test_moe_counts_only_routed_experts():
+    mixtral = PRESETS["mixtral-8x7b"]
+    assert active_params(mixtral) < mixtral.total_params / 3
+    assert active_params(PRESETS["llama-3.1-8b"]) == PRESETS["llama-3.1-8b"].total_params
+
+
+def test_larger_micro_batches_are_never_slower():
+    w = work()
+    for strategy in ("ddp", "fsdp", "zero3"):
+        times = [seconds(w, nodes=2, gpus=8, strategy=strategy, micro=m) for m in (1, 2, 4)]
+        assert times == sorted(times, reverse=True)
+
+
+def test_cross_node_and_pcie_traffic_cost_time():
+    w = work(batch=16)
+    # FSDP all-gathers every micro-step: on PCIe cards over a 100 Gbit/s network it shows.
+    one_node = seconds(w, pool=L40S, nodes=1, gpus=4, strategy="fsdp")
+    two_nodes = seconds(w, pool=L40S, nodes=2, gpus=2, strategy="fsdp")
+    assert two_nodes > one_node
+    compute_only = seconds(w, pool=L40S, nodes=1, gpus=1, strategy="fsdp") / 4
+    assert one_node > compute_only
+
+
+def test_offload_and_fp32_slow_down():
+    w = work()
+    base = seconds(w, gpus=8, strategy="zero3")
+    assert seconds(w, gpus=8, strategy="zero3", offload="optimizer+params") == pytest.approx(
+        base * OFFLOAD_SLOWDOWN["optimizer+params"])
+    assert seconds(work(precision="fp32")) == pytest.approx(2 * seconds(work()), rel=0.01)
