@@ -353,3 +353,25 @@ def test_to_status_round_trips_through_the_api_model():
     assert dumped["nodePool"] == "h100" and dumped["gpus"] == result.gpus
     assert dumped["requiredGiB"] == pytest.approx(result.required_bytes / GiB, abs=0.01)
     assert api.PlanStatus.model_validate(dumped) == status
+
+
+def test_branch_and_bound_matches_exhaustive_with_the_real_memory_model():
+    from pathlib import Path
+
+    from finetune_operator import sizing
+
+    if not hasattr(sizing, "estimate_memory"):
+        pytest.skip("sizing.estimate_memory not landed yet")
+    pools = load_catalog((Path(__file__).resolve().parents[2] / "examples" / "pools.yaml").read_text())
+    policy = ClusterPolicy(allowed_regions=["eu-de-berlin", "eu-fr-paris", "us-east-virginia"])
+    rng = random.Random(11)
+    feasible = 0
+    for _ in range(25):
+        job = _random_job(rng)
+        fast = plan_job(job, pools, policy)
+        slow = exhaustive_plan(job, pools, policy)
+        assert type(fast) is type(slow)
+        if isinstance(fast, Plan):
+            feasible += 1
+            assert fast.key == slow.key, (fast.summary(), slow.summary())
+    assert feasible >= 10

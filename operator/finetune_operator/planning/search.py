@@ -46,6 +46,9 @@ from .throughput import JobWork, job_work, step_seconds
 
 COST_TIE = 0.01
 RUNNERS_UP = 3
+# Runners-up are looked for among plans costing at most this much more than the cheapest: beyond it
+# they say little and would cost the search most of its pruning.
+RUNNER_UP_SPAN = 1.5
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 # Offload each strategy can do, as the API allows it: DeepSpeed ZeRO-1/2 offload optimizer states
@@ -159,9 +162,12 @@ class _Ask:
     fixed_checkpointing: bool
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class _Group:
-    """A (pool, W, strategy, offload, checkpointing) group; the micro-batch is searched inside it."""
+    """A (pool, W, strategy, offload, checkpointing) group; the micro-batch is searched inside it.
+
+    Thousands are made per plan, so it is a plain slotted class (treat it as read-only).
+    """
 
     pool: NodePool
     world: int
@@ -173,6 +179,13 @@ class _Group:
     micros: tuple[int, ...]  # valid micro-batch sizes, ascending
     price: float  # ranking price per GPU-hour
     order: int  # enumeration order, for determinism
+    usable: int  # GPU memory the plan may fill (after headroom)
+    tflops: float  # the pool's GPU peak
+
+    def fit_key(self) -> tuple:
+        """What decides which micro-batches fit: the setup and the memory it must fit in, not the pool's name."""
+        return (self.world, self.strategy, self.offload, self.checkpointing, self.micros, self.usable,
+                self.pool.host_memory_bytes, self.gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -276,6 +289,7 @@ class _Stats:
     cheaper_misses: list[tuple[float, _Group, int, int]] = field(default_factory=list)  # (cost, group, required, usable)
     groups: int = 0
     groups_visited: int = 0
+    groups_skipped: int = 0  # within the bound, but unable to win or to name a runner-up pool
 
     def reject(self, why: str) -> None:
         self.rejected[why] = self.rejected.get(why, 0) + 1
@@ -439,6 +453,8 @@ def _groups(ask: _Ask, pools: Sequence[NodePool], stats: _Stats) -> list[_Group]
     order = 0
     for pool in pools:
         price = pool.price_per_gpu_hour if pool.price_per_gpu_hour is not None else unknown_price
+        usable = int(pool.gpu_memory_bytes * (1 - ask.headroom))
+        tflops = pool.tflops
         ceiling = min(ask.max_gpus, pool.max_gpus)
         worlds = [ask.gpus] if ask.gpus is not None else _divisors(ask.global_batch_size)
         for world in worlds:
@@ -465,7 +481,8 @@ def _groups(ask: _Ask, pools: Sequence[NodePool], stats: _Stats) -> list[_Group]
                     if offload not in ask.offloads:
                         continue
                     for ckpt in ask.checkpointing:
-                        groups.append(_Group(pool, world, split[0], split[1], strategy, offload, ckpt, micros, price, order))
+                        groups.append(_Group(pool, world, split[0], split[1], strategy, offload, ckpt, micros, price,
+                                             order, usable, tflops))
                         order += 1
     stats.groups = len(groups)
     return groups
@@ -485,8 +502,7 @@ def _changes(ask: _Ask, group: _Group) -> tuple[str, ...]:
 
 def _fits(ask: _Ask, group: _Group, facts: EstimateFacts, calibration: float) -> str | None:
     """None when the setup fits the pool; else which memory does not."""
-    usable = int(group.pool.gpu_memory_bytes * (1 - ask.headroom))
-    if facts.required_bytes * calibration > usable:
+    if facts.required_bytes * calibration > group.usable:
         return "gpu"
     host = facts.host_bytes_per_rank * group.gpus_per_node
     if group.pool.host_memory_bytes and host > group.pool.host_memory_bytes:
@@ -511,6 +527,7 @@ def _search(
         seconds = step_seconds(
             work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, strategy=group.strategy,
             offload=group.offload, gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
+            tflops=group.tflops,
         )
         return seconds, seconds * group.world / 3600 * group.price
 
@@ -535,25 +552,40 @@ def _search(
 
     bounded = sorted(((cost_of(g, g.micros[-1])[1], g.order, g) for g in groups), key=lambda t: (t[0], t[1]))
     # Besides the tie window, keep going until the best plan of the RUNNERS_UP + 1 cheapest pools is
-    # known: the runners-up say why the other pools lost.
+    # known (within RUNNER_UP_SPAN of the cheapest): the runners-up say why the other pools lost.
     pool_best: dict[str, float] = {}
-    lowest = math.inf
+    lowest = math.inf  # cost of the cheapest candidate so far: the anchor of the tie window
+    stop_above = math.inf
+    leader: _Candidate | None = None  # the current choice (rank_key over the tie window)
+    fit_cache: dict[tuple, tuple[int | None, str | None, EstimateFacts | None]] = {}
     for bound, _, group in bounded:
-        if lowest < math.inf:
-            window = lowest * (1 + COST_TIE)
-            kth = sorted(pool_best.values())[RUNNERS_UP] if len(pool_best) > RUNNERS_UP else math.inf
-            if bound > max(window, kth):
-                break
+        if bound > stop_above:
+            break
+        if leader is not None and bound >= lowest:
+            # Bounds only grow from here, so the anchor is final. This group matters for the choice
+            # only if its tie-break prefix (known before sizing it) and its bound could still beat
+            # the leader, and for the runners-up only if its pool has no candidate yet.
+            free = group.pool.free_gpus
+            prefix = (free is None or free < group.world, group.world, group.nodes, len(_changes(ask, group)))
+            could_win = bound <= lowest * (1 + COST_TIE) and prefix + (bound,) <= leader.rank_key()[:5]
+            could_place = group.pool.name not in pool_best
+            if not could_win and not could_place:
+                stats.groups_skipped += 1
+                continue
         stats.groups_visited += 1
-        best = _largest_fitting_micro(ask, group, estimates, calibration, excluded, stats, bound, lowest)
+        best = _largest_fitting_micro(ask, group, estimates, calibration, excluded, stats, bound, lowest, fit_cache)
         if best is None:
             continue
         micro, facts = best
         c = candidate(group, micro, facts)
         found.append(c)
-        lowest = min(lowest, c.cost_per_step)
         name = group.pool.name
-        pool_best[name] = min(pool_best.get(name, math.inf), c.cost_per_step)
+        if c.cost_per_step < pool_best.get(name, math.inf) or c.cost_per_step < lowest:
+            lowest = min(lowest, c.cost_per_step)
+            pool_best[name] = min(pool_best.get(name, math.inf), c.cost_per_step)
+            kth = sorted(pool_best.values())[RUNNERS_UP] if len(pool_best) > RUNNERS_UP else math.inf
+            stop_above = max(lowest * (1 + COST_TIE), min(kth, lowest * RUNNER_UP_SPAN))
+        leader = _leader(found)
     return found, stats
 
 
@@ -566,57 +598,73 @@ def _largest_fitting_micro(
     stats: _Stats,
     bound: float,
     lowest: float,
+    fit_cache: dict[tuple, tuple[int | None, str | None, EstimateFacts | None]],
 ) -> tuple[int, EstimateFacts] | None:
     micros = group.micros
 
     def probe(i: int) -> EstimateFacts | SizingError:
         return estimates.get(group.world, group.strategy, group.offload, group.checkpointing, micros[i])
 
-    first = probe(0)
-    if isinstance(first, SizingError):
-        stats.reject("setup not supported")
-        return None
-    why = _fits(ask, group, first, calibration)
-    if why is not None:
+    key = group.fit_key()
+    cached = fit_cache.get(key)
+    if cached is None:
+        cached = fit_cache[key] = _fit_index(ask, group, probe, calibration)
+    index, why, first = cached
+    if index is None:
+        if why == "unsupported":
+            stats.reject("setup not supported")
+            return None
         stats.reject("host memory" if why == "host" else "GPU memory")
-        usable = int(group.pool.gpu_memory_bytes * (1 - ask.headroom))
-        required = int(first.required_bytes * calibration)
-        if why == "gpu":
-            ratio = required / usable
+        if why == "gpu" and first is not None:
+            required = int(first.required_bytes * calibration)
+            ratio = required / group.usable
             if stats.closest is None or ratio < stats.closest[0]:
-                stats.closest = (ratio, group, micros[0], required, usable)
+                stats.closest = (ratio, group, micros[0], required, group.usable)
             if bound < lowest:
-                stats.cheaper_misses.append((bound, group, required, usable))
+                stats.cheaper_misses.append((bound, group, required, group.usable))
         return None
-    # Memory grows with the micro-batch: binary search the largest that fits.
-    lo, hi = 0, len(micros) - 1
-    fitting = {0: first}
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        facts = probe(mid)
-        if not isinstance(facts, SizingError) and _fits(ask, group, facts, calibration) is None:
-            fitting[mid] = facts
-            lo = mid
-        else:
-            hi = mid - 1
     # Recovery: skip micro-batches of plans that already failed (smaller ones fit too).
-    for i in range(lo, -1, -1):
-        key = PlanKey(group.pool.name, group.nodes, group.gpus_per_node, ask.method, group.strategy, group.offload,
-                      ask.optimizer, micros[i], group.checkpointing)
-        if key in excluded:
+    for i in range(index, -1, -1):
+        if excluded and PlanKey(group.pool.name, group.nodes, group.gpus_per_node, ask.method, group.strategy,
+                                group.offload, ask.optimizer, micros[i], group.checkpointing) in excluded:
             stats.reject("excluded (failed before)")
             continue
-        facts = fitting.get(i) or probe(i)
+        facts = probe(i)
         if isinstance(facts, SizingError):
             return None
         return micros[i], facts
     return None
 
 
-def _choose(found: list[_Candidate]) -> tuple[_Candidate, list[_Candidate]]:
+def _fit_index(ask: _Ask, group: _Group, probe: Callable[[int], Any], calibration: float
+               ) -> tuple[int | None, str | None, EstimateFacts | None]:
+    """(index of the largest micro-batch that fits, None) or (None, why the smallest does not, its estimate)."""
+    first = probe(0)
+    if isinstance(first, SizingError):
+        return None, "unsupported", None
+    why = _fits(ask, group, first, calibration)
+    if why is not None:
+        return None, why, first
+    # Memory grows with the micro-batch: binary search the largest that fits.
+    lo, hi = 0, len(group.micros) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        facts = probe(mid)
+        if not isinstance(facts, SizingError) and _fits(ask, group, facts, calibration) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, None, first
+
+
+def _leader(found: list[_Candidate]) -> _Candidate:
+    """The choice among candidates: the best tie-break among those within COST_TIE of the cheapest."""
     lowest = min(c.cost_per_step for c in found)
-    tied = [c for c in found if c.cost_per_step <= lowest * (1 + COST_TIE)]
-    winner = min(tied, key=_Candidate.rank_key)
+    return min((c for c in found if c.cost_per_step <= lowest * (1 + COST_TIE)), key=_Candidate.rank_key)
+
+
+def _choose(found: list[_Candidate]) -> tuple[_Candidate, list[_Candidate]]:
+    winner = _leader(found)
     others = sorted((c for c in found if c is not winner), key=lambda c: (c.cost_per_step, c.rank_key()))
     return winner, others
 

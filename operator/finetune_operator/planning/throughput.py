@@ -115,13 +115,17 @@ def step_seconds(
     offload: str,
     gradient_checkpointing: bool,
     micro_batch_size: int,
+    tflops: float | None = None,
 ) -> float:
-    """Predicted wall time of one optimizer step (see the module docstring for the model)."""
+    """Predicted wall time of one optimizer step (see the module docstring for the model).
+
+    `tflops`: the pool's GPU peak, when the caller has it at hand (it is looked up otherwise).
+    """
     world = nodes * gpus_per_node
     per_token = work.flops_per_token + (work.recompute_flops_per_token if gradient_checkpointing else 0.0)
     micro_tokens = micro_batch_size * work.sequence_length
     utilisation = STRATEGY_MFU[strategy] * micro_tokens / (micro_tokens + MICRO_BATCH_HALF_TOKENS)
-    flops_per_second = world * pool.tflops * 1e12 * utilisation * work.efficiency * work.rate
+    flops_per_second = world * (tflops if tflops is not None else pool.tflops) * 1e12 * utilisation * work.efficiency * work.rate
     compute = per_token * work.tokens_per_step / flops_per_second
 
     communication = 0.0
