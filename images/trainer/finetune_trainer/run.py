@@ -164,6 +164,12 @@ def train(cfg: TrainerConfig) -> None:
     # from_pretrained partition the weights as they load).
     PROGRESS.enter(Phase.SETUP, plan.start_step)
     args = training_arguments(cfg, plan.max_steps, cuda)
+    if cfg.zero_stage and world > 1:
+        import deepspeed
+
+        # ZeRO-3's zero.Init inside from_pretrained asks DeepSpeed's comm layer for the
+        # world size; make it wrap the process group TrainingArguments started.
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     PROGRESS.enter(Phase.LOAD, plan.start_step)
     model = load_model(cfg, world)
     if checkpoint is not None and not plan.restore_optimizer:
