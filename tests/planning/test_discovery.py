@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from finetune_operator.planning import ClusterPolicy, discover, discover_pools, load_catalog, merge_pools
 from finetune_operator.planning.pools import MiB
@@ -121,8 +123,8 @@ def test_snake_case_objects_from_the_python_client_read_the_same():
 def test_pool_label_spanning_regions_is_split_and_pinned_by_region():
     nodes = [gpu_node("b1"), gpu_node("p1", region="eu-fr-paris", zone="eu-fr-paris-a")]
     pools = _by_name(discover_pools(nodes, [], POLICY))
-    assert set(pools) == {"h100-berlin-eu-de-berlin-h100-80gb", "h100-berlin-eu-fr-paris-h100-80gb"}
-    paris = pools["h100-berlin-eu-fr-paris-h100-80gb"]
+    assert set(pools) == {"h100-berlin-eu-de-berlin", "h100-berlin-eu-fr-paris"}
+    paris = pools["h100-berlin-eu-fr-paris"]
     assert paris.selector == {"karpenter.sh/nodepool": "h100-berlin", "topology.kubernetes.io/region": "eu-fr-paris"}
 
 
@@ -151,3 +153,33 @@ def test_node_without_usable_gpu_resource_is_reported(allocatable):
     node["status"]["allocatable"]["nvidia.com/gpu"] = allocatable
     found = discover([node], [], POLICY)
     assert found.pools == [] and "allocatable" in found.skipped[0].reason
+
+
+def test_catalog_pool_label_seen_in_another_region_stays_apart():
+    catalog = load_catalog({"pools": [
+        {"name": "h100-berlin", "region": "eu-de-berlin", "gpuType": "H100-80GB", "gpusPerNode": 8, "maxNodes": 4},
+    ]})
+    policy = ClusterPolicy(allowed_regions=["eu-de-berlin"], catalog=catalog)
+    stray = gpu_node("stray", region="eu-fr-paris", zone="eu-fr-paris-a")
+    merged = merge_pools(catalog, discover_pools([gpu_node("b1"), stray], [], policy))
+    names = [p.name for p in merged]
+    assert len(names) == len(set(names))
+    assert {(p.name, p.region) for p in merged} == {("h100-berlin", "eu-de-berlin"),
+                                                    ("h100-berlin-eu-fr-paris", "eu-fr-paris")}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(
+        st.sampled_from(["metadata", "labels", "name", "spec", "status", "allocatable", "conditions", "type",
+                         "status", "taints", "key", "effect", "unschedulable", "nvidia.com/gpu",
+                         "nvidia.com/gpu.product", "topology.kubernetes.io/region", "karpenter.sh/nodepool",
+                         "containers", "resources", "requests", "limits", "nodeName", "phase", "memory", "cpu"]),
+        children, max_size=4),
+    max_leaves=20,
+))
+def test_discovery_never_crashes_on_odd_objects(blob):
+    nodes = [blob, gpu_node("ok")] if not isinstance(blob, list) else blob + [gpu_node("ok")]
+    found = discover(nodes, nodes, POLICY)
+    assert any(p.name == "h100-berlin" for p in found.pools)

@@ -514,24 +514,30 @@ def discover(
                 free=max(0, gpus - used.get(name, 0)), host_memory_bytes=host_memory, cpus=cpus, taints=taints,
             )
         )
-    return Discovery(pools=_group(facts, region_key), skipped=skipped)
+    catalog_regions = {p.name: p.region for p in catalog}
+    return Discovery(pools=_group(facts, region_key, catalog_regions), skipped=skipped)
 
 
-def _group(facts: list[_NodeFacts], region_key: str) -> list[NodePool]:
+def _group(facts: list[_NodeFacts], region_key: str, catalog_regions: Mapping[str, str]) -> list[NodePool]:
     groups: dict[tuple[str, str, str], list[_NodeFacts]] = {}
     for f in facts:
         groups.setdefault((f.pool_name, f.region, f.gpu_type), []).append(f)
     names_seen: dict[str, int] = {}
-    for pool_name, _, _ in groups:
+    regions_seen: dict[tuple[str, str], int] = {}
+    for pool_name, region, _ in groups:
         names_seen[pool_name] = names_seen.get(pool_name, 0) + 1
+        regions_seen[(pool_name, region)] = regions_seen.get((pool_name, region), 0) + 1
     pools: list[NodePool] = []
     for (pool_name, region, gpu_type), members in sorted(groups.items()):
         first = members[0]
         selector = dict(first.selector)
         name = pool_name
-        if names_seen[pool_name] > 1:
+        if names_seen[pool_name] > 1 and not (catalog_regions.get(pool_name) == region
+                                              and regions_seen[(pool_name, region)] == 1):
             # One pool label spanning regions or GPU types: split it, and pin each part by region too.
-            name = _sanitize_pool_name(f"{pool_name}-{region}-{gpu_type}")
+            # The part the catalog describes (its name, its region) keeps the name.
+            suffix = region if regions_seen[(pool_name, region)] == 1 else f"{region}-{gpu_type}"
+            name = _sanitize_pool_name(f"{pool_name}-{suffix}")
             selector[region_key] = region
         info = gpu_type_info(gpu_type)
         # Nodes of a pool may differ slightly (allocatable after system reservations): plan to the smallest.
@@ -594,5 +600,16 @@ def merge_pools(catalog: Sequence[NodePool], discovered: Sequence[NodePool]) -> 
                 }
             )
         )
-    merged.extend(p for p in discovered if (p.name, p.region) in by_key)
+    # Nodes that carry a catalog pool's label in another region (a misconfiguration, or a pool
+    # the catalog does not know there) stay a pool of their own, under a name of their own:
+    # plans and recovery tell pools apart by name. The region pin comes from the plan's region.
+    taken = {p.name for p in merged}
+    for pool in discovered:
+        if (pool.name, pool.region) not in by_key:
+            continue
+        name = pool.name
+        if name in taken:
+            name = _sanitize_pool_name(f"{pool.name}-{pool.region}")
+        taken.add(name)
+        merged.append(pool if name == pool.name else pool.model_copy(update={"name": name}))
     return merged
