@@ -375,3 +375,18 @@ def test_branch_and_bound_matches_exhaustive_with_the_real_memory_model():
             feasible += 1
             assert fast.key == slow.key, (fast.summary(), slow.summary())
     assert feasible >= 10
+
+
+@pytest.mark.parametrize("changes, pools, expected", [
+    ({"resources.gpus": 3, "resources.maxGPUs": 3}, [pool("h100")],
+     "nothing fits: spec.resources.gpus: 3 GPUs cannot share globalBatchSize 16 evenly"),
+    ({"resources.gpus": 64, "resources.maxGPUs": 64, "training.globalBatchSize": 64}, [pool("h100")],
+     "nothing fits: spec.resources.gpus: 64 GPUs is more than any allowed pool gives (the most: h100, 4 nodes x 8 = 32)"),
+    ({}, [pool("h100", maxNodes=0)],
+     "the node pools in the allowed regions ['eu-de-berlin'] cannot scale to any node (maxNodes 0): h100"),
+    ({}, [], "no node pool in the allowed regions ['eu-de-berlin']; pools exist in []"),
+])
+def test_infeasible_shapes_say_which_field(changes, pools, expected):
+    result = plan(spec(**changes), pools)
+    assert isinstance(result, Infeasible)
+    assert result.message.startswith(expected), result.message

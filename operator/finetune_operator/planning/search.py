@@ -390,11 +390,13 @@ def _pools_for(ask: _Ask, pools: Sequence[NodePool]) -> tuple[list[NodePool], In
     regions = list(ask.regions)
     in_region = [p for p in pools if p.region in ask.regions and p.max_nodes > 0]
     if not in_region:
+        empty = sorted(p.name for p in pools if p.region in ask.regions)
         where = sorted({p.region for p in pools})
-        return [], Infeasible(
-            message=f"no node pool in the allowed regions {regions}; pools exist in {where}",
-            allowed_regions=regions,
+        message = (
+            f"the node pools in the allowed regions {regions} cannot scale to any node (maxNodes 0): {', '.join(empty)}"
+            if empty else f"no node pool in the allowed regions {regions}; pools exist in {where}"
         )
+        return [], Infeasible(message=message, allowed_regions=regions)
     if ask.node_pool is not None:
         named = [p for p in pools if p.name == ask.node_pool]
         if not named:
@@ -814,7 +816,18 @@ def _to_plan(ask: _Ask, winner: _Candidate, others: list[_Candidate], stats: _St
 def _infeasible(ask: _Ask, all_pools: Sequence[NodePool], considered: Sequence[NodePool], work: JobWork,
                 estimates: _Estimates, excluded: set[PlanKey], calibration: float, stats: _Stats) -> Infeasible:
     parts = []
-    if stats.closest is not None:
+    biggest = max(considered, key=lambda p: p.max_gpus)
+    if ask.gpus is not None and ask.global_batch_size % ask.gpus:
+        parts.append(
+            f"spec.resources.gpus: {ask.gpus} GPUs cannot share globalBatchSize {ask.global_batch_size} evenly"
+            " (micro-batch x accumulation x GPUs must equal it)"
+        )
+    elif ask.gpus is not None and ask.gpus > biggest.max_gpus:
+        parts.append(
+            f"spec.resources.gpus: {ask.gpus} GPUs is more than any allowed pool gives (the most:"
+            f" {biggest.name}, {biggest.max_nodes} nodes x {biggest.gpus_per_node} = {biggest.max_gpus})"
+        )
+    elif stats.closest is not None:
         _, group, micro, required, usable = stats.closest
         gpus = "1 GPU" if group.world == 1 else f"{group.world} GPUs"
         parts.append(
