@@ -13,7 +13,13 @@ from e2e.lab.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+def _finetunejob_examples() -> list[Path]:
+    # examples/ also holds other files a user copies (e.g. a pool catalog): only FineTuneJobs here.
+    paths = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+    return [p for p in paths if any((d or {}).get("kind") == "FineTuneJob" for d in yaml.safe_load_all(p.read_text()))]
+
+
+EXAMPLES = _finetunejob_examples()
 
 
 def _example(name: str | None = None) -> dict:

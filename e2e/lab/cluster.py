@@ -39,14 +39,16 @@ WEBHOOK_CONFIGURATION = "validator.training-operator.kubeflow.org"
 WEBHOOK_SECRET = "training-operator-webhook-cert"
 PYTORCH_WEBHOOK = "validator.pytorchjob.training-operator.kubeflow.org"
 # Controllers the lab needs from kube-controller-manager: ownerReference deletes, namespace
-# deletion, the `default` ServiceAccount every pod needs, and kube-root-ca.crt.
+# deletion, the `default` ServiceAccount every pod needs, kube-root-ca.crt, and node
+# lifecycle (it lifts the not-ready taint the apiserver puts on every new node, and would
+# taint a node whose kwok heartbeat stopped).
 CONTROLLERS = (
     "garbage-collector-controller",
+    "node-lifecycle-controller",
     "namespace-controller",
     "serviceaccount-controller",
     "root-ca-certificate-publisher-controller",
 )
-START_ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "training-operator", "fake-gpu")
 
 
 class LabNotBuilt(RuntimeError):
@@ -185,9 +187,12 @@ class Lab:
 
     def down(self, keep_workdir: bool = False) -> list[str]:
         """Stop every process of this lab, newest first; returns the names that needed SIGKILL."""
-        order = {name: i for i, name in enumerate(START_ORDER)}
-        procs = sorted(self.procs, key=lambda p: order.get(p.name, -1), reverse=True)
-        killed = stop(procs)
+        # Clients first (together), then the apiserver, then etcd: an apiserver whose etcd is
+        # already gone hangs in its graceful shutdown.
+        backend = ("kube-apiserver", "etcd")
+        killed = stop([p for p in self.procs if p.name not in backend])
+        for name in backend:
+            killed += stop([p for p in self.procs if p.name == name])
         if not keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return killed
@@ -412,10 +417,14 @@ def _bring_up(lab: Lab, inst: Installation, die_with_parent: bool, say, start_fa
 
     def nodes_ready() -> bool:
         items = core.list_node().items
-        ready = [n for n in items if any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))]
+        ready = [
+            n for n in items
+            if any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
+            and not any(t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))
+        ]
         return len(ready) == len(items) > 0
 
-    wait_until("all fake nodes Ready (kwok)", nodes_ready, lab.procs[[q.name for q in lab.procs].index("kwok")], 60)
+    wait_until("all fake nodes Ready (kwok) and untainted (node lifecycle controller)", nodes_ready, lab.procs[[q.name for q in lab.procs].index("kwok")], 60)
     say("nodes ready")
     wait_until(
         "training operator /readyz (webhook certs and server)",

@@ -43,7 +43,9 @@ class ClientIdentity:
 
 ADMIN = ClientIdentity("admin", "lab-admin", ("system:masters",))
 SCHEDULER = ClientIdentity("scheduler", "system:kube-scheduler")
-CONTROLLER_MANAGER = ClientIdentity("controller-manager", "system:kube-controller-manager")
+# The controller-manager runs all its controllers under its own identity
+# (--use-service-account-credentials=false), so it needs more than the bootstrap role gives.
+CONTROLLER_MANAGER = ClientIdentity("controller-manager", "system:kube-controller-manager", ("system:masters",))
 # kwok plays every kubelet and the training operator is a cluster-wide controller; both run
 # with full rights here because RBAC for them is not what the lab tests (the operator's own
 # RBAC is, through impersonation).

@@ -111,7 +111,7 @@ def stop(procs: list[Proc], grace: float = 10.0) -> list[str]:
             pass
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(is_alive(p) for p in live):
-        _reap()
+        _reap(live)
         time.sleep(0.1)
     for p in live:
         if is_alive(p):
@@ -122,21 +122,20 @@ def stop(procs: list[Proc], grace: float = 10.0) -> list[str]:
                 pass
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(is_alive(p) for p in live):
-        _reap()
+        _reap(live)
         time.sleep(0.05)
-    _reap()
+    _reap(live)
     return killed
 
 
-def _reap() -> None:
-    # Children of this process linger as zombies until waited for.
-    while True:
+def _reap(procs: list[Proc]) -> None:
+    # Lab processes started by this very process linger as zombies until waited for; only
+    # our own pids are waited on, so other children's exit statuses are left alone.
+    for p in procs:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            os.waitpid(p.pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            pass
 
 
 def tail(path: str | Path, lines: int = 25) -> str:
@@ -152,7 +151,7 @@ def wait_until(what: str, check: Callable[[], bool], proc: Proc | None, timeout:
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and not is_alive(proc):
-            _reap()
+            _reap([proc])
             raise LabStartError(f"{proc.name} exited while waiting for {what}; last log lines:\n{tail(proc.log)}")
         try:
             if check():
