@@ -1,0 +1,191 @@
+"""The trainer end to end on CPU: a tiny Llama, real transformers/peft/torch.distributed/DeepSpeed.
+
+Single-process runs stand in for one GPU, ``torchrun --nproc-per-node 2`` with gloo for
+two. Every run is a fresh process, as in a pod.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR, EXIT_GPU_OOM, deepspeed_config
+
+from .conftest import read_report, run_trainer, trainer_config, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def assert_loss_goes_down(losses: dict[int, float], by: float) -> None:
+    steps = sorted(losses)
+    first, last = losses[steps[0]], losses[steps[-1]]
+    assert last < first - by, f"loss did not go down by {by}: {losses}"
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """An uninterrupted full fine-tuning run, 10 steps, checkpoint every 2, keep 2."""
+    work = tmp_path_factory.mktemp("reference")
+    config = trainer_config(assets, work, checkpoint={"directory": str(work / "ckpt"), "everySteps": 2, "keepLast": 2})
+    run = run_trainer(write_config(work, config))
+    assert run.returncode == 0, run.output[-3000:]
+    return work, run
+
+
+def test_full_finetuning_loss_goes_down_and_keeps_last_checkpoints(reference):
+    work, run = reference
+    losses = run.losses()
+    assert sorted(losses) == list(range(1, 11))
+    assert_loss_goes_down(losses, by=0.8)
+    # Saved at 2, 4, 6, 8 (not at the last step, which writes the output); last 2 kept.
+    assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["step-00000006", "step-00000008"]
+    progress = run.of("progress")[-1]
+    for key in ("learningRate", "gradNorm", "tokensPerSecond", "samplesConsumed", "hostPeakRssBytes"):
+        assert key in progress
+    assert progress["samplesConsumed"] == 80
+    [summary] = run.of("summary")
+    assert summary["status"] == "completed" and summary["step"] == 10 and summary["tokens"] > 0
+    assert (work / "out" / "model.safetensors").is_file() and (work / "out" / "tokenizer.json").is_file()
+
+
+def test_lora_loss_goes_down_and_writes_the_adapter(assets, tmp_path):
+    config = trainer_config(
+        assets, tmp_path, method="lora", learningRate=1e-2, maxSteps=10, checkpoint=None,
+        lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"},
+        dataset={"path": str(assets["instruction"]), "format": "instruction"},
+    )
+    run = run_trainer(write_config(tmp_path, config))
+    assert run.returncode == 0, run.output[-3000:]
+    assert_loss_goes_down(run.losses(), by=0.3)
+    out = tmp_path / "out"
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
+
+
+def test_killed_after_a_checkpoint_resumes_where_it_stopped(assets, tmp_path, reference):
+    _, reference_run = reference
+    config = trainer_config(assets, tmp_path, faultInjection={"kind": "kill", "step": 6, "phase": "forward"})
+    killed = run_trainer(write_config(tmp_path, config))
+    assert killed.returncode == -9
+    assert sorted(killed.losses()) == [1, 2, 3, 4, 5]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-00000004"]
+
+    config.pop("faultInjection")
+    config["attempt"] = 2
+    resumed = run_trainer(write_config(tmp_path, config))
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    [event] = resumed.of("resume")
+    assert event["step"] == 4 and event["optimizerRestored"] is True and event["samplesConsumed"] == 32
+    losses = resumed.losses()
+    assert sorted(losses) == [5, 6, 7, 8, 9, 10]
+    # Same data, same weights and optimizer state: the curve continues exactly.
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference_run.losses()[step], abs=2e-3), (step, losses)
+
+
+def test_torchrun_ddp_then_fsdp_then_one_process_with_other_micro_batches(assets, tmp_path, reference):
+    """Two ranks under DDP, resumed on two ranks under FSDP with another micro-batch,
+    resumed again on one process: step, samples and loss carry over each time."""
+    _, reference_run = reference
+    ddp = trainer_config(assets, tmp_path, strategy="ddp", microBatchSize=2, gradientAccumulation=2, maxSteps=6)
+    first = run_trainer(write_config(tmp_path, ddp), nproc=2)
+    assert first.returncode == 0, first.output[-3000:]
+    assert first.of("start")[0]["worldSize"] == 2 and first.of("start")[0]["globalBatch"] == 8
+    assert_loss_goes_down(first.losses(), by=0.5)
+    # Two ranks see the same global batch of 8 as the single-process reference.
+    assert first.losses()[4] == pytest.approx(reference_run.losses()[4], abs=0.05)
+
+    fsdp = dict(ddp, strategy="fsdp", microBatchSize=1, gradientAccumulation=4, maxSteps=10, attempt=2)
+    second = run_trainer(write_config(tmp_path, fsdp), nproc=2)
+    assert second.returncode == 0, second.output[-3000:]
+    [event] = second.of("resume")
+    assert (event["step"], event["fromStrategy"], event["optimizerRestored"]) == (4, "ddp", True)
+    assert sorted(second.losses()) == [5, 6, 7, 8, 9, 10]
+    assert second.losses()[5] == pytest.approx(reference_run.losses()[5], abs=0.05)
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+    single = dict(fsdp, strategy="ddp", microBatchSize=8, gradientAccumulation=1, maxSteps=12, attempt=3)
+    third = run_trainer(write_config(tmp_path, single))
+    assert third.returncode == 0, third.output[-3000:]
+    [event] = third.of("resume")
+    assert (event["step"], event["fromStrategy"], event["fromWorldSize"]) == (8, "fsdp", 2)
+    assert event["optimizerRestored"] is True
+    assert sorted(third.losses()) == [9, 10, 11, 12]
+    # Continues from the FSDP run's state at step 8, not from the base model.
+    assert third.losses()[9] == pytest.approx(second.losses()[9], abs=0.05)
+    assert third.of("progress")[-1]["samplesConsumed"] == 96
+
+
+def test_deepspeed_zero2_lora_then_zero3_resume(assets, tmp_path):
+    lora = {"rank": 8, "alpha": 16, "dropout": 0.0}
+    zero2 = trainer_config(assets, tmp_path, method="lora", lora=lora, learningRate=1e-2, strategy="zero2",
+                           deepspeed=deepspeed_config(2), microBatchSize=2, gradientAccumulation=2, maxSteps=6)
+    first = run_trainer(write_config(tmp_path, zero2), nproc=2)
+    assert first.returncode == 0, first.output[-3000:]
+    assert_loss_goes_down(first.losses(), by=0.2)
+    assert (tmp_path / "ckpt" / "step-00000004" / "deepspeed").is_dir()
+
+    # Another ZeRO stage: DeepSpeed's own checkpoint cannot carry the optimizer
+    # there; the weights (via zero_to_fp32) and the step do, and the run says so.
+    zero3 = dict(zero2, strategy="zero3", deepspeed=deepspeed_config(3), maxSteps=8, attempt=2)
+    second = run_trainer(write_config(tmp_path, zero3), nproc=2)
+    assert second.returncode == 0, second.output[-3000:]
+    [event] = second.of("resume")
+    assert (event["step"], event["fromStrategy"], event["optimizerRestored"]) == (4, "zero2", False)
+    assert second.losses()[5] == pytest.approx(first.losses()[5], abs=0.02)
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_injected_gpu_oom_writes_the_report_and_exit_code(assets, tmp_path):
+    config = trainer_config(assets, tmp_path, faultInjection={"kind": "gpu-oom", "step": 3, "phase": "backward"})
+    run = run_trainer(write_config(tmp_path, config))
+    assert run.returncode == EXIT_GPU_OOM, run.output[-3000:]
+    report = read_report(tmp_path / "termination-log")
+    assert report["reason"] == "GPUOutOfMemory" and report["phase"] == "backward" and report["step"] == 3
+    assert report["microBatchSize"] == 4 and report["sequenceLength"] == 64 and report["exitCode"] == EXIT_GPU_OOM
+    assert run.of("failure")[0]["reason"] == "GPUOutOfMemory"
+
+
+def test_oom_on_one_rank_under_the_launcher(assets, tmp_path):
+    config = trainer_config(assets, tmp_path, microBatchSize=2, gradientAccumulation=2, checkpoint=None,
+                            faultInjection={"kind": "gpu-oom", "step": 2, "phase": "optimizer", "rank": 1})
+    run = run_trainer(write_config(tmp_path, config), nproc=2, launcher=True)
+    # torchrun itself exits 1; the launcher turns the report into the pod's exit code.
+    assert run.returncode == EXIT_GPU_OOM, run.output[-3000:]
+    report = read_report(tmp_path / "termination-log")
+    assert (report["reason"], report["phase"], report["step"], report["rank"]) == ("GPUOutOfMemory", "optimizer", 2, 1)
+    # The other rank fails on the broken collective; it logs, but the cause stays in the report.
+    assert run.of("failure", rank=0)[0]["reason"] == "Unknown"
+
+
+def test_malformed_dataset_line_is_a_data_error(assets, tmp_path):
+    from finetune_trainer.run import main
+
+    lines = assets["chat"].read_text().splitlines()
+    lines[6] = lines[6][:-5]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    config = trainer_config(assets, tmp_path, dataset={"path": str(bad), "format": "chat"})
+    assert main(["--config", str(write_config(tmp_path, config))]) == EXIT_DATA_ERROR
+    report = read_report(tmp_path / "termination-log")
+    assert report["reason"] == "DataError" and report["phase"] == "data"
+    assert f"line 7 of {bad}" in report["message"]
+
+
+def test_qlora_without_cuda_is_a_config_error(assets, tmp_path):
+    from finetune_trainer.run import main
+
+    config = trainer_config(assets, tmp_path, method="qlora")
+    assert main(["--config", str(write_config(tmp_path, config))]) == EXIT_CONFIG_ERROR
+    report = read_report(tmp_path / "termination-log")
+    assert report["reason"] == "ConfigError" and "qlora needs CUDA" in report["message"]
+
+
+def test_invalid_config_is_a_config_error_naming_the_field(tmp_path):
+    from finetune_trainer.run import main
+
+    path = write_config(tmp_path, {"jobName": "x", "microBatchSize": 0})
+    assert main(["--config", str(path), "--report-path", str(tmp_path / "log")]) == EXIT_CONFIG_ERROR
+    report = read_report(tmp_path / "log")
+    assert report["reason"] == "ConfigError" and "microBatchSize" in report["message"]
