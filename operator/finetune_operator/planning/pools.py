@@ -353,6 +353,34 @@ def _get(obj: Any, *names: str) -> Any:
     return None
 
 
+# Objects come from the API, but a partial or odd object must not crash discovery: read each
+# level as the type it should have, and treat anything else as absent.
+def _map(obj: Any, *names: str) -> Mapping[str, Any]:
+    value = _get(obj, *names)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(obj: Any, *names: str) -> list[Any]:
+    value = _get(obj, *names)
+    return value if isinstance(value, list) else []
+
+
+def _str(obj: Any, *names: str) -> str | None:
+    value = _get(obj, *names)
+    return value if isinstance(value, str) else None
+
+
+def _labels(meta: Mapping[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in _map(meta, "labels").items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _count(value: Any) -> int:
+    try:
+        return int(parse_quantity(value)) if value is not None else 0
+    except ValueError:
+        return 0
+
+
 @dataclass(frozen=True)
 class SkippedNode:
     """A node discovery left out, and why (shown by the operator's logs and `plan --explain`)."""
@@ -368,7 +396,7 @@ class Discovery:
 
 
 def _node_ready(node: Mapping[str, Any]) -> bool:
-    for condition in _get(_get(node, "status") or {}, "conditions") or []:
+    for condition in _list(_map(node, "status"), "conditions"):
         if _get(condition, "type") == "Ready":
             return _get(condition, "status") == "True"
     return False
@@ -376,30 +404,26 @@ def _node_ready(node: Mapping[str, Any]) -> bool:
 
 def _pod_gpu_request(pod: Mapping[str, Any]) -> int:
     """GPUs a pod holds on its node: the larger of its containers' sum and its biggest init container."""
-    spec = _get(pod, "spec") or {}
+    spec = _map(pod, "spec")
 
-    def gpus(container: Mapping[str, Any]) -> int:
-        resources = _get(container, "resources") or {}
+    def gpus(container: Any) -> int:
+        resources = _map(container, "resources")
         # For extended resources a request defaults to the limit, and they must be equal when both are set.
-        value = _get(_get(resources, "requests") or {}, GPU_RESOURCE)
+        value = _get(_map(resources, "requests"), GPU_RESOURCE)
         if value is None:
-            value = _get(_get(resources, "limits") or {}, GPU_RESOURCE)
-        try:
-            return int(parse_quantity(value)) if value is not None else 0
-        except ValueError:
-            return 0
+            value = _get(_map(resources, "limits"), GPU_RESOURCE)
+        return _count(value)
 
-    main = sum(gpus(c) for c in _get(spec, "containers") or [])
-    init = max((gpus(c) for c in _get(spec, "initContainers", "init_containers") or []), default=0)
+    main = sum(gpus(c) for c in _list(spec, "containers"))
+    init = max((gpus(c) for c in _list(spec, "initContainers", "init_containers")), default=0)
     return max(main, init)
 
 
 def _gpus_in_use(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     used: dict[str, int] = {}
     for pod in pods:
-        spec = _get(pod, "spec") or {}
-        node = _get(spec, "nodeName", "node_name")
-        phase = _get(_get(pod, "status") or {}, "phase")
+        node = _str(_map(pod, "spec"), "nodeName", "node_name")
+        phase = _get(_map(pod, "status"), "phase")
         if not node or phase in ("Succeeded", "Failed"):
             continue
         used[node] = used.get(node, 0) + _pod_gpu_request(pod)
@@ -446,16 +470,12 @@ def discover(
     facts: list[_NodeFacts] = []
     skipped: list[SkippedNode] = []
     for node in nodes:
-        meta = _get(node, "metadata") or {}
-        name = str(_get(meta, "name") or "?")
-        labels: dict[str, str] = dict(_get(meta, "labels") or {})
-        spec = _get(node, "spec") or {}
-        status = _get(node, "status") or {}
-        allocatable = _get(status, "allocatable") or {}
-        try:
-            gpus = int(parse_quantity(allocatable.get(GPU_RESOURCE, 0)))
-        except ValueError:
-            gpus = 0
+        meta = _map(node, "metadata")
+        name = _str(meta, "name") or "?"
+        labels = _labels(meta)
+        spec = _map(node, "spec")
+        allocatable = _map(_map(node, "status"), "allocatable")
+        gpus = _count(allocatable.get(GPU_RESOURCE))
         product = labels.get(GFD_PRODUCT)
         if gpus <= 0 and not product:
             continue  # not a GPU node: nothing to say about it
@@ -497,15 +517,13 @@ def discover(
                 skipped.append(SkippedNode(name, "no pool label (" + ", ".join(pool_keys) + ")"))
                 continue
             pool_key, pool_name, selector = key, _sanitize_pool_name(labels[key]), {key: labels[key]}
-        try:
-            host_memory = int(parse_quantity(allocatable.get("memory", 0)))
-            cpus = int(parse_quantity(allocatable.get("cpu", 0)))
-        except ValueError:
-            host_memory, cpus = 0, 0
+        host_memory = _count(allocatable.get("memory"))
+        cpus = _count(allocatable.get("cpu"))
         taints = tuple(
-            Taint(key=_get(t, "key"), value=_get(t, "value"), effect=_get(t, "effect") or "NoSchedule")
-            for t in _get(spec, "taints") or []
-            if _get(t, "key") and not str(_get(t, "key")).startswith(_TRANSIENT_TAINT_PREFIXES)
+            Taint(key=key, value=_str(t, "value"), effect=effect)
+            for t in _list(spec, "taints")
+            if (key := _str(t, "key")) and not key.startswith(_TRANSIENT_TAINT_PREFIXES)
+            and (effect := _str(t, "effect") or "NoSchedule") in ("NoSchedule", "PreferNoSchedule", "NoExecute")
         )
         facts.append(
             _NodeFacts(
