@@ -128,13 +128,21 @@ def test_deepspeed_zero2_lora_then_zero3_resume(assets, tmp_path):
 
     # Another ZeRO stage: DeepSpeed's own checkpoint cannot carry the optimizer
     # there; the weights (via zero_to_fp32) and the step do, and the run says so.
-    zero3 = dict(zero2, strategy="zero3", deepspeed=deepspeed_config(3), maxSteps=8, attempt=2)
+    zero3 = dict(zero2, strategy="zero3", deepspeed=deepspeed_config(3), maxSteps=9, attempt=2)
     second = run_trainer(write_config(tmp_path, zero3), nproc=2)
     assert second.returncode == 0, second.output[-3000:]
     [event] = second.of("resume")
     assert (event["step"], event["fromStrategy"], event["optimizerRestored"]) == (4, "zero2", False)
     assert second.losses()[5] == pytest.approx(first.losses()[5], abs=0.02)
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+    # Same stage and world size: DeepSpeed's checkpoint restores the optimizer too.
+    again = dict(zero3, maxSteps=10, attempt=3)
+    third = run_trainer(write_config(tmp_path, again), nproc=2)
+    assert third.returncode == 0, third.output[-3000:]
+    [event] = third.of("resume")
+    assert (event["step"], event["fromStrategy"], event["optimizerRestored"]) == (8, "zero3", True)
+    assert third.losses()[9] == pytest.approx(second.losses()[9], abs=2e-3)
 
 
 def test_injected_gpu_oom_writes_the_report_and_exit_code(assets, tmp_path):

@@ -161,12 +161,11 @@ class ProgressCallback(TrainerCallback):
         import torch.distributed as dist
 
         tokens = torch.tensor([self.trainer.tokens_seen], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and not self.trainer.is_deepspeed_enabled:
+        if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "nccl":
                 tokens = tokens.cuda()
             dist.all_reduce(tokens)
-            return int(tokens.item())
-        return int(self.trainer.tokens_seen * self.plan.world_size)
+        return int(tokens.item())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
