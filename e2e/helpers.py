@@ -70,7 +70,9 @@ def pytorchjob(name: str, job: str, predicted_peak_bytes: int, gpus: int = 8, wo
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": name},
-        "spec": {"runPolicy": {"backoffLimit": 0}, "pytorchReplicaSpecs": replicas},
+        # No runPolicy.backoffLimit: with backoffLimit 0 the training operator v1.9 deletes the
+        # failed pods (its "exceeds backoff limit" path), and the termination message with them.
+        "spec": {"runPolicy": {"cleanPodPolicy": "None"}, "pytorchReplicaSpecs": replicas},
     }
 
 

@@ -202,6 +202,9 @@ def test_pki_certs_fit_their_consumers(tmp_path):
     hook_sans = hook.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert WEBHOOK_DNS_NAME in hook_sans.get_values_for_type(x509.DNSName)
     assert ipaddress.ip_address("127.0.0.1") in hook_sans.get_values_for_type(x509.IPAddress)
+    # The operator's rotator replaces certs that expire within 90 days.
+    assert (hook.not_valid_after_utc - hook.not_valid_before_utc).days > 365
+    assert (ca.not_valid_after_utc - ca.not_valid_before_utc).days > 365
     verify = subprocess.run(["openssl", "verify", "-CAfile", str(pki.webhook_ca.cert), str(pki.webhook_server.cert)],
                             capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr

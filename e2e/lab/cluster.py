@@ -80,6 +80,7 @@ class Lab:
     ports: dict[str, int]
     procs: list[Proc] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
+    die_with_parent: bool = False  # processes get PR_SET_PDEATHSIG (labs owned by a test session)
 
     # ---- persistence -------------------------------------------------------------------
     @property
@@ -182,6 +183,20 @@ class Lab:
         path = path or (self.workdir / f"sa-{namespace}-{name}.kubeconfig")
         return write_kubeconfig(path, self.server, self.pki_dir / "ca.crt", {"token": token})
 
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Proc:
+        """Start a process that belongs to the lab (e.g. the operator under test): its log goes
+        to logs/<name>.log and `down` stops it with the rest."""
+        proc = start(name, argv, self.log_dir, env=env if env is not None else self.env(),
+                     die_with_parent=self.die_with_parent)
+        self.procs.append(proc)
+        self.save()
+        return proc
+
+    def stop_process(self, proc: Proc, kill: bool = False) -> None:
+        """Stop one lab process: SIGTERM with a grace period, or at once with SIGKILL
+        (what a crash or `kubectl delete pod --force` would look like to the cluster)."""
+        stop([proc], grace=0 if kill else 10.0)
+
     def status(self) -> dict[str, bool]:
         return {p.name: is_alive(p) for p in self.procs}
 
@@ -276,7 +291,8 @@ def up(
         ["etcd", "etcd-peer", "apiserver", "scheduler", "controller-manager", "kwok",
          "to-metrics", "to-health", "to-webhook"]
     )
-    lab = Lab(workdir=workdir, home=inst.home, server=f"https://127.0.0.1:{ports['apiserver']}", ports=ports)
+    lab = Lab(workdir=workdir, home=inst.home, server=f"https://127.0.0.1:{ports['apiserver']}", ports=ports,
+              die_with_parent=die_with_parent)
     lab.log_dir.mkdir(exist_ok=True)
     lab.save()
     try:
@@ -295,10 +311,7 @@ def _bring_up(lab: Lab, inst: Installation, die_with_parent: bool, say, start_fa
     kubeconfigs = _component_kubeconfigs(lab)
 
     def launch(name: str, argv: list[str], env: dict | None = None) -> Proc:
-        proc = start(name, argv, lab.log_dir, env=env, die_with_parent=die_with_parent)
-        lab.procs.append(proc)
-        lab.save()
-        return proc
+        return lab.spawn(name, argv, env=env if env is not None else dict(os.environ))
 
     etcd = launch("etcd", [
         inst.binary("etcd"),
@@ -431,6 +444,15 @@ def _bring_up(lab: Lab, inst: Installation, die_with_parent: bool, say, start_fa
         lambda: http_ok(f"http://127.0.0.1:{p['to-health']}/readyz"),
         training_operator, 90,
     )
+    # If the operator's cert rotator had judged the lab's webhook cert unfit, it would have
+    # put a CA of its own into the webhook configuration and every PyTorchJob create would
+    # fail TLS; say so now rather than in a confusing test failure.
+    hook = client.AdmissionregistrationV1Api(api).read_validating_webhook_configuration(WEBHOOK_CONFIGURATION)
+    if base64.b64decode(hook.webhooks[0].client_config.ca_bundle) != pki.webhook_ca.cert_pem():
+        raise LabStartError(
+            "the training operator replaced the lab's webhook CA (its cert rotator found the lab's cert unfit); "
+            f"see {lab.log_dir / 'training-operator.log'}"
+        )
     wait_until(
         "scheduler /healthz",
         lambda: http_ok(f"https://127.0.0.1:{p['scheduler']}/healthz", _insecure_context()),

@@ -18,6 +18,9 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALIDITY = dt.timedelta(days=30)
+# The training operator's cert rotator replaces any webhook cert that expires within its
+# look-ahead window (90 days), so the webhook CA and cert get a long life.
+WEBHOOK_VALIDITY = dt.timedelta(days=3650)
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ def _name(cn: str, orgs: tuple[str, ...] = ()) -> x509.Name:
 
 
 def make_ca(
-    directory: Path, stem: str, common_name: str, dns_names: tuple[str, ...] = (), rsa_key: bool = False
+    directory: Path, stem: str, common_name: str, dns_names: tuple[str, ...] = (), rsa_key: bool = False,
+    validity: dt.timedelta = VALIDITY,
 ) -> KeyPair:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048) if rsa_key else _new_key()
     now = dt.datetime.now(dt.timezone.utc)
@@ -93,7 +97,7 @@ def make_ca(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + VALIDITY)
+        .not_valid_after(now + validity)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -129,6 +133,7 @@ def make_leaf(
     ip_addresses: tuple[str, ...] = (),
     server: bool = False,
     client: bool = False,
+    validity: dt.timedelta = VALIDITY,
 ) -> KeyPair:
     ca_cert, ca_key = _load(ca)
     key = _new_key()
@@ -145,7 +150,7 @@ def make_leaf(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + VALIDITY)
+        .not_valid_after(now + validity)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -205,10 +210,12 @@ def make_lab_pki(directory: Path, service_ip: str) -> LabPKI:
     # DNS name WEBHOOK_CA_NAME), and a serving cert for both the in-cluster service name (what
     # the rotator checks) and 127.0.0.1 (where the lab's apiserver actually calls it).
     webhook_ca = make_ca(
-        directory, "webhook-ca", WEBHOOK_CA_NAME, dns_names=(WEBHOOK_CA_NAME,), rsa_key=True
+        directory, "webhook-ca", WEBHOOK_CA_NAME, dns_names=(WEBHOOK_CA_NAME,), rsa_key=True,
+        validity=WEBHOOK_VALIDITY,
     )
     webhook_server = make_leaf(
         directory, webhook_ca, "webhook", WEBHOOK_DNS_NAME,
         dns_names=(WEBHOOK_DNS_NAME,), ip_addresses=("127.0.0.1",), server=True,
+        validity=WEBHOOK_VALIDITY,
     )
     return LabPKI(ca, apiserver, clients, sa, webhook_ca, webhook_server)
