@@ -390,3 +390,13 @@ def test_infeasible_shapes_say_which_field(changes, pools, expected):
     result = plan(spec(**changes), pools)
     assert isinstance(result, Infeasible)
     assert result.message.startswith(expected), result.message
+
+
+def test_a_plan_survives_a_dump_and_reload():
+    result = plan(spec(), [pool("h100")])
+    assert Plan.model_validate(result.model_dump()) == result
+    assert Plan.model_validate_json(result.model_dump_json()) == result
+    broken = result.model_dump()
+    broken["gpus"] = 7
+    with pytest.raises(ValueError, match="gpus"):
+        Plan.model_validate(broken)

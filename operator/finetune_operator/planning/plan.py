@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from .. import api
 from .pools import GiB, NodePool
@@ -89,6 +89,17 @@ class Plan(BaseModel):
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_gpus(cls, data: Any) -> Any:
+        # A dumped plan carries `gpus` (derived); read it back only when it agrees.
+        if isinstance(data, dict) and "gpus" in data:
+            data = dict(data)
+            gpus = data.pop("gpus")
+            if gpus != data.get("nodes", 0) * data.get("gpus_per_node", 0):
+                raise ValueError(f"gpus: {gpus} is not nodes x gpus_per_node")
+        return data
 
     @property
     def data_parallel_size(self) -> int:
