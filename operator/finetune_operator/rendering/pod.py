@@ -71,12 +71,15 @@ def match_expressions(region_label_key: str, regions: list[str], plan: Plan) -> 
 
 
 def tolerations(plan: Plan) -> list[dict[str, Any]]:
-    result: list[dict[str, Any]] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    gpu_toleration = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+    result: list[dict[str, Any]] = [gpu_toleration]
     for taint in plan.pool.taints:
         if not is_qualified_name(taint.key):
             raise RenderError(f"pool {plan.pool.name}.taints", f"{taint.key!r} is not a valid taint key")
         if taint.value is not None and not is_label_value(taint.value):
             raise RenderError(f"pool {plan.pool.name}.taints", f"value {taint.value!r} of {taint.key} is not a valid taint value")
+        if taint.key == gpu_toleration["key"] and taint.effect == gpu_toleration["effect"]:
+            continue  # already tolerated whatever its value
         if taint.value is None:
             result.append({"key": taint.key, "operator": "Exists", "effect": taint.effect})
         else:

@@ -1,0 +1,295 @@
+"""What render_attempt produces for a job and a plan, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jinja2 import TemplateError
+from render_factories import GiB, plan_for, policy, pool
+
+from finetune_operator import api
+from finetune_operator.rendering import RenderError, render_attempt
+from finetune_operator.rendering.templating import _ENV, render_json_template
+
+
+def job_of(document: dict, **spec_updates) -> api.FineTuneJob:
+    document["spec"].update(spec_updates)
+    return api.parse_job(document)
+
+
+def pods(rendered):
+    return {k: v["template"] for k, v in rendered.pytorch_job["spec"]["pytorchReplicaSpecs"].items()}
+
+
+def trainer(rendered) -> dict:
+    return json.loads(rendered.config_map["data"]["config.json"])
+
+
+def test_single_node_has_only_a_master(lora_job):
+    job = job_of(lora_job)
+    rendered = render_attempt(job, plan_for(job, gpus_per_node=2), 1, policy())
+    specs = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]
+    assert list(specs) == ["Master"] and specs["Master"]["replicas"] == 1
+    command = specs["Master"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:3] == ["torchrun", "--nnodes=1", "--nproc-per-node=2"]
+    assert command[3:] == ["-m", "finetune_trainer", "--config", "/etc/finetune/config.json"]
+    assert rendered.pytorch_job["spec"]["nprocPerNode"] == "2"
+
+
+def test_multi_node_has_workers_and_identical_pods(lora_job):
+    job = job_of(lora_job)
+    rendered = render_attempt(job, plan_for(job, nodes=4, gpus_per_node=8), 3, policy())
+    specs = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
+    assert specs["Master"]["template"] == specs["Worker"]["template"]
+    assert specs["Worker"]["template"]["metadata"]["labels"]["finetune.dev/attempt"] == "3"
+    assert rendered.name == "demo-a3"
+
+
+def test_resources_are_guaranteed_and_follow_the_plan(lora_job):
+    job = job_of(lora_job)
+    plan = plan_for(job, pool(cpus=192, gpus_per_node=8), gpus_per_node=2, host_memory_bytes=100 * GiB + 1)
+    container = pods(render_attempt(job, plan, 1, policy()))["Master"]["spec"]["containers"][0]
+    assert container["resources"]["requests"] == container["resources"]["limits"] == {
+        "nvidia.com/gpu": "2",
+        "cpu": "43",  # a quarter of the node's 192 CPUs, less the share left to the system
+        "memory": f"{100 * 1024 + 1}Mi",  # rounded up, never below the estimate
+    }
+
+
+def test_placement_is_required_affinity_on_region_and_pool(lora_job):
+    job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
+    node_pool = pool(selector={"karpenter.sh/nodepool": "h100-berlin", "gpu.example/class": "h100"})
+    plan = plan_for(job, node_pool, allowed_regions=["eu-fr-paris", "eu-de-berlin"])
+    spec = pods(render_attempt(job, plan, 1, policy(region_label_key="example.com/region")))["Master"]["spec"]
+    assert spec["affinity"] == {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {"key": "example.com/region", "operator": "In", "values": ["eu-de-berlin", "eu-fr-paris"]},
+                            {"key": "gpu.example/class", "operator": "In", "values": ["h100"]},
+                            {"key": "karpenter.sh/nodepool", "operator": "In", "values": ["h100-berlin"]},
+                        ]
+                    }
+                ]
+            }
+        }
+    }
+    assert spec["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "policy_regions,plan_regions,match",
+    [
+        (["eu-de-berlin"], ["eu-de-berlin", "us-east-virginia"], "us-east-virginia"),  # outside policy and job
+        (["eu-fr-paris"], ["eu-de-berlin"], "not allowed by both"),  # the job allows it, the policy does not
+        (["eu-de-berlin"], [], "empty"),
+    ],
+)
+def test_regions_outside_policy_or_job_are_refused(lora_job, policy_regions, plan_regions, match):
+    job = job_of(lora_job)
+    plan = plan_for(job, allowed_regions=plan_regions)
+    with pytest.raises(RenderError, match=match) as error:
+        render_attempt(job, plan, 1, policy(allowed_regions=policy_regions))
+    assert error.value.path == "plan.allowedRegions"
+
+
+def test_a_pool_outside_the_plans_region_is_refused(lora_job):
+    job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
+    plan = plan_for(job, pool(region="eu-fr-paris"), region="eu-de-berlin", allowed_regions=["eu-de-berlin"])
+    with pytest.raises(RenderError, match="pool h100-berlin is in 'eu-fr-paris'"):
+        render_attempt(job, plan, 1, policy())
+
+
+def test_a_pool_selector_cannot_override_the_region(lora_job):
+    job = job_of(lora_job)
+    plan = plan_for(job, pool(selector={"topology.kubernetes.io/region": "us-east-virginia"}))
+    with pytest.raises(RenderError, match="region label"):
+        render_attempt(job, plan, 1, policy())
+
+
+def test_bad_label_keys_from_the_catalog_or_policy_are_named(lora_job):
+    job = job_of(lora_job)
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job, pool(selector={"bad key": "x"})), 1, policy())
+    assert error.value.path == "pool h100-berlin.selector"
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job), 1, policy(region_label_key="no spaces/allowed here"))
+    assert error.value.path == "policy.regionLabelKey"
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job, pool(taints=[{"key": "k", "value": "not a value!"}])), 1, policy())
+    assert error.value.path == "pool h100-berlin.taints"
+
+
+def test_gpu_taint_is_tolerated_once(lora_job):
+    job = job_of(lora_job)
+    plan = plan_for(job, pool(taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]))
+    spec = pods(render_attempt(job, plan, 1, policy()))["Master"]["spec"]
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_labels_owner_queue_and_suspend(lora_job):
+    lora_job["metadata"]["uid"] = "0b9d-uid"
+    job = job_of(lora_job, queueName="research", suspend=True)
+    rendered = render_attempt(job, plan_for(job), 2, policy())
+    meta = rendered.pytorch_job["metadata"]
+    assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "research"
+    assert "kueue.x-k8s.io/queue-name" not in rendered.config_map["metadata"]["labels"]
+    assert meta["labels"]["finetune.dev/job"] == "demo" and meta["labels"]["finetune.dev/attempt"] == "2"
+    assert meta["namespace"] == rendered.config_map["metadata"]["namespace"] == "team-a"
+    for obj in rendered.objects:
+        assert obj["metadata"]["ownerReferences"] == [
+            {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob", "name": "demo", "uid": "0b9d-uid",
+             "controller": True, "blockOwnerDeletion": True}
+        ]
+    assert rendered.pytorch_job["spec"]["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "None", "suspend": True}
+
+
+def test_no_uid_no_owner_no_queue(lora_job):
+    job = job_of(lora_job)
+    rendered = render_attempt(job, plan_for(job), 1, policy())
+    assert "ownerReferences" not in rendered.pytorch_job["metadata"]
+    assert "kueue.x-k8s.io/queue-name" not in rendered.pytorch_job["metadata"]["labels"]
+    assert rendered.pytorch_job["spec"]["runPolicy"]["suspend"] is False
+
+
+def test_pod_security_volumes_and_env(lora_job):
+    job = job_of(lora_job, checkpoint={"pvc": {"claimName": "ckpt", "path": "demo"}})
+    rendered = render_attempt(job, plan_for(job, predicted_peak_bytes=123), 1, policy())
+    template = pods(rendered)["Master"]
+    assert template["metadata"]["annotations"] == {"finetune.dev/predicted-peak-bytes": "123"}
+    spec = template["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    container = spec["containers"][0]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert container["terminationMessagePath"] == "/dev/termination-log"
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    assert volumes["config"] == {"name": "config", "configMap": {"name": "demo-a1"}}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt", "readOnly": False}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts["/etc/finetune"] == "config" and mounts["/dev/shm"] == "dshm"
+    config = trainer(rendered)
+    assert config["model"]["path"] == "/mnt/model/llama"
+    assert config["dataset"]["path"] == "/mnt/data/train.jsonl"
+    assert config["checkpoint"] == {"directory": "/mnt/checkpoints/demo", "everySteps": 200, "keepLast": 2}
+    assert config["outputDirectory"] == "/mnt/checkpoints/demo/final"
+
+
+def test_a_job_without_volumes_for_the_result_writes_to_an_empty_dir(lora_job):
+    job = job_of(lora_job)
+    rendered = render_attempt(job, plan_for(job), 1, policy())
+    spec = pods(rendered)["Master"]["spec"]
+    assert {"name": "output", "emptyDir": {}} in spec["volumes"]
+    assert trainer(rendered)["outputDirectory"] == "/mnt/output"
+    assert "checkpoint" not in trainer(rendered)
+
+
+def test_hub_model_is_fetched_by_an_init_container(lora_job):
+    lora_job["spec"]["model"]["source"] = {
+        "hf": {"repo": "meta-llama/Llama-3.1-8B", "revision": "0e9e39f", "tokenSecretRef": {"name": "hf"}}
+    }
+    job = job_of(lora_job)
+    rendered = render_attempt(job, plan_for(job), 1, policy())
+    spec = pods(rendered)["Master"]["spec"]
+    (fetch,) = spec["initContainers"]
+    assert fetch["command"] == ["hf", "download", "meta-llama/Llama-3.1-8B", "--revision", "0e9e39f", "--local-dir", "/mnt/model"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in fetch["env"]
+    assert "nvidia.com/gpu" not in fetch["resources"]["limits"]
+    assert {"name": "model", "emptyDir": {}} in spec["volumes"]
+    assert trainer(rendered)["model"]["path"] == "/mnt/model"
+
+
+@pytest.mark.parametrize(
+    "where,value,path",
+    [
+        ("model", {"uri": "s3://bucket/llama"}, "spec.model.source.uri"),
+        ("dataset", {"uri": "https://example.com/train.jsonl"}, "spec.dataset.source.uri"),
+        ("output", {"uri": "s3://bucket/out"}, "spec.output.uri"),
+    ],
+)
+def test_sources_the_pods_cannot_fetch_are_named(lora_job, where, value, path):
+    if where == "model":
+        lora_job["spec"]["model"]["source"] = value
+    elif where == "dataset":
+        lora_job["spec"]["dataset"]["source"] = value
+    else:
+        lora_job["spec"]["output"] = value
+    job = job_of(lora_job)
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job), 1, policy())
+    assert error.value.path == path
+
+
+def test_trainer_config_follows_the_plan(lora_job):
+    job = job_of(lora_job, training={"sequenceLength": 2048, "globalBatchSize": 32, "maxSteps": 100, "warmupRatio": 0.05})
+    plan = plan_for(job, nodes=2, gpus_per_node=2, micro_batch_size=2, strategy="zero3", offload="optimizer",
+                    gradient_checkpointing=False, optimizer="adamw")
+    config = render_attempt(job, plan, 1, policy()).trainer_config
+    assert (config.micro_batch_size, config.gradient_accumulation) == (2, 4)
+    assert config.strategy == "zero3" and config.offload == "optimizer"
+    assert config.deepspeed["train_batch_size"] == 32
+    assert config.deepspeed["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config.gradient_checkpointing is False
+    assert config.learning_rate == 2e-4  # the lora default
+    assert config.warmup_steps == 5 and config.warmup_ratio is None
+    assert config.lora.target_modules == "all-linear"
+
+
+def test_epochs_carry_the_warmup_ratio(lora_job):
+    job = job_of(lora_job, method="full", lora=None,
+                 training={"sequenceLength": 2048, "globalBatchSize": 32, "epochs": 2.0})
+    config = render_attempt(job, plan_for(job, strategy="fsdp"), 1, policy()).trainer_config
+    assert config.warmup_steps == 0 and config.warmup_ratio == 0.03
+    assert config.learning_rate == 2e-5 and config.method == "full"
+    assert config.fsdp is not None and config.deepspeed is None
+
+
+def test_recovery_may_switch_lora_to_qlora(lora_job):
+    lora_job["spec"]["lora"] = {"rank": 8, "targetModules": ["q_proj", "v_proj"]}
+    job = job_of(lora_job)
+    config = render_attempt(job, plan_for(job, method="qlora", optimizer="paged-adamw-8bit"), 2, policy()).trainer_config
+    assert config.method == "qlora" and config.lora.rank == 8 and config.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_a_plan_that_changes_the_global_batch_is_refused(lora_job):
+    job = job_of(lora_job)
+    with pytest.raises(RenderError, match="globalBatchSize is 32") as error:
+        render_attempt(job, plan_for(job, gradient_accumulation=3), 1, policy())
+    assert error.value.path == "plan.gradientAccumulation"
+
+
+def test_a_plan_the_trainer_would_refuse_is_named(lora_job):
+    job = job_of(lora_job)
+    with pytest.raises(RenderError, match="qlora runs under strategy ddp only"):
+        render_attempt(job, plan_for(job, method="qlora", strategy="fsdp"), 1, policy())
+
+
+def test_attempt_must_be_positive(lora_job):
+    job = job_of(lora_job)
+    with pytest.raises(RenderError, match="at least 1"):
+        render_attempt(job, plan_for(job), 0, policy())
+
+
+def test_templates_cannot_print_a_value_without_the_json_filter():
+    with pytest.raises(TemplateError, match="without the json filter"):
+        _ENV.from_string('{"a": "{{ x }}"}').render(x="ok")
+    with pytest.raises(TemplateError, match="without the json filter"):
+        _ENV.from_string('{"a": {{ x | json | upper }}}').render(x="ok")
+    assert _ENV.from_string('{"a": {{ x | json }}}').render(x='", "b": "c') == '{"a": "\\", \\"b\\": \\"c"}'
+
+
+def test_rendered_json_refuses_duplicate_keys(tmp_path, monkeypatch):
+    template = _ENV.from_string('{"a": 1, "a": 2}')
+    monkeypatch.setattr(_ENV, "get_template", lambda name: template)
+    with pytest.raises(TemplateError, match="twice"):
+        render_json_template("any")

@@ -1,0 +1,391 @@
+"""Property test: no string in a job, policy or pool can change the shape of what is rendered.
+
+Every free-text field of the job (and of the pool and policy, which are data too) holds
+YAML and Jinja metacharacters, newlines, quotes, `{{ }}`, `{% %}`, anchors, unicode and
+long text. Each job is rendered twice: as generated, and as a "benign twin" in which
+every such string is a plain word. The two renderings must have the same skeleton (every
+key set and list length, recursively, the trainer config's JSON included): strings only
+ever land in leaves. On top, every pod template keeps exactly the required region
+affinity, the key sets of the objects are the expected ones, every string arrives
+verbatim where it belongs, and the manifests pass the upstream PyTorchJob schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from manifest_checks import attempt_errors
+from render_factories import plan_for
+from upstream_crd import pytorchjob_schema
+
+from finetune_operator import api
+from finetune_operator.planning import ClusterPolicy, NodePool
+from finetune_operator.rendering import render_attempt
+from finetune_operator.rendering.names import DNS1035_LABEL
+
+EXAMPLES = int(os.environ.get("RENDER_PROPERTY_EXAMPLES", "2000"))
+# Every schema check costs ~10 ms; the skeleton and key-set checks run on every example.
+SCHEMA_EVERY = 10
+
+NASTY = [
+    "{{ 7*7 }}", "{{", "}}", "{% if true %}x{% endif %}", "{%", "%}", "{# c #}", "{{ config.__class__ }}",
+    "&anchor", "*anchor", "<<: *anchor", "!!python/object/apply:os.system ['id']", "!tag", "---", "...",
+    "key: value", "- item", "? q", "| block", "> fold", "# comment", "%YAML 1.2", "@", "`",
+    '"', "'", "\\", "\\n", "\n", "\r\n", "\t", " ", ":", ",", "[", "]", "{", "}", "</script>", "\x00",
+    "\u2028", "\u00e9", "\u0130", "\U0001F680", "\ufeff", "null", "true", "~", "0x1F", "1e3",
+    '", "injected": "1', "'}, {'x': 1}", "\n  nodeSelectorTerms: []", '"]}]}, "x": {"y": ["',
+    "eu-us-virginia", "topology.kubernetes.io/region", "values: [us-east-virginia]",
+]
+
+
+def wild(max_size: int, *, no_space: bool = False) -> st.SearchStrategy[str]:
+    """Metacharacters, unicode, and now and then a very long string (a piece repeated)."""
+    pieces = st.one_of(
+        st.sampled_from(NASTY),
+        st.text(min_size=1, max_size=40),
+        st.text(alphabet="{}%#&*!|>-:'\"\\\n ", min_size=1, max_size=10),
+    )
+    text = st.builds(
+        lambda parts, repeat: "".join(parts) * repeat,
+        st.lists(pieces, min_size=1, max_size=5),
+        st.sampled_from([1, 1, 1, 1, 2, 100]),
+    )
+    if no_space:
+        text = text.map(lambda s: re.sub(r"\s", "_", s))
+    return text.map(lambda s: s[:max_size]).filter(bool)
+
+
+def relative_path(text: str) -> str:
+    """The same length of text made a path the API accepts: relative, one line, no '..' segment."""
+    parts = ["__" if p == ".." else p for p in text.replace("\n", " ").split("/")]
+    path = "/".join(parts)
+    return "p" + path[1:] if path.startswith("/") else path
+
+
+LOWER = "abcdefghijklmnopqrstuvwxyz"
+ALNUM = LOWER + LOWER.upper() + "0123456789"
+
+
+def _word(first: str, middle: str, last: str, max_middle: int) -> st.SearchStrategy[str]:
+    """first + middle* + last, or just first: what the API's name patterns accept."""
+    return st.builds(
+        lambda a, m, z: a + (m + z if z else ""),
+        st.sampled_from(first),
+        st.text(alphabet=middle, max_size=max_middle),
+        st.one_of(st.just(""), st.sampled_from(last)),
+    )
+
+
+# Built from alphabets, not regexes: generation dominates the test's time.
+DNS_LABEL = _word(LOWER, LOWER + "0123456789-", LOWER + "0123456789", 20)
+
+
+def _subdomain(labels: list[str], repeat: int) -> str:
+    labels = labels * repeat  # now and then far longer than a PyTorchJob name may be
+    while len(".".join(labels)) > 253:
+        labels.pop()
+    return ".".join(labels)
+
+
+DNS_SUBDOMAIN = st.builds(_subdomain, st.lists(DNS_LABEL, min_size=1, max_size=3), st.sampled_from([1, 1, 1, 20]))
+LABEL_VALUE = _word(ALNUM, ALNUM + "-_.", ALNUM, 40)
+QUALIFIED_NAME = st.builds(
+    lambda prefix, name: f"{prefix}/{name}" if prefix else name,
+    st.one_of(st.none(), st.lists(DNS_LABEL, min_size=1, max_size=3).map(".".join)),
+    _word(ALNUM, ALNUM + "-_.", ALNUM, 30),
+)
+
+
+@dataclass(frozen=True)
+class Strings:
+    """Every free-text value of one generated case; the twin has plain words instead."""
+
+    model_name: str
+    model_path: str
+    data_path: str
+    checkpoint_path: str
+    output_path: str
+    hf_revision: str
+    secret_key: str
+    image: str
+    policy_image: str
+    uid: str
+    selector_value: str
+
+    def benign(self) -> "Strings":
+        return Strings(*(f"plain{i}" for i in range(len(self.__dataclass_fields__))))
+
+
+@dataclass(frozen=True)
+class Case:
+    strings: Strings
+    job_name: str
+    namespace: str | None
+    claims: tuple[str, str, str, str]
+    regions: tuple[str, ...]
+    policy_regions: tuple[str, ...]
+    region_label_key: str
+    selector_key: str
+    taint: tuple[str, str | None] | None
+    queue_name: str | None
+    hf_model: bool
+    output_volume: bool
+    image_override: bool
+    nodes: int
+    gpus_per_node: int
+    strategy: str
+    attempt: int
+    suspend: bool
+
+
+@st.composite
+def cases(draw) -> Case:
+    strings = Strings(
+        model_name=draw(wild(200)),
+        model_path=relative_path(draw(wild(1024))),
+        data_path=relative_path(draw(wild(1024))),
+        checkpoint_path=relative_path(draw(wild(1024))),
+        output_path=relative_path(draw(wild(1024))),
+        hf_revision=draw(wild(200)),
+        secret_key=draw(wild(1024)),
+        image=draw(wild(512, no_space=True)),
+        policy_image=draw(wild(512)),
+        uid=draw(wild(100)),
+        selector_value=draw(wild(200)),
+    )
+    regions = tuple(draw(st.lists(LABEL_VALUE, min_size=1, max_size=4, unique=True)))
+    extra = draw(st.lists(LABEL_VALUE, max_size=3, unique=True))
+    policy_regions = tuple(dict.fromkeys(list(regions[: draw(st.integers(1, len(regions)))]) + extra))
+    region_label_key = draw(st.one_of(st.just("topology.kubernetes.io/region"), QUALIFIED_NAME))
+    selector_key = draw(QUALIFIED_NAME.filter(lambda k: k != region_label_key))
+    return Case(
+        strings=strings,
+        job_name=draw(DNS_SUBDOMAIN),
+        namespace=draw(st.one_of(st.none(), DNS_LABEL)),
+        claims=tuple(draw(DNS_SUBDOMAIN) for _ in range(4)),
+        regions=regions,
+        policy_regions=policy_regions,
+        region_label_key=region_label_key,
+        selector_key=selector_key,
+        taint=draw(st.one_of(st.none(), st.tuples(QUALIFIED_NAME, st.one_of(st.none(), LABEL_VALUE)))),
+        queue_name=draw(st.one_of(st.none(), LABEL_VALUE)),
+        hf_model=draw(st.booleans()),
+        output_volume=draw(st.booleans()),
+        image_override=draw(st.booleans()),
+        nodes=draw(st.integers(1, 3)),
+        gpus_per_node=draw(st.sampled_from([1, 2, 4, 8])),
+        strategy=draw(st.sampled_from(["ddp", "fsdp", "zero1", "zero2", "zero3"])),
+        attempt=draw(st.integers(1, 20)),
+        suspend=draw(st.booleans()),
+    )
+
+
+def build(case: Case, s: Strings) -> tuple[api.FineTuneJob, ClusterPolicy, NodePool]:
+    model_source: dict[str, Any]
+    if case.hf_model:
+        model_source = {"hf": {"repo": "org/model", "revision": s.hf_revision, "tokenSecretRef": {"name": case.claims[0], "key": s.secret_key}}}
+    else:
+        model_source = {"pvc": {"claimName": case.claims[0], "path": s.model_path}}
+    spec: dict[str, Any] = {
+        "model": {"name": s.model_name, "architecture": {"preset": "llama-3.1-8b"}, "source": model_source},
+        "dataset": {"source": {"pvc": {"claimName": case.claims[1], "path": s.data_path}}},
+        "method": "full",
+        "training": {"sequenceLength": 2048, "globalBatchSize": 48, "maxSteps": 100},
+        "placement": {"regions": list(case.regions)},
+        "checkpoint": {"pvc": {"claimName": case.claims[2], "path": s.checkpoint_path}},
+        "suspend": case.suspend,
+    }
+    if case.output_volume:
+        spec["output"] = {"pvc": {"claimName": case.claims[3], "path": s.output_path}}
+    if case.image_override:
+        spec["image"] = s.image
+    if case.queue_name is not None:
+        spec["queueName"] = case.queue_name
+    metadata = {"name": case.job_name, "uid": s.uid}
+    if case.namespace is not None:
+        metadata["namespace"] = case.namespace
+    job = api.parse_job({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": metadata, "spec": spec})
+    taints = [] if case.taint is None else [{"key": case.taint[0], "value": case.taint[1], "effect": "NoExecute"}]
+    pool = NodePool.model_validate(
+        {
+            "name": "pool-a",
+            "region": case.regions[0],
+            "gpu_type": "H100-80GB",
+            "gpu_memory_bytes": 80 * 1024**3,
+            "gpus_per_node": 8,
+            "max_nodes": 4,
+            "cpus": 96,
+            "selector": {case.selector_key: s.selector_value},
+            "taints": taints,
+        }
+    )
+    policy = ClusterPolicy(
+        allowed_regions=list(case.policy_regions),
+        region_label_key=case.region_label_key,
+        trainer_image=s.policy_image,
+    )
+    return job, policy, pool
+
+
+def skeleton(value: Any) -> Any:
+    """The shape of a manifest: key sets and list lengths, with every leaf reduced to its type."""
+    if isinstance(value, dict):
+        return {k: skeleton(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [skeleton(v) for v in value]
+    if isinstance(value, str):
+        # The trainer config is JSON inside a string: its shape counts too.
+        if value.startswith("{\n"):
+            return ("json", skeleton(json.loads(value)))
+        return "str"
+    return type(value).__name__
+
+
+POD_SPEC_KEYS = {"enableServiceLinks", "securityContext", "affinity", "tolerations", "containers", "volumes"}
+CONTAINER_KEYS = {
+    "name", "image", "imagePullPolicy", "command", "env", "ports", "resources", "volumeMounts",
+    "securityContext", "terminationMessagePath", "terminationMessagePolicy",
+}
+LABEL_KEYS = {
+    "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by", "finetune.dev/job", "finetune.dev/attempt",
+}
+
+
+def check(case: Case, schema: bool) -> None:
+    s = case.strings
+    job, policy, pool = build(case, s)
+    plan_regions = sorted(set(case.regions) & set(case.policy_regions))
+    plan = plan_for(
+        job, pool, nodes=case.nodes, gpus_per_node=case.gpus_per_node, micro_batch_size=1,
+        gradient_accumulation=48 // (case.nodes * case.gpus_per_node) or 1, strategy=case.strategy,
+        allowed_regions=plan_regions,
+    )
+    if 48 % (case.nodes * case.gpus_per_node):
+        plan = plan.model_copy(update={"gradient_accumulation": 1, "global_batch_size": case.nodes * case.gpus_per_node})
+        job = job.model_copy(update={"spec": job.spec.model_copy(update={"training": job.spec.training.model_copy(update={"global_batch_size": case.nodes * case.gpus_per_node})})})
+    rendered = render_attempt(job, plan, case.attempt, policy)
+
+    twin_job, twin_policy, twin_pool = build(case, s.benign())
+    twin_job = twin_job.model_copy(update={"spec": twin_job.spec.model_copy(update={"training": job.spec.training})})
+    twin = render_attempt(twin_job, plan.model_copy(update={"pool": twin_pool}), case.attempt, twin_policy)
+    assert skeleton(rendered.pytorch_job) == skeleton(twin.pytorch_job)
+    assert skeleton(rendered.config_map) == skeleton(twin.config_map)
+
+    # --- names
+    name = rendered.name
+    assert DNS1035_LABEL.fullmatch(name) and len(name) <= 51
+    assert rendered.pytorch_job["metadata"]["name"] == rendered.config_map["metadata"]["name"] == name
+
+    # --- key sets
+    pj = rendered.pytorch_job
+    assert set(pj) == {"apiVersion", "kind", "metadata", "spec"}
+    meta_keys = {"name", "labels", "annotations", "ownerReferences"} | ({"namespace"} if case.namespace else set())
+    assert set(pj["metadata"]) == meta_keys
+    assert set(rendered.config_map["metadata"]) == meta_keys - {"annotations"}
+    expected_labels = LABEL_KEYS | ({"kueue.x-k8s.io/queue-name"} if case.queue_name else set())
+    assert set(pj["metadata"]["labels"]) == expected_labels
+    assert set(pj["metadata"]["annotations"]) == {"finetune.dev/model", "finetune.dev/plan"}
+    assert set(pj["spec"]) == {"runPolicy", "nprocPerNode", "pytorchReplicaSpecs"}
+    assert pj["spec"]["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "None", "suspend": case.suspend}
+    assert pj["spec"]["nprocPerNode"] == str(case.gpus_per_node)
+    replicas = pj["spec"]["pytorchReplicaSpecs"]
+    assert set(replicas) == ({"Master", "Worker"} if case.nodes > 1 else {"Master"})
+    assert sum(r["replicas"] for r in replicas.values()) == case.nodes
+    assert set(rendered.config_map) == {"apiVersion", "kind", "metadata", "data"}
+    assert set(rendered.config_map["data"]) == {"config.json"}
+
+    for rtype, replica in replicas.items():
+        assert set(replica) == {"replicas", "restartPolicy", "template"} and replica["restartPolicy"] == "Never"
+        template = replica["template"]
+        assert set(template) == {"metadata", "spec"}
+        assert set(template["metadata"]) == {"labels", "annotations"}
+        assert set(template["metadata"]["labels"]) == LABEL_KEYS
+        assert template["metadata"]["labels"]["finetune.dev/attempt"] == str(case.attempt)
+        assert template["metadata"]["annotations"] == {"finetune.dev/predicted-peak-bytes": str(plan.predicted_peak_bytes)}
+        pod = template["spec"]
+        assert set(pod) == POD_SPEC_KEYS | ({"initContainers"} if case.hf_model else set())
+        # --- sovereignty: exactly one required term, exactly the allowed regions, then the pool
+        affinity = pod["affinity"]
+        assert set(affinity) == {"nodeAffinity"} and set(affinity["nodeAffinity"]) == {"requiredDuringSchedulingIgnoredDuringExecution"}
+        terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert set(terms) == {"nodeSelectorTerms"} and len(terms["nodeSelectorTerms"]) == 1
+        assert terms["nodeSelectorTerms"][0] == {
+            "matchExpressions": [
+                {"key": case.region_label_key, "operator": "In", "values": plan_regions},
+                {"key": case.selector_key, "operator": "In", "values": [s.selector_value]},
+            ]
+        }
+        assert set(plan_regions) <= set(case.regions) & set(case.policy_regions)
+        (container,) = pod["containers"]
+        assert set(container) == CONTAINER_KEYS and container["name"] == "pytorch"
+        assert container["image"] == (s.image if case.image_override else s.policy_image)
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+        assert container["resources"]["requests"] == container["resources"]["limits"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == str(case.gpus_per_node)
+        tolerations = pod["tolerations"]
+        assert tolerations[0] == {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        if case.taint is not None and case.taint[0] != "nvidia.com/gpu":
+            assert any(t["key"] == case.taint[0] and t.get("value") == case.taint[1] for t in tolerations)
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        assert claims.get("data") == case.claims[1] and claims["checkpoints"] == case.claims[2]
+        assert claims.get("model") == (None if case.hf_model else case.claims[0])
+        assert claims.get("output") == (case.claims[3] if case.output_volume else None)
+        if case.hf_model:
+            (fetch,) = pod["initContainers"]
+            assert fetch["command"][fetch["command"].index("--revision") + 1] == s.hf_revision
+            secret = next(e for e in fetch["env"] if e["name"] == "HF_TOKEN")["valueFrom"]["secretKeyRef"]
+            assert secret == {"name": case.claims[0], "key": s.secret_key}
+
+    # --- verbatim strings
+    assert pj["metadata"]["annotations"]["finetune.dev/model"] == s.model_name
+    assert pj["metadata"]["ownerReferences"] == [
+        {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": case.job_name, "uid": s.uid, "controller": True, "blockOwnerDeletion": True}
+    ]
+    if case.namespace:
+        assert pj["metadata"]["namespace"] == rendered.config_map["metadata"]["namespace"] == case.namespace
+    if case.queue_name:
+        assert pj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == case.queue_name
+    config = json.loads(rendered.config_map["data"]["config.json"])
+    assert config["model"]["path"] == ("/mnt/model" if case.hf_model else f"/mnt/model/{s.model_path}")
+    assert config["dataset"]["path"] == f"/mnt/data/{s.data_path}"
+    assert config["checkpoint"]["directory"] == f"/mnt/checkpoints/{s.checkpoint_path}"
+    assert config["outputDirectory"] == (
+        f"/mnt/output/{s.output_path}" if case.output_volume else f"/mnt/checkpoints/{s.checkpoint_path}/final"
+    )
+    assert config["jobName"] == case.job_name and config["attempt"] == case.attempt
+    assert rendered.trainer_config.model_dump(by_alias=True, exclude_none=True) == config
+
+    if schema:
+        assert attempt_errors(rendered.config_map, rendered.pytorch_job) == []
+
+
+RUNS = {"examples": 0}
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    database=None,
+)
+@given(case=cases())
+def _property(case: Case) -> None:
+    RUNS["examples"] += 1
+    check(case, schema=RUNS["examples"] % SCHEMA_EVERY == 1)
+
+
+def test_no_string_changes_the_shape_of_a_rendered_attempt():
+    pytorchjob_schema()  # load the upstream schema once, outside the examples
+    RUNS["examples"] = 0
+    _property()
+    print(f"\nrendering property test: {RUNS['examples']} examples")
+    assert RUNS["examples"] >= EXAMPLES
