@@ -103,7 +103,15 @@ def test_torchrun_ddp_then_fsdp_then_one_process_with_other_micro_batches(assets
     assert (event["step"], event["fromStrategy"], event["optimizerRestored"]) == (4, "ddp", True)
     assert sorted(second.losses()) == [5, 6, 7, 8, 9, 10]
     assert second.losses()[5] == pytest.approx(reference_run.losses()[5], abs=0.05)
-    assert (tmp_path / "out" / "model.safetensors").is_file()
+    # FSDP gathers the shards: the output is the whole model, in fp32.
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as out, \
+            safe_open(assets["model"] / "model.safetensors", "pt") as base:
+        assert sorted(out.keys()) == sorted(base.keys())
+        for key in base.keys():
+            assert out.get_slice(key).get_shape() == base.get_slice(key).get_shape()
+            assert out.get_slice(key).get_dtype() == "F32"
 
     single = dict(fsdp, strategy="ddp", microBatchSize=8, gradientAccumulation=1, maxSteps=12, attempt=3)
     third = run_trainer(write_config(tmp_path, single))
