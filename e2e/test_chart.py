@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.lab.versions import load_versions
 from e2e.lab.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +48,12 @@ class Helm:
         if check and proc.returncode != 0:
             raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}")
         return proc
+
+    def template(self, release: str, namespace: str, *args: str) -> list[dict[str, Any]]:
+        """helm template for the lab's Kubernetes version (helm built from source defaults to v1.20)."""
+        proc = self("template", release, str(CHART), "--namespace", namespace,
+                    "--kube-version", load_versions().kubernetes, *args)
+        return _objects(proc.stdout)
 
     def values_file(self, tmp: Path, values: dict[str, Any]) -> str:
         path = tmp / f"values-{uuid.uuid4().hex[:6]}.yaml"
@@ -152,12 +159,12 @@ def installed(lab, helm, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
 def test_every_rendered_object_passes_server_side_dry_run(lab, helm, chart_crds, namespace, tmp_path, mode):
-    args = ["template", "dry", str(CHART), "--namespace", namespace, "--set", "peering.name=chart-dry-run"]
+    args = ["--set", "peering.name=chart-dry-run"]
     if mode == "namespaced":
         team_a, team_b = _make_namespace(lab, "chart-team-a"), _make_namespace(lab, "chart-team-b")
         args += ["--set", "watch.allNamespaces=false", "--set", f"watch.namespaces={{{team_a},{team_b}}}"]
     try:
-        objects = _objects(helm(*args).stdout)
+        objects = helm.template("dry", namespace, *args)
         assert len(objects) >= 8
         manifest = yaml.safe_dump_all(objects)
         proc = lab.kubectl("apply", "--dry-run=server", "--server-side", "--field-manager=chart-e2e", "-f", "-",
@@ -175,7 +182,7 @@ def test_operator_pod_passes_the_restricted_pod_security_standard(lab, helm, nam
     admission rejects any pod that could escalate, run as root, keep capabilities or skip seccomp."""
     lab.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted",
                 "pod-security.kubernetes.io/enforce-version=latest", "--overwrite")
-    objects = _objects(helm("template", "psa", str(CHART), "--namespace", namespace).stdout)
+    objects = helm.template("psa", namespace)
     (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "operator-psa", "namespace": namespace, **deploy["spec"]["template"]["metadata"]},
