@@ -173,7 +173,43 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if isinstance(result, Plan) else 1
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_crd, _add_validate, _add_run, _add_plan]
+def _add_render(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("render", help="plan a FineTuneJob and print its attempt's ConfigMap and PyTorchJob (kubectl apply -f -)")
+    p.add_argument("job", help="FineTuneJob YAML file (- for standard input)")
+    p.add_argument("--pools", required=True, help="node-pool catalog YAML (e.g. examples/pools.yaml)")
+    p.add_argument("--policy", help="cluster policy YAML (allowedRegions, trainerImage, ...); default: the pools file's allowedRegions")
+    p.add_argument("--attempt", type=int, default=1, help="attempt number, from 1 (names the objects <job>-a<N>)")
+    p.set_defaults(func=_run_render)
+
+
+def _run_render(args: argparse.Namespace) -> int:
+    from .planning import plan_job
+    from .planning.plan import Plan
+    from .planning.report import PlanInputError, planning_inputs
+    from .rendering import RenderError, render_attempt
+    from .rendering.output import manifests_yaml
+
+    if args.attempt < 1:
+        raise CliError(f"--attempt: must be at least 1, got {args.attempt}")
+    job = load_job(args.job)
+    try:
+        pools, policy = planning_inputs(
+            args.pools, _read(args.pools), args.policy, _read(args.policy) if args.policy else None
+        )
+    except PlanInputError as error:
+        raise CliError(str(error)) from None
+    result = plan_job(job.spec, pools, policy)
+    if not isinstance(result, Plan):
+        raise CliError(f"{args.job}: no plan fits: {result.message}")
+    try:
+        rendered = render_attempt(job, result, args.attempt, policy)
+    except RenderError as error:
+        raise CliError(f"{args.job}: cannot render: {error}") from None
+    sys.stdout.write(manifests_yaml(rendered.objects))
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_crd, _add_validate, _add_run, _add_plan, _add_render]
 
 
 def build_parser() -> argparse.ArgumentParser:
