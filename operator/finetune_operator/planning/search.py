@@ -26,9 +26,14 @@ Fast (branch and bound)
   for each (pool, W, strategy, offload, checkpointing) the best micro-batch is the largest
   that fits: a binary search. The cost at the largest conceivable micro-batch bounds each
   such group from below; groups are visited cheapest bound first and the search stops
-  when the bound exceeds the tie window (and the runners-up found). `exhaustive_plan`
-  enumerates the whole space without any of this; tests and bench/planner.py check that
-  both choose the same plan.
+  when the bound leaves the tie window and the runners-up are found (the best plan of the
+  next cheapest pools, up to RUNNER_UP_SPAN times the cheapest cost). Once the bound passes
+  the cheapest cost found, no cheaper plan can appear, so a group is skipped unless its
+  tie-break (free now, GPUs, nodes, changes: all known before sizing) and its bound could
+  still beat the current choice, or its pool has no runner-up yet. Which micro-batches fit
+  is cached per (setup, usable memory, host memory), so same-GPU pools in other regions
+  cost nothing extra. `exhaustive_plan` enumerates the whole space without any of this;
+  tests and bench/planner.py check that both choose the same plan.
 """
 
 from __future__ import annotations
