@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+# The lab's pinned versions and pools live in e2e/lab; `pytest tests/chart` alone must find them too.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 CHART = REPO / "charts" / "finetune-operator"
 TOOLS_DIR = Path.home() / ".cache" / "finetune-operator" / "tools"
 
