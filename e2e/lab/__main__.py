@@ -47,8 +47,11 @@ def cmd_up(args) -> int:
     if args.build:
         lab_build.build()
     lab = up(Path(args.workdir) if args.workdir else None)
-    cache_root().mkdir(parents=True, exist_ok=True)
-    (cache_root() / CURRENT).write_text(str(lab.workdir) + "\n")
+    if not args.workdir:
+        # Recorded so that `status` and `down` find it; a lab with an explicit --workdir is
+        # addressed by that directory instead (and leaves a developer's current lab alone).
+        cache_root().mkdir(parents=True, exist_ok=True)
+        (cache_root() / CURRENT).write_text(str(lab.workdir) + "\n")
     print(f"export KUBECONFIG={lab.kubeconfig}")
     print(f"export PATH={lab.installation.bin}:$PATH")
     return 0

@@ -55,6 +55,13 @@ class LabNotBuilt(RuntimeError):
     pass
 
 
+class KubectlError(subprocess.CalledProcessError):
+    """A failed kubectl call whose message carries kubectl's own error output."""
+
+    def __str__(self) -> str:
+        return f"{' '.join(self.cmd[2:])} failed (exit {self.returncode}): {(self.stderr or '').strip()}"
+
+
 def _kubeconfig(server: str, ca: Path, user: dict) -> dict:
     return {
         "apiVersion": "v1",
@@ -157,7 +164,7 @@ class Lab:
         cmd += list(args)
         proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
-            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+            raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
         return proc
 
     def api_client(self, kubeconfig: Path | None = None):
