@@ -183,3 +183,20 @@ def test_discovery_never_crashes_on_odd_objects(blob):
     nodes = [blob, gpu_node("ok")] if not isinstance(blob, list) else blob + [gpu_node("ok")]
     found = discover(nodes, nodes, POLICY)
     assert any(p.name == "h100-berlin" for p in found.pools)
+
+
+@pytest.mark.parametrize("labels, name", [
+    ({"eks.amazonaws.com/nodegroup": "p5-training"}, "p5-training"),
+    ({"kubernetes.azure.com/agentpool": "gpunp1"}, "gpunp1"),
+    ({"eks.amazonaws.com/nodegroup": "GPU_Group.A"}, "gpu-group-a"),  # made a valid pool name...
+])
+def test_eks_and_aks_pool_labels(labels, name):
+    pool = discover_pools([gpu_node("n1", pool_labels=labels)], [], POLICY)[0]
+    assert pool.name == name
+    assert pool.selector == labels  # ...but selected by the label value as it is
+
+
+def test_first_pool_label_key_in_policy_order_wins():
+    policy = ClusterPolicy(allowed_regions=["eu-de-berlin"], pool_label_keys=["example.com/pool", "karpenter.sh/nodepool"])
+    node = gpu_node("n1", pool_labels={"karpenter.sh/nodepool": "default", "example.com/pool": "research"})
+    assert discover_pools([node], [], policy)[0].selector == {"example.com/pool": "research"}
