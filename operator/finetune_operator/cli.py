@@ -173,6 +173,43 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if isinstance(result, Plan) else 1
 
 
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="estimate per-GPU and host memory of a FineTuneJob's fixed setup")
+    p.add_argument("job", help="FineTuneJob YAML file (- for standard input)")
+    p.add_argument("--model-config", help="config.json of the model (for spec.model.architecture.configMapRef)")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.set_defaults(func=_run_estimate)
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from .sizing import SizingError, estimate_memory
+    from .sizing.from_job import setup_from_job
+    from .sizing.report import format_table
+
+    job = load_job(args.job)
+    model_config = None
+    if args.model_config:
+        try:
+            model_config = json.loads(_read(args.model_config))
+        except json.JSONDecodeError as error:
+            raise CliError(f"{args.model_config}: not valid JSON: {error}") from None
+    try:
+        job_setup = setup_from_job(job, model_config)
+        estimate = estimate_memory(job_setup.setup)
+    except SizingError as error:
+        raise CliError(f"{args.job}: {error}") from None
+    notes = list(job_setup.notes) + list(estimate.notes)
+    if args.output == "json":
+        document = estimate.to_json()
+        document["notes"] = notes
+        print_json(document)
+    else:
+        from dataclasses import replace
+
+        sys.stdout.write(format_table(replace(estimate, notes=tuple(notes)), job_setup.setup))
+    return 0
+
+
 def _add_render(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="plan a FineTuneJob and print its attempt's ConfigMap and PyTorchJob (kubectl apply -f -)")
     p.add_argument("job", help="FineTuneJob YAML file (- for standard input)")
@@ -209,7 +246,9 @@ def _run_render(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_crd, _add_validate, _add_run, _add_plan, _add_render]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_crd, _add_validate, _add_run, _add_plan, _add_render, _add_estimate,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,14 +2,17 @@
 
 from .architecture import FAMILIES, MODULE_KINDS, ModelArchitecture
 from .errors import SizingError
+from .memory import MemoryEstimate, estimate_memory
 from .presets import PRESETS
 from .setup import TrainingSetup
 
 __all__ = [
     "FAMILIES",
     "MODULE_KINDS",
+    "MemoryEstimate",
     "ModelArchitecture",
     "PRESETS",
     "SizingError",
     "TrainingSetup",
+    "estimate_memory",
 ]

@@ -9,6 +9,7 @@ held in `FamilyTraits`, one row per supported `model_type`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
 from typing import Any, Mapping
 
 from .errors import SizingError
@@ -141,6 +142,11 @@ class ModelArchitecture:
 
     def block_linears(self) -> tuple[LinearShape, ...]:
         """The weight matrices of one decoder block, by the names transformers gives them."""
+        return self._block_linears
+
+    # Derived numbers are cached on the (frozen) instance: the planner estimates thousands of setups.
+    @cached_property
+    def _block_linears(self) -> tuple[LinearShape, ...]:
         h, i, t = self.hidden_size, self.intermediate_size, self.traits
         qkv_bias = t.qkv_bias or self.attention_bias
         if t.fused_qkv:
@@ -172,6 +178,10 @@ class ModelArchitecture:
     # ---- parameter counts -------------------------------------------------
     def params_by_kind(self) -> dict[str, int]:
         """Exact parameter counts per module kind (tied head counted once, under embedding)."""
+        return dict(self._params_by_kind)
+
+    @cached_property
+    def _params_by_kind(self) -> dict[str, int]:
         linears = self.block_linears()
         attn = sum(l.params for l in linears if l.name in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
         router = sum(l.params for l in linears if l.name == "gate")
@@ -186,17 +196,27 @@ class ModelArchitecture:
             "lm_head": 0 if self.tie_word_embeddings else embed,
         }
 
-    @property
+    @cached_property
     def total_params(self) -> int:
-        return sum(self.params_by_kind().values())
+        return sum(self._params_by_kind.values())
 
-    @property
+    @cached_property
+    def linear_params(self) -> int:
+        """Parameters in the linears of all blocks (what NF4 quantises and autocast casts)."""
+        return self.num_layers * sum(l.params for l in self.block_linears())
+
+    @cached_property
     def block_params(self) -> int:
         """Parameters of one decoder block (what FSDP all-gathers at a time)."""
         return sum(l.params for l in self.block_linears()) + self.traits.norms_per_layer * self.hidden_size
 
     def resolve_lora_targets(self, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
         """The block matrices LoRA adapts; `all-linear` is every linear of the blocks (never the head)."""
+        if isinstance(targets, list):
+            targets = tuple(targets)
+        return _resolve_lora_targets(self, targets)
+
+    def _resolve_lora_targets(self, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
         linears = self.block_linears()
         if targets == "all-linear":
             return linears
@@ -216,6 +236,11 @@ class ModelArchitecture:
 
     def lora_trainable_params(self, rank: int, targets: str | tuple[str, ...] = "all-linear") -> int:
         """Trainable adapter parameters, exactly as peft creates them."""
+        if isinstance(targets, list):
+            targets = tuple(targets)
+        return _lora_trainable_params(self, rank, targets)
+
+    def _lora_trainable_params(self, rank: int, targets: str | tuple[str, ...]) -> int:
         if not isinstance(rank, int) or rank <= 0:
             raise SizingError("lora_rank", f"must be a positive integer, got {rank!r}")
         per_block = 0
@@ -316,3 +341,13 @@ class ModelArchitecture:
     def with_layers(self, num_layers: int) -> "ModelArchitecture":
         """The same model cut to `num_layers` blocks (tests and the truth harness use shallow copies)."""
         return replace(self, num_layers=num_layers)
+
+
+@lru_cache(maxsize=4096)
+def _lora_trainable_params(arch: ModelArchitecture, rank: int, targets) -> int:
+    return arch._lora_trainable_params(rank, targets)
+
+
+@lru_cache(maxsize=4096)
+def _resolve_lora_targets(arch: ModelArchitecture, targets) -> tuple[LinearShape, ...]:
+    return arch._resolve_lora_targets(targets)

@@ -33,6 +33,7 @@ class TrainingSetup:
     method: str = "lora"
     lora_rank: int = 16
     lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_dropout: float = 0.05  # the FineTuneJob API's default; > 0 saves a dropout mask per adapted input
     precision: str = "bf16"
     optimizer: str = "adamw"
     micro_batch_size: int = 1
@@ -59,19 +60,22 @@ class TrainingSetup:
             raise SizingError("gradient_checkpointing", f"must be true or false, got {self.gradient_checkpointing!r}")
         if self.method != "full":
             _positive("lora_rank", self.lora_rank)
+            if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
+                raise SizingError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout!r}")
             self.architecture.resolve_lora_targets(self.lora_targets)  # raises on unknown names
         if self.method == "qlora" and self.precision == "fp32":
             raise SizingError("precision", "qlora computes in bf16 or fp16, not fp32")
-        if self.offload != "none" and self.strategy not in ("fsdp", "zero2", "zero3", "zero1"):
-            raise SizingError("offload", f"offloading needs a sharded strategy (fsdp or zero*), not {self.strategy!r}")
-        if self.offload == "optimizer+params" and self.strategy not in ("fsdp", "zero3"):
+        # The same rules as the FineTuneJob API (api.ResourcesSpec / FineTuneJobSpec).
+        if self.offload != "none" and self.strategy == "ddp":
+            raise SizingError("offload", "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies")
+        if self.offload == "optimizer+params" and self.strategy in ("zero1", "zero2"):
             raise SizingError("offload", "offloading parameters needs fsdp or zero3")
-        if self.method == "qlora" and self.strategy in ("zero3",) and self.offload != "none":
-            raise SizingError("offload", "qlora with zero3 offload is not supported by bitsandbytes")
+        if self.offload == "optimizer" and self.strategy == "fsdp":
+            raise SizingError("offload", "fsdp offloads parameters together with the optimizer: use optimizer+params")
+        if self.method == "qlora" and self.strategy != "ddp":
+            raise SizingError("strategy", "qlora runs with strategy ddp: the 4-bit base is replicated")
         if self.optimizer != "adamw" and self.strategy.startswith("zero"):
             raise SizingError("optimizer", "bitsandbytes 8-bit optimizers do not run under DeepSpeed ZeRO; use adamw")
-        if self.method == "qlora" and self.strategy == "fsdp" and self.offload == "optimizer+params":
-            raise SizingError("offload", "qlora cannot offload its 4-bit parameters under fsdp")
 
     @property
     def tokens_per_micro_batch(self) -> int:

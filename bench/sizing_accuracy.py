@@ -1,0 +1,210 @@
+"""Accuracy of the sizing estimator against measured truth (bench/sizing_truth.py).
+
+Runs a matrix of setups (families, full and LoRA, single GPU, DDP, FSDP at 2-8 ranks,
+checkpointing on and off, sequence 512-8192, micro-batch 1-8), each truth in its own
+process, and prints predicted vs measured peak allocated bytes with the error, the
+summary against the targets (median |err| <= 5%, worst <= 15%, no under-prediction
+worse than -5%), the truth wall time and the per-estimate latency.
+
+Truths are cached in bench/results/sizing_truth.json (keyed by setup); --refresh
+re-measures. Usage:
+    python bench/sizing_accuracy.py            # whole matrix (about 25 minutes on 2 cores from cold)
+    python bench/sizing_accuracy.py --cached   # print from the cache only
+    python bench/sizing_accuracy.py --only llama-3.1-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "operator"))
+
+from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
+
+CACHE = os.path.join(HERE, "results", "sizing_truth.json")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Case:
+    preset: str
+    method: str = "lora"
+    batch: int = 1
+    seq: int = 2048
+    gc: bool = False
+    attention: str = "sdpa"
+    strategy: str = "ddp"
+    world_size: int = 1
+    rank: int = 16
+    dropout: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return (f"{self.preset}|{self.method}|r{self.rank}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|"
+                f"{self.attention}|{self.strategy}x{self.world_size}" + (f"|d{self.dropout}" if self.dropout else ""))
+
+    def setup(self) -> TrainingSetup:
+        return TrainingSetup(
+            architecture=ModelArchitecture.from_preset(self.preset), method=self.method, lora_rank=self.rank,
+            lora_dropout=self.dropout,
+            micro_batch_size=self.batch, sequence_length=self.seq, gradient_checkpointing=self.gc,
+            attention=self.attention, strategy=self.strategy, world_size=self.world_size,
+        )
+
+    def truth_args(self) -> list[str]:
+        args = ["--preset", self.preset, "--method", self.method, "--rank", str(self.rank), "--dropout", str(self.dropout), "--batch", str(self.batch),
+                "--seq", str(self.seq), "--attention", self.attention, "--strategy", self.strategy,
+                "--world-size", str(self.world_size), "--json"]
+        return args + (["--gc"] if self.gc else [])
+
+
+def matrix() -> list[Case]:
+    C = Case
+    return [
+        # single GPU, LoRA
+        C("qwen2.5-0.5b", "lora", batch=4, seq=1024),
+        C("qwen2.5-0.5b", "lora", batch=8, seq=512, gc=True),
+        C("llama-3.2-1b", "lora", batch=1, seq=2048),
+        C("llama-3.2-1b", "lora", batch=2, seq=4096, gc=True),
+        C("llama-3.2-1b", "lora", batch=1, seq=1024, attention="eager"),
+        C("llama-3.2-3b", "lora", batch=2, seq=2048),
+        C("llama-3.2-3b", "lora", batch=1, seq=8192, gc=True),
+        C("llama-3.1-8b", "lora", batch=1, seq=2048),
+        C("llama-3.1-8b", "lora", batch=4, seq=4096, gc=True),
+        C("llama-3.1-8b", "lora", batch=1, seq=8192, gc=True, rank=64),
+        C("qwen2.5-7b", "lora", batch=2, seq=2048),
+        C("qwen2.5-7b", "lora", batch=1, seq=4096, gc=True),
+        C("mistral-7b-v0.3", "lora", batch=2, seq=1024),
+        C("mistral-7b-v0.3", "lora", batch=8, seq=2048, gc=True),
+        C("phi-3-mini", "lora", batch=2, seq=2048),
+        C("phi-3-mini", "lora", batch=4, seq=4096, gc=True),
+        C("gemma-2-2b", "lora", batch=1, seq=1024, attention="eager"),
+        C("gemma-2-2b", "lora", batch=2, seq=2048, attention="eager", gc=True),
+        # single GPU, full
+        C("qwen2.5-0.5b", "full", batch=4, seq=1024),
+        C("qwen2.5-0.5b", "full", batch=2, seq=4096, gc=True),
+        C("llama-3.2-1b", "full", batch=1, seq=2048),
+        C("llama-3.2-1b", "full", batch=4, seq=2048, gc=True),
+        C("llama-3.2-3b", "full", batch=1, seq=4096, gc=True),
+        C("phi-3-mini", "full", batch=1, seq=2048, gc=True),
+        C("llama-3.1-8b", "full", batch=1, seq=2048, gc=True),
+        # DDP
+        C("llama-3.2-1b", "full", batch=2, seq=1024, strategy="ddp", world_size=2),
+        C("qwen2.5-0.5b", "full", batch=4, seq=2048, gc=True, strategy="ddp", world_size=4),
+        C("llama-3.1-8b", "lora", batch=2, seq=2048, gc=True, strategy="ddp", world_size=4),
+        C("phi-3-mini", "lora", batch=1, seq=4096, strategy="ddp", world_size=2),
+        C("qwen2.5-7b", "lora", batch=1, seq=2048, strategy="ddp", world_size=8),
+        # FSDP, full
+        C("llama-3.2-1b", "full", batch=2, seq=2048, strategy="fsdp", world_size=2),
+        C("llama-3.2-3b", "full", batch=1, seq=4096, gc=True, strategy="fsdp", world_size=4),
+        C("llama-3.1-8b", "full", batch=1, seq=2048, gc=True, strategy="fsdp", world_size=8),
+        C("llama-3.1-8b", "full", batch=2, seq=4096, gc=True, strategy="fsdp", world_size=4),
+        C("llama-3.1-8b", "full", batch=1, seq=1024, strategy="fsdp", world_size=8),
+        C("qwen2.5-7b", "full", batch=1, seq=2048, gc=True, strategy="fsdp", world_size=8),
+        C("mistral-7b-v0.3", "full", batch=4, seq=2048, gc=True, strategy="fsdp", world_size=8),
+        C("phi-3-mini", "full", batch=2, seq=1024, strategy="fsdp", world_size=2),
+        C("qwen2.5-14b", "full", batch=1, seq=4096, gc=True, strategy="fsdp", world_size=8),
+        C("gemma-2-2b", "full", batch=1, seq=2048, attention="eager", gc=True, strategy="fsdp", world_size=4),
+        # FSDP, LoRA
+        C("llama-3.1-8b", "lora", batch=2, seq=2048, strategy="fsdp", world_size=2),
+        C("llama-3.1-70b", "lora", batch=1, seq=4096, gc=True, strategy="fsdp", world_size=8),
+        C("qwen2.5-7b", "lora", batch=4, seq=1024, gc=True, strategy="fsdp", world_size=4),
+        C("llama-3.2-3b", "lora", batch=8, seq=1024, gc=True, strategy="fsdp", world_size=2),
+    ]
+
+
+def run_truth(case: Case) -> dict:
+    cmd = [sys.executable, os.path.join(HERE, "sizing_truth.py"), *case.truth_args()]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "process_wall_s": wall}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_wall_s"] = wall
+    return result
+
+
+def load_cache() -> dict:
+    if os.path.exists(CACHE):
+        with open(CACHE) as f:
+            return json.load(f)
+    return {}
+
+
+def save_cache(cache: dict) -> None:
+    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+    with open(CACHE, "w") as f:
+        json.dump(cache, f, indent=1, sort_keys=True)
+
+
+def estimate_latency_us(cases: list[Case], repeats: int = 200) -> float:
+    setups = [c.setup() for c in cases]
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for s in setups:
+            estimate_memory(s)
+    return (time.perf_counter() - t0) / (repeats * len(setups)) * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cached", action="store_true", help="print from the cache, measure nothing")
+    ap.add_argument("--refresh", action="store_true", help="re-measure cached setups")
+    ap.add_argument("--only", default="", help="substring filter on the case key")
+    ap.add_argument("--workers", type=int, default=2)
+    ns = ap.parse_args(argv)
+
+    cases = [c for c in matrix() if ns.only in c.key]
+    cache = load_cache()
+    todo = [c for c in cases if ns.refresh or c.key not in cache or "error" in cache[c.key]]
+    if todo and not ns.cached:
+        print(f"measuring {len(todo)} setups with {ns.workers} workers ...", file=sys.stderr)
+        with ThreadPoolExecutor(ns.workers) as pool:
+            for case, result in zip(todo, pool.map(run_truth, todo)):
+                cache[case.key] = result
+                save_cache(cache)
+                print(f"  {case.key}: {result.get('peak_bytes', result.get('error'))}", file=sys.stderr)
+
+    rows, errors = [], []
+    header = f"{'setup':<62} {'phase':>9} {'pred GiB':>9} {'truth GiB':>9} {'err %':>7} {'truth s':>7}"
+    print(header)
+    print("-" * len(header))
+    truth_wall = 0.0
+    for c in cases:
+        est = estimate_memory(c.setup())
+        truth = cache.get(c.key)
+        if not truth or "error" in truth:
+            print(f"{c.key:<62} {'':>9} {est.peak_allocated_bytes / GIB:>9.2f} {'n/a':>9}  {truth and truth.get('error')}")
+            continue
+        measured = truth["peak_bytes"]
+        err = (est.peak_allocated_bytes - measured) / measured * 100
+        truth_wall += truth["wall_s"]
+        errors.append(err)
+        rows.append((c, est, measured, err))
+        print(f"{c.key:<62} {est.peak_phase:>9} {est.peak_allocated_bytes / GIB:>9.2f} {measured / GIB:>9.2f} "
+              f"{err:>+7.1f} {truth['wall_s']:>7.1f}")
+    if errors:
+        abs_err = [abs(e) for e in errors]
+        median, worst, under = statistics.median(abs_err), max(abs_err), min(errors)
+        ok = median <= 5 and worst <= 15 and under >= -5
+        print("-" * len(header))
+        print(f"setups {len(errors)}  median |err| {median:.2f}%  worst |err| {worst:.2f}%  "
+              f"most negative {under:+.2f}%  targets (<=5, <=15, >=-5): {'MET' if ok else 'NOT MET'}")
+        print(f"truth wall time: {truth_wall:.0f} s traced ({truth_wall / len(errors):.1f} s per setup, "
+              "excluding interpreter start-up)")
+    print(f"estimate latency: {estimate_latency_us(cases):.1f} us per estimate_memory call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Calibrate the sizing constants on one real GPU, in one command (< 8 minutes on an H200).
+
+For each setup of a small matrix (models that fit one GPU; our trainer's settings:
+mixed precision via autocast with fp32 outputs, fused AdamW, clipping, non-reentrant
+checkpointing, peft adapters in fp32) it runs two real training steps and records, for
+the second step:
+
+* max_memory_allocated   -> compared with the estimate's peak allocated bytes
+* max_memory_reserved    -> reserved / allocated calibrates FRAGMENTATION_FACTOR
+* device used (mem_get_info) - reserved -> calibrates CUDA_CONTEXT_RESERVE_BYTES
+
+Each setup runs in its own process (a fresh CUDA context, so the device-level figure is
+its own). Results go to one JSON line per setup in --out (default
+$OUT/sizing_gpu.jsonl, else bench/results/sizing_gpu.jsonl), and a summary table is
+printed with the suggested constants.
+
+    python bench/sizing_gpu.py --dry-run     # print the matrix and estimates (no GPU needed)
+    python bench/sizing_gpu.py               # run it (needs CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "operator"))
+
+from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
+from finetune_operator.sizing import constants as K  # noqa: E402
+
+GIB = 1 << 30
+# A whole run must stay under 8 minutes: each case gets a hard limit, and the run stops
+# starting new cases once the budget is nearly spent.
+CASE_TIMEOUT_S = 75
+TOTAL_BUDGET_S = 420
+
+
+@dataclass(frozen=True)
+class GpuCase:
+    preset: str
+    method: str
+    batch: int
+    seq: int
+    gc: bool
+    attention: str = "sdpa"
+    optimizer: str = "adamw"
+    rank: int = 16
+    dropout: float = 0.05
+
+    @property
+    def key(self) -> str:
+        return f"{self.preset}|{self.method}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|{self.attention}|{self.optimizer}"
+
+    def setup(self) -> TrainingSetup:
+        return TrainingSetup(
+            architecture=ModelArchitecture.from_preset(self.preset), method=self.method, lora_rank=self.rank,
+            lora_dropout=self.dropout, micro_batch_size=self.batch, sequence_length=self.seq,
+            gradient_checkpointing=self.gc, attention=self.attention, optimizer=self.optimizer,
+        )
+
+
+# Small and mid-size models that fit one H200 (141 GB); cheapest first so a short
+# budget still calibrates something.
+MATRIX = [
+    GpuCase("qwen2.5-0.5b", "full", 4, 1024, False),
+    GpuCase("llama-3.2-1b", "lora", 2, 2048, False),
+    GpuCase("llama-3.2-1b", "full", 2, 2048, True),
+    GpuCase("llama-3.2-1b", "lora", 1, 1024, False, attention="eager"),
+    GpuCase("llama-3.2-3b", "lora", 4, 2048, True),
+    GpuCase("llama-3.2-3b", "full", 1, 4096, True),
+    GpuCase("phi-3-mini", "lora", 2, 2048, False),
+    GpuCase("llama-3.1-8b", "lora", 1, 4096, True),
+    GpuCase("qwen2.5-7b", "lora", 2, 2048, True),
+    GpuCase("llama-3.1-8b", "qlora", 2, 2048, True, optimizer="paged-adamw-8bit"),
+    GpuCase("llama-3.2-3b", "full", 2, 2048, True, optimizer="adamw-8bit"),
+]
+
+
+def run_case(case: GpuCase) -> dict:
+    """Runs inside the child process: two real steps on cuda:0."""
+    import torch
+    import transformers
+    from accelerate.utils import convert_outputs_to_fp32
+
+    torch.manual_seed(0)
+    setup = case.setup()
+    arch = setup.architecture
+    config = transformers.AutoConfig.for_model(**arch.to_hf_config())
+    config.use_cache = False
+    attn = {"sdpa": "sdpa", "flash": "flash_attention_2", "eager": "eager"}[case.attention]
+    load_dtype = torch.float32 if case.method == "full" else torch.bfloat16
+    quant = None
+    if case.method == "qlora":
+        quant = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    if quant is None:
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=load_dtype)
+    else:
+        # 4-bit needs a checkpoint to quantise on load: save random bf16 weights, reload quantised.
+        import tempfile
+
+        with torch.device("cuda"):
+            dense = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        tmp = tempfile.mkdtemp()
+        dense.save_pretrained(tmp)
+        del dense
+        torch.cuda.empty_cache()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, quantization_config=quant, attn_implementation=attn, device_map={"": 0})
+    if case.method != "full":
+        import peft
+
+        if case.method == "qlora":
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.gc,
+                                                         gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = peft.get_peft_model(model, peft.LoraConfig(r=case.rank, lora_alpha=2 * case.rank,
+                                                           lora_dropout=case.dropout, target_modules="all-linear"))
+    if case.gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if case.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    else:
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if case.optimizer == "paged-adamw-8bit" else bnb.optim.AdamW8bit
+        optimizer = cls(params, lr=1e-5)
+    forward_fn = model.__call__
+
+    def forward(**kw):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return forward_fn(**kw)
+
+    forward = convert_outputs_to_fp32(forward)
+    ids = torch.randint(0, arch.vocab_size, (case.batch, case.seq), device="cuda")
+    setup_s = time.perf_counter() - t0
+    for step in range(2):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        del loss
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "max_reserved": torch.cuda.max_memory_reserved(),
+        "device_used": total - free,
+        "device_total": total,
+        "setup_s": setup_s,
+    }
+
+
+def child_main(case_json: str) -> int:
+    case = GpuCase(**json.loads(case_json))
+    try:
+        result = run_case(case)
+    except Exception as error:  # reported, not raised: one failing case must not stop the run
+        import traceback
+
+        traceback.print_exc()
+        result = {"error": f"{type(error).__name__}: {error}"[:500]}
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="print the matrix and the estimates, run nothing")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.child:
+        return child_main(ns.child)
+
+    cases = [c for c in MATRIX if ns.only in c.key]
+    if ns.dry_run:
+        print(f"{'setup':<58} {'est peak GiB':>12} {'est required GiB':>16}")
+        for c in cases:
+            e = estimate_memory(c.setup())
+            print(f"{c.key:<58} {e.peak_allocated_bytes / GIB:>12.2f} {e.required_bytes / GIB:>16.2f}")
+        print(f"{len(cases)} setups; per-case limit {CASE_TIMEOUT_S}s, total budget {TOTAL_BUDGET_S}s")
+        return 0
+
+    out = ns.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), "sizing_gpu.jsonl")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    start = time.perf_counter()
+    rows = []
+    with open(out, "w") as f:
+        for c in cases:
+            left = TOTAL_BUDGET_S - (time.perf_counter() - start)
+            if left < 20:
+                print(f"budget spent; skipping {c.key}")
+                continue
+            est = estimate_memory(c.setup())
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(asdict(c))],
+                                      capture_output=True, text=True, timeout=min(CASE_TIMEOUT_S, left))
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                result = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-500:]}
+            except subprocess.TimeoutExpired:
+                result = {"error": "timeout"}
+            result.update(key=c.key, wall_s=time.perf_counter() - t0,
+                          est_peak=est.peak_allocated_bytes, est_required=est.required_bytes)
+            f.write(json.dumps(result) + "\n")
+            f.flush()
+            rows.append(result)
+            print(_row(result), flush=True)
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        frag = [r["max_reserved"] / r["max_allocated"] for r in ok]
+        ctx = [r["device_used"] - r["max_reserved"] for r in ok]
+        errs = [(r["est_peak"] - r["max_allocated"]) / r["max_allocated"] * 100 for r in ok]
+        print(f"\n{len(ok)} setups: median |err| {statistics.median(abs(e) for e in errs):.1f}%, "
+              f"worst {max(abs(e) for e in errs):.1f}%, most negative {min(errs):+.1f}%")
+        print(f"reserved/allocated: median {statistics.median(frag):.3f}, max {max(frag):.3f} "
+              f"(FRAGMENTATION_FACTOR now {K.FRAGMENTATION_FACTOR})")
+        print(f"device used - reserved: median {statistics.median(ctx) / GIB:.2f} GiB, max {max(ctx) / GIB:.2f} GiB "
+              f"(CUDA_CONTEXT_RESERVE_BYTES now {K.CUDA_CONTEXT_RESERVE_BYTES / GIB:.2f} GiB)")
+        underfit = [r for r in ok if r["est_required"] < r["device_used"]]
+        print(f"required >= device used in {len(ok) - len(underfit)}/{len(ok)} setups")
+    print(f"results: {out}; total {time.perf_counter() - start:.0f}s")
+    return 0
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['key']:<58} ERROR {r['error'][:120]}"
+    err = (r["est_peak"] - r["max_allocated"]) / r["max_allocated"] * 100
+    return (f"{r['key']:<58} est {r['est_peak'] / GIB:7.2f}  alloc {r['max_allocated'] / GIB:7.2f} ({err:+.1f}%)  "
+            f"reserved {r['max_reserved'] / GIB:7.2f}  device {r['device_used'] / GIB:7.2f}  "
+            f"required {r['est_required'] / GIB:7.2f}  {r['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Documented constants of the memory model. Every number here has a reason beside it.
+
+Terms that the truth harness measures (peak allocated bytes, what
+`torch.cuda.max_memory_allocated` reports) are derived from shapes in memory.py.
+The constants below cover what that figure leaves out, and the settings of the
+libraries our trainer uses.
+"""
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# ---- from peak allocated to what the GPU must hold ------------------------------
+# The caching allocator keeps freed blocks cached and splits large segments; the
+# reserved figure (what the device sees) runs above the allocated peak. PyTorch
+# training loops of LLMs typically reserve 5-15% above the allocated peak
+# (expandable segments narrow this). We plan with 10%; bench/sizing_gpu.py measures
+# max_memory_reserved / max_memory_allocated on a real GPU to calibrate it.
+FRAGMENTATION_FACTOR = 1.10
+
+# Outside the allocator entirely: the CUDA context and loaded kernels (~500-700 MiB
+# on Hopper with torch + NCCL), cuBLAS/cuBLASLt workspaces (32 MiB per handle and
+# stream), flash-attention backward scratch, NCCL channel buffers (~200-400 MiB at
+# 8 ranks). 1.5 GiB covers them with a margin; calibrated by bench/sizing_gpu.py
+# (device-level used memory minus max_memory_reserved).
+CUDA_CONTEXT_RESERVE_BYTES = 3 * GIB // 2
+NCCL_RESERVE_BYTES = 512 * MIB  # added when world_size > 1
+
+# ---- library settings our trainer uses -----------------------------------------
+# DDP (accelerate default gradient_as_bucket_view=False): the reducer holds flat
+# bucket tensors as large as all trainable gradients, in the gradient dtype.
+DDP_BUCKETS_COPY_GRADIENTS = True
+
+# bitsandbytes blockwise 8-bit Adam: two uint8 states per parameter plus one fp32
+# absmax per 256-element block per state; tensors under 4096 elements keep fp32 states.
+BNB_8BIT_STATE_BYTES_PER_PARAM = 2 + 2 * 4 / 256
+BNB_8BIT_MIN_SIZE = 4096
+
+# bitsandbytes NF4 with double quantisation, block size 64: 4 bits per weight, one
+# 8-bit absmax per block of 64, one fp32 constant per 256 absmax blocks.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+# DeepSpeed ZeRO with transformers' "auto" config values: reduce_bucket_size =
+# hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2 (elements), allgather bucket
+# 5e8 elements (DeepSpeed default) for stages 1 and 2.
+ZERO_ALLGATHER_BUCKET_ELEMENTS = 500_000_000
+
+# ---- host RAM per training process ------------------------------------------------
+# Python + torch + CUDA libraries resident set of one training process.
+HOST_PROCESS_BYTES = 3 * GIB
+# Dataloader workers, tokenised batches and pinned staging buffers.
+HOST_DATALOADER_BYTES = 2 * GIB
+# safetensors shards are read one at a time when a model is quantised or sharded on load.
+HOST_SHARD_BYTES = 5 * GIB

@@ -1,0 +1,105 @@
+"""From a FineTuneJob to the TrainingSetup that sizing estimates.
+
+`estimate` sizes exactly what a job fixes. Fields the job leaves `auto` (the planner
+searches those) get the documented defaults below, and each one used is named in the
+notes so nobody mistakes the figure for the plan's:
+
+* resources.gpus auto -> 1
+* resources.strategy auto -> ddp on one GPU or with qlora, fsdp on more
+* training.microBatchSize auto -> 1
+* training.gradientCheckpointing unset -> true
+* resources.offload auto -> none
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .architecture import ModelArchitecture
+from .errors import SizingError
+from .setup import TrainingSetup
+
+DEFAULT_GPUS = 1
+DEFAULT_MICRO_BATCH = 1
+DEFAULT_CHECKPOINTING = True
+DEFAULT_OFFLOAD = "none"
+
+
+@dataclass(frozen=True)
+class JobSetup:
+    """The setup of a job, and the notes on the `auto` fields it had to fill in."""
+
+    setup: TrainingSetup
+    notes: tuple[str, ...]
+
+
+def architecture_of(spec: Any, model_config: Mapping[str, Any] | None = None) -> ModelArchitecture:
+    """The job's architecture: a preset, inline numbers, or a config.json the caller read from its ConfigMap."""
+    source = spec.model.architecture
+    if source.preset is not None:
+        return ModelArchitecture.from_preset(source.preset)
+    if source.inline is not None:
+        config = source.inline.model_dump(exclude_none=True)
+        return ModelArchitecture.from_hf_config(config, name=spec.model.name)
+    if model_config is None:
+        ref = source.config_map_ref
+        raise SizingError(
+            "spec.model.architecture.configMapRef",
+            f"the architecture is in ConfigMap {ref.name!r} (key {ref.key!r}); pass its config.json "
+            "(the CLI's --model-config FILE) to size it",
+        )
+    return ModelArchitecture.from_hf_config(model_config, name=spec.model.name)
+
+
+def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> JobSetup:
+    """Map a FineTuneJob (api.FineTuneJob or its spec) to a TrainingSetup."""
+    spec = getattr(job, "spec", job)
+    arch = architecture_of(spec, model_config)
+    res, training = spec.resources, spec.training
+    notes: list[str] = []
+
+    gpus = res.gpus
+    if gpus == "auto":
+        gpus = DEFAULT_GPUS
+        notes.append(f"resources.gpus is auto: sized for {gpus} GPU (the planner searches the count)")
+    strategy = res.strategy
+    if strategy == "auto":
+        strategy = "ddp" if gpus == 1 or spec.method == "qlora" else "fsdp"
+        notes.append(f"resources.strategy is auto: sized with {strategy}")
+    micro = training.micro_batch_size
+    if micro == "auto":
+        micro = DEFAULT_MICRO_BATCH
+        notes.append(f"training.microBatchSize is auto: sized with {micro}")
+    checkpointing = training.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = DEFAULT_CHECKPOINTING
+        notes.append("training.gradientCheckpointing is unset: sized with checkpointing on")
+    offload = res.offload
+    if offload == "auto":
+        offload = DEFAULT_OFFLOAD
+        notes.append("resources.offload is auto: sized without offload")
+
+    lora_kwargs: dict[str, Any] = {}
+    if spec.method != "full":
+        targets = tuple(spec.lora.target_modules)
+        lora_kwargs = dict(
+            lora_rank=spec.lora.rank,
+            lora_targets="all-linear" if targets == ("all-linear",) else targets,
+            lora_dropout=spec.lora.dropout,
+        )
+    setup = TrainingSetup(
+        architecture=arch,
+        method=spec.method,
+        precision=training.precision,
+        optimizer=training.optimizer,
+        micro_batch_size=micro,
+        sequence_length=training.sequence_length,
+        gradient_checkpointing=checkpointing,
+        attention=training.attention,
+        strategy=strategy,
+        world_size=gpus,
+        offload=offload,
+        **lora_kwargs,
+    )
+    return JobSetup(setup, tuple(notes))

@@ -1,0 +1,476 @@
+"""The per-GPU memory model of one training step, as our trainer runs it.
+
+The estimate follows a step through its three phases and adds up, for each, the
+tensors alive at its high point:
+
+* forward (end of the forward, inside the loss): weights, optimizer states, every
+  tensor autograd saved for backward, the autocast weight copies, logits and loss;
+* backward: the larger of its start (all saved activations still alive, the loss
+  gradient of b x s x vocab in fp32 at its widest) and its end (all gradients, DDP
+  buckets, the embedding gradient);
+* optimizer step: weights, gradients and states (fused AdamW has no temporaries).
+
+Saved activations are enumerated per decoder block from the shapes, following the
+modules transformers runs (see `_block_saved_bytes_per_token`). The figures are
+peak *allocated* bytes (what `torch.cuda.max_memory_allocated` reports); the
+required bytes add the fragmentation factor and the fixed reserves of constants.py.
+
+Checked against measured truth: bench/sizing_truth.py traces real steps with fake
+tensors (full and LoRA, single GPU, DDP, FSDP2) and bench/sizing_accuracy.py prints
+predicted vs measured. ZeRO, QLoRA and 8-bit optimizers cannot be traced that way;
+their terms are the same shape terms with the storage sizes of DeepSpeed and
+bitsandbytes (constants.py), and tests/sizing/test_memory.py checks them against
+hand-computed cases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from . import constants as K
+from .architecture import ModelArchitecture
+from .setup import TrainingSetup
+
+PHASES = ("forward", "backward", "optimizer")
+# Breakdown keys, in the order a person reads them.
+TERMS = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "master_weights",
+    "weight_copies",
+    "activations",
+    "lora_activations",
+    "logits",
+    "buffers",
+)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU memory of one setup. `breakdown` holds the terms at the peak phase; they sum to the peak."""
+
+    peak_allocated_bytes: int
+    required_bytes: int
+    peak_phase: str
+    breakdown: Mapping[str, int]
+    host_required_bytes: int
+    notes: tuple[str, ...] = ()
+    phase_peaks: Mapping[str, int] = field(default_factory=dict)
+    fragmentation_factor: float = K.FRAGMENTATION_FACTOR
+    reserve_bytes: int = 0
+
+    def to_json(self) -> dict:
+        """The JSON contract of `finetune-operator estimate -o json`."""
+        return {
+            "perGPU": {
+                "peakAllocatedBytes": int(self.peak_allocated_bytes),
+                "requiredBytes": int(self.required_bytes),
+                "peakPhase": self.peak_phase,
+                "breakdown": {k: int(v) for k, v in self.breakdown.items()},
+                "phasePeaks": {k: int(v) for k, v in self.phase_peaks.items()},
+                "fragmentationFactor": self.fragmentation_factor,
+                "reserveBytes": int(self.reserve_bytes),
+            },
+            "host": {"requiredBytes": int(self.host_required_bytes)},
+            "notes": list(self.notes),
+        }
+
+
+# ---- shapes -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Regime:
+    """How tensors are stored in this setup (derived once from the setup)."""
+
+    compute: int  # bytes of the compute dtype (bf16/fp16: 2, fp32: 4)
+    residual: int  # bytes of the residual stream between blocks
+    autocast_fp32_weights: bool  # fp32 weights cast per op by autocast (full FT without FSDP/ZeRO)
+    weights_trainable: bool  # full fine-tuning
+    lora: bool
+    qlora: bool
+    mlp: int  # bytes of the MLP's intermediate tensors
+
+
+def _regime(setup: TrainingSetup) -> _Regime:
+    compute = 4 if setup.precision == "fp32" else 2
+    full = setup.method == "full"
+    qlora = setup.method == "qlora"
+    # Full FT keeps fp32 weights; without FSDP/ZeRO the forward runs them under
+    # autocast, so embeddings (not autocast) and the residual stream stay fp32.
+    # QLoRA: peft's prepare_model_for_kbit_training casts everything not quantised
+    # (embeddings, norms, head) to fp32, and bitsandbytes returns its outputs in the
+    # input's dtype, so the residual stream and the MLP's tensors are fp32 as well.
+    autocast_fp32 = full and setup.strategy == "ddp" and compute == 2
+    residual = 4 if (autocast_fp32 or compute == 4 or qlora) else compute
+    mlp = 4 if qlora else compute
+    return _Regime(compute, residual, autocast_fp32, full, not full, qlora, mlp)
+
+
+def _norm_saved(arch: ModelArchitecture, rg: _Regime) -> float:
+    """Bytes per token one RMSNorm saves: its fp32 input, and the normalised value if the weight trains."""
+    h = arch.hidden_size
+    saved = 4 * h
+    if rg.weights_trainable:
+        # Gemma computes the whole norm in fp32; Llama-style norms cast back to the input dtype first.
+        saved += 4 * h if arch.family == "gemma2" else rg.residual * h
+    return saved
+
+
+def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> float:
+    """Bytes per token peft's adapters save: a compute-dtype copy of each adapted layer's input and x A."""
+    if not rg.lora:
+        return 0.0
+    r = setup.lora_rank
+    dropout_mask = 1 if setup.lora_dropout > 0 else 0
+    saved = 0.0
+    for lin in arch.resolve_lora_targets(setup.lora_targets):
+        if lin.name == "experts.gate_up_proj" or lin.name == "experts.down_proj":
+            # Expert adapters see only their routed tokens: experts_per_token copies in all.
+            saved += arch.experts_per_token * (rg.compute * lin.in_features + 4 * r)
+            continue
+        # peft casts the input to fp32 (adapter dtype); autocast casts it back for lora_A,
+        # and that copy is what lora_A saves. Without autocast the fp32 input is saved.
+        # Dropout (CUDA's fused kernel) adds a bool mask of the input.
+        saved += rg.compute * lin.in_features + rg.compute * r + dropout_mask * lin.in_features
+    return saved
+
+
+def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> tuple[float, float]:
+    """(base, lora) bytes per token that one decoder block saves for backward.
+
+    Attention scores (eager) are per token too: they scale with the sequence length.
+    """
+    h, i, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+    nh, c = arch.num_attention_heads, rg.compute
+    t = arch.traits
+    s = setup.sequence_length
+
+    saved = t.norms_per_layer * _norm_saved(arch, rg)
+    # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
+    # pre-norms (two per block) feed linears. Only those two feed linears below.
+
+    # Inputs the base linears save (only when their weights train).
+    if rg.weights_trainable:
+        if rg.autocast_fp32_weights:
+            # Autocast casts the fp32 norm output separately for every linear that reads it.
+            attn_reads = 1 if t.fused_qkv else 3
+            mlp_reads = 1 if (t.fused_gate_up or arch.is_moe) else 2
+            saved += (attn_reads + mlp_reads) * 2 * h
+        else:
+            saved += 2 * c * h  # one norm output per sub-layer, shared by its linears
+
+    # Attention.
+    if setup.attention == "eager":
+        kv_saved = q if arch.num_key_value_heads < nh else kv  # repeat_kv copies
+        saved += c * (q + 2 * kv_saved) + c * q  # q, repeated k/v, contiguous output
+        saved += (4 + c) * nh * s  # softmax output in fp32, and its cast for probs @ v
+        if arch.attn_logit_softcapping:
+            saved += c * nh * s  # tanh output
+    else:
+        saved += c * (2 * q + 2 * kv) + 4 * nh  # q, k, v, output, logsumexp
+        if t.fused_qkv:
+            saved += c * (q + kv)  # v is a view: the whole fused qkv output stays alive
+
+    # MLP.
+    if arch.is_moe:
+        k = arch.experts_per_token
+        saved += 4 * arch.num_experts  # router logits/probabilities (fp32)
+        saved += k * (c * h + c * 2 * i + c * i + c * i + c * h)  # gathered in, gate_up, act, product, down out
+    else:
+        saved += 3 * rg.mlp * i  # gate (act input), act output, up
+        if rg.weights_trainable:
+            saved += c * i  # down's input
+    return saved, _lora_saved(arch, setup, rg)
+
+
+def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> tuple[float, float]:
+    """(forward, backward) high points of the head and loss, bytes per token.
+
+    Forward (mixed precision): logits in bf16, the fp32 upcast for the loss, log_softmax's
+    fp32 output (saved), then the upcast is freed and accelerate converts the model's
+    logits to fp32: 2 + 4 + 4 = 10 bytes x vocab either way.
+    Backward starts with log_softmax's saved output, nll_loss's gradient and the
+    log_softmax gradient, all fp32: 12 bytes x vocab.
+    """
+    v = arch.vocab_size
+    if rg.compute == 4:
+        fwd = 8 * v  # logits, log_softmax output
+    else:
+        fwd = 10 * v
+    bwd = 12 * v
+    if arch.final_logit_softcapping:
+        fwd += rg.compute * v * 2  # tanh output saved, capped logits
+        bwd += rg.compute * v
+    return fwd, bwd
+
+
+# ---- static terms ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Static:
+    weights: float
+    gradients: float
+    optimizer: float
+    master_weights: float
+    buffers_step: float  # buffers alive through the whole step (DDP buckets, ZeRO buckets)
+    host_offloaded: float
+
+
+def _linear_params(arch: ModelArchitecture) -> int:
+    return arch.linear_params
+
+
+def _optimizer_bytes_per_param(setup: TrainingSetup) -> float:
+    if setup.optimizer == "adamw":
+        return 8.0
+    return K.BNB_8BIT_STATE_BYTES_PER_PARAM
+
+
+def _static(setup: TrainingSetup, rg: _Regime) -> _Static:
+    arch, n = setup.architecture, setup.world_size
+    p = arch.total_params
+    strat = setup.strategy
+    opt_pp = _optimizer_bytes_per_param(setup)
+    offload_opt = setup.offload in ("optimizer", "optimizer+params")
+    offload_params = setup.offload == "optimizer+params"
+    host = 0.0
+
+    if setup.method == "full":
+        trainable = p
+        if strat in ("zero1", "zero2", "zero3"):
+            # DeepSpeed bf16: 2-byte model weights and grads, fp32 master + Adam in the optimizer.
+            w_b = rg.compute
+            master_pp = 4 if rg.compute == 2 else 0
+            weights = w_b * p / (n if strat == "zero3" else 1)
+            grads = w_b * p / (n if strat in ("zero2", "zero3") else 1)
+            master = master_pp * p / n
+            opt = opt_pp * p / n
+            h2 = arch.hidden_size ** 2
+            if strat == "zero3":
+                buffers = w_b * 0.9 * h2 + w_b * h2  # prefetch bucket + reduce bucket
+            else:
+                buffers = w_b * h2 + w_b * min(K.ZERO_ALLGATHER_BUCKET_ELEMENTS, p / n)
+            if offload_opt:
+                host += master + opt
+                master, opt = 0.0, 0.0
+            if offload_params and strat == "zero3":
+                host += weights
+                weights = 0.0
+            return _Static(weights, grads, opt, master, buffers, host)
+        w_b = 4.0  # fp32 master weights are the weights (full FT, DDP / FSDP)
+        div = n if strat == "fsdp" else 1
+        weights = w_b * p / div
+        grads = 4.0 * p / div
+        opt = opt_pp * p / div
+        buffers = 4.0 * p if (strat == "ddp" and n > 1 and K.DDP_BUCKETS_COPY_GRADIENTS) else 0.0
+        if offload_opt:
+            host += opt
+            opt = 0.0
+        if offload_params:
+            host += weights + grads
+            weights, grads = 0.0, 0.0
+        return _Static(weights, grads, opt, 0.0, buffers, host)
+
+    # LoRA / QLoRA: frozen base, fp32 adapters with their own grads and states.
+    trainable = arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
+    base_b = 4 if rg.compute == 4 else 2
+    if setup.method == "qlora":
+        lin = _linear_params(arch)
+        base = K.NF4_BYTES_PER_PARAM * lin + 4 * (p - lin)  # the rest cast to fp32 (see _regime)
+    else:
+        base = base_b * p
+    div = n if strat in ("fsdp", "zero3") else 1
+    weights = (base + 4 * trainable) / div
+    grad_div = n if strat in ("fsdp", "zero2", "zero3") else 1
+    grads = 4.0 * trainable / grad_div
+    opt_div = 1 if strat == "ddp" else n
+    opt = opt_pp * trainable / opt_div
+    buffers = 4.0 * trainable if (strat == "ddp" and n > 1) else 0.0
+    if offload_opt:
+        host += opt
+        opt = 0.0
+    return _Static(weights, grads, opt, 0.0, buffers, host)
+
+
+# ---- the estimate ---------------------------------------------------------------------
+
+
+def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
+    arch = setup.architecture
+    rg = _regime(setup)
+    notes: list[str] = []
+    if setup.sequence_length > arch.max_position_embeddings:
+        notes.append(
+            f"sequence_length {setup.sequence_length} exceeds the model's context "
+            f"({arch.max_position_embeddings}); the estimate assumes it runs anyway"
+        )
+    if arch.attn_logit_softcapping and setup.attention == "sdpa":
+        notes.append("transformers' sdpa rejects attention soft-capping (Gemma 2); estimated as eager")
+        from dataclasses import replace
+
+        setup = replace(setup, attention="eager")
+    if setup.method == "qlora" or setup.optimizer != "adamw":
+        notes.append("bitsandbytes (qlora / 8-bit optimizers) needs CUDA; derived from storage sizes, not traced")
+    if setup.strategy.startswith("zero"):
+        notes.append("DeepSpeed ZeRO terms use transformers' 'auto' bucket sizes; derived, not traced")
+    if arch.is_moe:
+        notes.append("mixture-of-experts activations assume evenly routed tokens")
+
+    tokens = setup.micro_batch_size * setup.sequence_length
+    n = setup.world_size
+    st = _static(setup, rg)
+    block_params = arch.block_params
+    lin_params = _linear_params(arch)
+    head_params = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    embed_params = arch.vocab_size * arch.hidden_size
+
+    base_pt, lora_pt = _block_saved_bytes_per_token(arch, setup, rg)
+    L = arch.num_layers
+    # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
+    shared = 2 * rg.compute * arch.dim_per_head * tokens
+    if setup.attention == "eager":
+        shared += rg.compute * setup.micro_batch_size * setup.sequence_length ** 2
+    final_norm = _norm_saved(arch, rg) * tokens + rg.compute * arch.hidden_size * tokens
+    embed_out = rg.residual * arch.hidden_size * tokens
+    one_block = (base_pt + lora_pt) * tokens
+    if setup.gradient_checkpointing:
+        # Non-reentrant checkpointing keeps each block's input; backward recomputes one block.
+        kept_base = L * rg.residual * arch.hidden_size * tokens
+        kept_lora = 0.0
+        recompute = one_block
+    else:
+        kept_base = L * base_pt * tokens
+        kept_lora = L * lora_pt * tokens
+        recompute = 0.0
+    activations_fwd = kept_base + shared + final_norm + embed_out
+    logits_fwd_pt, logits_bwd_pt = _logits_bytes(arch, setup, rg)
+
+    # Autocast's cached bf16 copies of fp32 weights: all of them live until the forward ends;
+    # without checkpointing the graph keeps them until each block's backward.
+    if rg.autocast_fp32_weights:
+        copies_fwd = 2 * (lin_params + (embed_params if arch.tie_word_embeddings else head_params))
+        copies_bwd_start = copies_fwd if not setup.gradient_checkpointing else 2 * (embed_params if arch.tie_word_embeddings else head_params)
+        copies_bwd_block = 2 * (block_params)
+    elif rg.lora and rg.compute == 2:
+        # Autocast's cached bf16 copies of the fp32 adapters.
+        copies_fwd = 2 * arch.lora_trainable_params(setup.lora_rank, setup.lora_targets) / (n if setup.strategy in ("fsdp", "zero3") else 1)
+        if rg.qlora:
+            # The frozen fp32 head is cast per call (not cached: it needs no grad) and the
+            # cast is saved for the input gradient.
+            copies_fwd += 2 * embed_params
+        copies_bwd_start = copies_fwd
+        copies_bwd_block = 0.0
+    else:
+        copies_fwd = copies_bwd_start = copies_bwd_block = 0.0
+
+    # Sharded strategies gather parameters in the compute dtype.
+    gather_b = rg.compute if setup.method == "full" else 2
+    if setup.strategy == "fsdp":
+        root_params = embed_params + head_params + arch.hidden_size
+        # The root group (embeddings, head, final norm) stays gathered from forward through
+        # backward; blocks are gathered one at a time with the next one prefetched.
+        root_gathered = gather_b * root_params
+        blocks_in_flight = 2 * gather_b * block_params
+        # Backward also holds the block's unsharded gradient in the compute dtype, its fp32
+        # copy for the reduce-scatter and the reduce-scatter output.
+        grads_in_flight = (gather_b + 4 + 4 / n) * block_params if setup.method == "full" else 0.0
+        buffers_fwd = root_gathered + blocks_in_flight
+        buffers_bwd = root_gathered + blocks_in_flight + grads_in_flight
+        buffers_opt = 0.0
+    elif setup.strategy == "zero3":
+        buffers_fwd = st.buffers_step + 2 * gather_b * block_params + gather_b * (embed_params + head_params)
+        buffers_bwd = buffers_fwd
+        buffers_opt = st.buffers_step
+    else:
+        buffers_fwd = buffers_bwd = buffers_opt = st.buffers_step
+    if rg.qlora:
+        # bitsandbytes dequantises a 4-bit weight to the compute dtype for each matmul.
+        dequant = 2 * max(l.params // l.experts for l in arch.block_linears())
+        buffers_fwd += dequant
+        buffers_bwd += dequant
+
+    common = {"weights": st.weights, "optimizer": st.optimizer, "master_weights": st.master_weights}
+    zero = dict.fromkeys(TERMS, 0.0)
+
+    forward = dict(zero, **common)
+    forward["activations"] = activations_fwd
+    forward["lora_activations"] = kept_lora
+    forward["weight_copies"] = copies_fwd
+    forward["logits"] = logits_fwd_pt * tokens
+    forward["buffers"] = buffers_fwd
+    forward["gradients"] = 0.0 if setup.method == "full" and setup.strategy in ("ddp", "fsdp") else (
+        st.gradients if setup.strategy in ("zero1", "zero2", "zero3") and setup.method == "full" and False else 0.0)
+
+    # Backward, at its start: everything saved is alive and the loss gradient is at its widest.
+    bwd_start = dict(zero, **common)
+    bwd_start["activations"] = activations_fwd - embed_out + recompute * 0
+    bwd_start["lora_activations"] = kept_lora
+    bwd_start["weight_copies"] = copies_bwd_start
+    bwd_start["logits"] = logits_bwd_pt * tokens
+    bwd_start["buffers"] = buffers_bwd
+    # Backward, at its end: every gradient exists; with checkpointing the first block's
+    # recompute is the last one alive.
+    bwd_end = dict(zero, **common)
+    bwd_end["gradients"] = st.gradients
+    bwd_end["buffers"] = buffers_bwd
+    bwd_end["activations"] = recompute + shared
+    bwd_end["weight_copies"] = copies_bwd_block if setup.gradient_checkpointing else 0.0
+    # The embedding's dense gradient is a new V x h fp32 tensor; tied to the head it is
+    # accumulated into the existing gradient, so both exist for a moment.
+    if setup.method == "full" and arch.tie_word_embeddings:
+        bwd_end["gradients"] += 4 * embed_params / (n if setup.strategy in ("fsdp",) else 1) if setup.strategy != "fsdp" else 4 * embed_params
+    backward = max((bwd_start, bwd_end), key=lambda d: sum(d.values()))
+    if setup.gradient_checkpointing:
+        # The middle of backward: one block recomputed on top of the kept inputs, and
+        # the gradients of the blocks after it; bounded above by the larger end.
+        mid = dict(bwd_start)
+        mid["logits"] = 0.0
+        mid["activations"] = bwd_start["activations"] + recompute
+        mid["weight_copies"] = copies_bwd_block + (copies_bwd_start - copies_bwd_block if rg.autocast_fp32_weights else 0.0)
+        if sum(mid.values()) > sum(backward.values()):
+            backward = mid
+
+    optimizer = dict(zero, **common)
+    optimizer["gradients"] = st.gradients
+    optimizer["buffers"] = buffers_opt
+
+    phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    peak_phase = max(PHASES, key=lambda k: totals[k])
+    breakdown = {k: int(round(v)) for k, v in phases[peak_phase].items()}
+    peak = sum(breakdown.values())
+
+    reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if n > 1 else 0)
+    required = int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve
+    host = _host_bytes(setup, st)
+    return MemoryEstimate(
+        peak_allocated_bytes=peak,
+        required_bytes=required,
+        peak_phase=peak_phase,
+        breakdown=breakdown,
+        host_required_bytes=host,
+        notes=tuple(notes),
+        phase_peaks={k: int(round(v)) for k, v in totals.items()},
+        reserve_bytes=reserve,
+    )
+
+
+def _host_bytes(setup: TrainingSetup, st: _Static) -> int:
+    """Host RAM one training process needs: runtime, the weights while loading, offloaded state, data."""
+    arch = setup.architecture
+    p = arch.total_params
+    if setup.method == "qlora":
+        loading = K.HOST_SHARD_BYTES  # quantised shard by shard on the GPU
+    elif setup.method == "full" and setup.strategy in ("ddp",):
+        loading = 4 * p  # loaded in fp32 before moving to the GPU
+    elif setup.strategy in ("fsdp", "zero3"):
+        # Every rank loads in the load dtype, then shards (transformers + accelerate default).
+        loading = (4 if setup.method == "full" else 2) * p
+    else:
+        loading = (4 if setup.method == "full" and setup.strategy == "ddp" else 2) * p
+    return int(K.HOST_PROCESS_BYTES + K.HOST_DATALOADER_BYTES + loading + st.host_offloaded)
