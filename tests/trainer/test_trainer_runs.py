@@ -49,18 +49,29 @@ def test_full_finetuning_loss_goes_down_and_keeps_last_checkpoints(reference):
     assert (work / "out" / "model.safetensors").is_file() and (work / "out" / "tokenizer.json").is_file()
 
 
-def test_lora_loss_goes_down_and_writes_the_adapter(assets, tmp_path):
+def test_lora_loss_goes_down_and_resumes_adapters_with_another_micro_batch(assets, tmp_path):
     config = trainer_config(
-        assets, tmp_path, method="lora", learningRate=1e-2, maxSteps=10, checkpoint=None,
+        assets, tmp_path, method="lora", learningRate=1e-2, maxSteps=6,
         lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"},
         dataset={"path": str(assets["instruction"]), "format": "instruction"},
     )
-    run = run_trainer(write_config(tmp_path, config))
-    assert run.returncode == 0, run.output[-3000:]
-    assert_loss_goes_down(run.losses(), by=0.3)
+    first = run_trainer(write_config(tmp_path, config))
+    assert first.returncode == 0, first.output[-3000:]
+    assert_loss_goes_down(first.losses(), by=0.3)
     out = tmp_path / "out"
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
+
+    # Next attempt: one micro-batch of 8 instead of 4 x 2; adapters and their AdamW state carry over.
+    config.update(maxSteps=10, microBatchSize=8, gradientAccumulation=1, attempt=2)
+    second = run_trainer(write_config(tmp_path, config))
+    assert second.returncode == 0, second.output[-3000:]
+    [event] = second.of("resume")
+    assert (event["step"], event["optimizerRestored"], event["fromMicroBatchSize"]) == (4, True, 4)
+    assert sorted(second.losses()) == [5, 6, 7, 8, 9, 10]
+    # Same global batch and data: step 5 matches the first attempt's step 5.
+    assert second.losses()[5] == pytest.approx(first.losses()[5], abs=0.02)
+    assert second.losses()[10] < first.losses()[1] - 0.3
 
 
 def test_killed_after_a_checkpoint_resumes_where_it_stopped(assets, tmp_path, reference):

@@ -207,8 +207,10 @@ def load_full_state(checkpoint: Checkpoint, *, model, optimizer, deepspeed_engin
     model_sd, optim_sd = get_state_dict(model, plain, options=_options(lora))
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(checkpoint.path / DCP_DIR))
-    set_state_dict(model, plain, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options(lora))
+    # Under LoRA the checkpoint holds only the adapters: the frozen base is not missing.
+    result = set_state_dict(model, plain, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                            options=_options(lora, strict=not lora))
+    _check_loaded(result, lora)
 
 
 def load_weights(checkpoint: Checkpoint, model, lora: bool) -> None:
@@ -238,9 +240,14 @@ def _set_model(model, state_dict, lora: bool, full: bool) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     result = set_model_state_dict(model, state_dict, options=_options(lora, full_state_dict=full, strict=False))
-    missing = [k for k in result.missing_keys if (not lora) or "lora_" in k]
-    if missing and full:
-        raise RuntimeError(f"checkpoint lacks weights for {missing[:5]} ...")
+    _check_loaded(result, lora)
+
+
+def _check_loaded(result, lora: bool) -> None:
+    """Every trainable tensor must come from the checkpoint (all of them for full fine-tuning)."""
+    missing = [k for k in getattr(result, "missing_keys", []) if not lora or "lora_" in k]
+    if missing:
+        raise RuntimeError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
 def _dcp_full_state(checkpoint: Checkpoint) -> dict:

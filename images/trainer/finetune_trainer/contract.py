@@ -365,6 +365,9 @@ class FailureReport(_Contract):
 
     reason: FailureReason
     phase: Phase
+    # The optimizer step in progress (1-based) in forward/backward/optimizer; the step
+    # just completed in checkpoint; the step resumed from (0 on a fresh start) in
+    # setup/data/load.
     step: int = Field(ge=0)
     message: str = ""
     exit_code: int

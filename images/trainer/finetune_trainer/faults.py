@@ -19,10 +19,14 @@ class FaultInjector:
             active = False
         self.fault = fault if active else None
 
-    def maybe_fire(self, phase: Phase, step: int) -> None:
+    def pending(self, phase: Phase, step: int) -> bool:
         fault = self.fault
-        if fault is None or fault.phase != phase.value or fault.step != step:
+        return fault is not None and fault.phase == phase.value and fault.step == step
+
+    def maybe_fire(self, phase: Phase, step: int) -> None:
+        if not self.pending(phase, step):
             return
+        fault = self.fault
         self.fault = None  # fire once
         log_json("fault-injection", kind=fault.kind, phase=phase.value, step=step)
         if fault.kind == "gpu-oom":

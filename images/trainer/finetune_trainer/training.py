@@ -53,7 +53,7 @@ class FineTuneTrainer(Trainer):
                                       num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
         PROGRESS.enter(Phase.BACKWARD, step)
-        if loss.requires_grad:
+        if self.faults.pending(Phase.BACKWARD, step) and loss.requires_grad:
             # Fires inside autograd, as a real out-of-memory in backward would.
             loss.register_hook(lambda grad: self.faults.maybe_fire(Phase.BACKWARD, step) or grad)
         return result
@@ -156,6 +156,10 @@ class ProgressCallback(TrainerCallback):
         self.last_tokens = 0
         self.start_time = time.time()
         self.last_loss: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # Throughput counts training, not loading.
+        self.last_time = time.time()
 
     def _global_tokens(self) -> int:
         import torch.distributed as dist
