@@ -47,7 +47,7 @@ from ..sizing import ModelArchitecture, PRESETS, SizingError, TrainingSetup
 from .plan import Infeasible, Plan, PlanKey, PlanningResult, plan_key_of
 from .policy import ClusterPolicy
 from .pools import GiB, NodePool, same_gpu_type
-from .throughput import OFFLOAD_SLOWDOWN, JobWork, job_work, step_seconds
+from .throughput import JobWork, combine, compute_and_communication, job_work, offload_costs
 
 COST_TIE = 0.01
 RUNNERS_UP = 3
@@ -291,6 +291,7 @@ class _Stats:
 
     rejected: dict[str, int] = field(default_factory=dict)
     closest: tuple[float, _Group, int, int, int] | None = None  # (ratio, group, micro, required, usable)
+    closest_host: tuple[float, _Group, int, int] | None = None  # (ratio, group, host needed, host there)
     cheaper_misses: list[tuple[float, _Group, int, int]] = field(default_factory=list)  # (cost, group, required, usable)
     groups: int = 0
     groups_visited: int = 0
@@ -530,20 +531,22 @@ def _search(
     stats = _Stats()
     groups = _groups(ask, pools, stats)
 
-    # Offload only scales the step time (throughput.py), so the time without it is shared by the
-    # offload variants of a group: a third of the work of bounding every group.
-    no_offload: dict[tuple, float] = {}
+    # Compute and communication do not depend on offload: the offload variants of a group share them.
+    shared: dict[tuple, tuple[float, float]] = {}
 
     def cost_of(group: _Group, micro: int) -> tuple[float, float]:
         key = (id(group.pool), group.world, group.strategy, group.checkpointing, micro)
-        base = no_offload.get(key)
-        if base is None:
-            base = no_offload[key] = step_seconds(
+        parts = shared.get(key)
+        if parts is None:
+            parts = shared[key] = compute_and_communication(
                 work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, strategy=group.strategy,
-                offload="none", gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
-                tflops=group.tflops,
+                gradient_checkpointing=group.checkpointing, micro_batch_size=micro, tflops=group.tflops,
             )
-        seconds = base * OFFLOAD_SLOWDOWN[group.offload]
+        transfers, cpu_step = offload_costs(
+            work, nodes=group.nodes, gpus_per_node=group.gpus_per_node, offload=group.offload,
+            gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
+        )
+        seconds = combine(parts[0], parts[1], transfers, cpu_step)
         return seconds, seconds * group.world / 3600 * group.price
 
     def candidate(group: _Group, micro: int, facts: EstimateFacts) -> _Candidate:
@@ -637,6 +640,11 @@ def _largest_fitting_micro(
                 stats.closest = (ratio, group, micros[0], required, group.usable)
             if bound < lowest:
                 stats.cheaper_misses.append((bound, group, required, group.usable))
+        elif why == "host" and first is not None:
+            needed = first.host_bytes_per_rank * group.gpus_per_node
+            ratio = needed / group.pool.host_memory_bytes
+            if stats.closest_host is None or ratio < stats.closest_host[0]:
+                stats.closest_host = (ratio, group, needed, group.pool.host_memory_bytes)
         return None
     # Recovery: skip micro-batches of plans that already failed (smaller ones fit too).
     for i in range(index, -1, -1):
@@ -760,7 +768,8 @@ def _to_plan(ask: _Ask, winner: _Candidate, others: list[_Candidate], stats: _St
                != (g.strategy, g.offload, g.checkpointing)]
     for other in (differs or same_pool)[:RUNNERS_UP - len(runners)]:
         runners.append(_runner_up_line(ask, winner, other))
-    cheaper = sorted((m for m in stats.cheaper_misses if m[0] < winner.cost_per_step), key=lambda m: m[0])
+    # The cheaper setup that came closest to fitting says the most about why the winner costs what it does.
+    cheaper = sorted((m for m in stats.cheaper_misses if m[0] < winner.cost_per_step), key=lambda m: m[2] / m[3])
     if cheaper:
         cost_m, group_m, required_m, usable_m = cheaper[0]
         runners.append(
@@ -851,6 +860,13 @@ def _infeasible(ask: _Ask, all_pools: Sequence[NodePool], considered: Sequence[N
         parts.append("no candidate is left: " + "; ".join(f"{why} ({n})" for why, n in sorted(stats.rejected.items())))
     else:
         parts.append("no candidate is left")
+    if stats.closest_host is not None:
+        _, group, needed, there = stats.closest_host
+        parts.append(
+            f"{stats.rejected.get('host memory', 0)} setups fit in GPU memory but not in host memory: the closest"
+            f" ({_shape(group)} on {group.pool.name}, {_setup_words(group)}) needs {_gib(needed)} per pod,"
+            f" its nodes have {_gib(there)}"
+        )
     suggestion = _relaxed_suggestion(ask, all_pools, work, estimates, excluded, calibration)
     if suggestion:
         parts.append(suggestion)

@@ -25,10 +25,15 @@ Communication (per optimizer step, bytes each GPU moves, ring collectives)
   the hierarchical collectives move (nodes-1)/nodes of it over each node's network link
   (the pool's `interNodeGbps`). Half of the compute time hides communication
   (`COMM_OVERLAP`); the rest is exposed.
-Offload
-  Moving optimizer states (and parameters) to host memory puts the optimizer step on the
-  CPU and adds PCIe traffic: the step takes `OFFLOAD_SLOWDOWN` times as long (ZeRO-Offload
-  and ZeRO-Infinity report 10-60% slowdowns on fine-tuning sized batches).
+Offload (DeepSpeed ZeRO-Offload / ZeRO-Infinity, FSDP CPUOffload)
+  optimizer: each optimizer step moves the rank's shard of the trainable gradients to the
+      host and the updated weights back over PCIe (`PCIE_GBYTES` per GPU), and the CPU runs
+      Adam on the node's share of the trainable parameters (`CPU_ADAM_PARAMS_PER_SECOND`
+      per node). The CPU step does not overlap with the GPU.
+  optimizer+params: in addition, every micro-step streams the rank's shard of the weights
+      from the host for each all-gather (forward, backward, and the recompute) and its
+      gradient shard back.
+  Transfers overlap with compute like communication does.
 Cost = steps x seconds per step x GPUs / 3600 x price per GPU-hour.
 """
 
@@ -43,7 +48,8 @@ STRATEGY_MFU = {"ddp": 0.45, "zero1": 0.43, "zero2": 0.42, "fsdp": 0.40, "zero3"
 MICRO_BATCH_HALF_TOKENS = 512
 QLORA_EFFICIENCY = 0.70
 FP32_RATE = 0.5
-OFFLOAD_SLOWDOWN = {"none": 1.0, "optimizer": 1.3, "optimizer+params": 1.8}
+PCIE_GBYTES = 20.0  # achieved host<->GPU bandwidth per GPU (PCIe 4/5 x16, pinned buffers), GB/s
+CPU_ADAM_PARAMS_PER_SECOND = 2e9  # DeepSpeed CPUAdam (AVX-512) on a ~100-core training node
 INTRA_NODE_GBYTES = {"nvlink": 200.0, "pcie": 20.0}  # achieved collective bandwidth per GPU, GB/s
 COMM_OVERLAP = 0.5
 
@@ -57,6 +63,7 @@ class JobWork:
     tokens_per_step: int  # global batch x sequence length
     weight_bytes: float  # bytes of the weights a sharded strategy all-gathers
     grad_bytes: float  # bytes of the trainable gradients that are reduced
+    trainable_params: float  # parameters the optimizer updates
     efficiency: float  # method factor (QLoRA dequantisation)
     rate: float  # precision factor on the peak (fp32 on TF32)
     sequence_length: int
@@ -99,10 +106,79 @@ def job_work(
         tokens_per_step=global_batch_size * sequence_length,
         weight_bytes=weight_bytes,
         grad_bytes=compute_bytes * trainable,
+        trainable_params=trainable,
         efficiency=QLORA_EFFICIENCY if method == "qlora" else 1.0,
         rate=FP32_RATE if precision == "fp32" else 1.0,
         sequence_length=sequence_length,
     )
+
+
+def accumulation_steps(work: JobWork, world: int, micro_batch_size: int) -> int:
+    return max(1, work.tokens_per_step // (micro_batch_size * work.sequence_length * world))
+
+
+def compute_and_communication(
+    work: JobWork,
+    pool: NodePool,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    strategy: str,
+    gradient_checkpointing: bool,
+    micro_batch_size: int,
+    tflops: float | None = None,
+) -> tuple[float, float]:
+    """Seconds of GPU compute and of collective communication in one optimizer step."""
+    world = nodes * gpus_per_node
+    per_token = work.flops_per_token + (work.recompute_flops_per_token if gradient_checkpointing else 0.0)
+    micro_tokens = micro_batch_size * work.sequence_length
+    utilisation = STRATEGY_MFU[strategy] * micro_tokens / (micro_tokens + MICRO_BATCH_HALF_TOKENS)
+    flops_per_second = world * (tflops if tflops is not None else pool.tflops) * 1e12 * utilisation * work.efficiency * work.rate
+    compute = per_token * work.tokens_per_step / flops_per_second
+
+    communication = 0.0
+    if world > 1:
+        accumulation = accumulation_steps(work, world, micro_batch_size)
+        if strategy in ("fsdp", "zero3"):
+            gathers = 3 if gradient_checkpointing else 2
+            volume = accumulation * (gathers * work.weight_bytes + work.grad_bytes)
+        else:
+            volume = 2 * work.grad_bytes
+        if gpus_per_node > 1:
+            communication += volume * (gpus_per_node - 1) / gpus_per_node / (INTRA_NODE_GBYTES[pool.intra_node] * 1e9)
+        if nodes > 1:
+            link = max(pool.inter_node_gbps, 1.0) / 8 * 1e9
+            communication += volume * (nodes - 1) / nodes / link
+    return compute, communication
+
+
+def offload_costs(
+    work: JobWork,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    offload: str,
+    gradient_checkpointing: bool,
+    micro_batch_size: int,
+) -> tuple[float, float]:
+    """Seconds of host<->GPU transfers and of the CPU optimizer step in one optimizer step."""
+    if offload == "none":
+        return 0.0, 0.0
+    world = nodes * gpus_per_node
+    pcie = PCIE_GBYTES * 1e9
+    # Gradients down, updated bf16/fp32 weights up: the rank's shard of the trainable state.
+    transfers = 2 * work.grad_bytes / world / pcie
+    cpu_step = work.trainable_params / nodes / CPU_ADAM_PARAMS_PER_SECOND
+    if offload == "optimizer+params":
+        gathers = 3 if gradient_checkpointing else 2
+        per_micro_step = (gathers * work.weight_bytes + work.grad_bytes) / world / pcie
+        transfers += accumulation_steps(work, world, micro_batch_size) * per_micro_step
+    return transfers, cpu_step
+
+
+def combine(compute: float, communication: float, transfers: float, cpu_step: float) -> float:
+    """Wall time of a step: compute, the traffic compute does not hide, and the CPU optimizer step."""
+    return compute + max(0.0, communication + transfers - COMM_OVERLAP * compute) + cpu_step
 
 
 def step_seconds(
@@ -121,25 +197,12 @@ def step_seconds(
 
     `tflops`: the pool's GPU peak, when the caller has it at hand (it is looked up otherwise).
     """
-    world = nodes * gpus_per_node
-    per_token = work.flops_per_token + (work.recompute_flops_per_token if gradient_checkpointing else 0.0)
-    micro_tokens = micro_batch_size * work.sequence_length
-    utilisation = STRATEGY_MFU[strategy] * micro_tokens / (micro_tokens + MICRO_BATCH_HALF_TOKENS)
-    flops_per_second = world * (tflops if tflops is not None else pool.tflops) * 1e12 * utilisation * work.efficiency * work.rate
-    compute = per_token * work.tokens_per_step / flops_per_second
-
-    communication = 0.0
-    if world > 1:
-        accumulation = work.tokens_per_step // (micro_tokens * world) or 1
-        if strategy in ("fsdp", "zero3"):
-            gathers = 3 if gradient_checkpointing else 2
-            volume = accumulation * (gathers * work.weight_bytes + work.grad_bytes)
-        else:
-            volume = 2 * work.grad_bytes
-        if gpus_per_node > 1:
-            communication += volume * (gpus_per_node - 1) / gpus_per_node / (INTRA_NODE_GBYTES[pool.intra_node] * 1e9)
-        if nodes > 1:
-            link = max(pool.inter_node_gbps, 1.0) / 8 * 1e9
-            communication += volume * (nodes - 1) / nodes / link
-    exposed = max(0.0, communication - COMM_OVERLAP * compute)
-    return (compute + exposed) * OFFLOAD_SLOWDOWN[offload]
+    compute, communication = compute_and_communication(
+        work, pool, nodes=nodes, gpus_per_node=gpus_per_node, strategy=strategy,
+        gradient_checkpointing=gradient_checkpointing, micro_batch_size=micro_batch_size, tflops=tflops,
+    )
+    transfers, cpu_step = offload_costs(
+        work, nodes=nodes, gpus_per_node=gpus_per_node, offload=offload,
+        gradient_checkpointing=gradient_checkpointing, micro_batch_size=micro_batch_size,
+    )
+    return combine(compute, communication, transfers, cpu_step)
