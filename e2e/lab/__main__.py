@@ -6,6 +6,7 @@
     status       which processes of that lab are alive
     sync-tools   regenerate tools/go.mod and go.sum from versions.env (needs the Go proxy)
     versions     print the pinned versions and the cache directory
+    prune        delete cached builds other than the current one
 """
 
 from __future__ import annotations
@@ -106,6 +107,23 @@ def _go_directive(go_mod: str) -> str:
     return "1.24"
 
 
+def cmd_prune(args) -> int:
+    """Delete cached builds other than the current one (skipping any a running process uses)."""
+    import shutil
+
+    keep = lab_build.lab_home().name
+    in_use = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    for entry in sorted(cache_root().iterdir()) if cache_root().exists() else []:
+        if not entry.is_dir() or entry.name == keep:
+            continue
+        if str(entry) in in_use:
+            print(f"kept {entry} (in use by a running process)")
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        print(f"removed {entry}")
+    return 0
+
+
 def cmd_versions(args) -> int:
     v = load_versions()
     inst = lab_build.find_installation(v)
@@ -137,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=cmd_status)
     sub.add_parser("sync-tools", help="regenerate tools/go.mod from versions.env").set_defaults(fn=cmd_sync_tools)
     sub.add_parser("versions", help="print the pinned versions").set_defaults(fn=cmd_versions)
+    sub.add_parser("prune", help="delete cached builds of other versions").set_defaults(fn=cmd_prune)
     args = parser.parse_args(argv)
     return args.fn(args)
 

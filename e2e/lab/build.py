@@ -64,10 +64,15 @@ def go_version() -> str:
         return "no-go"
 
 
+# Bumped whenever the way binaries are built changes (flags, ldflags), so a changed recipe
+# builds into a new cache directory instead of reusing binaries made the old way.
+RECIPE = 2
+
+
 def cache_key(versions: Versions) -> str:
     import hashlib
 
-    return hashlib.sha256(f"{versions.cache_key()}|{go_version()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{versions.cache_key()}|{go_version()}|recipe={RECIPE}".encode()).hexdigest()[:16]
 
 
 def lab_home(versions: Versions | None = None) -> Path:
@@ -117,6 +122,24 @@ def _ldflags_for_kubernetes(v: Versions) -> str:
             f"-X {pkg}.gitMinor={v.kubernetes_minor}",
             f"-X {pkg}.gitTreeState=clean",
         ]
+    return " ".join(parts)
+
+
+def _ldflags_for_helm(v: Versions, env: dict) -> str:
+    """What helm's own Makefile sets: its version, and the default Kubernetes version for
+    `helm template`/`lint` (the client-go minor it was built with, as major 1). Without them
+    a source-built helm says v3.22 and renders for Kubernetes v1.20."""
+    import re
+
+    go_mod = (module_dir("helm.sh/helm/v3", v.helm, env) / "go.mod").read_text()
+    m = re.search(r"^\s*k8s\.io/client-go v0\.(\d+)\.", go_mod, re.MULTILINE)
+    if not m:
+        raise BuildError("cannot find k8s.io/client-go in helm's go.mod")
+    minor = m.group(1)
+    parts = ["-s", "-w", f"-X helm.sh/helm/v3/internal/version.version={v.helm}",
+             "-X helm.sh/helm/v3/internal/version.gitTreeState=clean"]
+    for pkg in ("helm.sh/helm/v3/pkg/lint/rules", "helm.sh/helm/v3/pkg/chartutil"):
+        parts += [f"-X {pkg}.k8sVersionMajor=1", f"-X {pkg}.k8sVersionMinor={minor}"]
     return " ".join(parts)
 
 
@@ -182,18 +205,19 @@ def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, fl
     # kwok, the training operator and helm build with the dependency set their own releases
     # pinned (`go install module@version`), so their k8s.io client versions stay their own.
     installs = {
-        "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{v.kwok}", "kwok"),
+        "kwok": (f"sigs.k8s.io/kwok/cmd/kwok@{v.kwok}", "kwok", "-s -w"),
         "training-operator": (
             f"github.com/kubeflow/training-operator/cmd/training-operator.v1@{v.training_operator}",
             "training-operator.v1",
+            "-s -w",
         ),
-        "helm": (f"helm.sh/helm/v3/cmd/helm@{v.helm}", "helm"),
+        "helm": (f"helm.sh/helm/v3/cmd/helm@{v.helm}", "helm", _ldflags_for_helm(v, env)),
     }
-    for name, (spec, produced) in installs.items():
-        def install(spec=spec, produced=produced, name=name) -> None:
+    for name, (spec, produced, ldflags) in installs.items():
+        def install(spec=spec, produced=produced, name=name, ldflags=ldflags) -> None:
             with tempfile.TemporaryDirectory() as cwd:
                 _run(
-                    ["go", "install", "-trimpath", "-ldflags=-s -w", spec],
+                    ["go", "install", "-trimpath", f"-ldflags={ldflags}", spec],
                     Path(cwd), {**env, "GOBIN": str(bindir)}, log,
                 )
             if produced != name:
