@@ -54,6 +54,9 @@ RUNNERS_UP = 3
 # Runners-up are looked for among plans costing at most this much more than the cheapest: beyond it
 # they say little and would cost the search most of its pruning.
 RUNNER_UP_SPAN = 1.5
+# Groups sized only to find runners-up in other pools (they cannot change the choice): a budget,
+# so that pools where nothing fits do not cost every one of their setups an estimate.
+RUNNER_UP_VISITS = 40
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 # Offload each strategy can do, as the API allows it: DeepSpeed ZeRO-1/2 offload optimizer states
@@ -575,6 +578,7 @@ def _search(
     lowest = math.inf  # cost of the cheapest candidate so far: the anchor of the tie window
     stop_above = math.inf
     leader: _Candidate | None = None  # the current choice (rank_key over the tie window)
+    runner_up_visits = 0
     fit_cache: dict[tuple, tuple[int | None, str | None, EstimateFacts | None]] = {}
     for bound, _, group in bounded:
         if bound > stop_above:
@@ -586,10 +590,12 @@ def _search(
             free = group.pool.free_gpus
             prefix = (free is None or free < group.world, group.world, group.nodes, len(_changes(ask, group)))
             could_win = bound <= lowest * (1 + COST_TIE) and prefix + (bound,) <= leader.rank_key()[:5]
-            could_place = group.pool.name not in pool_best
+            could_place = group.pool.name not in pool_best and runner_up_visits < RUNNER_UP_VISITS
             if not could_win and not could_place:
                 stats.groups_skipped += 1
                 continue
+            if not could_win:
+                runner_up_visits += 1
         stats.groups_visited += 1
         best = _largest_fitting_micro(ask, group, estimates, calibration, excluded, stats, bound, lowest, fit_cache)
         if best is None:
