@@ -56,7 +56,7 @@ RUNNERS_UP = 3
 RUNNER_UP_SPAN = 1.5
 # Groups sized only to find runners-up in other pools (they cannot change the choice): a budget,
 # so that pools where nothing fits do not cost every one of their setups an estimate.
-RUNNER_UP_VISITS = 40
+RUNNER_UP_VISITS = 80
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 # Offload each strategy can do, as the API allows it: DeepSpeed ZeRO-1/2 offload optimizer states
