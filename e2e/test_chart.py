@@ -214,6 +214,17 @@ def test_install_creates_the_objects_and_notes(lab, installed):
     assert "pytorchjobs.kubeflow.org is missing" not in notes and "Could not check" not in notes, notes
 
 
+def test_the_first_job_in_notes_is_accepted_by_the_api_server(lab, installed, ftj_crd, namespace):
+    """The FineTuneJob NOTES tell the user to apply is valid against the installed CRD."""
+    notes = installed["notes"]
+    body = notes.split("<<'YAML'\n", 1)[1].split("\nYAML\n", 1)[0]
+    job = yaml.safe_load(body)
+    assert job["kind"] == "FineTuneJob"
+    assert job["spec"]["placement"]["regions"] == ["eu-de-berlin"]
+    proc = lab.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=body, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_service_account_can_do_what_the_operator_needs(lab, installed, namespace):
     """Every rule the operator needs, asked of the API server as the chart's ServiceAccount:
     cluster-wide, and in a namespace the release knows nothing about (all namespaces are watched)."""
