@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune_operator import api, sizing
+from finetune_operator import api
 from finetune_operator.cli import main
 
 from .nodes import gpu_node, gpu_pod
@@ -17,8 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 POOLS = str(ROOT / "examples" / "pools.yaml")
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if p.name != "pools.yaml"
                   and yaml.safe_load(p.read_text()).get("kind") == "FineTuneJob")
-
-pytestmark = pytest.mark.skipif(not hasattr(sizing, "estimate_memory"), reason="sizing.estimate_memory not landed yet")
 
 REQUIRED_KEYS = {"nodePool", "region", "gpuType", "nodes", "gpusPerNode", "strategy", "microBatchSize",
                  "gradientAccumulation", "gradientCheckpointing", "offload", "estimate"}

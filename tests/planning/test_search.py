@@ -363,10 +363,6 @@ def test_to_status_round_trips_through_the_api_model():
 def test_branch_and_bound_matches_exhaustive_with_the_real_memory_model():
     from pathlib import Path
 
-    from finetune_operator import sizing
-
-    if not hasattr(sizing, "estimate_memory"):
-        pytest.skip("sizing.estimate_memory not landed yet")
     pools = load_catalog((Path(__file__).resolve().parents[2] / "examples" / "pools.yaml").read_text())
     policy = ClusterPolicy(allowed_regions=["eu-de-berlin", "eu-fr-paris", "us-east-virginia"])
     rng = random.Random(11)

@@ -129,10 +129,8 @@ def estimate_facts(estimate: Any) -> EstimateFacts:
 
 
 def _default_estimator() -> Estimator:
-    try:
-        from ..sizing import estimate_memory  # type: ignore[attr-defined]
-    except ImportError:  # until the sizing package exports it from its top level
-        from ..sizing.memory import estimate_memory
+    from ..sizing import estimate_memory
+
     return estimate_memory
 
 
