@@ -119,6 +119,11 @@ def matrix() -> list[Case]:
         C("llama-3.1-70b", "lora", batch=1, seq=4096, gc=True, strategy="fsdp", world_size=8),
         C("qwen2.5-7b", "lora", batch=4, seq=1024, gc=True, strategy="fsdp", world_size=4),
         C("llama-3.2-3b", "lora", batch=8, seq=1024, gc=True, strategy="fsdp", world_size=2),
+        # LoRA with dropout 0.05 (the FineTuneJob default)
+        C("llama-3.1-8b", "lora", batch=2, seq=2048, gc=True, dropout=0.05),
+        C("qwen2.5-7b", "lora", batch=1, seq=4096, dropout=0.05),
+        C("phi-3-mini", "lora", batch=2, seq=1024, gc=True, dropout=0.05),
+        C("llama-3.2-1b", "lora", batch=4, seq=2048, strategy="fsdp", world_size=2, dropout=0.05),
     ]
 
 

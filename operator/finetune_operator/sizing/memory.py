@@ -26,7 +26,7 @@ hand-computed cases.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from . import constants as K
@@ -174,6 +174,10 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         saved += c * (2 * q + 2 * kv) + 4 * nh  # q, k, v, output, logsumexp
         if t.fused_qkv:
             saved += c * (q + kv)  # v is a view: the whole fused qkv output stays alive
+        if _sdpa_needs_mask(arch, setup):
+            # With a mask sdpa runs the memory-efficient kernel, which converts the boolean
+            # mask to the compute dtype and saves it for backward: one b x s x s per block.
+            saved += c * s
 
     # MLP.
     if arch.is_moe:
@@ -185,6 +189,11 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         if rg.weights_trainable:
             saved += c * i  # down's input
     return saved, _lora_saved(arch, setup, rg)
+
+
+def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
+    """sdpa gets an explicit mask when a sliding window is shorter than the sequence (flash does windows itself)."""
+    return setup.attention == "sdpa" and arch.sliding_window is not None and setup.sequence_length > arch.sliding_window
 
 
 def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> tuple[float, float]:
@@ -300,9 +309,8 @@ def _static(setup: TrainingSetup, rg: _Regime) -> _Static:
 # ---- the estimate ---------------------------------------------------------------------
 
 
-def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
+def _notes(setup: TrainingSetup) -> list[str]:
     arch = setup.architecture
-    rg = _regime(setup)
     notes: list[str] = []
     if setup.sequence_length > arch.max_position_embeddings:
         notes.append(
@@ -311,151 +319,186 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         )
     if arch.attn_logit_softcapping and setup.attention == "sdpa":
         notes.append("transformers' sdpa rejects attention soft-capping (Gemma 2); estimated as eager")
-        from dataclasses import replace
-
-        setup = replace(setup, attention="eager")
     if setup.method == "qlora" or setup.optimizer != "adamw":
         notes.append("bitsandbytes (qlora / 8-bit optimizers) needs CUDA; derived from storage sizes, not traced")
     if setup.strategy.startswith("zero"):
         notes.append("DeepSpeed ZeRO terms use transformers' 'auto' bucket sizes; derived, not traced")
     if arch.is_moe:
-        notes.append("mixture-of-experts activations assume evenly routed tokens")
+        notes.append("mixture-of-experts activations assume evenly routed tokens; derived, not traced")
+        if setup.method != "full" and setup.lora_dropout > 0:
+            notes.append("peft's expert adapters (all-linear on Mixtral) require lora dropout 0")
+    return notes
 
+
+@dataclass(frozen=True)
+class _Sharding:
+    """Parameters gathered on a GPU at each point of the step, and the gradients in flight."""
+
+    forward: float
+    backward_start: float
+    backward_mid: float
+    backward_end: float
+    optimizer: float
+
+
+def _sharding(setup: TrainingSetup, rg: _Regime, st: _Static) -> _Sharding:
+    arch, n = setup.architecture, setup.world_size
+    block = arch.block_params
+    embed = arch.vocab_size * arch.hidden_size
+    head = 0 if arch.tie_word_embeddings else embed
+    gather_b = rg.compute  # FSDP/ZeRO-3 gather in the compute dtype (param_dtype)
+    full = setup.method == "full"
+    if setup.strategy == "fsdp":
+        # transformers' FSDP plan: the embedding and each block are groups resharded after
+        # forward; the final norm and the head are one group kept gathered from forward to
+        # the end of its backward (tied: the embedding is that group, so it stays gathered
+        # through all of backward with its unsharded gradient).
+        tail = gather_b * (head or embed) + gather_b * arch.hidden_size
+        # Backward holds a block's unsharded gradient in the compute dtype, its fp32 copy
+        # for the reduce-scatter (reduce_dtype fp32) and the reduce-scatter output.
+        grad_flight = (gather_b + 4 + 4 / n) if full else 0.0
+        blocks = 2 * gather_b * block  # the block at work and the prefetched one
+        tied_grad = gather_b * embed if (full and arch.tie_word_embeddings) else 0.0
+        if arch.tie_word_embeddings:
+            end = tail + tied_grad + (4 + 4 / n) * embed * (1 if full else 0)
+        else:
+            end = gather_b * embed + grad_flight * embed
+        return _Sharding(
+            forward=tail,
+            backward_start=tail + gather_b * block + tied_grad,
+            backward_mid=blocks + grad_flight * block + (tail + tied_grad if arch.tie_word_embeddings else 0.0),
+            backward_end=end,
+            optimizer=0.0,
+        )
+    if setup.strategy == "zero3":
+        gathered = 2 * gather_b * block + gather_b * (embed + head)
+        return _Sharding(st.buffers_step + gathered, st.buffers_step + gathered, st.buffers_step + gathered,
+                         st.buffers_step + gathered, st.buffers_step)
+    b = st.buffers_step
+    return _Sharding(b, b, b, b, b)
+
+
+def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
+    """Per-GPU peak allocated bytes of one training step, with the terms at the peak."""
+    arch = setup.architecture
+    notes = _notes(setup)
+    if arch.attn_logit_softcapping and setup.attention == "sdpa":
+        setup = replace(setup, attention="eager")
+    rg = _regime(setup)
     tokens = setup.micro_batch_size * setup.sequence_length
     n = setup.world_size
     st = _static(setup, rg)
-    block_params = arch.block_params
-    lin_params = _linear_params(arch)
-    head_params = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
-    embed_params = arch.vocab_size * arch.hidden_size
-
-    base_pt, lora_pt = _block_saved_bytes_per_token(arch, setup, rg)
+    sh = _sharding(setup, rg, st)
     L = arch.num_layers
+    h = arch.hidden_size
+    embed = arch.vocab_size * h
+    head = 0 if arch.tie_word_embeddings else embed
+
+    # ---- activations ----
+    base_pt, lora_pt = _block_saved_bytes_per_token(arch, setup, rg)
     # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
     shared = 2 * rg.compute * arch.dim_per_head * tokens
     if setup.attention == "eager":
         shared += rg.compute * setup.micro_batch_size * setup.sequence_length ** 2
-    final_norm = _norm_saved(arch, rg) * tokens + rg.compute * arch.hidden_size * tokens
-    embed_out = rg.residual * arch.hidden_size * tokens
+    elif _sdpa_needs_mask(arch, setup):
+        shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
+    # The final norm's saved input and its output (the head's input), the embedding output.
+    around = (_norm_saved(arch, rg) + rg.compute * h + rg.residual * h) * tokens
     one_block = (base_pt + lora_pt) * tokens
     if setup.gradient_checkpointing:
         # Non-reentrant checkpointing keeps each block's input; backward recomputes one block.
-        kept_base = L * rg.residual * arch.hidden_size * tokens
-        kept_lora = 0.0
-        recompute = one_block
+        kept, kept_lora, recompute = L * rg.residual * h * tokens, 0.0, one_block
     else:
-        kept_base = L * base_pt * tokens
-        kept_lora = L * lora_pt * tokens
-        recompute = 0.0
-    activations_fwd = kept_base + shared + final_norm + embed_out
+        kept, kept_lora, recompute = L * base_pt * tokens, L * lora_pt * tokens, 0.0
     logits_fwd_pt, logits_bwd_pt = _logits_bytes(arch, setup, rg)
 
-    # Autocast's cached bf16 copies of fp32 weights: all of them live until the forward ends;
-    # without checkpointing the graph keeps them until each block's backward.
+    # ---- autocast weight copies ----
+    lora_params = 0 if setup.method == "full" else arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
     if rg.autocast_fp32_weights:
-        copies_fwd = 2 * (lin_params + (embed_params if arch.tie_word_embeddings else head_params))
-        copies_bwd_start = copies_fwd if not setup.gradient_checkpointing else 2 * (embed_params if arch.tie_word_embeddings else head_params)
-        copies_bwd_block = 2 * (block_params)
+        # Cached bf16 copies of every fp32 weight: all alive at the end of the forward; without
+        # checkpointing the graph keeps them until each block's backward.
+        head_copy = 2 * (head or embed)
+        copies_fwd = 2 * arch.linear_params + head_copy
+        copies_bwd_start = copies_fwd if not setup.gradient_checkpointing else head_copy
+        copies_block = 2 * arch.block_params
     elif rg.lora and rg.compute == 2:
-        # Autocast's cached bf16 copies of the fp32 adapters.
-        copies_fwd = 2 * arch.lora_trainable_params(setup.lora_rank, setup.lora_targets) / (n if setup.strategy in ("fsdp", "zero3") else 1)
+        # Cached bf16 copies of the fp32 adapters (gathered whole under FSDP).
+        copies_fwd = 2 * lora_params / (n if setup.strategy == "zero3" else 1)
         if rg.qlora:
-            # The frozen fp32 head is cast per call (not cached: it needs no grad) and the
-            # cast is saved for the input gradient.
-            copies_fwd += 2 * embed_params
+            # The frozen fp32 head is cast on every call (not cached: it needs no grad) and
+            # the cast is saved for the input gradient.
+            copies_fwd += 2 * embed
         copies_bwd_start = copies_fwd
-        copies_bwd_block = 0.0
+        copies_block = 0.0
     else:
-        copies_fwd = copies_bwd_start = copies_bwd_block = 0.0
+        copies_fwd = copies_bwd_start = copies_block = 0.0
 
-    # Sharded strategies gather parameters in the compute dtype.
-    gather_b = rg.compute if setup.method == "full" else 2
-    if setup.strategy == "fsdp":
-        root_params = embed_params + head_params + arch.hidden_size
-        # The root group (embeddings, head, final norm) stays gathered from forward through
-        # backward; blocks are gathered one at a time with the next one prefetched.
-        root_gathered = gather_b * root_params
-        blocks_in_flight = 2 * gather_b * block_params
-        # Backward also holds the block's unsharded gradient in the compute dtype, its fp32
-        # copy for the reduce-scatter and the reduce-scatter output.
-        grads_in_flight = (gather_b + 4 + 4 / n) * block_params if setup.method == "full" else 0.0
-        buffers_fwd = root_gathered + blocks_in_flight
-        buffers_bwd = root_gathered + blocks_in_flight + grads_in_flight
-        buffers_opt = 0.0
-    elif setup.strategy == "zero3":
-        buffers_fwd = st.buffers_step + 2 * gather_b * block_params + gather_b * (embed_params + head_params)
-        buffers_bwd = buffers_fwd
-        buffers_opt = st.buffers_step
-    else:
-        buffers_fwd = buffers_bwd = buffers_opt = st.buffers_step
+    dequant = 0.0
     if rg.qlora:
-        # bitsandbytes dequantises a 4-bit weight to the compute dtype for each matmul.
+        # bitsandbytes dequantises each 4-bit weight to the compute dtype for its matmul.
         dequant = 2 * max(l.params // l.experts for l in arch.block_linears())
-        buffers_fwd += dequant
-        buffers_bwd += dequant
 
-    common = {"weights": st.weights, "optimizer": st.optimizer, "master_weights": st.master_weights}
+    static = {"weights": st.weights, "optimizer": st.optimizer, "master_weights": st.master_weights}
     zero = dict.fromkeys(TERMS, 0.0)
 
-    forward = dict(zero, **common)
-    forward["activations"] = activations_fwd
-    forward["lora_activations"] = kept_lora
-    forward["weight_copies"] = copies_fwd
-    forward["logits"] = logits_fwd_pt * tokens
-    forward["buffers"] = buffers_fwd
-    forward["gradients"] = 0.0 if setup.method == "full" and setup.strategy in ("ddp", "fsdp") else (
-        st.gradients if setup.strategy in ("zero1", "zero2", "zero3") and setup.method == "full" and False else 0.0)
+    forward = dict(zero, **static)
+    forward.update(activations=kept + shared + around, lora_activations=kept_lora, weight_copies=copies_fwd,
+                   logits=logits_fwd_pt * tokens, buffers=sh.forward + dequant)
 
-    # Backward, at its start: everything saved is alive and the loss gradient is at its widest.
-    bwd_start = dict(zero, **common)
-    bwd_start["activations"] = activations_fwd - embed_out + recompute * 0
-    bwd_start["lora_activations"] = kept_lora
-    bwd_start["weight_copies"] = copies_bwd_start
-    bwd_start["logits"] = logits_bwd_pt * tokens
-    bwd_start["buffers"] = buffers_bwd
-    # Backward, at its end: every gradient exists; with checkpointing the first block's
-    # recompute is the last one alive.
-    bwd_end = dict(zero, **common)
-    bwd_end["gradients"] = st.gradients
-    bwd_end["buffers"] = buffers_bwd
-    bwd_end["activations"] = recompute + shared
-    bwd_end["weight_copies"] = copies_bwd_block if setup.gradient_checkpointing else 0.0
-    # The embedding's dense gradient is a new V x h fp32 tensor; tied to the head it is
-    # accumulated into the existing gradient, so both exist for a moment.
-    if setup.method == "full" and arch.tie_word_embeddings:
-        bwd_end["gradients"] += 4 * embed_params / (n if setup.strategy in ("fsdp",) else 1) if setup.strategy != "fsdp" else 4 * embed_params
-    backward = max((bwd_start, bwd_end), key=lambda d: sum(d.values()))
+    # Backward at its start: all that forward saved, the loss gradient at its widest.
+    bwd_start = dict(zero, **static)
+    bwd_start.update(activations=kept + shared + around - rg.residual * h * tokens, lora_activations=kept_lora,
+                     weight_copies=copies_bwd_start, logits=logits_bwd_pt * tokens,
+                     buffers=sh.backward_start + dequant)
+    candidates = [bwd_start]
     if setup.gradient_checkpointing:
-        # The middle of backward: one block recomputed on top of the kept inputs, and
-        # the gradients of the blocks after it; bounded above by the larger end.
-        mid = dict(bwd_start)
-        mid["logits"] = 0.0
-        mid["activations"] = bwd_start["activations"] + recompute
-        mid["weight_copies"] = copies_bwd_block + (copies_bwd_start - copies_bwd_block if rg.autocast_fp32_weights else 0.0)
-        if sum(mid.values()) > sum(backward.values()):
-            backward = mid
+        # In the middle: a block recomputed on top of the kept inputs.
+        mid = dict(zero, **static)
+        mid.update(activations=kept + shared + recompute, weight_copies=copies_bwd_start + copies_block,
+                   buffers=sh.backward_mid + dequant)
+        candidates.append(mid)
+    # At its end: every gradient exists. Two moments compete: block 0's backward (its
+    # recompute and weight-gradient transients alive, its own gradients not yet) and the
+    # embedding's backward (all gradients).
+    per_block_grad = st.gradients * arch.block_params / arch.total_params
+    embed_grad = st.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
+    block0 = dict(zero, **static)
+    block0.update(gradients=st.gradients - per_block_grad - embed_grad, activations=recompute + one_block * 0 + shared,
+                  weight_copies=copies_block, buffers=sh.backward_mid + dequant)
+    if setup.method == "full" and not setup.gradient_checkpointing:
+        block0["activations"] = base_pt * tokens + shared  # block 0's own saved tensors, not yet freed
+    if rg.autocast_fp32_weights or (setup.method == "full" and setup.strategy != "fsdp"):
+        # A linear's weight gradient in the compute dtype and its cast to the weight's dtype.
+        block0["gradients"] += (rg.compute + 4) * max(l.params for l in arch.block_linears())
+    candidates.append(block0)
+    bwd_end = dict(zero, **static)
+    grads = st.gradients
+    if setup.method == "full" and arch.tie_word_embeddings and setup.strategy != "fsdp":
+        # Tied: the embedding's dense V x h gradient is added to the head's out of place,
+        # so the old gradient, the new one and their sum exist together for a moment.
+        grads += 2 * 4 * embed
+    bwd_end.update(gradients=grads, buffers=sh.backward_end + dequant)
+    candidates.append(bwd_end)
+    backward = max(candidates, key=lambda d: sum(d.values()))
 
-    optimizer = dict(zero, **common)
-    optimizer["gradients"] = st.gradients
-    optimizer["buffers"] = buffers_opt
+    optimizer = dict(zero, **static)
+    optimizer.update(gradients=st.gradients, buffers=sh.optimizer)
 
     phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
-    totals = {k: sum(v.values()) for k, v in phases.items()}
+    totals = {k: round(sum(v.values())) for k, v in phases.items()}
     peak_phase = max(PHASES, key=lambda k: totals[k])
     breakdown = {k: int(round(v)) for k, v in phases[peak_phase].items()}
     peak = sum(breakdown.values())
 
     reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if n > 1 else 0)
-    required = int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve
-    host = _host_bytes(setup, st)
     return MemoryEstimate(
         peak_allocated_bytes=peak,
-        required_bytes=required,
+        required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
         peak_phase=peak_phase,
         breakdown=breakdown,
-        host_required_bytes=host,
+        host_required_bytes=_host_bytes(setup, st),
         notes=tuple(notes),
-        phase_peaks={k: int(round(v)) for k, v in totals.items()},
+        phase_peaks=totals,
         reserve_bytes=reserve,
     )
 
