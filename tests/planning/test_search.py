@@ -401,3 +401,40 @@ def test_a_plan_survives_a_dump_and_reload():
     broken["gpus"] = 7
     with pytest.raises(ValueError, match="gpus"):
         Plan.model_validate(broken)
+
+
+def test_weights_floor_never_exceeds_the_memory_model():
+    """The search rejects setups whose weights alone do not fit before sizing them: that floor must
+    stay under what the sizing model says, for every preset, method, precision, strategy and offload."""
+    from finetune_operator.planning.search import _Ask, _Group, _weights_floor
+    from finetune_operator.sizing import PRESETS, SizingError, TrainingSetup, estimate_memory
+
+    h100 = pool("h100")
+    checked = 0
+    for arch in PRESETS.values():
+        for method in ("full", "lora", "qlora"):
+            for precision in ("bf16", "fp32"):
+                if method == "qlora" and precision == "fp32":
+                    continue
+                ask = _Ask(arch=arch, method=method, lora_rank=16, lora_targets="all-linear", precision=precision,
+                           optimizer="adamw", attention="sdpa", sequence_length=512, global_batch_size=64, steps=1,
+                           gpus=None, max_gpus=64, strategies=(), offloads=(), checkpointing=(), micro_batch_size=None,
+                           headroom=0.1, node_pool=None, gpu_types=(), regions=(), fixed_strategy=False,
+                           fixed_offload=False, fixed_checkpointing=False)
+                for strategy, offloads in [("ddp", ("none",)), ("zero1", ("none", "optimizer")),
+                                           ("zero2", ("none", "optimizer")), ("fsdp", ("none", "optimizer+params")),
+                                           ("zero3", ("none", "optimizer", "optimizer+params"))]:
+                    for offload in offloads:
+                        for world in (1, 2, 8, 64):
+                            try:
+                                setup = TrainingSetup(architecture=arch, method=method, precision=precision,
+                                                      strategy=strategy, offload=offload, world_size=world,
+                                                      gradient_checkpointing=True, micro_batch_size=1,
+                                                      sequence_length=512)
+                                estimate = estimate_memory(setup)
+                            except SizingError:
+                                continue
+                            group = _Group(h100, world, 1, world, strategy, offload, True, (1,), 1.0, 0, 1, 1.0)
+                            assert _weights_floor(ask, group) <= estimate.required_bytes, (arch.name, setup)
+                            checked += 1
+    assert checked > 2000

@@ -293,6 +293,7 @@ class _Stats:
     rejected: dict[str, int] = field(default_factory=dict)
     closest: tuple[float, _Group, int, int, int] | None = None  # (ratio, group, micro, required, usable)
     closest_host: tuple[float, _Group, int, int] | None = None  # (ratio, group, host needed, host there)
+    closest_floor: tuple[float, _Group] | None = None  # (weights floor / usable, group): not sized
     cheaper_misses: list[tuple[float, _Group, int, int]] = field(default_factory=list)  # (cost, group, required, usable)
     groups: int = 0
     groups_visited: int = 0
@@ -637,7 +638,11 @@ def _largest_fitting_micro(
             stats.reject("setup not supported")
             return None
         stats.reject("host memory" if why == "host" else "GPU memory")
-        if why == "gpu" and first is not None:
+        if why == "gpu" and first is None:  # rejected on the weights alone, without sizing
+            ratio = _weights_floor(ask, group) * calibration / group.usable
+            if stats.closest_floor is None or ratio < stats.closest_floor[0]:
+                stats.closest_floor = (ratio, group)
+        elif why == "gpu" and first is not None:
             required = int(first.required_bytes * calibration)
             ratio = required / group.usable
             if stats.closest is None or ratio < stats.closest[0]:
@@ -663,9 +668,25 @@ def _largest_fitting_micro(
     return None
 
 
+def _weights_floor(ask: _Ask, group: _Group) -> float:
+    """Bytes of weights every GPU holds whatever else it holds: a floor under any estimate.
+
+    Checking it first saves sizing setups whose weights alone do not fit (most of a 70B model's
+    setups on small GPUs). tests/planning/test_search.py checks it stays under the sizing model
+    for every preset, method, strategy and offload.
+    """
+    per_param = 0.5 if ask.method == "qlora" else (4 if ask.precision == "fp32" else 2)
+    floor = per_param * ask.arch.total_params
+    if group.strategy in ("fsdp", "zero3"):
+        return 0.0 if group.offload == "optimizer+params" else floor / group.world
+    return floor
+
+
 def _fit_index(ask: _Ask, group: _Group, probe: Callable[[int], Any], calibration: float
                ) -> tuple[int | None, str | None, EstimateFacts | None]:
     """(index of the largest micro-batch that fits, None) or (None, why the smallest does not, its estimate)."""
+    if _weights_floor(ask, group) * calibration > group.usable:
+        return None, "gpu", None
     first = probe(0)
     if isinstance(first, SizingError):
         return None, "unsupported", None
@@ -853,8 +874,22 @@ def _infeasible(ask: _Ask, all_pools: Sequence[NodePool], considered: Sequence[N
             f"spec.resources.gpus: {ask.gpus} GPUs is more than any allowed pool gives (the most:"
             f" {biggest.name}, {biggest.max_nodes} nodes x {biggest.gpus_per_node} = {biggest.max_gpus})"
         )
-    elif stats.closest is not None:
-        _, group, micro, required, usable = stats.closest
+    elif stats.closest is not None or stats.closest_floor is not None:
+        closest = stats.closest
+        if stats.closest_floor is not None and (closest is None or stats.closest_floor[0] < closest[0]):
+            # Rejected on its weights alone: size it now, for the message.
+            group = stats.closest_floor[1]
+            facts = estimates.get(group.world, group.strategy, group.offload, group.checkpointing, group.micros[0])
+            if not isinstance(facts, SizingError):
+                required = int(facts.required_bytes * calibration)
+                if closest is None or required / group.usable < closest[0]:
+                    closest = (required / group.usable, group, group.micros[0], required, group.usable)
+        assert closest is not None or stats.closest_floor is not None
+        if closest is None:  # the floor's setup could not be sized: say what is known
+            group = stats.closest_floor[1]
+            floor = int(_weights_floor(ask, group) * calibration)
+            closest = (0.0, group, group.micros[0], floor, group.usable)
+        _, group, micro, required, usable = closest
         gpus = "1 GPU" if group.world == 1 else f"{group.world} GPUs"
         parts.append(
             f"needs {_gib(required)} per GPU on {gpus} at best ({_setup_words(group, micro)} on {group.pool.name});"
