@@ -200,3 +200,12 @@ def test_first_pool_label_key_in_policy_order_wins():
     policy = ClusterPolicy(allowed_regions=["eu-de-berlin"], pool_label_keys=["example.com/pool", "karpenter.sh/nodepool"])
     node = gpu_node("n1", pool_labels={"karpenter.sh/nodepool": "default", "example.com/pool": "research"})
     assert discover_pools([node], [], policy)[0].selector == {"example.com/pool": "research"}
+
+
+def test_free_gpus_are_known_per_node():
+    nodes = [gpu_node("a"), gpu_node("b")]
+    pods = [gpu_pod("p1", "a", 4), gpu_pod("p2", "b", 4)]
+    pool = discover_pools(nodes, pods, POLICY)[0]
+    assert pool.free_gpus == 8 and pool.free_gpus_per_node == [4, 4]
+    # Eight GPUs are free, but not on one node.
+    assert pool.fits_now(2, 4) and pool.fits_now(1, 4) and not pool.fits_now(1, 8)

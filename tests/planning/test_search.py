@@ -438,3 +438,12 @@ def test_weights_floor_never_exceeds_the_memory_model():
                             assert _weights_floor(ask, group) <= estimate.required_bytes, (arch.name, setup)
                             checked += 1
     assert checked > 2000
+
+
+def test_free_gpus_scattered_over_nodes_do_not_make_a_one_node_plan_free():
+    scattered = pool("h100", freeGpus=8, freeGpusPerNode=[4, 4])
+    eight = plan(spec(**{"resources.gpus": 8, "resources.strategy": "ddp"}), [scattered])
+    assert isinstance(eight, Plan) and (eight.nodes, eight.gpus_per_node) == (1, 8)
+    assert eight.needs_scale_up and "not 1 node(s) with 8 free each" in eight.reason
+    four = plan(spec(**{"resources.gpus": 4, "resources.strategy": "ddp"}), [scattered])
+    assert four.free_now

@@ -156,6 +156,8 @@ class NodePool(BaseModel):
     """Autoscaling ceiling: most nodes the pool can have."""
     free_gpus: int | None = Field(default=None, ge=0)
     """GPUs free right now (None: unknown, e.g. a catalog pool nobody has looked at)."""
+    free_gpus_per_node: list[int] = []
+    """Free GPUs of each node up now, most first (discovery fills it; empty: only the total is known)."""
     nodes_now: int = Field(default=0, ge=0)
     """Nodes up right now."""
     price_per_gpu_hour: float | None = Field(default=None, ge=0)
@@ -196,6 +198,13 @@ class NodePool(BaseModel):
 
     def summary(self) -> str:
         return f"{self.name} ({self.gpus_per_node} x {self.gpu_type} per node, {self.region})"
+
+    def fits_now(self, nodes: int, gpus_per_node: int) -> bool:
+        """Whether `nodes` nodes with `gpus_per_node` free GPUs each are up now (no scale-up needed)."""
+        if self.free_gpus_per_node:
+            return sum(1 for free in self.free_gpus_per_node if free >= gpus_per_node) >= nodes
+        # Only the total is known: assume it is where it is needed.
+        return self.free_gpus is not None and self.free_gpus >= nodes * gpus_per_node
 
 
 # ---------------------------------------------------------------------------
@@ -569,6 +578,7 @@ def _group(facts: list[_NodeFacts], region_key: str, catalog_regions: Mapping[st
                 gpus_per_node=min(max(f.gpus for f in members), 64),
                 max_nodes=len(members),
                 free_gpus=sum(f.free for f in members),
+                free_gpus_per_node=sorted((f.free for f in members), reverse=True),
                 nodes_now=len(members),
                 intra_node="nvlink" if info is None or info.nvlink else "pcie",
                 host_memory_bytes=min(f.host_memory_bytes for f in members),
@@ -610,6 +620,7 @@ def merge_pools(catalog: Sequence[NodePool], discovered: Sequence[NodePool]) -> 
                     "gpus_per_node": seen.gpus_per_node,
                     "max_nodes": max(pool.max_nodes, seen.nodes_now),
                     "free_gpus": seen.free_gpus,
+                    "free_gpus_per_node": seen.free_gpus_per_node,
                     "nodes_now": seen.nodes_now,
                     "host_memory_bytes": seen.host_memory_bytes or pool.host_memory_bytes,
                     "cpus": seen.cpus or pool.cpus,

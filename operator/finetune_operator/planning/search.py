@@ -553,8 +553,8 @@ def _search(
 
     def candidate(group: _Group, micro: int, facts: EstimateFacts) -> _Candidate:
         seconds, cost = cost_of(group, micro)
-        free = group.pool.free_gpus
-        return _Candidate(group, micro, facts, seconds, cost, free is None or free < group.world, _changes(ask, group))
+        scale_up = not group.pool.fits_now(group.nodes, group.gpus_per_node)
+        return _Candidate(group, micro, facts, seconds, cost, scale_up, _changes(ask, group))
 
     found: list[_Candidate] = []
     if exhaustive:
@@ -586,8 +586,8 @@ def _search(
             # Bounds only grow from here, so the anchor is final. This group matters for the choice
             # only if its tie-break prefix (known before sizing it) and its bound could still beat
             # the leader, and for the runners-up only if its pool has no candidate yet.
-            free = group.pool.free_gpus
-            prefix = (free is None or free < group.world, group.world, group.nodes, len(_changes(ask, group)))
+            prefix = (not group.pool.fits_now(group.nodes, group.gpus_per_node), group.world, group.nodes,
+                      len(_changes(ask, group)))
             could_win = bound <= lowest * (1 + COST_TIE) and prefix + (bound,) <= leader.rank_key()[:5]
             could_place = group.pool.name not in pool_best and runner_up_visits < RUNNER_UP_VISITS
             if not could_win and not could_place:
@@ -805,8 +805,9 @@ def _to_plan(ask: _Ask, winner: _Candidate, others: list[_Candidate], stats: _St
     free_words = (
         f"the pool has {pool.free_gpus} GPUs free now"
         if not winner.needs_scale_up
-        else "the pool must scale up first (" + ("free GPUs unknown" if pool.free_gpus is None
-                                                   else f"{pool.free_gpus} free now, {g.world} needed") + ")"
+        else "the pool must scale up first (" + (
+            "free GPUs unknown" if pool.free_gpus is None
+            else f"{pool.free_gpus} free now, not {g.nodes} node(s) with {g.gpus_per_node} free each") + ")"
     )
     cost_words = f"{hours * g.world:,.1f} GPU-hours" if hours is not None else "cost per step"
     if cost is not None:
