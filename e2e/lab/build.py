@@ -191,14 +191,15 @@ def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, fl
     step(
         "kubernetes (" + ", ".join(c.rsplit("/", 1)[1] for c in k8s_cmds) + ")",
         lambda: _run(
-            ["go", "build", "-trimpath", f"-ldflags={_ldflags_for_kubernetes(v)}", "-o", str(bindir) + "/", *k8s_cmds],
+            ["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags={_ldflags_for_kubernetes(v)}", "-o", str(bindir) + "/", *k8s_cmds],
             TOOLS_DIR, env, log,
         ),
     )
     step(
         "etcd",
         lambda: _run(
-            ["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(bindir / "etcd"), toolsmod.ETCD_COMMAND],
+            ["go", "build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w", "-o", str(bindir / "etcd"),
+             toolsmod.ETCD_COMMAND],
             TOOLS_DIR, env, log,
         ),
     )

@@ -303,7 +303,7 @@ def up(
     lab.log_dir.mkdir(exist_ok=True)
     lab.save()
     try:
-        _bring_up(lab, inst, die_with_parent, say, start_fake_gpu)
+        _bring_up(lab, inst, say, start_fake_gpu)
     except BaseException:
         say(f"start failed; stopping what was started (logs kept in {lab.log_dir})")
         lab.down(keep_workdir=True)
@@ -312,7 +312,7 @@ def up(
     return lab
 
 
-def _bring_up(lab: Lab, inst: Installation, die_with_parent: bool, say, start_fake_gpu: bool) -> None:
+def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
     p = lab.ports
     pki = lab_pki.make_lab_pki(lab.pki_dir, SERVICE_IP)
     kubeconfigs = _component_kubeconfigs(lab)
@@ -388,6 +388,8 @@ def _bring_up(lab: Lab, inst: Installation, die_with_parent: bool, say, start_fa
         f"--manage-nodes-with-annotation-selector={lab_nodes.KWOK_ANNOTATION}={lab_nodes.KWOK_ANNOTATION_VALUE}",
         f"--server-address=127.0.0.1:{p['kwok']}",
         "--node-lease-duration-seconds=40",
+        # Fake pod IPs (data only, nothing routes to them); a /16 so a long run cannot exhaust it.
+        "--cidr=10.244.0.1/16",
     ])
 
     from kubernetes import client
