@@ -293,6 +293,31 @@ def up(
         raise LabNotBuilt("the lab's binaries are not built: run `python -m e2e.lab build` (or e2e/lab/build.sh)")
     t0 = time.monotonic()
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="finetune-lab-"))
+    # Ports are picked free and released before the components bind them; another lab
+    # starting at the same moment can take one in between. That shows as "address already in
+    # use" and is worth one more try on fresh ports; anything else is a real failure.
+    for attempt in (1, 2):
+        lab = _prepare(workdir, inst, die_with_parent)
+        try:
+            _bring_up(lab, inst, say, start_fake_gpu)
+            break
+        except LabStartError as exc:
+            say(f"start failed; stopping what was started (logs kept in {lab.log_dir})")
+            lab.down(keep_workdir=True)
+            if attempt == 1 and "address already in use" in str(exc):
+                say("a port was taken meanwhile; starting again on fresh ports")
+                shutil.rmtree(workdir, ignore_errors=True)
+                continue
+            raise
+        except BaseException:
+            say(f"start failed; stopping what was started (logs kept in {lab.log_dir})")
+            lab.down(keep_workdir=True)
+            raise
+    say(f"lab ready in {time.monotonic() - t0:.1f}s: KUBECONFIG={lab.kubeconfig}")
+    return lab
+
+
+def _prepare(workdir: Path, inst: Installation, die_with_parent: bool) -> Lab:
     workdir.mkdir(parents=True, exist_ok=True)
     ports = free_ports(
         ["etcd", "etcd-peer", "apiserver", "scheduler", "controller-manager", "kwok",
@@ -302,13 +327,6 @@ def up(
               die_with_parent=die_with_parent)
     lab.log_dir.mkdir(exist_ok=True)
     lab.save()
-    try:
-        _bring_up(lab, inst, say, start_fake_gpu)
-    except BaseException:
-        say(f"start failed; stopping what was started (logs kept in {lab.log_dir})")
-        lab.down(keep_workdir=True)
-        raise
-    say(f"lab ready in {time.monotonic() - t0:.1f}s: KUBECONFIG={lab.kubeconfig}")
     return lab
 
 
