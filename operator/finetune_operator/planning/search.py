@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .. import api
-from ..sizing import ModelArchitecture, PRESETS, SizingError, TrainingSetup
+from ..sizing import ModelArchitecture, SizingError, TrainingSetup
 from .plan import Infeasible, Plan, PlanKey, PlanningResult, plan_key_of
 from .policy import ClusterPolicy
 from .pools import GiB, NodePool, same_gpu_type
