@@ -11,7 +11,11 @@ as a local process with the chart's ServiceAccount in the operator scenarios (e2
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -302,6 +306,102 @@ def test_upgrade_with_bad_values_is_rejected_and_changes_nothing(lab, helm, inst
                 "--set", "policy.defaultMemoryHeadroom=0.9", check=False)
     assert proc.returncode != 0 and "/policy/defaultMemoryHeadroom" in proc.stderr, proc.stderr
     assert json.loads(helm("history", release, "--namespace", ns, "-o", "json").stdout) == history
+
+
+# ---- the operator, run the way the chart's Deployment runs it ---------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _healthz(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            return b" 200 " in sock.recv(64)
+    except OSError:
+        return False
+
+
+class Replica:
+    """One replica of the Deployment as a local process: the container's args (ports made free),
+    authenticated with a bound token of the chart's ServiceAccount."""
+
+    def __init__(self, args: list[str], kubeconfig: Path, namespace: str, log: Path) -> None:
+        args = list(args)
+        self.health_port = _free_port()
+        args[args.index("--health-port") + 1] = str(self.health_port)
+        args[args.index("--metrics-port") + 1] = str(_free_port())
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_NAMESPACE=namespace, PYTHONUNBUFFERED="1")
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "finetune_operator.cli", *args, "--kubeconfig", str(kubeconfig)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def healthy(self) -> bool:
+        assert self.proc.poll() is None, f"the operator exited with {self.proc.returncode}:\n{self.text()[-3000:]}"
+        return _healthz(self.health_port)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_account(
+        lab, helm, chart_crds, tmp_path):
+    """The Deployment's command line, twice, as the chart's ServiceAccount: both serve /healthz, both
+    announce themselves in the chart's ClusterKopfPeering, one pauses for the other, no request is
+    forbidden, and a policy-only `helm upgrade` reaches the running operator without a restart."""
+    ns = _make_namespace(lab, "chart-run")
+    release = f"ftr-{uuid.uuid4().hex[:5]}"
+    full = f"{release}-finetune-operator"
+    peering = f"chart-e2e-{uuid.uuid4().hex[:5]}"
+    replicas: list[Replica] = []
+    try:
+        helm("install", release, str(CHART), "--namespace", ns, "--set", f"peering.name={peering}",
+             "--set", "logFormat=plain")
+        deploy = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
+        args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+        kubeconfig = lab.service_account_kubeconfig(ns, full, path=tmp_path / "sa.kubeconfig")
+        for i in range(deploy["spec"]["replicas"]):
+            replicas.append(Replica(args, kubeconfig, ns, tmp_path / f"replica-{i}.log"))
+            wait_for(replicas[-1].healthy, 90, f"replica {i}'s /healthz")
+
+        def peers() -> dict:
+            status = _kubectl_json(lab, "get", "clusterkopfpeering", peering).get("status") or {}
+            return {k: v for k, v in status.items() if v}
+
+        wait_for(lambda: len(peers()) == 2, 60, "both replicas in the ClusterKopfPeering")
+        wait_for(lambda: sum("Pausing operations in favour of" in r.text() for r in replicas) == 1, 60,
+                 "one replica to pause for the other")
+
+        helm("upgrade", release, str(CHART), "--namespace", ns, "--reuse-values",
+             "--set", "policy.allowedRegions={eu-fr-paris}")
+        wait_for(lambda: any("policy reloaded" in r.text() and "eu-fr-paris" in r.text() for r in replicas), 60,
+                 "the active replica to reload the policy")
+        after = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
+        assert after["metadata"]["generation"] == deploy["metadata"]["generation"]
+        for replica in replicas:
+            assert replica.proc.poll() is None, replica.text()[-3000:]
+            text = replica.text()
+            assert "forbidden" not in text.lower() and " 403" not in text, text[-3000:]
+    finally:
+        for replica in replicas:
+            replica.stop()
+        helm("uninstall", release, "--namespace", ns, check=False)
+        lab.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 # ---- a namespaced install, and uninstall ---------------------------------------------------------
