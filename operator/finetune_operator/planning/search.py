@@ -438,12 +438,17 @@ def _pools_for(ask: _Ask, pools: Sequence[NodePool]) -> tuple[list[NodePool], In
 # ---------------------------------------------------------------------------
 
 
-def _split(world: int, pool: NodePool) -> tuple[int, int] | None:
-    """The fewest nodes that hold `world` GPUs evenly: (nodes, gpus per node)."""
-    for nodes in range(max(1, -(-world // pool.gpus_per_node)), pool.max_nodes + 1):
-        if world % nodes == 0 and world // nodes <= pool.gpus_per_node:
-            return nodes, world // nodes
-    return None
+def _splits(world: int, pool: NodePool) -> list[tuple[int, int]]:
+    """Every even way to place `world` GPUs on the pool's nodes, fewest nodes first: (nodes, GPUs per node).
+
+    More nodes than needed cost cross-node traffic, but they spread the per-pod host memory
+    (every rank loads the model) and free GPUs scattered over nodes; the search weighs that.
+    """
+    return [
+        (nodes, world // nodes)
+        for nodes in range(max(1, -(-world // pool.gpus_per_node)), min(world, pool.max_nodes) + 1)
+        if world % nodes == 0
+    ]
 
 
 def _divisors(n: int) -> list[int]:
@@ -482,18 +487,19 @@ def _groups(ask: _Ask, pools: Sequence[NodePool], stats: _Stats) -> list[_Group]
             if not micros:
                 stats.reject("micro-batch does not divide globalBatchSize / GPUs")
                 continue
-            split = _split(world, pool)
-            if split is None:
+            splits = _splits(world, pool)
+            if not splits:
                 stats.reject("GPU count does not split evenly over the pool's nodes")
                 continue
-            for strategy in ask.strategies:
-                for offload in _STRATEGY_OFFLOADS[strategy]:
-                    if offload not in ask.offloads:
-                        continue
-                    for ckpt in ask.checkpointing:
-                        groups.append(_Group(pool, world, split[0], split[1], strategy, offload, ckpt, micros, price,
-                                             order, usable, tflops))
-                        order += 1
+            for nodes, per_node in splits:
+                for strategy in ask.strategies:
+                    for offload in _STRATEGY_OFFLOADS[strategy]:
+                        if offload not in ask.offloads:
+                            continue
+                        for ckpt in ask.checkpointing:
+                            groups.append(_Group(pool, world, nodes, per_node, strategy, offload, ckpt, micros, price,
+                                                 order, usable, tflops))
+                            order += 1
     stats.groups = len(groups)
     return groups
 
@@ -537,7 +543,7 @@ def _search(
     shared: dict[tuple, tuple[float, float]] = {}
 
     def cost_of(group: _Group, micro: int) -> tuple[float, float]:
-        key = (id(group.pool), group.world, group.strategy, group.checkpointing, micro)
+        key = (id(group.pool), group.nodes, group.gpus_per_node, group.strategy, group.checkpointing, micro)
         parts = shared.get(key)
         if parts is None:
             parts = shared[key] = compute_and_communication(
@@ -545,7 +551,7 @@ def _search(
                 gradient_checkpointing=group.checkpointing, micro_batch_size=micro, tflops=group.tflops,
             )
         transfers, cpu_step = offload_costs(
-            work, nodes=group.nodes, gpus_per_node=group.gpus_per_node, offload=group.offload,
+            work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, offload=group.offload,
             gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
         )
         seconds = combine(parts[0], parts[1], transfers, cpu_step)

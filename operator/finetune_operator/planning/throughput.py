@@ -23,13 +23,13 @@ Communication (per optimizer step, bytes each GPU moves, ring collectives)
       reduce-scatter of the trainable gradients: (2 + ckpt) x P + G bytes.
   Within a node the traffic runs over NVLink or PCIe (`INTRA_NODE_GBYTES`); across nodes
   the hierarchical collectives move (nodes-1)/nodes of it over each node's network link
-  (the pool's `interNodeGbps`). Half of the compute time hides communication
+  (the pool's `interNodeGbps`, of which a job gets the share of the GPUs it uses per node). Half of the compute time hides communication
   (`COMM_OVERLAP`); the rest is exposed.
 Offload (DeepSpeed ZeRO-Offload / ZeRO-Infinity, FSDP CPUOffload)
   optimizer: each optimizer step moves the rank's shard of the trainable gradients to the
       host and the updated weights back over PCIe (`PCIE_GBYTES` per GPU), and the CPU runs
-      Adam on the node's share of the trainable parameters (`CPU_ADAM_PARAMS_PER_SECOND`
-      per node). The CPU step does not overlap with the GPU.
+      Adam on the rank's shard with the pod's share of the node's cores
+      (`CPU_ADAM_PARAMS_PER_CORE_SECOND`). The CPU step does not overlap with the GPU.
   optimizer+params: in addition, every micro-step streams the rank's shard of the weights
       from the host for each all-gather (forward, backward, and the recompute) and its
       gradient shard back.
@@ -49,7 +49,9 @@ MICRO_BATCH_HALF_TOKENS = 512
 QLORA_EFFICIENCY = 0.70
 FP32_RATE = 0.5
 PCIE_GBYTES = 20.0  # achieved host<->GPU bandwidth per GPU (PCIe 4/5 x16, pinned buffers), GB/s
-CPU_ADAM_PARAMS_PER_SECOND = 2e9  # DeepSpeed CPUAdam (AVX-512) on a ~100-core training node
+# DeepSpeed CPUAdam (AVX-512): about 2e9 parameters/s on a ~100-core training node.
+CPU_ADAM_PARAMS_PER_CORE_SECOND = 2e7
+DEFAULT_NODE_CPUS = 96  # when the pool does not say
 INTRA_NODE_GBYTES = {"nvlink": 200.0, "pcie": 20.0}  # achieved collective bandwidth per GPU, GB/s
 COMM_OVERLAP = 0.5
 
@@ -147,13 +149,17 @@ def compute_and_communication(
         if gpus_per_node > 1:
             communication += volume * (gpus_per_node - 1) / gpus_per_node / (INTRA_NODE_GBYTES[pool.intra_node] * 1e9)
         if nodes > 1:
-            link = max(pool.inter_node_gbps, 1.0) / 8 * 1e9
+            # Training nodes give each GPU its own NIC (rail-optimised): a job using k of a node's
+            # GPUs gets k of its links, however few GPUs it puts on each node.
+            share = gpus_per_node / pool.gpus_per_node
+            link = max(pool.inter_node_gbps, 1.0) * share / 8 * 1e9
             communication += volume * (nodes - 1) / nodes / link
     return compute, communication
 
 
 def offload_costs(
     work: JobWork,
+    pool: NodePool,
     *,
     nodes: int,
     gpus_per_node: int,
@@ -168,7 +174,9 @@ def offload_costs(
     pcie = PCIE_GBYTES * 1e9
     # Gradients down, updated bf16/fp32 weights up: the rank's shard of the trainable state.
     transfers = 2 * work.grad_bytes / world / pcie
-    cpu_step = work.trainable_params / nodes / CPU_ADAM_PARAMS_PER_SECOND
+    # Each rank updates its shard on its pod's cores: the node's cores shared out per GPU.
+    cores_per_gpu = (pool.cpus or DEFAULT_NODE_CPUS) / pool.gpus_per_node
+    cpu_step = work.trainable_params / world / (cores_per_gpu * CPU_ADAM_PARAMS_PER_CORE_SECOND)
     if offload == "optimizer+params":
         gathers = 3 if gradient_checkpointing else 2
         per_micro_step = (gathers * work.weight_bytes + work.grad_bytes) / world / pcie
@@ -202,7 +210,7 @@ def step_seconds(
         gradient_checkpointing=gradient_checkpointing, micro_batch_size=micro_batch_size, tflops=tflops,
     )
     transfers, cpu_step = offload_costs(
-        work, nodes=nodes, gpus_per_node=gpus_per_node, offload=offload,
+        work, pool, nodes=nodes, gpus_per_node=gpus_per_node, offload=offload,
         gradient_checkpointing=gradient_checkpointing, micro_batch_size=micro_batch_size,
     )
     return combine(compute, communication, transfers, cpu_step)
