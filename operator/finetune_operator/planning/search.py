@@ -3,8 +3,9 @@
 The space
   pool (in the allowed regions, of an allowed GPU type, or the one the job names)
   x GPUs W (divides globalBatchSize, at most maxGPUs and the pool's ceiling; or the fixed
-    count), on the fewest nodes that hold W GPUs evenly (a plan never spreads over more
-    nodes than it must: more nodes only add cross-node traffic)
+    count), split evenly over nodes (nodes x GPUs per node, within the pool's ceiling and
+    node size: more nodes add cross-node traffic but spread the per-pod host memory and can
+    use free GPUs scattered over nodes)
   x strategy (ddp, fsdp, zero1-3) x offload (none, optimizer, optimizer+params, where the
     strategy can) x gradient checkpointing (off, on) x micro-batch (divisors of
     globalBatchSize / W, so that micro x accumulation x W = globalBatchSize exactly).
