@@ -1,0 +1,66 @@
+"""Where an attempt starts and stops: steps and samples across changed batch shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune_trainer.checkpointing import Checkpoint, CheckpointMeta
+from finetune_trainer.contract import TrainerConfig
+from finetune_trainer.run import plan_run, usable_checkpoint
+
+
+def config(**over) -> TrainerConfig:
+    doc = {"jobName": "j", "model": {"path": "/m"}, "dataset": {"path": "/d"}, "outputDirectory": "/o",
+           "microBatchSize": 4, "gradientAccumulation": 2, "epochs": 2}
+    doc.update(over)
+    return TrainerConfig.model_validate(doc)
+
+
+def checkpoint(step: int, samples: int, **over) -> Checkpoint:
+    fields = dict(step=step, samples_consumed=samples, world_size=2, strategy="ddp", method="lora",
+                  format="dcp", micro_batch_size=4, gradient_accumulation=2, attempt=1)
+    fields.update(over)
+    return Checkpoint(Path("/ckpt/x"), CheckpointMeta(**fields))
+
+
+def test_epochs_become_steps_of_the_global_batch():
+    plan = plan_run(config(), num_examples=100, world=2, checkpoint=None)
+    assert plan.global_batch == 16 and plan.max_steps == 13  # ceil(200 / 16)
+    assert plan.start_step == 0 and plan.resume_from is None
+
+
+def test_resume_with_a_smaller_global_batch_finishes_the_same_samples():
+    # 10 steps of 16 consumed 160 of 200 samples; now 1 GPU, micro-batch 2, accumulation 2.
+    plan = plan_run(config(microBatchSize=2, gradientAccumulation=2), num_examples=100, world=1,
+                    checkpoint=checkpoint(10, 160))
+    assert plan.global_batch == 4
+    assert (plan.start_step, plan.start_samples, plan.max_steps) == (10, 160, 20)
+    assert plan.restore_optimizer
+
+
+def test_max_steps_stay_steps():
+    plan = plan_run(config(epochs=None, maxSteps=50), num_examples=100, world=4, checkpoint=checkpoint(20, 320))
+    assert (plan.start_step, plan.max_steps) == (20, 50)
+
+
+@pytest.mark.parametrize(
+    "strategy, world, restores",
+    [("fsdp", 8, True), ("ddp", 1, True), ("zero3", 2, False)],
+)
+def test_which_resumes_carry_the_optimizer(strategy, world, restores):
+    deepspeed = {"zero_optimization": {"stage": 3}} if strategy == "zero3" else None
+    cfg = config(strategy=strategy, deepspeed=deepspeed)
+    assert plan_run(cfg, 100, world, checkpoint(4, 64)).restore_optimizer is restores
+
+
+def test_checkpoint_of_another_method_is_not_used(tmp_path):
+    root = tmp_path / "ckpt"
+    folder = root / "step-00000004"
+    folder.mkdir(parents=True)
+    meta = checkpoint(4, 64).meta
+    (folder / "meta.json").write_text(meta.to_json())
+    ckpt = {"directory": str(root)}
+    assert usable_checkpoint(config(method="qlora", checkpoint=ckpt)).meta.step == 4  # adapters fit
+    assert usable_checkpoint(config(method="full", checkpoint=ckpt)) is None
