@@ -184,13 +184,15 @@ def train(cfg: TrainerConfig) -> None:
                      CheckpointCallback(trainer, cfg, plan, faults), progress):
         trainer.add_callback(callback)
 
-    PROGRESS.enter(Phase.FORWARD, plan.start_step + 1)
+    # Until the first forward, train() wraps the model and builds the optimizer (and
+    # DeepSpeed's partitions): memory for those counts as loading.
+    PROGRESS.enter(Phase.LOAD, plan.start_step)
     result = trainer.train()
 
     PROGRESS.enter(Phase.CHECKPOINT, trainer.state.global_step)
     trainer.save_model(cfg.output_directory)
     elapsed = time.time() - started
-    tokens = progress._global_tokens()
+    tokens = progress.global_tokens()
     if trainer.is_world_process_zero():
         from .training import memory_fields
 

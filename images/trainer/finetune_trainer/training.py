@@ -37,7 +37,13 @@ class FineTuneTrainer(Trainer):
     def __init__(self, *args, faults: FaultInjector, **kwargs):
         super().__init__(*args, **kwargs)
         self.faults = faults
-        self.tokens_seen = 0  # this rank, this attempt
+        # Tokens this rank processed this attempt, kept on the device: reading it every
+        # micro-batch would synchronise with the GPU.
+        self._tokens = None
+
+    @property
+    def tokens_seen(self) -> int:
+        return 0 if self._tokens is None else int(self._tokens)
 
     def _get_train_sampler(self, train_dataset=None):
         # The dataset is already in the run's seeded order, starting where the last
@@ -48,7 +54,8 @@ class FineTuneTrainer(Trainer):
         step = self.state.global_step + 1
         PROGRESS.enter(Phase.FORWARD, step)
         self.faults.maybe_fire(Phase.FORWARD, step)
-        self.tokens_seen += int(inputs["attention_mask"].sum())
+        count = inputs["attention_mask"].sum()
+        self._tokens = count if self._tokens is None else self._tokens + count
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
@@ -161,7 +168,7 @@ class ProgressCallback(TrainerCallback):
         # Throughput counts training, not loading.
         self.last_time = time.time()
 
-    def _global_tokens(self) -> int:
+    def global_tokens(self) -> int:
         import torch.distributed as dist
 
         tokens = torch.tensor([self.trainer.tokens_seen], dtype=torch.float64)
@@ -175,7 +182,7 @@ class ProgressCallback(TrainerCallback):
         logs = logs or {}
         if "loss" not in logs:
             return
-        tokens = self._global_tokens()
+        tokens = self.global_tokens()
         now = time.time()
         rate = (tokens - self.last_tokens) / max(now - self.last_time, 1e-9)
         self.last_time, self.last_tokens = now, tokens
