@@ -48,6 +48,9 @@ CONTROLLERS = (
     "namespace-controller",
     "serviceaccount-controller",
     "root-ca-certificate-publisher-controller",
+    # Binds the PersistentVolumes that e2e scenarios pre-create for a job's model/data/checkpoint claims;
+    # the scheduler will not place a pod whose claims are unbound.
+    "persistentvolume-binder-controller",
 )
 
 

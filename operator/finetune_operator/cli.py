@@ -111,9 +111,6 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     from . import handlers
 
-    if args.kubeconfig:
-        # kopf and our client both read it from here, so they act as the same user.
-        os.environ["KUBECONFIG"] = args.kubeconfig
     kopf.configure(
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN,
         verbose=args.log_level == "debug",

@@ -120,11 +120,20 @@ class _Converter:
             if not keep_defaults:
                 del out["default"]
             elif isinstance(out["default"], dict):
-                # An object default: let the API server fill the nested scalar defaults.
-                out["default"] = {}
+                # The whole default object, spelled out: the API server checks a default
+                # against the CEL rules as it is, without filling its nested defaults first.
+                out["default"] = _without_nulls(out["default"])
         if "required" in out and not out["required"]:
             del out["required"]
         return _ordered(out)
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 _FIRST_KEYS = ("type", "description", "default", "enum", "x-kubernetes-int-or-string", "anyOf")

@@ -118,6 +118,29 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     log.info("started: %d allowed regions, %d catalog pools", len(RUNTIME.policy.get().allowed_regions), len(RUNTIME.policy.get().catalog))
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf and our own client act as the same user: the given kubeconfig, or the pod's ServiceAccount."""
+    options = RUNTIME.options
+    if not options.kubeconfig:
+        return kopf.login_via_client(**kwargs)
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
+    keys = cfg.api_key or {}
+    # The client library files the token under "BearerToken" (older releases: "authorization").
+    authorization = keys.get("BearerToken") or keys.get("authorization") or ""
+    scheme, _, token = authorization.partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
 @kopf.on.cleanup()
 def shutdown(**_: Any) -> None:
     if RUNTIME.queue is not None:

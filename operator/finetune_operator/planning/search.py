@@ -317,6 +317,14 @@ def _plan(spec, pools, policy, exclude, calibration, architecture, estimator, *,
         ask.arch, method=ask.method, lora_rank=ask.lora_rank, lora_targets=ask.lora_targets, precision=ask.precision,
         sequence_length=ask.sequence_length, global_batch_size=ask.global_batch_size,
     )
+    if not ask.regions:
+        wanted = ", ".join(spec.placement.regions)
+        allowed = ", ".join(policy.allowed_regions) or "none"
+        return Infeasible(
+            message=f"no region is allowed: spec.placement.regions ({wanted}) and the cluster policy's"
+            f" allowed regions ({allowed}) have no region in common",
+            allowed_regions=[],
+        )
     considered, no_pool = _pools_for(ask, pools)
     if no_pool is not None:
         return no_pool
