@@ -359,19 +359,23 @@ class Replica:
                 self.proc.wait(timeout=10)
 
 
+@pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
 def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_account(
-        lab, helm, chart_crds, tmp_path):
+        lab, helm, chart_crds, tmp_path, mode):
     """The Deployment's command line, twice, as the chart's ServiceAccount: both serve /healthz, both
-    announce themselves in the chart's ClusterKopfPeering, one pauses for the other, no request is
+    announce themselves in the chart's peering object(s), one pauses for the other, no request is
     forbidden, and a policy-only `helm upgrade` reaches the running operator without a restart."""
     ns = _make_namespace(lab, "chart-run")
+    watched = [_make_namespace(lab, p) for p in ("chart-run-a", "chart-run-b")] if mode == "namespaced" else []
     release = f"ftr-{uuid.uuid4().hex[:5]}"
     full = f"{release}-finetune-operator"
     peering = f"chart-e2e-{uuid.uuid4().hex[:5]}"
+    values = {"peering": {"name": peering}, "logFormat": "plain"}
+    if watched:
+        values["watch"] = {"allNamespaces": False, "namespaces": watched}
     replicas: list[Replica] = []
     try:
-        helm("install", release, str(CHART), "--namespace", ns, "--set", f"peering.name={peering}",
-             "--set", "logFormat=plain")
+        helm("install", release, str(CHART), "--namespace", ns, "--values", helm.values_file(tmp_path, values))
         deploy = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
         args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
         kubeconfig = lab.service_account_kubeconfig(ns, full, path=tmp_path / "sa.kubeconfig")
@@ -379,29 +383,43 @@ def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_accou
             replicas.append(Replica(args, kubeconfig, ns, tmp_path / f"replica-{i}.log"))
             wait_for(replicas[-1].healthy, 90, f"replica {i}'s /healthz")
 
-        def peers() -> dict:
-            status = _kubectl_json(lab, "get", "clusterkopfpeering", peering).get("status") or {}
-            return {k: v for k, v in status.items() if v}
+        def live_peers(*where: str) -> int:
+            status = _kubectl_json(lab, "get", *where).get("status") or {}
+            return sum(1 for v in status.values() if v)
 
-        wait_for(lambda: len(peers()) == 2, 60, "both replicas in the ClusterKopfPeering")
+        objects = ([("kopfpeering", peering, "-n", w) for w in watched] if watched
+                   else [("clusterkopfpeering", peering)])
+        for obj in objects:
+            wait_for(lambda: live_peers(*obj) == 2, 60, f"both replicas in {' '.join(obj)}")
         wait_for(lambda: sum("Pausing operations in favour of" in r.text() for r in replicas) == 1, 60,
                  "one replica to pause for the other")
 
         helm("upgrade", release, str(CHART), "--namespace", ns, "--reuse-values",
              "--set", "policy.allowedRegions={eu-fr-paris}")
-        wait_for(lambda: any("policy reloaded" in r.text() and "eu-fr-paris" in r.text() for r in replicas), 60,
-                 "the active replica to reload the policy")
         after = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
         assert after["metadata"]["generation"] == deploy["metadata"]["generation"]
         for replica in replicas:
             assert replica.proc.poll() is None, replica.text()[-3000:]
             text = replica.text()
             assert "forbidden" not in text.lower() and " 403" not in text, text[-3000:]
+
+        def reloaded() -> bool:
+            return any("policy reloaded" in r.text() and "eu-fr-paris" in r.text() for r in replicas)
+
+        if mode == "namespaced":
+            try:
+                wait_for(reloaded, 20, "the active replica to reload the policy")
+            except TimeoutError:
+                pytest.xfail("known: watching a list of namespaces, the operator watches the policy ConfigMap "
+                             "through kopf, which serves only those namespaces, so a policy change in the "
+                             "release namespace is not seen until a restart")
+        else:
+            wait_for(reloaded, 60, "the active replica to reload the policy")
     finally:
         for replica in replicas:
             replica.stop()
         helm("uninstall", release, "--namespace", ns, check=False)
-        lab.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        lab.kubectl("delete", "namespace", ns, *watched, "--wait=false", check=False)
 
 
 # ---- a namespaced install, and uninstall ---------------------------------------------------------
