@@ -60,9 +60,13 @@ class Cluster:
                 return None
             raise
 
-    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status})
+    def replace_job_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        """Write the whole status (a PUT, not a merge: cleared fields must go), guarded by
+        resourceVersion, so a reconcile that read a stale job gets a 409 and runs again."""
+        meta = body["metadata"]
+        updated = dict(body, status=status)
+        self.custom.replace_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"], updated)
 
     # -- the attempt's objects ---------------------------------------------
     def get_pytorch_job(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -245,10 +249,10 @@ class Reconciler:
 
     def _apply(self, body: dict[str, Any], decision: lifecycle.Decision) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        status = decision.status.model_dump(mode="json", by_alias=True, exclude_none=True)
+        self.cluster.replace_job_status(body, status)
         for ref in decision.delete:
             self.cluster.delete(namespace, ref)
-        status = decision.status.model_dump(mode="json", by_alias=True, exclude_none=True)
-        self.cluster.patch_job_status(namespace, name, status)
         for obj in decision.create:
             self.cluster.create(namespace, obj)
         if decision.set_suspend is not None and decision.status.current_attempt is not None:
@@ -352,8 +356,11 @@ class WorkQueue:
             try:
                 delay = self._handle(key)
             except ApiException as error:
-                log.warning("reconcile %s/%s: API error %s %s; retrying", *key, error.status, error.reason)
-                delay = 5.0
+                if error.status == 409:  # the job changed under us: read it again now
+                    delay = 0.0
+                else:
+                    log.warning("reconcile %s/%s: API error %s %s; retrying", *key, error.status, error.reason)
+                    delay = 5.0
             except Exception:  # a bug must not kill the worker; the job is retried with backoff
                 log.exception("reconcile %s/%s failed; retrying", *key)
                 delay = 30.0

@@ -202,6 +202,10 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
     set_condition(status, api.COND_PLANNED, "True", "Planned", plan.reason or plan.summary(), now, generation)
     set_condition(status, api.COND_RUNNING, "False", "Launching", f"attempt {attempt}: creating {rendered.pytorch_job['metadata']['name']}", now, generation)
     decision.create = [rendered.config_map, rendered.pytorch_job]
+    if attempt > 1:
+        # Normally gone already; after a crash between the status write and the delete it is not.
+        previous = attempt_name(job.metadata.name, attempt - 1)
+        decision.delete = [ObjectRef("kubeflow.org/v1", "PyTorchJob", previous), ObjectRef("v1", "ConfigMap", previous)]
     decision.events.append(Event("Normal", "Planned" if attempt == 1 else "Relaunched", f"attempt {attempt}: {plan.summary()}. {note}"))
     decision.requeue_after = RESYNC_SECONDS
     return decision
