@@ -148,7 +148,7 @@ def test_labels_owner_queue_and_suspend(lora_job):
             {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob", "name": "demo", "uid": "0b9d-uid",
              "controller": True, "blockOwnerDeletion": True}
         ]
-    assert rendered.pytorch_job["spec"]["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "None", "suspend": True}
+    assert rendered.pytorch_job["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "suspend": True}
 
 
 def test_no_uid_no_owner_no_queue(lora_job):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -11,7 +12,14 @@ class _ManifestDumper(yaml.SafeDumper):
     """Multi-line strings (the trainer's config.json) as literal blocks instead of escaped one-liners."""
 
 
+# Characters YAML readers take as line breaks (or drop) but PyYAML's emitter writes raw when
+# allow_unicode is on: a string holding one is written double-quoted, where they are escaped.
+_RAW_UNSAFE = re.compile("[\x85\u2028\u2029\ufeff]")
+
+
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if _RAW_UNSAFE.search(value):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
     if "\n" in value:
         # PyYAML falls back to a quoted scalar by itself when a block cannot hold the text exactly.
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
