@@ -161,3 +161,37 @@ def test_configmap_architecture_is_read(lab, operator, namespace):
     # bf16 weights of a 1.2B model (about 2.3 GiB), not those of the 8B preset (15 GiB).
     assert 2.0 < plan["breakdown"]["weights"] < 3.0, plan["breakdown"]
     print(f"scenario configMapRef architecture: {h.elapsed(start)}")
+
+
+def test_suspend_and_resume(lab, operator, namespace):
+    start = time.monotonic()
+    job = _fast(h.job_from_example("llama-8b-lora.yaml", "pausable", namespace, rule={"run-duration": "4s"}))
+    h.apply_job(lab, job)
+    wait_for(lambda: h.pytorch_jobs(lab, namespace, "pausable"), 60, "the PyTorchJob")
+    lab.kubectl("patch", "ftj", "pausable", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    h.wait_phase(lab, namespace, "pausable", ("Suspended",), timeout=60)
+    wait_for(lambda: h.pytorch_jobs(lab, namespace, "pausable")[0]["spec"]["runPolicy"].get("suspend") is True,
+             30, "runPolicy.suspend on the PyTorchJob")
+    wait_for(lambda: not [p for p in h.pods(lab, namespace, "pausable") if not p["metadata"].get("deletionTimestamp")],
+             60, "the suspended attempt's pods to go")
+    lab.kubectl("patch", "ftj", "pausable", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    lab.kubectl("wait", "--for=condition=Succeeded", "ftj/pausable", "-n", namespace, "--timeout=120s", timeout=130)
+    reasons = [e["reason"] for e in h.events(lab, namespace, "pausable")]
+    assert "Suspended" in reasons and "Resumed" in reasons
+    assert len(h.get_job(lab, namespace, "pausable")["status"]["attempts"]) == 1
+    print(f"scenario suspend and resume: {h.elapsed(start)}")
+
+
+def test_spec_is_immutable_after_creation_except_suspend_recovery_resources(lab, operator, namespace):
+    job = h.job_from_example("llama-8b-lora.yaml", "frozen", namespace, placement={"regions": ["eu-fr-paris"]})
+    h.apply_job(lab, job)
+    moved = lab.kubectl("patch", "ftj", "frozen", "-n", namespace, "--type=merge",
+                        "-p", '{"spec":{"placement":{"regions":["eu-de-berlin"]}}}', check=False)
+    assert moved.returncode != 0 and "placement is immutable" in moved.stderr
+    lab.kubectl("patch", "ftj", "frozen", "-n", namespace, "--type=merge", "-p", '{"spec":{"recovery":{"maxAttempts":2}}}')
+
+
+def test_metrics_are_served(lab, operator, namespace):
+    text = operator.metrics()
+    for name in ("finetune_jobs", "finetune_attempts_total", "finetune_reconcile_seconds"):
+        assert name in text, name

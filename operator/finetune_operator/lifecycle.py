@@ -225,6 +225,10 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
     suspended_now = bool(((pj.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
     if job.spec.suspend != suspended_now:
         decision.set_suspend = job.spec.suspend
+        if job.spec.suspend:
+            decision.events.append(Event("Normal", "Suspended", f"attempt {attempt}: suspended; its pods stop"))
+        else:
+            decision.events.append(Event("Normal", "Resumed", f"attempt {attempt}: resumed"))
     if job.spec.suspend:
         status.phase = "Suspended"
         set_condition(status, api.COND_SUSPENDED, "True", "Suspended", "spec.suspend is true; the PyTorchJob is suspended", now, generation)
