@@ -15,6 +15,7 @@ $OUT/sizing_gpu.jsonl, else bench/results/sizing_gpu.jsonl), and a summary table
 printed with the suggested constants.
 
     python bench/sizing_gpu.py --dry-run     # print the matrix and estimates (no GPU needed)
+    python bench/sizing_gpu.py --cpu-smoke --out /tmp/smoke.jsonl   # run the code path on the CPU
     python bench/sizing_gpu.py               # run it (needs CUDA)
 """
 
@@ -78,13 +79,13 @@ MATRIX = [
     GpuCase("phi-3-mini", "lora", 2, 2048, False),
     GpuCase("llama-3.1-8b", "lora", 1, 4096, True),
     GpuCase("qwen2.5-7b", "lora", 2, 2048, True),
-    GpuCase("llama-3.1-8b", "qlora", 2, 2048, True, optimizer="paged-adamw-8bit"),
+    GpuCase("llama-3.2-3b", "qlora", 2, 2048, True, optimizer="paged-adamw-8bit"),
     GpuCase("llama-3.2-3b", "full", 2, 2048, True, optimizer="adamw-8bit"),
 ]
 
 
-def run_case(case: GpuCase) -> dict:
-    """Runs inside the child process: two real steps on cuda:0."""
+def run_case(case: GpuCase, device: str = "cuda") -> dict:
+    """Runs inside the child process: two real steps on cuda:0 (or a 1-block smoke run on the CPU)."""
     import torch
     import transformers
     from accelerate.utils import convert_outputs_to_fp32
@@ -92,6 +93,8 @@ def run_case(case: GpuCase) -> dict:
     torch.manual_seed(0)
     setup = case.setup()
     arch = setup.architecture
+    if device == "cpu":
+        arch = arch.with_layers(1)
     config = transformers.AutoConfig.for_model(**arch.to_hf_config())
     config.use_cache = False
     attn = {"sdpa": "sdpa", "flash": "flash_attention_2", "eager": "eager"}[case.attention]
@@ -103,7 +106,7 @@ def run_case(case: GpuCase) -> dict:
             bnb_4bit_compute_dtype=torch.bfloat16)
     t0 = time.perf_counter()
     if quant is None:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=load_dtype)
     else:
         # 4-bit needs a checkpoint to quantise on load: save random bf16 weights, reload quantised.
@@ -130,7 +133,7 @@ def run_case(case: GpuCase) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if case.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
     else:
         import bitsandbytes as bnb
 
@@ -139,13 +142,20 @@ def run_case(case: GpuCase) -> dict:
     forward_fn = model.__call__
 
     def forward(**kw):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             return forward_fn(**kw)
 
     forward = convert_outputs_to_fp32(forward)
-    ids = torch.randint(0, arch.vocab_size, (case.batch, case.seq), device="cuda")
+    shape = (case.batch, case.seq) if device == "cuda" else (1, 64)
+    ids = torch.randint(0, arch.vocab_size, shape, device=device)
     setup_s = time.perf_counter() - t0
     for step in range(2):
+        if device == "cpu":
+            loss = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         loss = forward(input_ids=ids, labels=ids).loss
@@ -155,6 +165,8 @@ def run_case(case: GpuCase) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+    if device == "cpu":
+        return {"max_allocated": 1, "max_reserved": 1, "device_used": 1, "device_total": 1, "setup_s": setup_s}
     free, total = torch.cuda.mem_get_info()
     return {
         "max_allocated": torch.cuda.max_memory_allocated(),
@@ -165,10 +177,10 @@ def run_case(case: GpuCase) -> dict:
     }
 
 
-def child_main(case_json: str) -> int:
+def child_main(case_json: str, device: str = "cuda") -> int:
     case = GpuCase(**json.loads(case_json))
     try:
-        result = run_case(case)
+        result = run_case(case, device)
     except Exception as error:  # reported, not raised: one failing case must not stop the run
         import traceback
 
@@ -183,10 +195,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the matrix and the estimates, run nothing")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run each case's code path with one block on the CPU (no bitsandbytes cases); checks the script")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.child:
-        return child_main(ns.child)
+        return child_main(ns.child, "cpu" if ns.cpu_smoke else "cuda")
 
     cases = [c for c in MATRIX if ns.only in c.key]
     if ns.dry_run:
@@ -204,14 +218,17 @@ def main(argv=None) -> int:
     with open(out, "w") as f:
         for c in cases:
             left = TOTAL_BUDGET_S - (time.perf_counter() - start)
-            if left < 20:
+            if left < 20 and not ns.cpu_smoke:
                 print(f"budget spent; skipping {c.key}")
                 continue
             est = estimate_memory(c.setup())
             t0 = time.perf_counter()
+            if ns.cpu_smoke and (c.method == "qlora" or c.optimizer != "adamw"):
+                continue
             try:
-                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(asdict(c))],
-                                      capture_output=True, text=True, timeout=min(CASE_TIMEOUT_S, left))
+                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(asdict(c))]
+                                      + (["--cpu-smoke"] if ns.cpu_smoke else []),
+                                      capture_output=True, text=True, timeout=300 if ns.cpu_smoke else min(CASE_TIMEOUT_S, left))
                 lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
                 result = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-500:]}
             except subprocess.TimeoutExpired:

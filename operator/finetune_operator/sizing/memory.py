@@ -303,6 +303,9 @@ def _static(setup: TrainingSetup, rg: _Regime) -> _Static:
     if offload_opt:
         host += opt
         opt = 0.0
+    if offload_params:  # fsdp / zero3: the sharded base and adapters live on the host
+        host += weights
+        weights = 0.0
     return _Static(weights, grads, opt, 0.0, buffers, host)
 
 
@@ -332,12 +335,15 @@ def _notes(setup: TrainingSetup) -> list[str]:
 
 @dataclass(frozen=True)
 class _Sharding:
-    """Parameters gathered on a GPU at each point of the step, and the gradients in flight."""
+    """Gathered parameters and gradients in flight at each moment of the step (bytes)."""
 
     forward: float
-    backward_start: float
-    backward_mid: float
-    backward_end: float
+    backward_start: float  # the loss gradient at its widest
+    head_reduce: float  # the head's gradient being reduced (FSDP), all activations still alive
+    backward_mid: float  # a block's backward
+    block_reduce: float  # a block's gradient being reduced (FSDP)
+    backward_end: float  # the embedding's backward
+    end_grads_missing: float  # sharded gradients not yet written at that moment
     optimizer: float
 
 
@@ -345,37 +351,36 @@ def _sharding(setup: TrainingSetup, rg: _Regime, st: _Static) -> _Sharding:
     arch, n = setup.architecture, setup.world_size
     block = arch.block_params
     embed = arch.vocab_size * arch.hidden_size
-    head = 0 if arch.tie_word_embeddings else embed
-    gather_b = rg.compute  # FSDP/ZeRO-3 gather in the compute dtype (param_dtype)
-    full = setup.method == "full"
+    tied = arch.tie_word_embeddings
+    gb = rg.compute  # FSDP/ZeRO-3 gather in the compute dtype (param_dtype)
     if setup.strategy == "fsdp":
         # transformers' FSDP plan: the embedding and each block are groups resharded after
-        # forward; the final norm and the head are one group kept gathered from forward to
-        # the end of its backward (tied: the embedding is that group, so it stays gathered
-        # through all of backward with its unsharded gradient).
-        tail = gather_b * (head or embed) + gather_b * arch.hidden_size
-        # Backward holds a block's unsharded gradient in the compute dtype, its fp32 copy
-        # for the reduce-scatter (reduce_dtype fp32) and the reduce-scatter output.
-        grad_flight = (gather_b + 4 + 4 / n) if full else 0.0
-        blocks = 2 * gather_b * block  # the block at work and the prefetched one
-        tied_grad = gather_b * embed if (full and arch.tie_word_embeddings) else 0.0
-        if arch.tie_word_embeddings:
-            end = tail + tied_grad + (4 + 4 / n) * embed * (1 if full else 0)
-        else:
-            end = gather_b * embed + grad_flight * embed
+        # forward; the final norm and the head are one group kept gathered until its backward
+        # (tied: the embedding is in that group, which then stays gathered through backward).
+        # A group's post-backward reshards it, copies its unsharded gradient (compute dtype)
+        # into an fp32 reduce-scatter input (reduce_dtype fp32), then frees the unsharded one.
+        # Measured on the trace: the embedding group stays gathered until the root's forward
+        # returns.
+        grad_frac = 1.0 if setup.method == "full" else 0.0  # a frozen base has no gradients
+        tail = gb * (embed + arch.hidden_size)
+        tail_grad = gb * grad_frac * embed
+        reduce = (gb + 4) * grad_frac
+        tied_extra = tail + tail_grad if tied else 0.0
         return _Sharding(
-            forward=tail,
-            backward_start=tail + gather_b * block + tied_grad,
-            backward_mid=blocks + grad_flight * block + (tail + tied_grad if arch.tie_word_embeddings else 0.0),
-            backward_end=end,
+            forward=tail + (0.0 if tied else gb * embed),
+            backward_start=tail,
+            head_reduce=(tail + tail_grad + gb * block) if tied else (gb * block + reduce * (embed + arch.hidden_size)),
+            backward_mid=2 * gb * block + gb * grad_frac * block + tied_extra,
+            block_reduce=gb * block + reduce * block + tied_extra,
+            backward_end=reduce * (embed + (arch.hidden_size if tied else 0)),
+            end_grads_missing=4 * grad_frac * embed / n,
             optimizer=0.0,
         )
     if setup.strategy == "zero3":
-        gathered = 2 * gather_b * block + gather_b * (embed + head)
-        return _Sharding(st.buffers_step + gathered, st.buffers_step + gathered, st.buffers_step + gathered,
-                         st.buffers_step + gathered, st.buffers_step)
+        gathered = st.buffers_step + 2 * gb * block + gb * (embed + (0 if tied else embed))
+        return _Sharding(gathered, gathered, gathered, gathered, gathered, gathered, 0.0, st.buffers_step)
     b = st.buffers_step
-    return _Sharding(b, b, b, b, b)
+    return _Sharding(b, b, b, b, b, b, 0.0, b)
 
 
 def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
@@ -451,22 +456,35 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
                      weight_copies=copies_bwd_start, logits=logits_bwd_pt * tokens,
                      buffers=sh.backward_start + dequant)
     candidates = [bwd_start]
+    # Right after the head's backward (FSDP reduces its gradient): activations still alive.
+    head_reduce = dict(bwd_start, logits=0.0, buffers=sh.head_reduce + dequant)
+    candidates.append(head_reduce)
+    # A block's backward holds gradients of its MLP intermediates (the product, the
+    # activation's output, up and gate: about three b x s x intermediate at once).
+    moe_k = arch.experts_per_token if arch.is_moe else 1
+    block_bwd = 3 * rg.mlp * arch.intermediate_size * moe_k * tokens
+    if not setup.gradient_checkpointing:
+        # The first block's backward: everything else forward saved is still alive.
+        first = dict(bwd_start, logits=0.0, activations=bwd_start["activations"] + block_bwd,
+                     buffers=sh.backward_mid + dequant)
+        candidates.append(first)
     if setup.gradient_checkpointing:
         # In the middle: a block recomputed on top of the kept inputs.
         mid = dict(zero, **static)
-        mid.update(activations=kept + shared + recompute, weight_copies=copies_bwd_start + copies_block,
+        mid.update(activations=kept + shared + recompute + block_bwd, weight_copies=copies_bwd_start + copies_block,
                    buffers=sh.backward_mid + dequant)
         candidates.append(mid)
+        candidates.append(dict(mid, activations=kept + shared, buffers=sh.block_reduce + dequant))
     # At its end: every gradient exists. Two moments compete: block 0's backward (its
     # recompute and weight-gradient transients alive, its own gradients not yet) and the
     # embedding's backward (all gradients).
     per_block_grad = st.gradients * arch.block_params / arch.total_params
     embed_grad = st.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
     block0 = dict(zero, **static)
-    block0.update(gradients=st.gradients - per_block_grad - embed_grad, activations=recompute + one_block * 0 + shared,
+    block0.update(gradients=st.gradients - per_block_grad - embed_grad, activations=recompute + shared + block_bwd,
                   weight_copies=copies_block, buffers=sh.backward_mid + dequant)
     if setup.method == "full" and not setup.gradient_checkpointing:
-        block0["activations"] = base_pt * tokens + shared  # block 0's own saved tensors, not yet freed
+        block0["activations"] = base_pt * tokens + shared + block_bwd  # block 0's own saved tensors
     if rg.autocast_fp32_weights or (setup.method == "full" and setup.strategy != "fsdp"):
         # A linear's weight gradient in the compute dtype and its cast to the weight's dtype.
         block0["gradients"] += (rg.compute + 4) * max(l.params for l in arch.block_linears())
@@ -477,7 +495,7 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         # Tied: the embedding's dense V x h gradient is added to the head's out of place,
         # so the old gradient, the new one and their sum exist together for a moment.
         grads += 2 * 4 * embed
-    bwd_end.update(gradients=grads, buffers=sh.backward_end + dequant)
+    bwd_end.update(gradients=grads - sh.end_grads_missing, buffers=sh.backward_end + dequant)
     candidates.append(bwd_end)
     backward = max(candidates, key=lambda d: sum(d.values()))
 
@@ -504,16 +522,20 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
 
 
 def _host_bytes(setup: TrainingSetup, st: _Static) -> int:
-    """Host RAM one training process needs: runtime, the weights while loading, offloaded state, data."""
+    """Host RAM one training process (one GPU) needs: runtime, the weights while loading, offloaded state, data.
+
+    Loading follows the trainer: without a sharded strategy from_pretrained materialises the
+    whole model in host memory in its load dtype (fp32 for full fine-tuning, the compute
+    dtype for LoRA) before it moves to the GPU; FSDP (transformers' DistributedConfig) and
+    ZeRO-3 (zero.Init) load each rank's part shard by shard; QLoRA quantises shard by shard.
+    """
     arch = setup.architecture
     p = arch.total_params
+    load_b = 4 if (setup.method == "full" or setup.precision == "fp32") else 2
     if setup.method == "qlora":
-        loading = K.HOST_SHARD_BYTES  # quantised shard by shard on the GPU
-    elif setup.method == "full" and setup.strategy in ("ddp",):
-        loading = 4 * p  # loaded in fp32 before moving to the GPU
+        loading = K.HOST_SHARD_BYTES
     elif setup.strategy in ("fsdp", "zero3"):
-        # Every rank loads in the load dtype, then shards (transformers + accelerate default).
-        loading = (4 if setup.method == "full" else 2) * p
+        loading = load_b * p / setup.world_size + K.HOST_SHARD_BYTES
     else:
-        loading = (4 if setup.method == "full" and setup.strategy == "ddp" else 2) * p
+        loading = load_b * p
     return int(K.HOST_PROCESS_BYTES + K.HOST_DATALOADER_BYTES + loading + st.host_offloaded)
