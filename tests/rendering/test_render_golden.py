@@ -1,12 +1,17 @@
-"""Golden files: what `finetune-operator render` prints for the examples against examples/pools.yaml.
+"""Golden files: the manifests of the examples, planned against examples/pools.yaml.
 
-A change to the plan search or the renderer shows up here as a diff to review. After an
-intended change, regenerate with `UPDATE_GOLDEN=1 pytest tests/rendering/test_render_golden.py`
-and commit the files with the change.
+Each example has two files: `<example>.plan.json`, the plan `plan_job` gave for it against
+examples/pools.yaml (the input), and `<example>.yaml`, what rendering that plan prints (the
+output). Rendering is checked against the stored plan, so a change to the sizing model or
+the plan search (which their own tests cover) does not show up as a rendering diff; the
+CLI test checks that `finetune-operator render` prints what the current plan renders to.
+After an intended change, regenerate both with
+`UPDATE_GOLDEN=1 pytest tests/rendering/test_render_golden.py`, review the diff, commit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,7 +21,7 @@ from manifest_checks import attempt_errors
 
 from finetune_operator import api
 from finetune_operator.cli import main
-from finetune_operator.planning import Plan, plan_job
+from finetune_operator.planning import ClusterPolicy, Plan, plan_job
 from finetune_operator.planning.report import planning_inputs
 from finetune_operator.rendering import render_attempt
 from finetune_operator.rendering.output import manifests_yaml
@@ -27,38 +32,60 @@ POOLS = EXAMPLES / "pools.yaml"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 
 
-def render_example(path: Path, attempt: int = 1) -> tuple[str, list[dict]]:
-    job = api.parse_job(yaml.safe_load(path.read_text()))
+def load_example(path: Path) -> api.FineTuneJob:
+    return api.parse_job(yaml.safe_load(path.read_text()))
+
+
+def example_policy() -> ClusterPolicy:
+    """What the CLI uses without --policy: the pools file's allowedRegions and the default image."""
+    return planning_inputs(str(POOLS), POOLS.read_text(), None, None)[1]
+
+
+def current_plan(job: api.FineTuneJob) -> tuple[Plan, ClusterPolicy]:
     pools, policy = planning_inputs(str(POOLS), POOLS.read_text(), None, None)
     plan = plan_job(job.spec, pools, policy)
     assert isinstance(plan, Plan), plan
-    rendered = render_attempt(job, plan, attempt, policy)
-    return manifests_yaml(rendered.objects), rendered.objects
+    return plan, policy
+
+
+def stored_plan(example: Path) -> Plan:
+    return Plan.model_validate(json.loads((GOLDEN / f"{example.stem}.plan.json").read_text()))
 
 
 @pytest.mark.parametrize("example", example_jobs(), ids=lambda p: p.stem)
 def test_example_matches_its_golden_file(example):
-    text, objects = render_example(example)
-    golden = GOLDEN / f"{example.stem}.yaml"
+    job = load_example(example)
+    policy = example_policy()
     if UPDATE:
-        golden.write_text(text)
-    assert golden.exists(), f"{golden} is missing; run with UPDATE_GOLDEN=1 to create it"
+        plan, _ = current_plan(job)
+        (GOLDEN / f"{example.stem}.plan.json").write_text(
+            json.dumps(plan.model_dump(mode="json", exclude={"gpus"}), indent=2, sort_keys=True) + "\n"
+        )
+        (GOLDEN / f"{example.stem}.yaml").write_text(manifests_yaml(render_attempt(job, plan, 1, policy).objects))
+    rendered = render_attempt(job, stored_plan(example), 1, policy)
+    text = manifests_yaml(rendered.objects)
+    golden = GOLDEN / f"{example.stem}.yaml"
     assert text == golden.read_text(), f"{example.name} renders differently from {golden.name} (UPDATE_GOLDEN=1 after review)"
-    config_map, pytorch_job = objects
-    assert attempt_errors(config_map, pytorch_job) == []
+    assert attempt_errors(rendered.config_map, rendered.pytorch_job) == []
 
 
-def test_there_is_a_golden_file_per_example_and_no_other():
-    assert sorted(p.stem for p in GOLDEN.glob("*.yaml")) == sorted(p.stem for p in example_jobs())
+def test_there_are_golden_files_per_example_and_no_other():
+    stems = sorted(p.stem for p in example_jobs())
+    assert sorted(p.stem for p in GOLDEN.glob("*.yaml")) == stems
+    assert sorted(p.name.removesuffix(".plan.json") for p in GOLDEN.glob("*.plan.json")) == stems
 
 
 @pytest.mark.parametrize("example", example_jobs(), ids=lambda p: p.stem)
-def test_cli_prints_the_golden_yaml(example, capsys):
+def test_cli_prints_what_the_current_plan_renders_to(example, capsys):
     assert main(["render", str(example), "--pools", str(POOLS)]) == 0
     out = capsys.readouterr().out
-    assert out == (GOLDEN / f"{example.stem}.yaml").read_text()
-    kinds = [d["kind"] for d in yaml.safe_load_all(out)]
-    assert kinds == ["ConfigMap", "PyTorchJob"]
+    job = load_example(example)
+    plan, policy = current_plan(job)
+    rendered = render_attempt(job, plan, 1, policy)
+    assert out == manifests_yaml(rendered.objects)
+    documents = list(yaml.safe_load_all(out))
+    assert [d["kind"] for d in documents] == ["ConfigMap", "PyTorchJob"]
+    assert attempt_errors(*documents) == []
 
 
 def test_cli_attempt_names_the_objects(capsys):
