@@ -406,15 +406,8 @@ def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_accou
         def reloaded() -> bool:
             return any("policy reloaded" in r.text() and "eu-fr-paris" in r.text() for r in replicas)
 
-        if mode == "namespaced":
-            try:
-                wait_for(reloaded, 20, "the active replica to reload the policy")
-            except TimeoutError:
-                pytest.xfail("known: watching a list of namespaces, the operator watches the policy ConfigMap "
-                             "through kopf, which serves only those namespaces, so a policy change in the "
-                             "release namespace is not seen until a restart")
-        else:
-            wait_for(reloaded, 60, "the active replica to reload the policy")
+        # Whatever namespaces are watched, the operator polls the policy ConfigMap itself.
+        wait_for(reloaded, 60, "the active replica to reload the policy")
     finally:
         for replica in replicas:
             replica.stop()

@@ -471,8 +471,8 @@ class ResourcesSpec(ApiModel):
     """GPU types allowed, e.g. `[H100-80GB, A100-80GB]`; empty means any."""
     node_pool: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^(auto|[a-z0-9]([-a-z0-9]*[a-z0-9])?)$")] = "auto"
     """Node pool to use, or `auto`."""
-    memory_headroom: Annotated[float, Field(ge=0, le=0.5)] = 0.10
-    """Fraction of GPU memory the plan leaves free (0.10 plans to at most 90%)."""
+    memory_headroom: Annotated[float, Field(ge=0, le=0.5)] | None = None
+    """Fraction of GPU memory the plan leaves free (0.10 plans to at most 90%); the cluster policy's default when omitted."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "ResourcesSpec":
@@ -537,8 +537,8 @@ class BackoffSpec(ApiModel):
 class RecoverySpec(ApiModel):
     """What the operator may change by itself when an attempt runs out of memory."""
 
-    max_attempts: Annotated[int, Field(ge=1, le=20)] = 4
-    """Attempts in all, the first included; 1 turns recovery off."""
+    max_attempts: Annotated[int, Field(ge=1, le=20)] | None = None
+    """Attempts in all, the first included; 1 turns recovery off. The cluster policy's default (4 unless changed) when omitted."""
     allowed_adjustments: Annotated[list[Adjustment], Field(max_length=8)] = list(DEFAULT_ADJUSTMENTS)
     """Changes recovery may make. `method` (switch to QLoRA) is off unless listed."""
     backoff: BackoffSpec = BackoffSpec()

@@ -13,6 +13,7 @@ wait, and when it goes the next oldest resumes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from .rendering.renderer import JOB_LABEL
 log = logging.getLogger("finetune_operator")
 
 POLICY_KEY = "policy.yaml"
+POLICY_POLL_SECONDS = 10.0
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Runtime:
     reconciler: Reconciler | None = None
     policy: PolicyHolder = field(default_factory=lambda: PolicyHolder(ClusterPolicy()))
     known: set[tuple[str, str]] = field(default_factory=set)
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 RUNTIME = Runtime()
@@ -113,6 +116,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy)
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
     RUNTIME.queue.start()
+    if options.policy_configmap:
+        threading.Thread(target=_poll_policy, args=(cluster, options, RUNTIME.stop), name="policy", daemon=True).start()
     if options.metrics_port:
         metrics.serve(options.metrics_port)
     log.info("started: %d allowed regions, %d catalog pools", len(RUNTIME.policy.get().allowed_regions), len(RUNTIME.policy.get().catalog))
@@ -143,6 +148,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup()
 def shutdown(**_: Any) -> None:
+    RUNTIME.stop.set()
     if RUNTIME.queue is not None:
         RUNTIME.queue.stop()
 
@@ -180,7 +186,11 @@ def policy_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":
         log.warning("the policy ConfigMap was deleted; keeping the last policy")
         return
-    text = (body.get("data") or {}).get(POLICY_KEY)
+    apply_policy_text((body.get("data") or {}).get(POLICY_KEY))
+
+
+def apply_policy_text(text: str | None) -> None:
+    """Use a new policy if it is valid and different; jobs waiting for a fit are looked at again."""
     if text is None:
         return
     try:
@@ -193,5 +203,15 @@ def policy_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     RUNTIME.policy.set(policy)
     log.info("policy reloaded: regions %s, %d catalog pools", policy.allowed_regions, len(policy.catalog))
     if RUNTIME.queue is not None:
-        for key in list(RUNTIME.known):  # jobs waiting for a fit may fit now
+        for key in list(RUNTIME.known):
             RUNTIME.queue.add(key)
+
+
+def _poll_policy(cluster: Cluster, options: Options, stop: threading.Event) -> None:
+    """Read the policy ConfigMap every few seconds. kopf's watch sees it only when the operator
+    serves the release namespace; this poll sees it whatever namespaces are watched."""
+    while not stop.wait(POLICY_POLL_SECONDS):
+        try:
+            apply_policy_text(cluster.read_config_map_key(options.policy_namespace, options.policy_configmap, POLICY_KEY))
+        except Exception as error:  # the API may be briefly away; the next poll tries again
+            log.warning("could not read the policy ConfigMap: %s", error)

@@ -368,7 +368,7 @@ def _ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architectur
                 return Infeasible(message=f"spec.lora.targetModules: {error}")
     t, r = spec.training, spec.resources
     regions = tuple(reg for reg in spec.placement.regions if reg in set(policy.allowed_regions))
-    headroom = r.memory_headroom if "memory_headroom" in r.model_fields_set else policy.default_memory_headroom
+    headroom = r.memory_headroom if r.memory_headroom is not None else policy.default_memory_headroom
     return _Ask(
         arch=arch,
         method=spec.method,

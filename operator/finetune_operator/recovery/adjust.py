@@ -106,8 +106,9 @@ def decide_next(
     what = failure.describe()
     if failure.remedy is Remedy.GIVE_UP:
         return NextStep(False, None, "", f"{what}; a retry cannot fix this")
-    if attempts_made >= spec.recovery.max_attempts:
-        return NextStep(False, None, "", f"{what}; all {spec.recovery.max_attempts} attempts are used")
+    max_attempts = spec.recovery.max_attempts or policy.default_max_attempts
+    if attempts_made >= max_attempts:
+        return NextStep(False, None, "", f"{what}; all {max_attempts} attempts are used")
     if failure.remedy is Remedy.RETRY_SAME:
         plan = replan_pinned(spec, failed, pools, policy)
         if isinstance(plan, Plan):
