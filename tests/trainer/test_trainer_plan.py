@@ -64,3 +64,16 @@ def test_checkpoint_of_another_method_is_not_used(tmp_path):
     ckpt = {"directory": str(root)}
     assert usable_checkpoint(config(method="qlora", checkpoint=ckpt)).meta.step == 4  # adapters fit
     assert usable_checkpoint(config(method="full", checkpoint=ckpt)) is None
+
+
+def test_deepspeed_batch_numbers_must_match_the_attempt():
+    from finetune_trainer.contract import deepspeed_config
+    from finetune_trainer.errors import ConfigError
+    from finetune_trainer.model_setup import check_deepspeed_batch
+
+    ds = deepspeed_config(2)
+    check_deepspeed_batch(config(strategy="zero2", deepspeed=ds), 4)  # "auto" everywhere
+    ds.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2, train_batch_size=32)
+    check_deepspeed_batch(config(strategy="zero2", deepspeed=ds), 4)
+    with pytest.raises(ConfigError, match="deepspeed.train_batch_size is 32 but this attempt runs 16"):
+        check_deepspeed_batch(config(strategy="zero2", deepspeed=ds), 2)

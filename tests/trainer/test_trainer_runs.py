@@ -164,29 +164,33 @@ def test_deepspeed_zero2_lora_then_zero3_resume(assets, tmp_path):
     assert third.losses()[9] == pytest.approx(second.losses()[9], abs=2e-3)
 
 
-def test_injected_gpu_oom_writes_the_report_and_exit_code(assets, tmp_path):
-    config = trainer_config(assets, tmp_path, faultInjection={"kind": "gpu-oom", "step": 3, "phase": "backward"})
-    run = run_trainer(write_config(tmp_path, config))
-    assert run.returncode == EXIT_GPU_OOM, run.output[-3000:]
-    report = read_report(tmp_path / "termination-log")
-    assert report["reason"] == "GPUOutOfMemory" and report["phase"] == "backward" and report["step"] == 3
-    assert report["microBatchSize"] == 4 and report["sequenceLength"] == 64 and report["exitCode"] == EXIT_GPU_OOM
-    assert run.of("failure")[0]["reason"] == "GPUOutOfMemory"
-
-
-def test_oom_on_one_rank_under_the_launcher(assets, tmp_path):
+def test_injected_gpu_oom_on_one_rank_gives_the_report_and_exit_code(assets, tmp_path):
+    """Rank 1 runs out of memory in backward at step 3 (the hook raises inside autograd)."""
     config = trainer_config(assets, tmp_path, microBatchSize=2, gradientAccumulation=2, checkpoint=None,
-                            faultInjection={"kind": "gpu-oom", "step": 2, "phase": "optimizer", "rank": 1})
+                            faultInjection={"kind": "gpu-oom", "step": 3, "phase": "backward", "rank": 1})
     run = run_trainer(write_config(tmp_path, config), nproc=2, launcher=True)
-    # torchrun itself exits 1; the launcher turns the report into the pod's exit code.
+    # The trainer process exits 75; torchrun itself would exit 1, the launcher passes
+    # the report's code on as the pod's.
     assert run.returncode == EXIT_GPU_OOM, run.output[-3000:]
+    assert f"exitcode  : {EXIT_GPU_OOM}" in run.output
     report = read_report(tmp_path / "termination-log")
-    assert (report["reason"], report["phase"], report["step"], report["rank"]) == ("GPUOutOfMemory", "optimizer", 2, 1)
+    assert (report["reason"], report["phase"], report["step"], report["rank"]) == ("GPUOutOfMemory", "backward", 3, 1)
+    assert (report["microBatchSize"], report["sequenceLength"], report["exitCode"]) == (2, 64, EXIT_GPU_OOM)
+    assert report["worldSize"] == 2 and report["attempt"] == 1
+    assert sorted(run.losses()) == [1, 2]
     # The other rank fails on the broken collective; it logs, but the cause stays in the report.
+    assert run.of("failure", rank=1)[0]["reason"] == "GPUOutOfMemory"
     assert run.of("failure", rank=0)[0]["reason"] == "Unknown"
 
 
-def test_malformed_dataset_line_is_a_data_error(assets, tmp_path):
+@pytest.fixture
+def offline(monkeypatch):
+    """In-process runs set these; keep them from leaking into other tests."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_malformed_dataset_line_is_a_data_error(assets, tmp_path, offline):
     from finetune_trainer.run import main
 
     lines = assets["chat"].read_text().splitlines()
@@ -200,7 +204,7 @@ def test_malformed_dataset_line_is_a_data_error(assets, tmp_path):
     assert f"line 7 of {bad}" in report["message"]
 
 
-def test_qlora_without_cuda_is_a_config_error(assets, tmp_path):
+def test_qlora_without_cuda_is_a_config_error(assets, tmp_path, offline):
     from finetune_trainer.run import main
 
     config = trainer_config(assets, tmp_path, method="qlora")
@@ -209,7 +213,7 @@ def test_qlora_without_cuda_is_a_config_error(assets, tmp_path):
     assert report["reason"] == "ConfigError" and "qlora needs CUDA" in report["message"]
 
 
-def test_invalid_config_is_a_config_error_naming_the_field(tmp_path):
+def test_invalid_config_is_a_config_error_naming_the_field(tmp_path, offline):
     from finetune_trainer.run import main
 
     path = write_config(tmp_path, {"jobName": "x", "microBatchSize": 0})

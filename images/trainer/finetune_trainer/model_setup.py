@@ -46,6 +46,29 @@ def check_runnable(cfg: TrainerConfig, cuda: bool) -> None:
         raise ConfigError(f"model.tokenizerPath {tokenizer_dir} does not exist")
 
 
+def check_deepspeed_batch(cfg: TrainerConfig, world_size: int) -> None:
+    """Numbers a DeepSpeed config states instead of "auto" must match this attempt.
+
+    The Trainer would find the mismatch only after loading the model; a retry with the
+    same config cannot fix it, so it is a ConfigError, found before anything loads.
+    """
+    if cfg.deepspeed is None:
+        return
+    expected = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation,
+        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation * world_size,
+    }
+    for key, value in expected.items():
+        stated = cfg.deepspeed.get(key, "auto")
+        if stated != "auto" and stated != value:
+            raise ConfigError(
+                f"deepspeed.{key} is {stated} but this attempt runs {value} "
+                f"(microBatchSize {cfg.micro_batch_size}, gradientAccumulation {cfg.gradient_accumulation}, "
+                f"{world_size} ranks)"
+            )
+
+
 def compute_dtype(cfg: TrainerConfig):
     import torch
 

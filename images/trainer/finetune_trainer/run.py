@@ -130,7 +130,7 @@ def train(cfg: TrainerConfig) -> None:
 
     from .data import Collator, build_examples, read_jsonl, sample_order
     from .faults import FaultInjector
-    from .model_setup import check_runnable, load_model, load_tokenizer
+    from .model_setup import check_deepspeed_batch, check_runnable, load_model, load_tokenizer
     from .training import CheckpointCallback, FineTuneTrainer, PhaseCallback, ProgressCallback, ResumeCallback
 
     started = time.time()
@@ -140,6 +140,7 @@ def train(cfg: TrainerConfig) -> None:
     PROGRESS.sequence_length = cfg.sequence_length
     PROGRESS.gradient_accumulation = cfg.gradient_accumulation
     check_runnable(cfg, cuda)
+    check_deepspeed_batch(cfg, world)
     faults = FaultInjector(cfg.fault_injection, cfg.attempt)
 
     PROGRESS.enter(Phase.DATA, 0)
@@ -163,7 +164,11 @@ def train(cfg: TrainerConfig) -> None:
     # TrainingArguments first: it starts the process group (and, for ZeRO-3, makes
     # from_pretrained partition the weights as they load).
     PROGRESS.enter(Phase.SETUP, plan.start_step)
-    args = training_arguments(cfg, plan.max_steps, cuda)
+    try:
+        args = training_arguments(cfg, plan.max_steps, cuda)
+    except ValueError as exc:
+        # transformers rejects combinations it cannot run (its message names them).
+        raise ConfigError(f"training arguments: {exc}") from exc
     if cfg.zero_stage and world > 1:
         import deepspeed
 
