@@ -53,15 +53,33 @@ def test_fake_gpu_nodes_are_ready_and_labelled_like_real_ones(lab):
     assert "h100-berlin-0" in out and "NVIDIA-A100-SXM4-40GB" in out
 
 
+def _free_gpus_per_node(core: client.CoreV1Api, nodes: list[str]) -> dict[str, int]:
+    """Allocatable GPUs minus what non-terminated pods (of any test) hold on each node."""
+    free = {n: int(core.read_node(n).status.allocatable[GPU_RESOURCE]) for n in nodes}
+    for pod in core.list_pod_for_all_namespaces().items:
+        if pod.spec.node_name in free and pod.status.phase not in ("Succeeded", "Failed"):
+            for c in pod.spec.containers:
+                limits = (c.resources.limits or {}) if c.resources else {}
+                free[pod.spec.node_name] -= int(limits.get(GPU_RESOURCE, 0))
+    return free
+
+
 def test_scheduler_places_gpu_pods_only_in_allowed_regions(lab, namespace):
-    """Fill every GPU of the allowed regions; the next pod must stay Pending although
+    """Fill every free GPU of the allowed regions; the next pod must stay Pending although
     us-east-virginia has free GPUs, and none may ever land there."""
     core = client.CoreV1Api(lab.api_client())
     catalog = load_pools()
-    allowed = [p for p in catalog.gpu_pools() if p.region in DEFAULT_ALLOWED_REGIONS]
-    allowed_gpus = sum(p.nodes * p.gpu.count for p in allowed)
+    allowed_nodes = [n for p in catalog.gpu_pools() if p.region in DEFAULT_ALLOWED_REGIONS for n in p.node_names()]
+
+    def no_terminating_pods() -> bool:
+        return not [p for p in core.list_pod_for_all_namespaces().items
+                    if p.metadata.deletion_timestamp and p.spec.node_name in allowed_nodes]
+
+    # Pods of earlier tests' namespaces still hold GPUs until they are gone.
+    wait_for(no_terminating_pods, 60, "pods being deleted on the allowed GPU nodes to go")
     per_pod = 4
-    count = allowed_gpus // per_pod
+    count = sum(f // per_pod for f in _free_gpus_per_node(core, allowed_nodes).values())
+    assert count >= 4, "the allowed regions should have room for several 4-GPU pods"
     for i in range(count + 1):
         core.create_namespaced_pod(namespace, {
             "metadata": {"name": f"gpu-{i}"},
