@@ -430,3 +430,38 @@ def test_no_string_changes_the_shape_of_a_rendered_attempt():
     _property()
     print(f"\nrendering property test: {RUNS['examples']} examples")
     assert RUNS["examples"] >= EXAMPLES
+
+
+def _spliced(value: Any) -> Any:
+    """What a careless template does: strings pasted between quotes, unescaped."""
+    from finetune_operator.rendering import templating
+
+    if isinstance(value, str):
+        return templating._JsonText(f'"{value}"')
+    return templating._json_filter(value)
+
+
+@pytest.mark.parametrize(
+    "nasty",
+    [
+        '", "nodeSelectorTerms": [], "x": "',  # closes the string and adds keys
+        "eu\"]}, {\"key\": \"r\", \"operator\": \"Exists",  # widens the affinity
+        'a"b',  # merely breaks the JSON
+    ],
+)
+def test_the_property_check_catches_a_template_that_splices_text(monkeypatch, nasty):
+    # The check has teeth: with the json filter replaced by text splicing, a nasty
+    # selector value (or model name) either breaks the render or fails the check.
+    from finetune_operator.rendering import templating
+
+    case = Case(
+        strings=Strings(*([nasty] * len(Strings.__dataclass_fields__))),
+        job_name="demo", namespace="team-a", claims=("m", "d", "c", "o"), regions=("eu-de-berlin",),
+        policy_regions=("eu-de-berlin",), region_label_key="topology.kubernetes.io/region",
+        selector_key="karpenter.sh/nodepool", taint=None, queue_name=None, hf_model=True, output_volume=True,
+        image_override=False, nodes=2, gpus_per_node=2, strategy="zero3", attempt=1, suspend=False,
+    )
+    check(case, schema=False)  # the real filter: passes
+    monkeypatch.setitem(templating._ENV.filters, "json", _spliced)
+    with pytest.raises(Exception):
+        check(case, schema=False)
