@@ -107,11 +107,30 @@ def test_a_pool_outside_the_plans_region_is_refused(lora_job):
         render_attempt(job, plan, 1, policy())
 
 
-def test_a_pool_selector_cannot_override_the_region(lora_job):
+def test_a_pool_selector_cannot_widen_the_region(lora_job):
     job = job_of(lora_job)
     plan = plan_for(job, pool(selector={"topology.kubernetes.io/region": "us-east-virginia"}))
-    with pytest.raises(RenderError, match="region label"):
+    with pytest.raises(RenderError, match="outside the allowed regions") as error:
         render_attempt(job, plan, 1, policy())
+    assert error.value.path == "pool h100-berlin.selector"
+
+
+def test_a_pool_selector_may_narrow_the_region(lora_job):
+    # Discovery pins a pool label that spans regions by region as well.
+    job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
+    node_pool = pool(selector={"karpenter.sh/nodepool": "h100", "topology.kubernetes.io/region": "eu-de-berlin"})
+    plan = plan_for(job, node_pool, allowed_regions=["eu-de-berlin", "eu-fr-paris"])
+    terms = pods(render_attempt(job, plan, 1, policy()))["Master"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [
+        {
+            "matchExpressions": [
+                {"key": "topology.kubernetes.io/region", "operator": "In", "values": ["eu-de-berlin", "eu-fr-paris"]},
+                {"key": "karpenter.sh/nodepool", "operator": "In", "values": ["h100"]},
+                {"key": "topology.kubernetes.io/region", "operator": "In", "values": ["eu-de-berlin"]},
+            ]
+        }
+    ]
 
 
 def test_bad_label_keys_from_the_catalog_or_policy_are_named(lora_job):

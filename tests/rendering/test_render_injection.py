@@ -155,6 +155,7 @@ class Case:
     strategy: str
     attempt: int
     suspend: bool
+    pin_region: bool  # the pool's selector also names its region (as discovery does for split pools)
 
 
 @st.composite
@@ -200,6 +201,7 @@ def cases(draw) -> Case:
         strategy=shape[5],
         attempt=shape[6],
         suspend=shape[7],
+        pin_region=shape[8],
     )
 
 
@@ -219,6 +221,7 @@ SHAPES = st.tuples(
     st.sampled_from([1, 2, 4, 8]),
     st.sampled_from(["ddp", "fsdp", "zero1", "zero2", "zero3"]),
     st.integers(1, 20),
+    st.booleans(),
     st.booleans(),
 )
 
@@ -258,7 +261,8 @@ def build(case: Case, s: Strings) -> tuple[api.FineTuneJob, ClusterPolicy, NodeP
             "gpus_per_node": 8,
             "max_nodes": 4,
             "cpus": 96,
-            "selector": {case.selector_key: s.selector_value},
+            "selector": {case.selector_key: s.selector_value}
+            | ({case.region_label_key: case.regions[0]} if case.pin_region else {}),
             "taints": taints,
         }
     )
@@ -354,11 +358,12 @@ def check(case: Case, schema: bool) -> None:
         assert set(affinity) == {"nodeAffinity"} and set(affinity["nodeAffinity"]) == {"requiredDuringSchedulingIgnoredDuringExecution"}
         terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert set(terms) == {"nodeSelectorTerms"} and len(terms["nodeSelectorTerms"]) == 1
+        pool_expressions = {case.selector_key: {"key": case.selector_key, "operator": "In", "values": [s.selector_value]}}
+        if case.pin_region:
+            pool_expressions[case.region_label_key] = {"key": case.region_label_key, "operator": "In", "values": [case.regions[0]]}
         assert terms["nodeSelectorTerms"][0] == {
-            "matchExpressions": [
-                {"key": case.region_label_key, "operator": "In", "values": plan_regions},
-                {"key": case.selector_key, "operator": "In", "values": [s.selector_value]},
-            ]
+            "matchExpressions": [{"key": case.region_label_key, "operator": "In", "values": plan_regions}]
+            + [pool_expressions[k] for k in sorted(pool_expressions)]
         }
         assert set(plan_regions) <= set(case.regions) & set(case.policy_regions)
         (container,) = pod["containers"]
@@ -460,6 +465,7 @@ def test_the_property_check_catches_a_template_that_splices_text(monkeypatch, na
         policy_regions=("eu-de-berlin",), region_label_key="topology.kubernetes.io/region",
         selector_key="karpenter.sh/nodepool", taint=None, queue_name=None, hf_model=True, output_volume=True,
         image_override=False, nodes=2, gpus_per_node=2, strategy="zero3", attempt=1, suspend=False,
+        pin_region=False,
     )
     check(case, schema=False)  # the real filter: passes
     monkeypatch.setitem(templating._ENV.filters, "json", _spliced)

@@ -61,10 +61,12 @@ def match_expressions(region_label_key: str, regions: list[str], plan: Plan) -> 
     for key in sorted(plan.pool.selector):
         if not is_qualified_name(key):
             raise RenderError(f"pool {plan.pool.name}.selector", f"{key!r} is not a valid label key")
-        if key == region_label_key:
+        if key == region_label_key and plan.pool.selector[key] not in regions:
+            # Discovery pins a pool that spans regions by region too; that may narrow the
+            # region requirement (both expressions must hold), never widen or contradict it.
             raise RenderError(
                 f"pool {plan.pool.name}.selector",
-                f"selects on the region label {key!r}; the region is pinned by the policy, not the pool",
+                f"selects region {plan.pool.selector[key]!r} on {key!r}, outside the allowed regions {regions}",
             )
         expressions.append({"key": key, "operator": "In", "values": [plan.pool.selector[key]]})
     return expressions
