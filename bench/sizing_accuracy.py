@@ -139,17 +139,22 @@ def run_truth(case: Case) -> dict:
     return result
 
 
-def load_cache() -> dict:
-    if os.path.exists(CACHE):
-        with open(CACHE) as f:
+def load_cache(path: str = CACHE) -> dict:
+    if os.path.exists(path):
+        with open(path) as f:
             return json.load(f)
     return {}
 
 
-def save_cache(cache: dict) -> None:
-    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
-    with open(CACHE, "w") as f:
-        json.dump(cache, f, indent=1, sort_keys=True)
+def save_cache(cache: dict, path: str = CACHE) -> None:
+    """Merge into what is on disk, so that two runs of this script do not drop each other's results."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    merged = load_cache(path)
+    merged.update(cache)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(merged, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
 
 
 def estimate_latency_us(cases: list[Case], repeats: int = 200) -> float:
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
         with ThreadPoolExecutor(ns.workers) as pool:
             for case, result in zip(todo, pool.map(run_truth, todo)):
                 cache[case.key] = result
-                save_cache(cache)
+                save_cache({case.key: result})
                 print(f"  {case.key}: {result.get('peak_bytes', result.get('error'))}", file=sys.stderr)
 
     rows, errors = [], []

@@ -40,6 +40,9 @@ CASES = {
                                       sequence_length=512, attention="eager"),
     "llama-full-fsdp4": TrainingSetup(architecture=_arch("llama", 2), method="full", micro_batch_size=2,
                                       sequence_length=512, strategy="fsdp", world_size=4),
+    "llama-lora-fsdp2-gc": TrainingSetup(architecture=_arch("llama", 3), method="lora", micro_batch_size=2,
+                                         sequence_length=1024, gradient_checkpointing=True, strategy="fsdp",
+                                         world_size=2, lora_dropout=0.0),
     "llama-full-ddp2": TrainingSetup(architecture=_arch("llama", 2), method="full", micro_batch_size=1,
                                      sequence_length=512, strategy="ddp", world_size=2),
 }

@@ -15,12 +15,27 @@ modules transformers runs (see `_block_saved_bytes_per_token`). The figures are
 peak *allocated* bytes (what `torch.cuda.max_memory_allocated` reports); the
 required bytes add the fragmentation factor and the fixed reserves of constants.py.
 
-Checked against measured truth: bench/sizing_truth.py traces real steps with fake
-tensors (full and LoRA, single GPU, DDP, FSDP2) and bench/sizing_accuracy.py prints
-predicted vs measured. ZeRO, QLoRA and 8-bit optimizers cannot be traced that way;
-their terms are the same shape terms with the storage sizes of DeepSpeed and
-bitsandbytes (constants.py), and tests/sizing/test_memory.py checks them against
-hand-computed cases.
+How each part was checked:
+
+* Traced (bench/sizing_truth.py, fake tensors on the CPU emulating the CUDA allocator's
+  rounding, flash attention and fused dropout; bench/sizing_accuracy.py prints the
+  table): full fine-tuning and LoRA, single GPU, DDP (the Reducer's buckets, which run
+  in C++ outside the dispatcher, are allocated as the Reducer does), FSDP2 with
+  transformers' plan at 2-8 ranks, checkpointing on and off, sdpa and eager, Llama,
+  Qwen2, Mistral, Phi-3 and Gemma 2. The FSDP moments (head and block
+  reduce-scatters, the embedding group kept gathered until the root forward returns)
+  and the tied-embedding gradient accumulation were read off traced timelines.
+* Derived, not traced: DeepSpeed ZeRO (its partitioning runs in its own C++/CUDA
+  code; the terms are its documented storage: bf16 weights and grads, fp32 master and
+  Adam states, each divided by the stage's divisor, plus transformers' "auto" buckets),
+  QLoRA and 8-bit optimizers (bitsandbytes needs CUDA; the terms are the NF4 and
+  blockwise 8-bit storage sizes, with the dtypes peft's prepare_model_for_kbit_training
+  leaves), Mixtral (expert routing is data-dependent, which fake tensors cannot follow;
+  tokens are assumed evenly routed). tests/sizing/test_memory.py checks these against
+  hand-computed values; bench/sizing_gpu.py measures QLoRA and 8-bit Adam on a GPU.
+* Not modelled: what lies outside the allocator's peak (CUDA context, cuBLAS
+  workspaces, NCCL buffers, allocator caching) is the fragmentation factor and reserve
+  of constants.py, which bench/sizing_gpu.py calibrates.
 """
 
 from __future__ import annotations
@@ -120,22 +135,43 @@ def _norm_saved(arch: ModelArchitecture, rg: _Regime) -> float:
     return saved
 
 
+_INPUT_OF = {  # which tensor a block linear reads, to find adapters that share one
+    "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
+    "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "gate": "mlp_in",
+    "experts.gate_up_proj": "mlp_in", "down_proj": "mlp_mid", "experts.down_proj": "mlp_mid",
+}
+
+
 def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> float:
-    """Bytes per token peft's adapters save: a compute-dtype copy of each adapted layer's input and x A."""
+    """Bytes per token peft's adapters save: the input each lora_A reads, and x A."""
     if not rg.lora:
         return 0.0
     r = setup.lora_rank
-    dropout_mask = 1 if setup.lora_dropout > 0 else 0
+    dropout = setup.lora_dropout > 0
+    # Under FSDP the adapters are gathered in the compute dtype with the base, so peft's
+    # cast of the input to the adapter dtype is a no-op and adapters reading the same
+    # tensor save that one tensor; the attention output is saved by attention already.
+    shared_inputs = setup.strategy == "fsdp" and rg.compute == 2
     saved = 0.0
+    seen: set[str] = set()
     for lin in arch.resolve_lora_targets(setup.lora_targets):
-        if lin.name == "experts.gate_up_proj" or lin.name == "experts.down_proj":
+        if lin.name in ("experts.gate_up_proj", "experts.down_proj"):
             # Expert adapters see only their routed tokens: experts_per_token copies in all.
             saved += arch.experts_per_token * (rg.compute * lin.in_features + 4 * r)
             continue
-        # peft casts the input to fp32 (adapter dtype); autocast casts it back for lora_A,
-        # and that copy is what lora_A saves. Without autocast the fp32 input is saved.
-        # Dropout (CUDA's fused kernel) adds a bool mask of the input.
-        saved += rg.compute * lin.in_features + rg.compute * r + dropout_mask * lin.in_features
+        saved += rg.compute * r  # x A, saved by lora_B
+        if dropout:
+            # Dropout (CUDA's fused kernel) makes a new input per adapter and keeps a bool mask.
+            saved += rg.compute * lin.in_features + lin.in_features
+        elif shared_inputs:
+            source = _INPUT_OF.get(lin.name, lin.name)
+            if source not in seen and source != "attn_out":
+                saved += rg.compute * lin.in_features
+            seen.add(source)
+        else:
+            # peft casts the input to fp32 (the adapter dtype); autocast casts it back for
+            # lora_A, and that per-adapter copy is what lora_A saves.
+            saved += rg.compute * lin.in_features
     return saved
 
 
@@ -427,8 +463,8 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         copies_bwd_start = copies_fwd if not setup.gradient_checkpointing else head_copy
         copies_block = 2 * arch.block_params
     elif rg.lora and rg.compute == 2:
-        # Cached bf16 copies of the fp32 adapters (gathered whole under FSDP).
-        copies_fwd = 2 * lora_params / (n if setup.strategy == "zero3" else 1)
+        # Cached bf16 copies of the fp32 adapters (FSDP gathers them in bf16 already).
+        copies_fwd = 0.0 if setup.strategy == "fsdp" else 2 * lora_params / (n if setup.strategy == "zero3" else 1)
         if rg.qlora:
             # The frozen fp32 head is cast on every call (not cached: it needs no grad) and
             # the cast is saved for the input gradient.
