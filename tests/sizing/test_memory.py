@@ -241,3 +241,27 @@ def test_no_torch_import():
     code = "import sys, finetune_operator.sizing as s; s.estimate_memory(s.TrainingSetup(architecture=s.PRESETS['llama-3.2-1b'])); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_every_preset_and_valid_combination_estimates_sanely():
+    """No combination crashes; every term is non-negative and the breakdown sums to the peak."""
+    import itertools
+
+    count = 0
+    for preset, method, strategy, offload, gc, attention in itertools.product(
+        sorted(PRESETS), ("full", "lora", "qlora"), ("ddp", "fsdp", "zero1", "zero2", "zero3"),
+        ("none", "optimizer", "optimizer+params"), (False, True), ("sdpa", "eager"),
+    ):
+        try:
+            s = TrainingSetup(architecture=PRESETS[preset], method=method, strategy=strategy, offload=offload,
+                              gradient_checkpointing=gc, attention=attention, world_size=8, micro_batch_size=2,
+                              sequence_length=4096)
+        except SizingError:
+            continue
+        est = estimate_memory(s)
+        assert all(v >= 0 for v in est.breakdown.values()), (s, est.breakdown)
+        assert sum(est.breakdown.values()) == est.peak_allocated_bytes
+        assert est.peak_allocated_bytes >= max(est.phase_peaks.values()) - 8
+        assert est.host_required_bytes > 0
+        count += 1
+    assert count > 1000
