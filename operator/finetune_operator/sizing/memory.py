@@ -499,6 +499,8 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     # activation's output, up and gate: about three b x s x intermediate at once).
     moe_k = arch.experts_per_token if arch.is_moe else 1
     block_bwd = 3 * rg.mlp * arch.intermediate_size * moe_k * tokens
+    # ... and the gradient of the residual stream: the one flowing in and the one being built.
+    block_bwd += 2 * rg.residual * h * tokens
     if not setup.gradient_checkpointing:
         # The first block's backward: everything else forward saved is still alive.
         first = dict(bwd_start, logits=0.0, activations=bwd_start["activations"] + block_bwd,
