@@ -40,7 +40,8 @@ class FakeGPU:
     def rule_sources(self, pod) -> list[fate.RuleSource]:
         ns, meta = pod.metadata.namespace, pod.metadata
         sources = [fate.RuleSource(f"pod {ns}/{meta.name}", fate.rule_values_from_annotations(meta.annotations))]
-        job = (meta.labels or {}).get(fate.JOB_LABEL)
+        # The job label is shortened for long names; the annotation has the full name.
+        job = (meta.annotations or {}).get("finetune.dev/job-name") or (meta.labels or {}).get(fate.JOB_LABEL)
         if job:
             try:
                 ftj = self.custom.get_namespaced_custom_object(FTJ_GROUP, FTJ_VERSION, ns, FTJ_PLURAL, job)

@@ -27,7 +27,7 @@ from kubernetes.client.rest import ApiException
 from . import api, lifecycle, metrics
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
-from .rendering.names import attempt_name
+from .rendering.names import attempt_name, label_value
 from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
 
 log = logging.getLogger("finetune_operator.controller")
@@ -79,7 +79,7 @@ class Cluster:
             raise
 
     def list_attempt_pods(self, namespace: str, job: str, attempt: int) -> list[dict[str, Any]]:
-        selector = f"{JOB_LABEL}={job},{ATTEMPT_LABEL}={attempt}"
+        selector = f"{JOB_LABEL}={label_value(job)},{ATTEMPT_LABEL}={attempt}"
         return _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
 
     def create(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from kubernetes import client, config
 from . import api, metrics
 from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
-from .rendering.renderer import JOB_LABEL
+from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator")
 
@@ -169,14 +169,18 @@ def finetunejob_event(event: dict[str, Any], namespace: str, name: str, status: 
     _enqueue(namespace, name)
 
 
+def _job_name(labels: dict[str, str], annotations: dict[str, str]) -> str | None:
+    return annotations.get(JOB_NAME_ANNOTATION) or labels.get(JOB_LABEL)
+
+
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={JOB_LABEL: kopf.PRESENT})
-def pytorchjob_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _enqueue(namespace, labels.get(JOB_LABEL))
+def pytorchjob_event(namespace: str, labels: dict[str, str], annotations: dict[str, str], **_: Any) -> None:
+    _enqueue(namespace, _job_name(labels, annotations))
 
 
 @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
-def pod_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _enqueue(namespace, labels.get(JOB_LABEL))
+def pod_event(namespace: str, labels: dict[str, str], annotations: dict[str, str], **_: Any) -> None:
+    _enqueue(namespace, _job_name(labels, annotations))
 
 
 @kopf.on.event("", "v1", "configmaps", when=lambda name, namespace, **_: (

@@ -31,6 +31,8 @@ from .planning.pools import GiB, NodePool
 from .planning.search import plan_job
 from .recovery.adjust import decide_next, replan_pinned
 from .recovery.classify import Failure, FailureKind, classify_attempt
+from .rendering.errors import RenderError
+from .rendering.layout import layout_of
 from .rendering.names import attempt_name
 from .rendering.renderer import render_attempt
 
@@ -136,8 +138,13 @@ def step(observed: Observed) -> Decision:
     if status.phase in ("Succeeded", "Failed"):
         return decision  # terminal: nothing more to do
 
-    if observed.invalid:
-        return invalid(decision.status, observed.invalid, now, generation)
+    problems = list(observed.invalid or [])
+    try:
+        layout_of(job.spec)  # sources the pods cannot read are the job's fault: say so now, not after planning
+    except RenderError as error:
+        problems.append(api.FieldProblem(path=error.path, message=error.message))
+    if problems:
+        return invalid(decision.status, problems, now, generation)
     set_condition(status, api.COND_VALIDATED, "True", "Valid", "the spec is valid", now, generation)
     status.observed_generation = generation
 
@@ -181,7 +188,18 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
     """Record attempt `attempt` with `plan` and create its objects."""
     job, status, now = observed.job, decision.status, observed.now
     generation = job.metadata.generation
-    rendered = render_attempt(job, plan, attempt, observed.policy)
+    try:
+        rendered = render_attempt(job, plan, attempt, observed.policy)
+    except RenderError as error:
+        if error.path.startswith("spec."):
+            return invalid(status, [api.FieldProblem(path=error.path, message=error.message)], now, generation)
+        # The plan or the platform's catalog cannot be rendered (e.g. a bad taint key): a policy fix helps.
+        status.phase = "Pending"
+        message = f"attempt {attempt} cannot be rendered: {error}"
+        set_condition(status, api.COND_PLANNED, "False", "CannotRender", message, now, generation)
+        decision.events.append(Event("Warning", "CannotRender", message))
+        decision.requeue_after = REPLAN_AFTER_SECONDS
+        return decision
     plan_status = plan.to_status()
     status.plan = plan_status
     status.current_attempt = attempt

@@ -244,3 +244,27 @@ def test_condition_transition_time_moves_only_on_change():
     assert status.conditions[0].last_transition_time == T0 and status.conditions[0].message == "b"
     lifecycle.set_condition(status, "Running", "False", "Failed", "c", T0 + timedelta(minutes=9), 1)
     assert status.conditions[0].last_transition_time == T0 + timedelta(minutes=9)
+
+
+def test_a_source_the_pods_cannot_read_is_invalid_before_planning():
+    job = example("llama-8b-lora.yaml", model={
+        "name": "m", "architecture": {"preset": "llama-3.1-8b"}, "source": {"uri": "s3://bucket/llama"}})
+    world = World(job)
+    decision = world.step()
+    assert world.job.status.phase == "Failed" and decision.create == []
+    validated = next(c for c in world.job.status.conditions if c.type == "Validated")
+    assert validated.reason == "Invalid" and "spec.model.source.uri" in validated.message
+
+
+def test_a_long_job_name_still_finds_its_pods():
+    from finetune_operator.rendering.names import label_value
+
+    name = "a-very-long-fine-tune-job-name-" + "x" * 60
+    doc_job = example("llama-8b-lora.yaml")
+    job = doc_job.model_copy(update={"metadata": doc_job.metadata.model_copy(update={"name": name})})
+    world = World(job)
+    decision = world.step()
+    pj = decision.create[1]
+    template = pj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    assert template["metadata"]["labels"]["finetune.dev/job"] == label_value(name) != name
+    assert template["metadata"]["annotations"]["finetune.dev/job-name"] == name

@@ -182,7 +182,10 @@ def test_pod_security_volumes_and_env(lora_job):
     job = job_of(lora_job, checkpoint={"pvc": {"claimName": "ckpt", "path": "demo"}})
     rendered = render_attempt(job, plan_for(job, predicted_peak_bytes=123), 1, policy())
     template = pods(rendered)["Master"]
-    assert template["metadata"]["annotations"] == {"finetune.dev/predicted-peak-bytes": "123"}
+    assert template["metadata"]["annotations"] == {
+        "finetune.dev/predicted-peak-bytes": "123",
+        "finetune.dev/job-name": job.metadata.name,
+    }
     spec = template["spec"]
     assert spec["securityContext"]["runAsNonRoot"] is True
     container = spec["containers"][0]

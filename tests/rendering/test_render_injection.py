@@ -333,7 +333,7 @@ def check(case: Case, schema: bool) -> None:
     assert set(rendered.config_map["metadata"]) == meta_keys - {"annotations"}
     expected_labels = LABEL_KEYS | ({"kueue.x-k8s.io/queue-name"} if case.queue_name else set())
     assert set(pj["metadata"]["labels"]) == expected_labels
-    assert set(pj["metadata"]["annotations"]) == {"finetune.dev/model", "finetune.dev/plan"}
+    assert set(pj["metadata"]["annotations"]) == {"finetune.dev/model", "finetune.dev/plan", "finetune.dev/job-name"}
     assert set(pj["spec"]) == {"runPolicy", "nprocPerNode", "pytorchReplicaSpecs"}
     assert pj["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "suspend": case.suspend}
     assert pj["spec"]["nprocPerNode"] == str(case.gpus_per_node)
@@ -350,7 +350,10 @@ def check(case: Case, schema: bool) -> None:
         assert set(template["metadata"]) == {"labels", "annotations"}
         assert set(template["metadata"]["labels"]) == LABEL_KEYS
         assert template["metadata"]["labels"]["finetune.dev/attempt"] == str(case.attempt)
-        assert template["metadata"]["annotations"] == {"finetune.dev/predicted-peak-bytes": str(plan.predicted_peak_bytes)}
+        assert template["metadata"]["annotations"] == {
+            "finetune.dev/predicted-peak-bytes": str(plan.predicted_peak_bytes),
+            "finetune.dev/job-name": job.metadata.name,
+        }
         pod = template["spec"]
         assert set(pod) == POD_SPEC_KEYS | ({"initContainers"} if case.hf_model else set())
         # --- sovereignty: exactly one required term, exactly the allowed regions, then the pool

@@ -22,6 +22,8 @@ ATTEMPT_LABEL = "finetune.dev/attempt"
 PREDICTED_PEAK_ANNOTATION = "finetune.dev/predicted-peak-bytes"
 MODEL_ANNOTATION = "finetune.dev/model"
 PLAN_ANNOTATION = "finetune.dev/plan"
+# The FineTuneJob's full name: the job label holds it shortened (with a hash) when it is over 63 characters.
+JOB_NAME_ANNOTATION = "finetune.dev/job-name"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 MANAGER = "finetune-operator"
 
@@ -97,7 +99,10 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     container_security = pod.container_security_context()
     pod_data = {
         "labels": labels,
-        "annotations": {PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes)},
+        "annotations": {
+            PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
+            JOB_NAME_ANNOTATION: job.metadata.name,
+        },
         "security_context": pod.pod_security_context(),
         "match_expressions": pod.match_expressions(policy.region_label_key, regions, plan),
         "tolerations": pod.tolerations(plan),
@@ -123,7 +128,7 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
             job,
             object_labels,
             owner,
-            {MODEL_ANNOTATION: job.spec.model.name, PLAN_ANNOTATION: plan.summary()},
+            {MODEL_ANNOTATION: job.spec.model.name, PLAN_ANNOTATION: plan.summary(), JOB_NAME_ANNOTATION: job.metadata.name},
         ),
         suspend=job.spec.suspend,
         nproc_per_node=str(plan.gpus_per_node),
