@@ -154,7 +154,7 @@ class LoraSettings(_Contract):
 class FsdpSettings(_Contract):
     """FSDP2 as transformers applies it at load time (``DistributedConfig``).
 
-    Always full-shard over all ranks; under bf16/fp16 the mixed-precision policy is
+    Always full-shard over all ranks; under bf16 the mixed-precision policy is
     param_dtype=bf16, reduce_dtype=fp32 (see notes/trainer_settings.md); parameters go
     to the host when ``offload`` is "optimizer+params". ``plan`` overrides the model's
     own FSDP plan per module pattern (transformers' ``fsdp_plan``).
