@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 from finetune_trainer.checkpointing import CheckpointMeta, clean_staging, list_checkpoints, newest_checkpoint, prune
 from finetune_trainer.contract import EXIT_DATA_ERROR, EXIT_GPU_OOM, FailureReason, FailureReport, Phase
