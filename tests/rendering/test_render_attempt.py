@@ -32,8 +32,8 @@ def test_single_node_has_only_a_master(lora_job):
     specs = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]
     assert list(specs) == ["Master"] and specs["Master"]["replicas"] == 1
     command = specs["Master"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:3] == ["torchrun", "--nnodes=1", "--nproc-per-node=2"]
-    assert command[3:] == ["-m", "finetune_trainer", "--config", "/etc/finetune/config.json"]
+    assert command == ["python", "-m", "finetune_trainer.launch", "--config", "/etc/finetune/config.json",
+                       "--nnodes=1", "--nproc-per-node=2"]
     assert rendered.pytorch_job["spec"]["nprocPerNode"] == "2"
 
 

@@ -156,15 +156,17 @@ def env() -> list[dict[str, Any]]:
 
 
 def trainer_command(plan: Plan) -> list[str]:
-    """torchrun with the plan's shape; the training operator sets the rendezvous (PET_MASTER_ADDR, ...)."""
+    """The trainer's launcher: torchrun with the plan's shape (the training operator sets the
+    rendezvous, PET_MASTER_ADDR, ...), exiting with the failure report's documented code
+    rather than torchrun's blanket 1."""
     return [
-        "torchrun",
-        f"--nnodes={plan.nodes}",
-        f"--nproc-per-node={plan.gpus_per_node}",
+        "python",
         "-m",
-        "finetune_trainer",
+        "finetune_trainer.launch",
         "--config",
         f"{paths.CONFIG_DIR}/{paths.CONFIG_KEY}",
+        f"--nnodes={plan.nodes}",
+        f"--nproc-per-node={plan.gpus_per_node}",
     ]
 
 
