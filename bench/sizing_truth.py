@@ -273,6 +273,13 @@ def measure(setup: TrainingSetup, steps: int = 2) -> Measurement:
             del input_ids, labels, ddp_buckets
     finally:
         sharding_prop.detect_fake_mode = orig_detect
+        if distributed:
+            # Leave no process group behind: callers in the same process (tests) must not
+            # inherit a fake world.
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
     del vocab
     peak, phases = step_peaks[-1]
     return Measurement(peak_bytes=peak, phase_peaks=phases, first_step_peak=step_peaks[0][0],
