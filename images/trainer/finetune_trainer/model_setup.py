@@ -9,10 +9,14 @@ FSDP is transformers' own FSDP2 at load time (``DistributedConfig``).
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 from pathlib import Path
 
 from .contract import TrainerConfig
 from .errors import ConfigError
+
+log = logging.getLogger("finetune_trainer")
 
 ATTENTION = {"sdpa": "sdpa", "flash": "flash_attention_2", "eager": "eager"}
 OPTIMIZER = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit"}
@@ -89,6 +93,24 @@ def load_tokenizer(cfg: TrainerConfig):
     return tokenizer
 
 
+def attention_for(cfg: TrainerConfig) -> str:
+    """The attention kernel to ask transformers for. Gemma 2 soft-caps its attention logits,
+    which sdpa cannot do (transformers refuses the model), so sdpa means eager there; the
+    memory estimate sizes Gemma 2 as eager for the same reason."""
+    wanted = ATTENTION[cfg.attention]
+    if wanted == "sdpa" and _model_type(cfg) == "gemma2":
+        log.info("gemma2 soft-caps attention logits, which sdpa cannot: using eager attention")
+        return "eager"
+    return wanted
+
+
+def _model_type(cfg: TrainerConfig) -> str | None:
+    try:
+        return json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def load_model(cfg: TrainerConfig, world_size: int):
     import torch
     from transformers import AutoModelForCausalLM
@@ -96,7 +118,7 @@ def load_model(cfg: TrainerConfig, world_size: int):
     kwargs = {
         "trust_remote_code": cfg.model.trust_remote_code,
         "local_files_only": True,
-        "attn_implementation": ATTENTION[cfg.attention],
+        "attn_implementation": attention_for(cfg),
     }
     if cfg.method == "full":
         kwargs["dtype"] = torch.float32

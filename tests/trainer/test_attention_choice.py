@@ -1,0 +1,24 @@
+"""Which attention kernel the trainer asks transformers for."""
+
+from __future__ import annotations
+
+import json
+
+from finetune_trainer.contract import TrainerConfig
+from finetune_trainer.model_setup import attention_for
+
+
+def _config(tmp_path, model_type: str, attention: str) -> TrainerConfig:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return TrainerConfig(job_name="j", model={"path": str(tmp_path)}, dataset={"path": "/data"},
+                         max_steps=1, output_directory="/out", attention=attention)
+
+
+def test_gemma2_gets_eager_instead_of_sdpa(tmp_path):
+    assert attention_for(_config(tmp_path, "gemma2", "sdpa")) == "eager"
+
+
+def test_other_models_keep_what_was_asked(tmp_path):
+    assert attention_for(_config(tmp_path, "llama", "sdpa")) == "sdpa"
+    assert attention_for(_config(tmp_path, "llama", "eager")) == "eager"
+    assert attention_for(_config(tmp_path, "gemma2", "flash")) == "flash_attention_2"
