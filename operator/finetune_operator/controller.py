@@ -35,6 +35,8 @@ log = logging.getLogger("finetune_operator.controller")
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 # Discovery lists every node and running pod; several jobs planning at once share one look.
 DISCOVERY_CACHE_SECONDS = 5.0
+# Attempts whose failed pods are remembered (oldest forgotten first).
+FAILED_POD_MEMORY = 512
 
 
 def _json(response: Any) -> dict[str, Any]:
@@ -49,6 +51,8 @@ class Cluster:
         self.custom = client.CustomObjectsApi(api_client)
         self._pool_cache: tuple[float, list[NodePool]] | None = None
         self._pool_lock = threading.Lock()
+        self._failed_pods: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+        self._failed_lock = threading.Lock()
 
     # -- FineTuneJobs -------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -79,8 +83,27 @@ class Cluster:
             raise
 
     def list_attempt_pods(self, namespace: str, job: str, attempt: int) -> list[dict[str, Any]]:
+        """The attempt's pods, plus failed ones seen in watch events that are gone since."""
         selector = f"{JOB_LABEL}={label_value(job)},{ATTEMPT_LABEL}={attempt}"
-        return _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
+        pods = _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
+        present = {p["metadata"]["name"] for p in pods}
+        with self._failed_lock:
+            gone = [p for name, p in self._failed_pods.get((namespace, label_value(job), str(attempt)), {}).items()
+                    if name not in present]
+        return pods + gone
+
+    def remember_failed_pod(self, pod: dict[str, Any]) -> None:
+        """Keep the last state of a failed training pod: whoever deletes it (an eviction, a
+        cleanup policy, a person) must not take the reason for the failure with it."""
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if not _has_failed_container(pod):
+            return
+        key = (meta.get("namespace", ""), labels.get(JOB_LABEL, ""), labels.get(ATTEMPT_LABEL, ""))
+        with self._failed_lock:
+            self._failed_pods.setdefault(key, {})[meta.get("name", "")] = pod
+            while len(self._failed_pods) > FAILED_POD_MEMORY:
+                self._failed_pods.pop(next(iter(self._failed_pods)))
 
     def create(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create `obj`; if it exists already, return the existing one (adoption)."""
@@ -280,6 +303,18 @@ def _owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:
     uid = owner["metadata"].get("uid")
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return uid is None or any(r.get("uid") == uid for r in refs)
+
+
+def _has_failed_container(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return True
+    for container in status.get("containerStatuses") or []:
+        for key in ("state", "lastState"):
+            terminated = (container.get(key) or {}).get("terminated") or {}
+            if terminated.get("exitCode") not in (None, 0):
+                return True
+    return False
 
 
 def _failed(pytorch_job: dict[str, Any]) -> bool:

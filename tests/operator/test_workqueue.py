@@ -85,3 +85,4 @@ def test_a_failing_reconcile_is_retried_not_fatal():
     time.sleep(0.3)
     queue.stop()
     assert calls == ["bad", "good"]  # "bad" is retried only after its 30 s backoff
+

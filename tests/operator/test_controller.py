@@ -1,0 +1,26 @@
+"""The controller shell's own state (no cluster)."""
+
+from __future__ import annotations
+
+
+def test_failed_pods_are_remembered_after_they_are_gone():
+    from unittest import mock
+
+    from finetune_operator.controller import Cluster
+
+    cluster = Cluster(mock.MagicMock())
+    cluster.core = mock.MagicMock()
+    failed = {"metadata": {"name": "j-a1-master-0", "namespace": "ns",
+                           "labels": {"finetune.dev/job": "j", "finetune.dev/attempt": "1"}},
+              "status": {"phase": "Failed", "containerStatuses": [
+                  {"name": "pytorch", "state": {"terminated": {"exitCode": 75, "message": "{}"}}}]}}
+    running = {"metadata": {"name": "j-a1-worker-0", "namespace": "ns",
+                            "labels": {"finetune.dev/job": "j", "finetune.dev/attempt": "1"}},
+               "status": {"phase": "Running"}}
+    cluster.remember_failed_pod(failed)
+    cluster.remember_failed_pod(running)  # not failed: not kept
+    response = mock.MagicMock()
+    response.data = b'{"items": []}'
+    cluster.core.list_namespaced_pod.return_value = response
+    assert [p["metadata"]["name"] for p in cluster.list_attempt_pods("ns", "j", 1)] == ["j-a1-master-0"]
+    assert cluster.list_attempt_pods("ns", "j", 2) == []
