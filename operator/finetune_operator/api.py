@@ -165,8 +165,8 @@ class ModelSource(ApiModel):
         return self
 
 
-class DataSource(ApiModel):
-    """Where the training data comes from. Set exactly one of `pvc`, `uri`."""
+class _VolumeOrUri(ApiModel):
+    """A place that is either on a volume (`pvc`) or at a URI (`uri`), never both."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -176,15 +176,19 @@ class DataSource(ApiModel):
         }
     )
 
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "_VolumeOrUri":
+        _require_exactly_one(self, ("pvc", "uri"))
+        return self
+
+
+class DataSource(_VolumeOrUri):
+    """Where the training data comes from. Set exactly one of `pvc`, `uri`."""
+
     pvc: PvcSource | None = None
     """A JSONL file (or a folder of them) on a volume."""
     uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs|https)://.+$")] | None = None
     """A JSONL file at `s3://`, `gs://` or `https://`."""
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "DataSource":
-        _require_exactly_one(self, ("pvc", "uri"))
-        return self
 
 
 def _require_exactly_one(model: BaseModel, names: tuple[str, ...]) -> None:
@@ -563,26 +567,13 @@ class CheckpointSpec(ApiModel):
     """Checkpoints to keep."""
 
 
-class OutputSpec(ApiModel):
+class OutputSpec(_VolumeOrUri):
     """Where the result (the adapter, or the full model) is written."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {"rule": "has(self.pvc) != has(self.uri)", "message": "set exactly one of pvc, uri"}
-            ]
-        }
-    )
 
     pvc: PvcSource | None = None
     """A volume path for the result. Mounted read-write."""
     uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs)://.+$")] | None = None
     """An `s3://` or `gs://` prefix to upload the result to."""
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "OutputSpec":
-        _require_exactly_one(self, ("pvc", "uri"))
-        return self
 
 
 Method = Literal["full", "lora", "qlora"]
