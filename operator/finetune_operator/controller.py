@@ -221,13 +221,9 @@ class Reconciler:
         try:
             job = api.parse_job(_without_status(body))
             job = job.model_copy(update={"status": status})
-            problems = self._resolve_architecture(job)
+            model_config, problems = self._read_model_config(job)
         except api.JobValidationError as error:
             decision = lifecycle.invalid(status, error.problems, now, body["metadata"].get("generation"))
-            self._apply(body, decision)
-            return None
-        if problems:
-            decision = lifecycle.invalid(status, problems, now, job.metadata.generation)
             self._apply(body, decision)
             return None
         attempt = status.current_attempt
@@ -241,34 +237,27 @@ class Reconciler:
             pods = self.cluster.list_attempt_pods(namespace, name, attempt)
         needs_plan = attempt is None or pytorch_job is None or _failed(pytorch_job)
         pools = self.cluster.pools(policy) if needs_plan else []
-        observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools,
-                                      pytorch_job=pytorch_job, pods=pods)
+        observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, pytorch_job=pytorch_job,
+                                      pods=pods, invalid=problems, model_config=model_config)
         decision = lifecycle.step(observed)
         self._apply(body, decision)
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
         return decision.requeue_after
 
-    def _resolve_architecture(self, job: api.FineTuneJob) -> list[api.FieldProblem]:
-        """A configMapRef architecture is read here, so the pure core sees inline numbers."""
+    def _read_model_config(self, job: api.FineTuneJob) -> tuple[dict[str, Any] | None, list[api.FieldProblem]]:
+        """The config.json a configMapRef architecture points at (reading is I/O; parsing it is the core's)."""
         ref = job.spec.model.architecture.config_map_ref
         if ref is None:
-            return []
+            return None, []
         path = "spec.model.architecture.configMapRef"
         text = self.cluster.read_config_map_key(job.metadata.namespace or "default", ref.name, ref.key)
         if text is None:
-            return [api.FieldProblem(path=path, message=f"ConfigMap {ref.name} has no key {ref.key!r} (or does not exist)")]
+            return None, [api.FieldProblem(path=path, message=f"ConfigMap {ref.name} has no key {ref.key!r} (or does not exist)")]
         try:
             config = json.loads(text)
         except ValueError as error:
-            return [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key} is not JSON: {error}")]
-        known = set(api.InlineArchitecture.model_fields)
-        try:
-            inline = api.InlineArchitecture.model_validate({k: v for k, v in config.items() if k in known})
-        except Exception as error:  # pydantic ValidationError: name the keys
-            return [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key}: {error}")]
-        job.spec.model.architecture.inline = inline
-        job.spec.model.architecture.config_map_ref = None
-        return []
+            return None, [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key} is not JSON: {error}")]
+        return config, []
 
     def _apply(self, body: dict[str, Any], decision: lifecycle.Decision) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]

@@ -18,6 +18,7 @@ to a running attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from .rendering.errors import RenderError
 from .rendering.layout import layout_of
 from .rendering.names import attempt_name
 from .rendering.renderer import render_attempt
+from .sizing import ModelArchitecture, SizingError
+from .sizing.from_job import architecture_of
 
 # How long to wait before planning again when nothing fits (pools may scale or free up).
 REPLAN_AFTER_SECONDS = 60.0
@@ -63,6 +66,8 @@ class Observed:
     pytorch_job: dict[str, Any] | None = None  # of the current attempt
     pods: Sequence[dict[str, Any]] = ()  # of the current attempt
     invalid: list[api.FieldProblem] | None = None  # problems found by the shell (e.g. a configMapRef)
+    model_config: dict[str, Any] | None = None  # the config.json a configMapRef architecture points at
+    architecture: ModelArchitecture | None = None  # resolved by `step`, not by the shell
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,11 @@ def step(observed: Observed) -> Decision:
         layout_of(job.spec)  # sources the pods cannot read are the job's fault: say so now, not after planning
     except RenderError as error:
         problems.append(api.FieldProblem(path=error.path, message=error.message))
+    if not problems:
+        try:
+            observed = dataclasses.replace(observed, architecture=architecture_of(job.spec, observed.model_config))
+        except SizingError as error:
+            problems.append(_architecture_problem(job.spec, error))
     if problems:
         return invalid(decision.status, problems, now, generation)
     set_condition(status, api.COND_VALIDATED, "True", "Valid", "the spec is valid", now, generation)
@@ -151,6 +161,20 @@ def step(observed: Observed) -> Decision:
     if status.current_attempt is None:
         return _first_attempt(decision, observed)
     return _follow_attempt(decision, observed)
+
+
+def _architecture_problem(spec: api.FineTuneJobSpec, error: SizingError) -> api.FieldProblem:
+    """A sizing error about the model's architecture, located under spec.model.architecture."""
+    source = spec.model.architecture
+    if error.field.startswith("spec."):
+        path = error.field
+    elif source.inline is not None:
+        path = f"spec.model.architecture.inline.{error.field}"
+    elif source.config_map_ref is not None:
+        path = f"spec.model.architecture.configMapRef ({source.config_map_ref.name}/{source.config_map_ref.key}: {error.field})"
+    else:
+        path = f"spec.model.architecture.{error.field}"
+    return api.FieldProblem(path=path, message=str(error).split(": ", 1)[-1])
 
 
 def invalid(status: api.FineTuneJobStatus, problems: list[api.FieldProblem], now: datetime, generation: int | None) -> Decision:
@@ -172,7 +196,7 @@ def _first_attempt(decision: Decision, observed: Observed) -> Decision:
         status.phase = "Suspended"
         set_condition(status, api.COND_SUSPENDED, "True", "Suspended", "spec.suspend is true; nothing runs", now, generation)
         return decision
-    result = plan_job(job.spec, list(observed.pools), observed.policy)
+    result = plan_job(job.spec, list(observed.pools), observed.policy, architecture=observed.architecture)
     if isinstance(result, Infeasible):
         status.phase = "Pending"
         previous = condition(status, api.COND_PLANNED)
@@ -293,11 +317,12 @@ def _create_missing(decision: Decision, observed: Observed, attempt: int) -> Dec
     if status.plan is None:
         status.current_attempt = None
         return _first_attempt(decision, observed)
-    plan = replan_pinned(job.spec, status.plan, list(observed.pools), observed.policy)
+    plan = replan_pinned(job.spec, status.plan, list(observed.pools), observed.policy, observed.architecture)
     if isinstance(plan, Infeasible):
         # The pool of the recorded plan is gone or changed: plan afresh, never repeating failures.
         excluded = tuple(plan_key_of(a.plan) for a in status.attempts if a.plan is not None and a.outcome != "Running")
-        plan = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded)
+        plan = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded,
+                        architecture=observed.architecture)
         if isinstance(plan, Infeasible):
             status.phase = "Pending"
             set_condition(status, api.COND_PLANNED, "False", "NoFit", plan.message, now, job.metadata.generation)
@@ -323,6 +348,7 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
         nxt = decide_next(
             job.spec, failure, failed_plan,
             attempts_made=attempt, failed_keys=excluded, pools=list(observed.pools), policy=observed.policy,
+            architecture=observed.architecture,
         )
         why = nxt.why
     pj_name = attempt_name(job.metadata.name, attempt)

@@ -268,3 +268,27 @@ def test_a_long_job_name_still_finds_its_pods():
     template = pj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     assert template["metadata"]["labels"]["finetune.dev/job"] == label_value(name) != name
     assert template["metadata"]["annotations"]["finetune.dev/job-name"] == name
+
+
+def test_an_unknown_preset_is_invalid_not_unplannable():
+    world = World(example("llama-8b-lora.yaml", model={
+        "name": "m", "architecture": {"preset": "llama-9000"}, "source": {"pvc": {"claimName": "models"}}}))
+    world.step()
+    assert world.job.status.phase == "Failed"
+    validated = next(c for c in world.job.status.conditions if c.type == "Validated")
+    assert "spec.model.architecture.preset" in validated.message and "llama-3.1-8b" in validated.message
+
+
+def test_a_configmap_architecture_is_sized_from_its_config_json():
+    job = example("llama-8b-lora.yaml", model={
+        "name": "m", "architecture": {"configMapRef": {"name": "cfg"}}, "source": {"pvc": {"claimName": "models"}}})
+    config = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "tie_word_embeddings": True, "rope_theta": 500000.0}
+    decision = lifecycle.step(lifecycle.Observed(job=job, now=T0, policy=POLICY, pools=POOLS, model_config=config))
+    assert decision.status.phase == "Launching"
+    assert 2.0 < decision.status.plan.breakdown["weights"] < 3.0  # a 1.2B model, not 8B
+    broken = dict(config, num_attention_heads=3)
+    decision = lifecycle.step(lifecycle.Observed(job=job, now=T0, policy=POLICY, pools=POOLS, model_config=broken))
+    assert decision.status.phase == "Failed"
+    assert "spec.model.architecture.configMapRef" in decision.status.conditions[0].message

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .. import api
 from ..sizing import ModelArchitecture, SizingError, TrainingSetup
+from ..sizing.from_job import architecture_of
 from .plan import Infeasible, Plan, PlanKey, PlanningResult, plan_key_of
 from .policy import ClusterPolicy
 from .pools import GiB, NodePool, same_gpu_type
@@ -341,19 +342,8 @@ def _plan(spec, pools, policy, exclude, calibration, architecture, estimator, *,
 
 
 def _ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture: ModelArchitecture | None) -> _Ask | Infeasible:
-    source = spec.model.architecture
     try:
-        if architecture is not None:
-            arch = architecture
-        elif source.preset is not None:
-            arch = ModelArchitecture.from_preset(source.preset)
-        elif source.inline is not None:
-            arch = ModelArchitecture.from_hf_config(source.inline.model_dump(exclude_none=True))
-        else:
-            return Infeasible(
-                message="spec.model.architecture.configMapRef: the architecture is in a ConfigMap the planner was"
-                " not given; read it and pass it as `architecture`",
-            )
+        arch = architecture or architecture_of(spec)
     except SizingError as error:
         return Infeasible(message=f"spec.model.architecture: {error}")
     lora_rank, lora_targets = 16, "all-linear"

@@ -35,6 +35,7 @@ from ..planning.plan import Infeasible, Plan, PlanKey
 from ..planning.policy import ClusterPolicy
 from ..planning.pools import GiB, NodePool
 from ..planning.search import plan_job
+from ..sizing import ModelArchitecture
 from .classify import Failure, FailureKind, Remedy
 
 # After an OOM the next plan must fit the calibrated estimate with this much to spare,
@@ -101,8 +102,11 @@ def decide_next(
     failed_keys: Sequence[PlanKey],
     pools: Sequence[NodePool],
     policy: ClusterPolicy,
+    architecture: ModelArchitecture | None = None,
 ) -> NextStep:
-    """The next attempt's plan after `failure`, or why there is none."""
+    """The next attempt's plan after `failure`, or why there is none.
+
+    `architecture`: the model's, when the spec refers to a ConfigMap (see `plan_job`)."""
     what = failure.describe()
     if failure.remedy is Remedy.GIVE_UP:
         return NextStep(False, None, "", f"{what}; a retry cannot fix this")
@@ -110,13 +114,13 @@ def decide_next(
     if attempts_made >= max_attempts:
         return NextStep(False, None, "", f"{what}; all {max_attempts} attempts are used")
     if failure.remedy is Remedy.RETRY_SAME:
-        plan = replan_pinned(spec, failed, pools, policy)
+        plan = replan_pinned(spec, failed, pools, policy, architecture)
         if isinstance(plan, Plan):
             return NextStep(True, plan, "same plan (the failure was not the plan's)", what)
         return NextStep(False, None, "", f"{what}; the same plan no longer fits: {plan.message}")
     if failure.kind is FailureKind.HOST_OUT_OF_MEMORY:
-        return _after_host_oom(spec, failure, failed, pools, policy, what)
-    return _after_gpu_oom(spec, failure, failed, failed_keys, pools, policy, what)
+        return _after_host_oom(spec, failure, failed, pools, policy, what, architecture)
+    return _after_gpu_oom(spec, failure, failed, failed_keys, pools, policy, what, architecture)
 
 
 def _after_gpu_oom(
@@ -127,6 +131,7 @@ def _after_gpu_oom(
     pools: Sequence[NodePool],
     policy: ClusterPolicy,
     what: str,
+    architecture: ModelArchitecture | None,
 ) -> NextStep:
     factor = calibration_factor(failure, failed)
     allowed = set(spec.recovery.allowed_adjustments)
@@ -141,7 +146,8 @@ def _after_gpu_oom(
         free |= rung.knobs
         tried.append(rung.name)
         candidate_spec = pinned_spec(spec, failed, free)
-        result = plan_job(candidate_spec, pools, policy, exclude=tuple(failed_keys), calibration=factor)
+        result = plan_job(candidate_spec, pools, policy, exclude=tuple(failed_keys), calibration=factor,
+                          architecture=architecture)
         if isinstance(result, Plan):
             change = describe_change(failed, result)
             why = f"{what}; the estimate under-predicted, calibrated x{factor:.2f}"
@@ -163,6 +169,7 @@ def _after_host_oom(
     pools: Sequence[NodePool],
     policy: ClusterPolicy,
     what: str,
+    architecture: ModelArchitecture | None,
 ) -> NextStep:
     allowed = set(spec.recovery.allowed_adjustments)
     pool = next((p for p in pools if p.name == failed.node_pool), None)
@@ -171,7 +178,7 @@ def _after_host_oom(
     node_limit = int(pool.host_memory_bytes * HOST_MEMORY_NODE_SHARE)
     current = int(failed.host_memory_gi_b * GiB)
     if "hostMemory" in allowed and current < node_limit:
-        plan = replan_pinned(spec, failed, pools, policy)
+        plan = replan_pinned(spec, failed, pools, policy, architecture)
         if isinstance(plan, Plan):
             bigger = min(node_limit, int(current * HOST_MEMORY_GROWTH))
             plan = plan.model_copy(update={"host_memory_bytes": max(bigger, plan.host_memory_bytes)})
@@ -182,7 +189,7 @@ def _after_host_oom(
         candidate = candidate.model_copy(
             update={"resources": candidate.resources.model_copy(update={"offload": "none"})}
         )
-        result = plan_job(candidate, pools, policy)
+        result = plan_job(candidate, pools, policy, architecture=architecture)
         if isinstance(result, Plan):
             return NextStep(True, result, f"turned offload off ({failed.offload} -> none): host memory is exhausted", what)
     return NextStep(False, None, "", f"{what}; pod memory is at the node's limit ({node_limit / GiB:.0f} GiB) and nothing else is allowed")
@@ -214,10 +221,15 @@ def pinned_spec(spec: api.FineTuneJobSpec, plan: api.PlanStatus, free: set[str])
 
 
 def replan_pinned(
-    spec: api.FineTuneJobSpec, plan: api.PlanStatus, pools: Sequence[NodePool], policy: ClusterPolicy
+    spec: api.FineTuneJobSpec,
+    plan: api.PlanStatus,
+    pools: Sequence[NodePool],
+    policy: ClusterPolicy,
+    architecture: ModelArchitecture | None = None,
 ) -> Plan | Infeasible:
     """The plan described by a PlanStatus, rebuilt by the planner (to render it again)."""
-    result = plan_job(pinned_spec(spec, plan, set()), pools, policy, calibration=plan.calibration or 1.0)
+    result = plan_job(pinned_spec(spec, plan, set()), pools, policy, calibration=plan.calibration or 1.0,
+                      architecture=architecture)
     if isinstance(result, Plan):
         wanted = int(plan.host_memory_gi_b * GiB)
         if wanted > result.host_memory_bytes:
