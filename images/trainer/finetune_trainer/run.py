@@ -96,7 +96,9 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         gradient_accumulation_steps=cfg.gradient_accumulation,
         learning_rate=cfg.learning_rate,
         weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps,
+        # A float below 1 is a ratio of the total steps to transformers: how an epoch-based job
+        # (whose step count only the trainer knows) warms up.
+        warmup_steps=cfg.warmup_steps or min(cfg.warmup_ratio or 0.0, 0.999),
         lr_scheduler_type=cfg.lr_scheduler,
         max_grad_norm=cfg.max_grad_norm,
         max_steps=max_steps,

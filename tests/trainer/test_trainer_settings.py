@@ -1,4 +1,4 @@
-"""Which attention kernel the trainer asks transformers for."""
+"""Settings the trainer derives from its config: the attention kernel, the warmup."""
 
 from __future__ import annotations
 
@@ -22,3 +22,13 @@ def test_other_models_keep_what_was_asked(tmp_path):
     assert attention_for(_config(tmp_path, "llama", "sdpa")) == "sdpa"
     assert attention_for(_config(tmp_path, "llama", "eager")) == "eager"
     assert attention_for(_config(tmp_path, "gemma2", "flash")) == "flash_attention_2"
+
+
+def test_an_epoch_based_job_warms_up_by_ratio(tmp_path):
+    from finetune_trainer.run import training_arguments
+
+    by_epochs = TrainerConfig(job_name="j", model={"path": str(tmp_path)}, dataset={"path": "/data"}, epochs=1,
+                              output_directory=str(tmp_path / "out"), warmup_ratio=0.05, precision="fp32")
+    assert training_arguments(by_epochs, max_steps=100, cuda=False).warmup_steps == 0.05
+    by_steps = by_epochs.model_copy(update={"warmup_steps": 3})
+    assert training_arguments(by_steps, max_steps=100, cuda=False).warmup_steps == 3
