@@ -698,7 +698,7 @@ class FineTuneJobSpec(ApiModel):
 # status
 # ---------------------------------------------------------------------------
 
-Phase = Literal["Pending", "Planning", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
 
 # Condition types, Kubernetes API conventions (positive polarity, CamelCase reasons).
 COND_VALIDATED = "Validated"
@@ -828,7 +828,7 @@ class FineTuneJobStatus(StatusModel):
     model_config = ConfigDict(extra="ignore")
 
     phase: Phase = "Pending"
-    """Pending, Planning, Launching, Running, Recovering, Suspended, Succeeded or Failed."""
+    """Pending (validated, waiting for a plan that fits), Launching, Running, Recovering, Suspended, Succeeded or Failed."""
     conditions: list[Condition] = []
     """Validated, Planned, Running, Recovering, Suspended, Succeeded, Failed."""
     plan: PlanStatus | None = None
@@ -843,8 +843,6 @@ class FineTuneJobStatus(StatusModel):
     """When the first attempt was created."""
     completion_time: datetime | None = None
     """When the job succeeded or finally failed."""
-    spec_hash: str | None = None
-    """Hash of the spec the current attempt was planned from."""
     next_attempt_time: datetime | None = None
     """When the next attempt starts (recovery backoff)."""
 

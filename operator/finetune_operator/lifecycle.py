@@ -6,9 +6,9 @@ delete, and the events to post; the shell (`controller.py`) does the I/O. Everyt
 is deterministic in its input, so the lifecycle is tested without a cluster and the
 operator can be killed at any point: the next `step` sees what exists and carries on.
 
-Phases: Pending -> (Planning) -> Launching -> Running -> Succeeded
-                                      \\-> Recovering -> Launching (attempt N+1) ...
-                                      \\-> Failed
+Phases: Pending (until a plan fits) -> Launching -> Running -> Succeeded
+                                                       \\-> Recovering -> Launching (attempt N+1) ...
+                                                       \\-> Failed
         any -> Suspended (spec.suspend) -> back where it was.
 
 Spec changes after the first attempt: only `suspend`, `recovery` and `resources` may change
@@ -19,8 +19,6 @@ to a running attempt.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Sequence
@@ -92,12 +90,6 @@ class Decision:
     set_suspend: bool | None = None  # patch runPolicy.suspend of the current PyTorchJob
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None  # seconds; None: wait for a change
-
-
-def spec_hash(spec: api.FineTuneJobSpec) -> str:
-    """A stable hash of the parts of the spec an attempt is built from."""
-    data = spec.model_dump(mode="json", by_alias=True, exclude={"suspend", "recovery"})
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def set_condition(
@@ -227,7 +219,6 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
     plan_status = plan.to_status()
     status.plan = plan_status
     status.current_attempt = attempt
-    status.spec_hash = spec_hash(job.spec)
     status.phase = "Launching"
     status.start_time = status.start_time or now
     status.attempts = [a for a in status.attempts if a.attempt != attempt] + [
