@@ -48,8 +48,9 @@ def service_account() -> str:
 class OperatorProcess:
     """`finetune-operator run` as the chart's ServiceAccount; start, kill -9 and start again."""
 
-    def __init__(self, lab: Any, workdir: Path) -> None:
+    def __init__(self, lab: Any, workdir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.lab = lab
+        self.extra_args = tuple(extra_args)  # more `finetune-operator run` flags, e.g. ("--workers", "8")
         self.workdir = workdir
         self.kubeconfig = lab.service_account_kubeconfig(RELEASE_NAMESPACE, service_account(),
                                                          path=workdir / "operator-sa.kubeconfig")
@@ -71,7 +72,7 @@ class OperatorProcess:
              "--kubeconfig", str(self.kubeconfig),
              "--policy-configmap", f"{RELEASE}-finetune-operator-policy", "--policy-namespace", RELEASE_NAMESPACE,
              "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
-             "--log-format", "plain", "--log-level", "info"],
+             "--log-format", "plain", "--log-level", "info", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         wait_for(self._healthy, 60, "the operator's health endpoint")

@@ -207,6 +207,40 @@ class Lab:
         (what a crash or `kubectl delete pod --force` would look like to the cluster)."""
         stop([proc], grace=0 if kill else 10.0)
 
+    def restart_process(self, name: str, down_for: float = 0.0, kill: bool = False, ready_timeout: float = 120.0) -> Proc:
+        """Stop the lab process `name` (SIGTERM, or SIGKILL with kill=True), keep it down for
+        `down_for` seconds, and start it again with the same command line: same ports, same
+        etcd data, same certificates. For the kube-apiserver and etcd, waits until it serves
+        again (/readyz, /health). The new process gets this process's environment, as `up` gives
+        the control plane (etcd, apiserver, controller-manager, scheduler, kwok); the training
+        operator and the fake GPU were started with extra variables and are not meant for this.
+        Returns the new process record."""
+        index = next((i for i, p in enumerate(self.procs) if p.name == name), None)
+        if index is None:
+            raise KeyError(f"no lab process named {name!r}")
+        old = self.procs[index]
+        if not old.argv:
+            raise RuntimeError(f"{name} was started without a recorded command line; it cannot be restarted")
+        stop([old], grace=0 if kill else 10.0)
+        if down_for > 0:
+            time.sleep(down_for)
+        new = start(name, old.argv, self.log_dir, env=dict(os.environ), die_with_parent=self.die_with_parent)
+        self.procs[index] = new
+        self.save()
+        if name == "kube-apiserver":
+            ctx = _tls_context(self)
+            wait_until("kube-apiserver /readyz after a restart", lambda: http_ok(f"{self.server}/readyz", ctx), new,
+                       ready_timeout)
+        elif name == "etcd":
+            wait_until("etcd /health after a restart",
+                       lambda: http_ok(f"http://127.0.0.1:{self.ports['etcd']}/health", expect=b'"health":"true"'),
+                       new, ready_timeout)
+        return new
+
+    def restart_apiserver(self, down_for: float = 0.0, kill: bool = False) -> Proc:
+        """Restart the kube-apiserver in place (same port, same etcd); see restart_process."""
+        return self.restart_process("kube-apiserver", down_for=down_for, kill=kill)
+
     def status(self) -> dict[str, bool]:
         return {p.name: is_alive(p) for p in self.procs}
 

@@ -68,6 +68,7 @@ class FakeGPU:
                 predicted_peak_bytes=fate.parse_predicted_peak((meta.annotations or {}).get(fate.PREDICTED_PEAK_ANNOTATION)),
                 gpu_memory_mib=fate.parse_gpu_memory_mib(labels.get(fate.GPU_MEMORY_LABEL), pod.spec.node_name),
                 rank=fate.rank_of(meta.labels),
+                attempt=fate.attempt_of(meta.labels),
             )
         except fate.RuleError as exc:
             return fate.lab_failure(str(exc))

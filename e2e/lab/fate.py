@@ -8,12 +8,16 @@ predicted. The node carries its GPU memory in `nvidia.com/gpu.memory` (MiB, as G
     true peak = predicted x true-peak-factor
     outcome auto:  true peak > GPU memory  -> GPU OOM (exit 75, failure report)
                    otherwise               -> success (exit 0)
-    outcome gpu-oom | host-oom | succeed | fail: forced
+    outcome gpu-oom | host-oom | evicted | succeed | fail: forced
+    outcome-by-attempt "host-oom,auto": the outcome of attempt N (pod label finetune.dev/attempt)
+                   is the N-th entry, the last one repeating; it overrides `outcome`
 
 A GPU OOM ends the container the way our trainer does (finetune_trainer.contract: exit code
 EXIT_GPU_OOM, FailureReport JSON in the termination message); a host OOM the way the kubelet
 does (reason OOMKilled, exit 137, no message); "fail" with exit code 1 (or fail-exit-code) and
-the test's message verbatim, as an image that is not ours would.
+the test's message verbatim, as an image that is not ours would; "evicted" the way the kubelet
+ends a pod it evicts for node pressure (pod phase Failed, pod reason Evicted with the kubelet's
+message, the container killed with exit 137).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from finetune_trainer.contract import (
 )
 
 PREFIX = "lab.finetune.dev/"
-RULE_KEYS = ("outcome", "true-peak-factor", "fail-message", "fail-exit-code", "run-duration", "oom-phase")
-OUTCOMES = ("auto", "succeed", "gpu-oom", "host-oom", "fail")
+RULE_KEYS = ("outcome", "true-peak-factor", "fail-message", "fail-exit-code", "run-duration", "oom-phase",
+             "outcome-by-attempt")
+OUTCOMES = ("auto", "succeed", "gpu-oom", "host-oom", "evicted", "fail")
 RULES_CONFIGMAP = "finetune-lab"
 
 JOB_LABEL = "finetune.dev/job"
+ATTEMPT_LABEL = "finetune.dev/attempt"
 PREDICTED_PEAK_ANNOTATION = "finetune.dev/predicted-peak-bytes"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 
@@ -50,6 +56,11 @@ VERDICT_MESSAGE = PREFIX + "termination-message"
 VERDICT_PHASE = PREFIX + "pod-phase"
 VERDICT_DELAY = PREFIX + "terminate-after"
 VERDICT_SUMMARY = PREFIX + "verdict"
+# Pod-level status.reason / status.message (only for verdicts that set them, e.g. an eviction).
+VERDICT_POD_REASON = PREFIX + "pod-reason"
+VERDICT_POD_MESSAGE = PREFIX + "pod-message"
+EVICTION_MESSAGE = ("The node was low on resource: memory. Threshold quantity: 100Mi, available: 51200Ki. "
+                    "(finetune lab: evicted by rule)")
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -76,6 +87,13 @@ class Rule:
     fail_exit_code: int = EXIT_UNKNOWN
     run_duration: str = "2s"
     oom_phase: Phase = Phase.BACKWARD
+    outcome_by_attempt: tuple[str, ...] = ()
+
+    def outcome_for(self, attempt: int | None) -> str:
+        """The outcome for attempt `attempt` (from 1): `outcome-by-attempt` when set, else `outcome`."""
+        if not self.outcome_by_attempt or attempt is None:
+            return self.outcome
+        return self.outcome_by_attempt[min(max(attempt, 1), len(self.outcome_by_attempt)) - 1]
 
 
 def rule_values_from_annotations(annotations: Mapping[str, str] | None) -> dict[str, str]:
@@ -128,6 +146,11 @@ def resolve_rule(sources: list[RuleSource]) -> Rule:
             kwargs["oom_phase"] = Phase(chosen["oom-phase"][0].strip())
         except ValueError:
             raise bad("oom-phase", f"must be one of {', '.join(p.value for p in Phase)}") from None
+    if "outcome-by-attempt" in chosen:
+        values = tuple(v.strip() for v in chosen["outcome-by-attempt"][0].split(","))
+        if not values or any(v not in OUTCOMES for v in values):
+            raise bad("outcome-by-attempt", f"must be a comma-separated list of {', '.join(OUTCOMES)}")
+        kwargs["outcome_by_attempt"] = values
     return Rule(**kwargs)
 
 
@@ -139,6 +162,7 @@ class TrainingPod:
     predicted_peak_bytes: int | None
     gpu_memory_mib: int | None
     rank: int = 0
+    attempt: int | None = None  # the pod's finetune.dev/attempt label, when it has one
 
 
 @dataclass(frozen=True)
@@ -149,9 +173,11 @@ class Verdict:
     pod_phase: str  # Succeeded | Failed
     terminate_after: str
     summary: str
+    pod_reason: str = ""
+    pod_message: str = ""
 
     def annotations(self) -> dict[str, str]:
-        return {
+        out = {
             VERDICT_EXIT_CODE: str(self.exit_code),
             VERDICT_REASON: self.container_reason,
             VERDICT_MESSAGE: self.termination_message,
@@ -159,6 +185,10 @@ class Verdict:
             VERDICT_DELAY: self.terminate_after,
             VERDICT_SUMMARY: self.summary,
         }
+        if self.pod_reason:
+            out[VERDICT_POD_REASON] = self.pod_reason
+            out[VERDICT_POD_MESSAGE] = self.pod_message
+        return out
 
 
 def parse_predicted_peak(value: str | None) -> int | None:
@@ -220,7 +250,10 @@ def gpu_oom_report(pod: TrainingPod, rule: Rule, true_peak: int, device_total: i
 
 
 def decide(pod: TrainingPod, rule: Rule) -> Verdict:
-    outcome = rule.outcome
+    outcome = rule.outcome_for(pod.attempt)
+    if outcome == "evicted":
+        return Verdict(EXIT_SIGKILL, "Error", "", "Failed", rule.run_duration, "evicted (rule)",
+                       pod_reason="Evicted", pod_message=EVICTION_MESSAGE)
     if outcome == "host-oom":
         return Verdict(EXIT_SIGKILL, "OOMKilled", "", "Failed", rule.run_duration, "host-oom (rule)")
     if outcome == "fail":
@@ -254,3 +287,11 @@ def rank_of(labels: Mapping[str, str] | None) -> int:
     except ValueError:
         index = 0
     return index + 1 if rtype == "worker" else index
+
+
+def attempt_of(labels: Mapping[str, str] | None) -> int | None:
+    """The attempt number from the pod's finetune.dev/attempt label, or None."""
+    try:
+        return int((labels or {}).get(ATTEMPT_LABEL, ""))
+    except ValueError:
+        return None

@@ -28,6 +28,7 @@ class Proc:
     pid: int
     start_ticks: int  # /proc/<pid>/stat field 22: tells a reused pid from ours
     log: str
+    argv: list[str] | None = None  # how it was started, so it can be started again in place
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -96,7 +97,7 @@ def start(name: str, argv: list[str], log_dir: Path, env: dict | None = None, di
     ticks = proc_start_ticks(popen.pid) or 0
     # The Popen object is dropped: the lab is stopped by pid, possibly from another process.
     popen.returncode = 0  # keeps Popen.__del__ from warning about a "still running" child
-    return Proc(name, popen.pid, ticks, str(log_path))
+    return Proc(name, popen.pid, ticks, str(log_path), list(argv))
 
 
 def stop(procs: list[Proc], grace: float = 10.0) -> list[str]:
