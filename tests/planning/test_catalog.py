@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from finetune_operator.planning import CatalogError, PolicyError, load_catalog, load_policy
-from finetune_operator.planning.pools import GiB, MiB, canonical_gpu_name, parse_quantity
+from finetune_operator.planning.pools import GiB, MiB, GpuLabel, QuantityError, canonical_gpu_name, parse_quantity
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pools.yaml"
 
@@ -37,8 +37,10 @@ def test_defaults_and_quantities():
     assert pool.host_memory_bytes == 1024 * GiB
     assert pool.selector == {"karpenter.sh/nodepool": "p1"}
     assert pool.free_gpus is None and pool.source == "catalog"
-    (custom,) = load_catalog([_pool(gpuType="B200-192GB", gpuMemory="180Gi", peakTflops=2250)])
+    (custom,) = load_catalog([_pool(gpuType="B200-192GB", gpuMemory="180Gi", peakTflops=2250,
+                                    gpuLabel={"values": ["NVIDIA-B200"]})])
     assert custom.gpu_memory_bytes == 180 * GiB and custom.tflops == 2250
+    assert custom.gpu_label == GpuLabel(key="nvidia.com/gpu.product", values=["NVIDIA-B200"])
 
 
 @pytest.mark.parametrize(
