@@ -141,8 +141,28 @@ def test_unknown_exit_code_keeps_the_last_log_line():
     assert "KeyError: 'input_ids'" in verdict.message and "exit code 2" in verdict.message
 
 
-def test_exit_code_alone_follows_the_contract():
-    assert classify_pod(pod("p", {"exitCode": contract.EXIT_GPU_OOM})).kind is FailureKind.GPU_OUT_OF_MEMORY
+# What our trainer prints (reporting.log_json): one JSON object a line.
+OUR_LOG_TAIL = (
+    '{"event": "step", "time": 1764497474.0, "rank": 0, "step": 12, "loss": 1.92}\n'
+    '{"event": "warning", "time": 1764497475.5, "rank": 0, "message": "cannot write failure report to /dev/termination-log: [Errno 30] Read-only file system"}\n'
+)
+
+
+def test_exit_code_alone_follows_the_contract_when_the_log_shows_our_trainer():
+    # Our trainer could not write its report (read-only termination log), but its log lines
+    # are in the tail: its exit code is its word.
+    verdict = classify_pod(pod("p", {"exitCode": contract.EXIT_GPU_OOM, "message": OUR_LOG_TAIL}))
+    assert verdict.kind is FailureKind.GPU_OUT_OF_MEMORY and verdict.source == "exit-code"
+
+
+@pytest.mark.parametrize("code", [contract.EXIT_GPU_OOM, contract.EXIT_HOST_OOM])
+@pytest.mark.parametrize("tail", ["", "Retrying later: upstream unavailable\n", '{"level": "error", "msg": "x"}\n'])
+def test_a_contract_exit_code_of_a_foreign_image_is_not_a_memory_failure(code, tail):
+    # 75 is EX_TEMPFAIL and 71 EX_OSERR for other programs (sysexits.h): without a report or
+    # our log lines, reading them as GPU / host OOM would re-plan a job for nothing.
+    verdict = classify_pod(pod("p", {"exitCode": code, "reason": "Error", "message": tail}))
+    assert verdict.kind is FailureKind.UNKNOWN and verdict.remedy is Remedy.GIVE_UP
+    assert f"exit code {code}" in verdict.message and "without its failure report" in verdict.message
 
 
 def test_succeeded_pod_is_not_a_failure():
@@ -172,3 +192,149 @@ def test_attempt_without_pods_uses_the_job_condition():
 def test_a_termination_message_that_is_not_a_report(garbage):
     verdict = classify_pod(pod("p", {"exitCode": 1, "message": garbage}))
     assert verdict.kind is FailureKind.UNKNOWN
+
+
+# ---------------------------------------------------------------------------
+# A container's own verdict and the pod's disruption
+# ---------------------------------------------------------------------------
+
+PREEMPTED = {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+             "message": "team-b/higher-prio: preempting to accommodate a higher priority pod"}
+
+
+def test_a_containers_own_report_wins_over_the_pods_disruption():
+    # The GPU OOM ended the container; the pod was marked for deletion as it went down.
+    # Reading it as an eviction would run the plan that ran out of memory again.
+    verdict = classify_pod(pod("p", {"exitCode": 75, "message": report()}, conditions=[PREEMPTED]))
+    assert verdict.kind is FailureKind.GPU_OUT_OF_MEMORY and verdict.source == "report"
+
+
+def test_oom_killed_wins_over_the_pods_disruption():
+    verdict = classify_pod(pod("p", {"exitCode": 137, "reason": "OOMKilled"}, conditions=[PREEMPTED]))
+    assert verdict.kind is FailureKind.HOST_OUT_OF_MEMORY and verdict.remedy is Remedy.ADJUST
+
+
+def test_a_kubelet_eviction_does_not_shadow_a_cuda_oom_in_the_log():
+    evicted = pod("p", {"exitCode": 1, "message": TORCH_OOM_TAIL}, reason="Evicted", message="The node was low on resource: memory.")
+    assert classify_pod(evicted).kind is FailureKind.GPU_OUT_OF_MEMORY
+
+
+def test_an_unknown_exit_of_a_disrupted_pod_is_the_disruption():
+    # SIGTERM (143) and an Unknown report are what a preemption looks like from inside.
+    unknown = report(reason="Unknown", exit_code=1, message="RuntimeError: NCCL communicator was aborted",
+                     peak_allocated_bytes=None)
+    for terminated in ({"exitCode": 143, "reason": "Error"}, {"exitCode": 1, "message": unknown}):
+        verdict = classify_pod(pod("p", terminated, conditions=[PREEMPTED]))
+        assert verdict.kind is FailureKind.EVICTED and verdict.remedy is Remedy.RETRY_SAME
+
+
+# ---------------------------------------------------------------------------
+# torchrun passing a worker's SIGKILL through
+# ---------------------------------------------------------------------------
+
+# What torch.distributed.elastic prints when the kernel kills one worker: the agent's line,
+# then the ChildFailedError summary (the launcher exits with torchrun's 1, no report).
+TORCHRUN_SIGKILL_TAIL = """\
+[2026-11-30 10:11:14,001] torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: -9) local_rank: 1 (pid: 59) of binary: /usr/bin/python
+Traceback (most recent call last):
+  File "/usr/local/lib/python3.11/site-packages/torch/distributed/run.py", line 883, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+finetune_trainer FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_10:11:14
+  host      : support-bot-a1-worker-0
+  rank      : 3 (local_rank: 1)
+  exitcode  : -9 (pid: 59)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 59
+============================================================
+"""
+
+
+def test_a_worker_killed_by_sigkill_under_torchrun_is_host_memory():
+    verdict = classify_pod(pod("p", {"exitCode": 1, "reason": "Error", "message": TORCHRUN_SIGKILL_TAIL}))
+    assert verdict.kind is FailureKind.HOST_OUT_OF_MEMORY and verdict.source == "log"
+    assert verdict.remedy is Remedy.ADJUST
+    assert "rank 3" in verdict.message and "SIGKILL" in verdict.message
+
+
+@pytest.mark.parametrize("tail", [
+    # Only the agent's line survived the tail.
+    "W1130 10:11:14.000000 1 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -9) local_rank: 0 (pid: 57) of binary: /usr/bin/python\n",
+    # Only the end of the summary.
+    "  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 57\n=====\n",
+])
+def test_torchrun_sigkill_from_a_partial_tail(tail):
+    assert classify_pod(pod("p", {"exitCode": 1, "message": tail})).kind is FailureKind.HOST_OUT_OF_MEMORY
+
+
+def test_a_worker_killed_after_a_peer_failed_is_not_the_cause():
+    # The first failure was an ordinary error (exitcode 1); the SIGKILL went to a worker
+    # that did not stop after SIGTERM. That is not a host OOM.
+    tail = TORCHRUN_SIGKILL_TAIL.replace("<NO_OTHER_FAILURES>", "[1]:\n  rank      : 2 (local_rank: 0)\n  exitcode  : -9 (pid: 58)") \
+        .replace("  exitcode  : -9 (pid: 59)", "  exitcode  : 1 (pid: 59)") \
+        .replace("traceback : Signal 9 (SIGKILL) received by PID 59", "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html") \
+        .replace("failed (exitcode: -9)", "failed (exitcode: 1)")
+    verdict = classify_pod(pod("p", {"exitCode": 1, "message": tail}))
+    assert verdict.kind is FailureKind.UNKNOWN
+
+
+def test_a_cuda_oom_on_one_worker_is_not_read_as_the_sigkill_of_another():
+    tail = TORCH_OOM_TAIL + "  traceback : Signal 9 (SIGKILL) received by PID 58\n"
+    assert classify_pod(pod("p", {"exitCode": 1, "message": tail})).kind is FailureKind.GPU_OUT_OF_MEMORY
+
+
+# ---------------------------------------------------------------------------
+# What a verdict quotes is redacted and bounded
+# ---------------------------------------------------------------------------
+
+SECRET_TAIL = (
+    "Downloading https://data.s3.eu-central-1.amazonaws.com/support/train.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+    "&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20261130%2Feu-central-1%2Fs3%2Faws4_request"
+    "&X-Amz-Signature=9f2c1e0d4b5a6978&X-Amz-Expires=3600\n"
+    "HF_TOKEN=hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789\n"
+    "requests.exceptions.HTTPError: 403 Client Error for url with headers {'Authorization': 'Bearer s3cr3t-t0ken-value'}\n"
+)
+SECRETS = ("AKIAIOSFODNN7EXAMPLE", "9f2c1e0d4b5a6978", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789", "s3cr3t-t0ken-value")
+
+
+def test_a_log_tail_quoted_in_a_verdict_is_redacted():
+    verdict = classify_pod(pod("p", {"exitCode": 2, "reason": "Error", "message": SECRET_TAIL}))
+    assert verdict.kind is FailureKind.UNKNOWN
+    assert "403 Client Error" in verdict.message and "[REDACTED]" in verdict.message
+    for secret in SECRETS:
+        assert secret not in verdict.message and secret not in verdict.describe()
+
+
+def test_a_cuda_oom_line_is_redacted_too():
+    tail = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. password=hunter22 GPU 0\n"
+    verdict = classify_pod(pod("p", {"exitCode": 1, "message": tail}))
+    assert verdict.kind is FailureKind.GPU_OUT_OF_MEMORY and "hunter22" not in verdict.message
+
+
+def test_our_reports_message_is_redacted_and_bounded():
+    text = "OSError: cannot open s3://b/x?X-Amz-Signature=deadbeefcafe: " + "x" * 5000
+    message = report(reason="DataError", phase="data", exit_code=65, message=text, peak_allocated_bytes=None)
+    verdict = classify_pod(pod("p", {"exitCode": 65, "message": message}))
+    assert verdict.kind is FailureKind.DATA_ERROR
+    assert "deadbeefcafe" not in verdict.message and len(verdict.message) <= 600
+
+
+def test_the_job_conditions_message_is_redacted():
+    job = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "PyTorchJobFailed",
+                                      "message": "pull secret token=abc123def456 rejected"}]}}
+    assert "abc123def456" not in classify_attempt([], job).message
+
+
+def test_a_private_key_printed_across_lines_is_not_quoted_in_part():
+    tail = ("loaded key\n-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n"
+            "QyNTUxOQAAACBvZXJ0aGVyZW1vdmVkZm9yYmVyZXZpdHk\n")  # the tail ends inside the block
+    verdict = classify_pod(pod("p", {"exitCode": 2, "message": tail}))
+    assert "QyNTUxOQ" not in verdict.message and "b3BlbnNz" not in verdict.message

@@ -2,25 +2,41 @@
 
 Sources, most trusted first:
 1. our trainer's failure report in a container's termination message (the contract);
-2. a CUDA out-of-memory error in the log tail that `FallbackToLogsOnError` puts in the
-   termination message, so images that are not ours recover too;
-3. what the kubelet says: `reason: OOMKilled` (the kernel killed the container for host
-   memory, exit code 137), eviction, preemption, node loss;
-4. the exit code alone, as the contract documents it.
+2. what the kubelet says of the container: `reason: OOMKilled` (the kernel killed it for
+   host memory, exit code 137);
+3. the log tail that `FallbackToLogsOnError` puts in the termination message, so images
+   that are not ours recover too: a CUDA out-of-memory error (GPU), a Python MemoryError
+   (host), or torchrun reporting that a worker died of SIGKILL (`exitcode: -9`, "Signal 9
+   (SIGKILL) received by PID"): the kernel's OOM killer picked one worker of a container
+   that stayed under its limit as a whole, so it is read as host memory;
+4. what happened to the pod: eviction, preemption, node loss (a `DisruptionTarget`
+   condition, `reason: Evicted`, phase Unknown). A container's own specific verdict (1-3)
+   wins over it: a pod that ran out of GPU memory and was then marked for deletion failed
+   because of its plan, not because of the disruption;
+5. the exit code alone, read by the contract's table only when the container shows it ran
+   our trainer (its structured JSON log lines are in the tail). Other programs use the
+   same numbers for other things (sysexits: 75 is EX_TEMPFAIL, 71 EX_OSERR, 65 EX_DATAERR,
+   78 EX_CONFIG), so without that evidence the code says nothing: Unknown.
 
 All ranks of a job fail when one of them does (torchrun tears the group down), so the
 pods' verdicts are merged and the most specific one wins: a GPU OOM on rank 3 explains
 the NCCL errors of ranks 0-2, not the other way round.
+
+Every message of a verdict is redacted (`redact.bounded`): the termination message is
+whatever the process printed last, and the verdict is quoted into conditions and Events.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
 from finetune_trainer import contract
+
+from .redact import bounded, redact
 
 
 class FailureKind(str, Enum):
@@ -91,6 +107,11 @@ class Failure:
     tried_to_allocate_bytes: int | None = None
     micro_batch_size: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Redacted and bounded here, once, whichever path built the verdict: the message
+        # goes to conditions, the attempt history and Events as it is.
+        object.__setattr__(self, "message", bounded(self.message or ""))
 
     @property
     def remedy(self) -> Remedy:
@@ -190,42 +211,93 @@ def classify_pod(pod: dict[str, Any]) -> Failure | None:
     name = _name(pod)
     status = pod.get("status") or {}
 
+    verdicts = [v for v in (_classify_terminated(t, name) for t in _terminated_states(pod)) if v is not None]
+    own = _most_specific(verdicts) if verdicts else None
+    # The container's own specific verdict (a report, OOMKilled, an error in its log, a
+    # trusted exit code) says why it ended; a disruption is what the pod went through
+    # meanwhile. An Unknown exit (SIGTERM 143, NCCL errors after a peer vanished) is what a
+    # disruption looks like from inside, so there the disruption is the better answer.
+    if own is not None and own.kind is not FailureKind.UNKNOWN:
+        return own
+    disrupted = _disruption(status, name)
+    if disrupted is not None:
+        return disrupted
+    if own is not None:
+        return own
+    if status.get("phase") == "Failed":
+        return Failure(FailureKind.UNKNOWN, status.get("message") or "pod failed", "pod", pod=name)
+    return None
+
+
+def _disruption(status: dict[str, Any], pod: str | None) -> Failure | None:
+    """Eviction, preemption or node loss of the pod, or None."""
     # The node went away or the pod was pushed off it: nothing wrong with the plan.
     for condition in status.get("conditions") or []:
         if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
             reason = condition.get("reason") or ""
             kind = FailureKind.NODE_LOST if reason in ("DeletionByTaintManager", "DeletionByPodGC") else FailureKind.EVICTED
-            return Failure(kind, f"{reason}: {condition.get('message', '')}".strip(": "), "pod", pod=name)
+            return Failure(kind, f"{reason}: {condition.get('message', '')}".strip(": "), "pod", pod=pod)
     pod_reason = status.get("reason") or ""
     if pod_reason == "Evicted":
         # Kubelet eviction for node pressure. Eviction for memory pressure is the node's
         # problem (other pods), unless our pod was over its request - it never is, request == limit.
-        return Failure(FailureKind.EVICTED, status.get("message") or "evicted", "pod", pod=name)
-    if pod_reason in ("NodeLost", "NodeShutdown", "Terminated") or (
-        status.get("phase") == "Unknown"
-    ):
-        return Failure(FailureKind.NODE_LOST, status.get("message") or pod_reason or "node lost", "pod", pod=name)
-
-    verdicts: list[Failure] = []
-    for terminated in _terminated_states(pod):
-        verdict = _classify_terminated(terminated, name)
-        if verdict is not None:
-            verdicts.append(verdict)
-    if verdicts:
-        return _most_specific(verdicts)
-    if status.get("phase") == "Failed":
-        return Failure(FailureKind.UNKNOWN, status.get("message") or "pod failed", "pod", pod=name)
+        return Failure(FailureKind.EVICTED, status.get("message") or "evicted", "pod", pod=pod)
+    if pod_reason in ("NodeLost", "NodeShutdown", "Terminated") or status.get("phase") == "Unknown":
+        return Failure(FailureKind.NODE_LOST, status.get("message") or pod_reason or "node lost", "pod", pod=pod)
     return None
+
+
+# torchrun (torch.distributed.elastic) when a worker dies of a signal: the agent's log line
+#   "... api.py:...] failed (exitcode: -9) local_rank: 1 (pid: 57) of binary: /usr/bin/python"
+# and the ChildFailedError summary
+#   "Root Cause (first observed failure): ... exitcode  : -9 (pid: 57) ... traceback : Signal 9 (SIGKILL) received by PID 57"
+_ROOT_CAUSE = re.compile(r"Root Cause[^\n]*\n(?:.*\n){0,8}?\s*exitcode\s*:\s*(-?\d+)")
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_SIGKILL_RECEIVED = re.compile(r"Signal 9 \(SIGKILL\) received by PID (\d+)")
+_ROOT_RANK = re.compile(r"Root Cause[^\n]*\n(?:.*\n){0,8}?\s*rank\s*:\s*(\d+)")
+
+
+def parse_worker_sigkill(log_tail: str) -> str | None:
+    """When torchrun says its (first) failed worker was killed by SIGKILL, a description; else None.
+
+    The first failure is what the Root Cause block (or the agent's first `failed
+    (exitcode: N)` line) names: a worker killed after a peer failed shows -9 or -15 too,
+    but never as the first failure. Inside a container whose other processes lived on,
+    nothing but the kernel's OOM killer sends SIGKILL to one worker: a person's `kill -9`
+    is the rare exception, and a kill of the whole container (preemption, the cgroup
+    limit) shows on the container, not in torchrun's log."""
+    if not log_tail or "exitcode" not in log_tail and "SIGKILL" not in log_tail:
+        return None
+    root = _ROOT_CAUSE.search(log_tail)
+    if root is not None:
+        if int(root.group(1)) != -9:
+            return None
+        rank = _ROOT_RANK.search(log_tail)
+        who = f"rank {rank.group(1)}" if rank else "a worker"
+    else:
+        first = _AGENT_FAILED.search(log_tail)
+        if first is not None:
+            if int(first.group(1)) != -9:
+                return None
+            who = f"local rank {first.group(2)}"
+        elif _SIGKILL_RECEIVED.search(log_tail):
+            who = "a worker"
+        else:
+            return None
+    return (f"torchrun: {who} was killed by SIGKILL (exitcode -9) while the container lived on: "
+            "most likely the kernel's OOM killer (host memory)")
 
 
 def _classify_terminated(terminated: dict[str, Any], pod: str | None) -> Failure | None:
     exit_code = terminated.get("exitCode")
     if exit_code == 0:
         return None
-    message = terminated.get("message") or ""
+    # Redacted before any line is picked from it: a private key spans lines, and the
+    # line picked must not be the middle of one.
+    message = redact(terminated.get("message") or "")
     reason = terminated.get("reason") or ""
 
-    report = contract.parse_failure_report(message)
+    report = contract.parse_failure_report(terminated.get("message"))
     if report is not None:
         return Failure(
             _REPORT_KIND[report.reason],
@@ -262,13 +334,38 @@ def _classify_terminated(terminated: dict[str, Any], pod: str | None) -> Failure
         )
     if _HOST_MEMORY_ERROR.search(message):
         return Failure(FailureKind.HOST_OUT_OF_MEMORY, "Python raised MemoryError", "log", pod=pod, exit_code=exit_code)
+    killed = parse_worker_sigkill(message)
+    if killed is not None:
+        return Failure(FailureKind.HOST_OUT_OF_MEMORY, killed, "log", pod=pod, exit_code=exit_code)
     if exit_code is None:
         return Failure(FailureKind.UNKNOWN, reason or "terminated", "pod", pod=pod)
-    by_code = contract.reason_for_exit_code(int(exit_code))
-    kind = _REPORT_KIND.get(by_code, FailureKind.UNKNOWN) if by_code else FailureKind.UNKNOWN
     tail = _tail(message)
     text = f"exit code {exit_code}" + (f" ({reason})" if reason and reason != "Error" else "")
+    by_code = contract.reason_for_exit_code(int(exit_code))
+    kind = _REPORT_KIND.get(by_code, FailureKind.UNKNOWN) if by_code else FailureKind.UNKNOWN
+    if kind is not FailureKind.UNKNOWN and not _ran_our_trainer(message):
+        # One of the contract's codes, but nothing shows the process was our trainer (it
+        # would have written a report): other programs mean other things by it.
+        text += f" (the trainer's code for {by_code.value}, but without its failure report: not read as one)"
+        kind = FailureKind.UNKNOWN
     return Failure(kind, f"{text}: {tail}" if tail else text, "exit-code", pod=pod, exit_code=exit_code)
+
+
+def _ran_our_trainer(log_tail: str) -> bool:
+    """Whether the log tail holds our trainer's structured log lines (`reporting.log_json`:
+    one JSON object a line with `event`, `time` and `rank`): the evidence that an exit code
+    without a report still follows the contract (the report could not be written)."""
+    for line in log_tail.splitlines():
+        line = line.strip()
+        if not (line.startswith("{") and line.endswith("}")):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("event"), str) and "time" in record and "rank" in record:
+            return True
+    return False
 
 
 def _last_line_with(text: str, markers: tuple[str, ...]) -> str:
