@@ -230,22 +230,23 @@ class Chaos(threading.Thread):
         self.finished = threading.Event()
         # Decided up front from the seed: the gap before each kill, the restart points and downtimes.
         self.gaps = [rng.uniform(cfg.gap_min, cfg.gap_max) for _ in range(cfg.kills)]
-        self.restart_after = {round((j + 1) * cfg.kills / (cfg.apiserver_restarts + 1)): rng.uniform(1.0, 3.0)
-                              for j in range(cfg.apiserver_restarts)}
+        # (before kill number i, downtime): spread evenly between the kills.
+        self.restarts = [(round((j + 1) * cfg.kills / (cfg.apiserver_restarts + 1)), rng.uniform(1.0, 3.0))
+                         for j in range(cfg.apiserver_restarts)]
         self.operator_lock = threading.Lock()
 
     def run(self) -> None:
         try:
-            pending_restarts = dict(self.restart_after)
+            pending_restarts = list(self.restarts)
             for i, gap in enumerate(self.gaps):
                 if self.stop_event.wait(gap):
                     return
-                if i in pending_restarts:
-                    self._restart_apiserver(pending_restarts.pop(i))
+                while pending_restarts and pending_restarts[0][0] <= i and i > 0:
+                    self._restart_apiserver(pending_restarts.pop(0)[1])
                     if self.stop_event.wait(self.rng.uniform(2.0, 5.0)):
                         return
                 self._kill_operator(i + 1)
-            for down in pending_restarts.values():  # --kills 0: restarts only
+            for _, down in pending_restarts:  # --kills 0 (or 1): restarts after the kills
                 if self.stop_event.wait(self.rng.uniform(self.cfg.gap_min, self.cfg.gap_max)):
                     return
                 self._restart_apiserver(down)
@@ -379,7 +380,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
                         kind, suffix = plan.fate.clash
                         plan.foreign = foreign.create(kind, plan.namespace, f"{plan.name}-{suffix}", plan.name)
                         faults.add("foreign-object", kind=kind, name=plan.foreign.name)
-                    h.apply_job(lab, job_manifest(plan))
+                    lab.kubectl("apply", "-f", "-", input=json.dumps(job_manifest(plan)))  # volumes exist per namespace
                     plan.submitted_at = time.monotonic()
                     pending.pop(0)
                     in_flight += 1

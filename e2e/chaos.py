@@ -204,11 +204,16 @@ class ChildTracker:
         return (meta(pj).get("namespace", ""), name) if name else None
 
     def on_sync(self, items: list[dict]) -> None:
+        """A (re)list: what vanished while the watch was down was deleted."""
+        gone = []
         with self.lock:
             present = {meta(i).get("uid") for i in items}
             for uid in [u for u in self.objects if u not in present]:
-                gone = self.objects.pop(uid)
-                self._check(self._job_key(gone))
+                gone.append(self.objects.pop(uid))
+                self._check(self._job_key(gone[-1]))
+        for obj in gone:
+            for listener in self.listeners:
+                listener("DELETED", obj)
         for item in items:
             self.on_event("ADDED", item)
 
@@ -396,6 +401,7 @@ class QueueSim:
                     self.created_unsuspended.append(Incident("created-unsuspended", ns, name, now(), {
                         "managers": managers_of(pj, "spec", "runPolicy", "suspend")}))
                 self.due[uid] = (now() + self.hold(ns, name), ns, name)
+                self.last_suspend[uid] = suspended  # a first sight is no flip
             was = self.last_suspend.get(uid, True)
             self.last_suspend[uid] = suspended
             if was and not suspended and uid not in self.admitted and not pj_finished(pj):
