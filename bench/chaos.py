@@ -155,6 +155,7 @@ class Config:
     prune_unknown_status: bool = False
     json_out: Path | None = RESULTS / "chaos.json"
     keep_lab: bool = False
+    operator_rev: str | None = None  # run the operator, CRD and chart of this git revision, not the working tree
 
 
 def plan_jobs(cfg: Config, rng: random.Random) -> list[JobPlan]:
@@ -279,6 +280,36 @@ class Chaos(threading.Thread):
         say(f"kube-apiserver serving again after {time.monotonic() - t:.1f}s")
 
 
+def use_operator_revision(rev: str, workdir: Path) -> Path:
+    """Export the operator, trainer contract, CRD and chart of git revision `rev` (the working
+    tree is left alone) and make the operator process import them; returns the CRD file."""
+    import subprocess
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], capture_output=True, text=True, check=True).stdout.strip()
+    dest = workdir / f"operator-{commit[:10]}"
+    dest.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "operator", "images/trainer", "crds", "charts"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(dest / "operator"), str(dest / "images" / "trainer"),
+                                                             os.environ.get("PYTHONPATH")]))
+    h.CHART = dest / "charts" / "finetune-operator"
+    say(f"operator, CRD and chart of {rev} ({commit[:10]}) from {dest}")
+    return dest / "crds" / "finetunejob.yaml"
+
+
+def operator_source(cfg: Config) -> str:
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    if cfg.operator_rev:
+        return f"{cfg.operator_rev} = {git('rev-parse', '--short', cfg.operator_rev)}"
+    dirty = git("status", "--porcelain", "--", "operator", "crds", "charts", "images/trainer")
+    return f"working tree at {git('rev-parse', '--short', 'HEAD')}" + (" with uncommitted operator changes" if dirty else "")
+
+
 def run_benchmark(cfg: Config) -> dict[str, Any]:
     from kubernetes import client
 
@@ -295,12 +326,15 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="finetune-chaos-"))
     say(f"{cfg.jobs} jobs, {cfg.kills} operator kills, {cfg.apiserver_restarts} apiserver restarts, seed {cfg.seed}; "
         f"logs in {workdir}")
+    crd_file = h.REPO_ROOT / "crds" / "finetunejob.yaml"
+    if cfg.operator_rev:
+        crd_file = use_operator_revision(cfg.operator_rev, workdir)
     lab = up(die_with_parent=not cfg.keep_lab)
     stop = threading.Event()
     operator = None
     queue = None
     try:
-        lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
+        lab.kubectl("apply", "--server-side", "-f", str(crd_file))
         lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
         h.install_chart(lab)
         if not cfg.prune_unknown_status:
@@ -447,6 +481,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
                           t_start=t_start, t_faults=t_faults, settled_at=settled_at, ended_at=stop_faults,
                           lab_seconds=t_faults - t_start)
         result["logs"] = {"operator": str(operator.log_path), "workdir": str(workdir)}
+        result["operator_source"] = operator_source(cfg)
         return result
     finally:
         stop.set()
@@ -646,11 +681,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave the CRD as installed (the apiserver prunes unknown status keys)")
     parser.add_argument("--json-out", type=Path, default=d.json_out)
     parser.add_argument("--keep-lab", action="store_true")
+    parser.add_argument("--operator-rev", help="run the operator, CRD and chart of this git revision (e.g. HEAD) "
+                        "instead of the working tree")
     args = parser.parse_args(argv)
     cfg = Config(jobs=args.jobs, kills=args.kills, apiserver_restarts=args.apiserver_restarts, seed=args.seed,
                  namespaces=args.namespaces, concurrency=args.concurrency, gap_min=args.gap_min, gap_max=args.gap_max,
                  deadline=args.deadline, standalone=args.standalone, prune_unknown_status=args.prune_unknown_status,
-                 json_out=args.json_out, keep_lab=args.keep_lab)
+                 json_out=args.json_out, keep_lab=args.keep_lab, operator_rev=args.operator_rev)
     result = run_benchmark(cfg)
     if cfg.json_out:
         cfg.json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -659,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if cfg.json_out:
         print(f"details: {cfg.json_out}; operator log: {result['logs']['operator']}")
+    print(f"operator: {result['operator_source']}")
     print(summary(result), flush=True)
     return 0 if result["pass"] else 1
 
