@@ -698,7 +698,7 @@ class FineTuneJobSpec(ApiModel):
 # status
 # ---------------------------------------------------------------------------
 
-Phase = Literal["Pending", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Queued", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
 
 # Condition types, Kubernetes API conventions (positive polarity, CamelCase reasons).
 COND_VALIDATED = "Validated"
@@ -708,19 +708,28 @@ COND_RECOVERING = "Recovering"
 COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
 COND_SUSPENDED = "Suspended"
+# A queueing system (Kueue) holds the attempt's training job suspended until it admits it.
+COND_QUEUED = "Queued"
+# The operator cannot go on without a person: a foreign object holds a name it needs, the
+# status cannot be understood, or the API refuses to create the attempt's objects.
+COND_BLOCKED = "Blocked"
 
 
 class StatusModel(ApiModel):
-    """Status comes back from the API server as JSON: timestamps are strings there."""
+    """Status comes back from the API server as JSON: timestamps are strings there.
 
-    model_config = ConfigDict(strict=False)
+    Read tolerantly: keys this operator does not know (written by a newer or older operator,
+    another tool or a person) are ignored, never fatal; the operator's own fields must still
+    have the right types."""
+
+    model_config = ConfigDict(strict=False, extra="ignore")
 
 
 class Condition(StatusModel):
     """A condition, following the Kubernetes API conventions."""
 
     type: Annotated[str, Field(min_length=1, max_length=316)]
-    """Condition type: Validated, Planned, Running, Recovering, Suspended, Succeeded, Failed."""
+    """Condition type: Validated, Planned, Queued, Running, Recovering, Suspended, Blocked, Succeeded, Failed."""
     status: Literal["True", "False", "Unknown"]
     """True, False or Unknown."""
     reason: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
@@ -786,6 +795,34 @@ class PlanStatus(StatusModel):
     """Why this plan won."""
 
 
+class PodFailure(StatusModel):
+    """What one failed pod of an attempt showed. Written to status as soon as the operator sees
+    it, so the reason survives the pod's deletion (eviction, cleanup) and an operator restart."""
+
+    pod: str
+    """Pod name."""
+    kind: str
+    """GPUOutOfMemory, HostOutOfMemory, Evicted, NodeLost, DataError, ConfigError or Unknown."""
+    source: str
+    """Where the verdict came from: report (the trainer's), log, kubelet, pod or exit-code."""
+    message: str = ""
+    """What the pod said (redacted and shortened)."""
+    exit_code: int | None = None
+    """Exit code of the training container."""
+    phase: str | None = None
+    """Training phase of a GPU out-of-memory failure (forward, backward, optimizer, ...)."""
+    step: int | None = None
+    """Optimizer step the trainer was at."""
+    peak_allocated_bytes: int | None = None
+    """Peak allocated GPU memory the trainer or the CUDA error reported, bytes."""
+    capacity_bytes: int | None = None
+    """GPU memory the process could see, bytes."""
+    tried_to_allocate_bytes: int | None = None
+    """Size of the allocation that failed, bytes."""
+    micro_batch_size: int | None = None
+    """Micro-batch size the trainer ran with."""
+
+
 class AttemptStatus(StatusModel):
     """One attempt: a PyTorchJob run with one plan."""
 
@@ -806,10 +843,12 @@ class AttemptStatus(StatusModel):
         "NodeLost",
         "DataError",
         "ConfigError",
+        "Unschedulable",
         "Failed",
         "Unknown",
     ] = "Running"
-    """How it ended."""
+    """How it ended. Unschedulable: its pods found no node within the policy's bound, so it was
+    moved or given up."""
     message: str = ""
     """What was observed (phase, step, peak) and, for a retry, what the next attempt changes."""
     observed_peak_gi_b: float | None = Field(default=None, alias="observedPeakGiB")
@@ -820,6 +859,8 @@ class AttemptStatus(StatusModel):
     """When the attempt's PyTorchJob was created."""
     end_time: datetime | None = None
     """When it ended."""
+    failed_pods: list[PodFailure] = []
+    """Failed pods of this attempt as the operator saw them (the classification reads these too)."""
 
 
 class FineTuneJobStatus(StatusModel):
@@ -828,9 +869,9 @@ class FineTuneJobStatus(StatusModel):
     model_config = ConfigDict(extra="ignore")
 
     phase: Phase = "Pending"
-    """Pending (validated, waiting for a plan that fits), Launching, Running, Recovering, Suspended, Succeeded or Failed."""
+    """Pending (validated, waiting for a plan that fits), Queued (a queueing system holds the attempt), Launching, Running, Recovering, Suspended, Succeeded or Failed."""
     conditions: list[Condition] = []
-    """Validated, Planned, Running, Recovering, Suspended, Succeeded, Failed."""
+    """Validated, Planned, Queued, Running, Recovering, Suspended, Blocked, Succeeded, Failed."""
     plan: PlanStatus | None = None
     """The plan of the current attempt."""
     attempts: list[AttemptStatus] = []

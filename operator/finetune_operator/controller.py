@@ -24,7 +24,10 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from pydantic import ValidationError
+
 from . import api, lifecycle, metrics
+from .children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of_pytorch_job, controlled_by
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
 from .rendering.names import attempt_name, label_value
@@ -64,13 +67,22 @@ class Cluster:
                 return None
             raise
 
-    def replace_job_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+    def replace_job_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Write the whole status (a PUT, not a merge: cleared fields must go), guarded by
-        resourceVersion, so a reconcile that read a stale job gets a 409 and runs again."""
+        resourceVersion, so a reconcile that read a stale job gets a 409 and runs again.
+        Returns the job as stored (its new resourceVersion guards the next write)."""
         meta = body["metadata"]
         updated = dict(body, status=status)
-        self.custom.replace_namespaced_custom_object_status(
-            api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"], updated)
+        return _json(self.custom.replace_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"], updated, _preload_content=False))
+
+    def patch_job_conditions(self, body: dict[str, Any], conditions: list[dict[str, Any]]) -> None:
+        """Replace only status.conditions (a merge patch): for a status the operator cannot
+        read, whose other fields it must not touch."""
+        meta = body["metadata"]
+        self.custom.patch_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"],
+            {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": {"conditions": conditions}})
 
     # -- the attempt's objects ---------------------------------------------
     def get_pytorch_job(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -82,19 +94,60 @@ class Cluster:
                 return None
             raise
 
-    def list_attempt_pods(self, namespace: str, job: str, attempt: int) -> list[dict[str, Any]]:
-        """The attempt's pods, plus failed ones seen in watch events that are gone since."""
-        selector = f"{JOB_LABEL}={label_value(job)},{ATTEMPT_LABEL}={attempt}"
+    def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def _get(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+        if kind == "PyTorchJob":
+            return self.get_pytorch_job(namespace, name)
+        if kind == "ConfigMap":
+            return self.get_config_map(namespace, name)
+        raise ValueError(f"the operator does not manage {kind} objects")
+
+    def list_children(self, namespace: str, job: str, owner_uid: str | None) -> list[Child]:
+        """The training jobs of every attempt that this FineTuneJob controls (by uid)."""
+        selector = f"{JOB_LABEL}={label_value(job)}"
+        items = _json(self.custom.list_namespaced_custom_object(
+            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, label_selector=selector,
+            _preload_content=False))["items"]
+        children = []
+        for item in items:
+            if not controlled_by(item, owner_uid):
+                continue  # carries our label but is not ours: never read as ours
+            child = child_of_pytorch_job(item)
+            if child is not None:
+                children.append(child)
+        return children
+
+    def foreign_objects(self, namespace: str, name: str, owner_uid: str | None) -> list[lifecycle.ObjectRef]:
+        """The objects that hold `name` (an attempt's ConfigMap and training job) without being ours."""
+        foreign = []
+        for ref in (lifecycle.ObjectRef("v1", "ConfigMap", name),
+                    lifecycle.ObjectRef(lifecycle.TRAINING_JOB_API_VERSION, lifecycle.TRAINING_JOB_KIND, name)):
+            existing = self._get(namespace, ref.kind, ref.name)
+            if existing is not None and not controlled_by(existing, owner_uid):
+                foreign.append(ref)
+        return foreign
+
+    def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        """The job's pods of every attempt, plus failed ones seen in watch events that are gone since."""
+        selector = f"{JOB_LABEL}={label_value(job)}"
         pods = _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
         present = {p["metadata"]["name"] for p in pods}
         with self._failed_lock:
-            gone = [p for name, p in self._failed_pods.get((namespace, label_value(job), str(attempt)), {}).items()
-                    if name not in present]
+            gone = [p for (ns, label, _), by_name in self._failed_pods.items() if (ns, label) == (namespace, label_value(job))
+                    for pod_name, p in by_name.items() if pod_name not in present]
         return pods + gone
 
     def remember_failed_pod(self, pod: dict[str, Any]) -> None:
-        """Keep the last state of a failed training pod: whoever deletes it (an eviction, a
-        cleanup policy, a person) must not take the reason for the failure with it."""
+        """Keep the last state of a failed training pod until the next reconcile has written it
+        into status: whoever deletes it (an eviction, a cleanup policy, a person) must not take
+        the reason for the failure with it."""
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         if not _has_failed_container(pod):
@@ -105,8 +158,9 @@ class Cluster:
             while len(self._failed_pods) > FAILED_POD_MEMORY:
                 self._failed_pods.pop(next(iter(self._failed_pods)))
 
-    def create(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
-        """Create `obj`; if it exists already, return the existing one (adoption)."""
+    def create(self, namespace: str, obj: dict[str, Any], owner_uid: str | None) -> dict[str, Any]:
+        """Create `obj`. If it exists already and is ours (a retry after a crash), return it;
+        if it is someone else's, raise ForeignObject: never adopted, never changed."""
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
             if kind == "ConfigMap":
@@ -117,30 +171,46 @@ class Cluster:
         except ApiException as error:
             if error.status != 409:
                 raise
-            existing = (self.get_pytorch_job(namespace, name) if kind == "PyTorchJob"
-                        else _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False)))
-            if existing is not None:
-                return existing
-            raise
+            existing = self._get(namespace, kind, name)
+            if existing is None:
+                raise  # deleted since: the next reconcile creates it
+            if not controlled_by(existing, owner_uid):
+                raise ForeignObject(kind, name) from None
+            return existing
         raise ValueError(f"cannot create a {kind}")
 
-    def delete(self, namespace: str, ref: lifecycle.ObjectRef) -> None:
+    def delete(self, namespace: str, ref: lifecycle.ObjectRef, owner_uid: str | None) -> bool:
+        """Delete an attempt's object if, and only if, this job controls it. Returns whether a
+        delete was sent. The uid precondition makes a delete of a same-named replacement fail."""
+        existing = self._get(namespace, ref.kind, ref.name)
+        if existing is None:
+            return False
+        if not controlled_by(existing, owner_uid):
+            log.warning("not deleting %s %s/%s: it is not controlled by this FineTuneJob", ref.kind, namespace, ref.name)
+            return False
+        options = client.V1DeleteOptions(
+            # Background: the training job goes at once; the garbage collector removes its pods.
+            propagation_policy="Background",
+            preconditions=client.V1Preconditions(uid=existing["metadata"]["uid"]))
         try:
             if ref.kind == "ConfigMap":
-                self.core.delete_namespaced_config_map(ref.name, namespace)
-            elif ref.kind == "PyTorchJob":
-                # Foreground: the pods go before the job, so the next attempt never shares GPUs with this one.
+                self.core.delete_namespaced_config_map(ref.name, namespace, body=options)
+            else:
                 self.custom.delete_namespaced_custom_object(
-                    PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, ref.name,
-                    body=client.V1DeleteOptions(propagation_policy="Background"))
+                    PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, ref.name, body=options)
         except ApiException as error:
-            if error.status != 404:
-                raise
+            if error.status in (404, 409):  # gone, or replaced by another object since the read
+                return False
+            raise
+        return True
 
     def set_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        """Suspend or resume the training job for spec.suspend, marking it as suspended by us
+        (the mark is what allows resuming it; a child suspended by a queue has none)."""
+        mark = SUSPENDED_BY_US if suspend else None
         self.custom.patch_namespaced_custom_object(
             PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, name,
-            {"spec": {"runPolicy": {"suspend": suspend}}})
+            {"metadata": {"annotations": {SUSPENDED_BY_ANNOTATION: mark}}, "spec": {"runPolicy": {"suspend": suspend}}})
 
     def read_config_map_key(self, namespace: str, name: str, key: str) -> str | None:
         try:
@@ -215,7 +285,10 @@ class Reconciler:
         started = time.monotonic()
         policy = self.policy.get()
         now = self.clock()
-        status = _status_of(body)
+        status, unreadable = read_status(body.get("status") or {})
+        if status is None:
+            self._status_unreadable(body, unreadable or "", now)
+            return None
         if status.phase in ("Succeeded", "Failed"):
             return None
         try:
@@ -224,25 +297,45 @@ class Reconciler:
             model_config, problems = self._read_model_config(job)
         except api.JobValidationError as error:
             decision = lifecycle.invalid(status, error.problems, now, body["metadata"].get("generation"))
-            self._apply(body, decision)
+            self._apply(body, job=None, decision=decision, policy=policy)
             return None
-        attempt = status.current_attempt
-        pytorch_job, pods = None, []
-        if attempt is not None:
-            pytorch_job = self.cluster.get_pytorch_job(namespace, attempt_name(name, attempt))
-            if pytorch_job is not None and not _owned_by(pytorch_job, body):
-                # Left over from an earlier FineTuneJob of the same name: not ours to adopt.
-                self.cluster.delete(namespace, lifecycle.ObjectRef("kubeflow.org/v1", "PyTorchJob", attempt_name(name, attempt)))
-                return 2.0
-            pods = self.cluster.list_attempt_pods(namespace, name, attempt)
-        needs_plan = attempt is None or pytorch_job is None or _failed(pytorch_job)
+        uid = body["metadata"].get("uid")
+        children = self.cluster.list_children(namespace, name, uid)
+        pods = self.cluster.list_job_pods(namespace, name)
+        current = next((c for c in children if c.attempt == status.current_attempt), None)
+        foreign: list[lifecycle.ObjectRef] = []
+        if status.current_attempt is not None and current is None:
+            foreign = self.cluster.foreign_objects(namespace, attempt_name(name, status.current_attempt), uid)
+        # Planning reads every node (cached); a running attempt does not need it.
+        needs_plan = current is None or current.state in ("Failed", "Pending")
         pools = self.cluster.pools(policy) if needs_plan else []
-        observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, pytorch_job=pytorch_job,
-                                      pods=pods, invalid=problems, model_config=model_config)
+        observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
+                                      foreign=foreign, invalid=problems, model_config=model_config)
         decision = lifecycle.step(observed)
-        self._apply(body, decision)
+        self._apply(body, job=job, decision=decision, policy=policy)
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
         return decision.requeue_after
+
+    def _status_unreadable(self, body: dict[str, Any], problem: str, now: datetime) -> None:
+        """A status the operator cannot understand: say so on a condition and touch nothing else,
+        no create, no delete (acting on a misread status could start a second run)."""
+        message = (f"the operator cannot read this job's status ({problem}); it creates and deletes nothing "
+                   "until the status is fixed or removed")
+        salvaged = api.FineTuneJobStatus()
+        for raw in ((body.get("status") or {}).get("conditions") or []) if isinstance(body.get("status"), dict) else []:
+            try:
+                salvaged.conditions.append(api.Condition.model_validate(raw))
+            except ValidationError:
+                continue
+        previous = lifecycle.condition(salvaged, api.COND_BLOCKED)
+        if previous is not None and previous.status == "True" and previous.message == message:
+            return
+        lifecycle.set_condition(salvaged, api.COND_BLOCKED, "True", "StatusUnreadable", message, now,
+                                body["metadata"].get("generation"))
+        self.cluster.patch_job_conditions(
+            body, [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in salvaged.conditions])
+        self.cluster.post_event(body, lifecycle.Event("Warning", "StatusUnreadable", message))
+        log.warning("%s/%s: %s", body["metadata"].get("namespace"), body["metadata"].get("name"), message)
 
     def _read_model_config(self, job: api.FineTuneJob) -> tuple[dict[str, Any] | None, list[api.FieldProblem]]:
         """The config.json a configMapRef architecture points at (reading is I/O; parsing it is the core's)."""
@@ -259,39 +352,84 @@ class Reconciler:
             return None, [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key} is not JSON: {error}")]
         return config, []
 
-    def _apply(self, body: dict[str, Any], decision: lifecycle.Decision) -> None:
+    def _apply(self, body: dict[str, Any], *, job: api.FineTuneJob | None, decision: lifecycle.Decision,
+               policy: ClusterPolicy) -> None:
+        """Status first (it names the attempt and its plan), then deletes, creates and the
+        suspend switch, then events: a kill between any two leaves a state the next reconcile
+        reads correctly (see children.py)."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        status = decision.status.model_dump(mode="json", by_alias=True, exclude_none=True)
-        self.cluster.replace_job_status(body, status)
+        uid = body["metadata"].get("uid")
+        stored = self.cluster.replace_job_status(body, _status_json(decision.status))
         for ref in decision.delete:
-            self.cluster.delete(namespace, ref)
-        for obj in decision.create:
-            self.cluster.create(namespace, obj)
+            self.cluster.delete(namespace, ref, uid)
+        try:
+            for obj in decision.create:
+                self.cluster.create(namespace, obj, uid)
+        except ForeignObject as clash:
+            assert job is not None
+            decision = self._after_refused_create(stored, job, decision, policy, clash.kind, clash.name, str(clash), foreign=True)
+        except ApiException as error:
+            if error.status is None or not 400 <= error.status < 500 or error.status in (409, 429):
+                raise  # transient (or a conflict): the work queue retries
+            assert job is not None
+            obj = decision.create[0] if decision.create else {"kind": "?", "metadata": {"name": "?"}}
+            decision = self._after_refused_create(stored, job, decision, policy, obj["kind"], obj["metadata"]["name"],
+                                                  _api_message(error), foreign=False)
         if decision.set_suspend is not None and decision.status.current_attempt is not None:
             self.cluster.set_suspend(namespace, attempt_name(name, decision.status.current_attempt), decision.set_suspend)
         for event in decision.events:
             self.cluster.post_event(body, event)
             log.info("%s/%s %s: %s", namespace, name, event.reason, event.message)
 
+    def _after_refused_create(self, stored: dict[str, Any], job: api.FineTuneJob, decision: lifecycle.Decision,
+                              policy: ClusterPolicy, kind: str, name: str, message: str, *, foreign: bool) -> lifecycle.Decision:
+        """Write why the attempt's objects could not be created; the events of the first write still go out."""
+        now = self.clock()
+        if foreign:
+            observed = lifecycle.Observed(job=job, now=now, policy=policy)
+            refused = lifecycle.blocked(lifecycle.Decision(status=decision.status.model_copy(deep=True)), observed,
+                                        "NameConflict", message)
+        else:
+            refused = lifecycle.create_refused(job, decision.status, policy, now, kind, name, message)
+        self.cluster.replace_job_status(stored, _status_json(refused.status))
+        refused.events = decision.events + refused.events
+        return refused
 
-def _status_of(body: dict[str, Any]) -> api.FineTuneJobStatus:
-    raw = body.get("status") or {}
-    # kopf keeps its own bookkeeping in status too; only our fields are read.
+
+class ForeignObject(Exception):
+    """An object the operator needs to create exists and is not controlled by the FineTuneJob."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__(f"{kind} {name} exists and is not controlled by this FineTuneJob "
+                         "(delete or rename it; the operator never adopts or deletes it)")
+        self.kind, self.name = kind, name
+
+
+def read_status(raw: Any) -> tuple[api.FineTuneJobStatus | None, str | None]:
+    """The status as the operator's model, read tolerantly (unknown keys are ignored); or None
+    and what is wrong, when a field the operator relies on cannot be understood."""
+    if not isinstance(raw, dict):
+        return None, "status is not an object"
     try:
-        return api.FineTuneJobStatus.model_validate(raw)
-    except Exception:
-        log.warning("unreadable status on %s; starting from a fresh one", body["metadata"].get("name"))
-        return api.FineTuneJobStatus()
+        return api.FineTuneJobStatus.model_validate(raw), None
+    except ValidationError as error:
+        first = error.errors(include_url=False)[:3]
+        return None, "; ".join(f"status.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in first)
+
+
+def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _api_message(error: ApiException) -> str:
+    try:
+        return json.loads(error.body or "{}").get("message") or str(error.reason)
+    except (ValueError, AttributeError):
+        return str(error.reason)
 
 
 def _without_status(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "status"}
-
-
-def _owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:
-    uid = owner["metadata"].get("uid")
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return uid is None or any(r.get("uid") == uid for r in refs)
 
 
 def _has_failed_container(pod: dict[str, Any]) -> bool:
@@ -304,11 +442,6 @@ def _has_failed_container(pod: dict[str, Any]) -> bool:
             if terminated.get("exitCode") not in (None, 0):
                 return True
     return False
-
-
-def _failed(pytorch_job: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Failed" and c.get("status") == "True"
-               for c in ((pytorch_job.get("status") or {}).get("conditions") or []))
 
 
 class WorkQueue:

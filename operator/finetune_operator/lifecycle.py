@@ -24,16 +24,19 @@ from datetime import datetime, timedelta
 from typing import Any, Sequence
 
 from . import api
-from .planning.plan import Infeasible, Plan, plan_key_of
+from .children import PLAN_STATUS_ANNOTATION, Child, plan_annotation
+from .planning.plan import Infeasible, Plan, PlanKey, plan_key_of
 from .planning.policy import ClusterPolicy
 from .planning.pools import GiB, NodePool
 from .planning.search import plan_job
 from .recovery.adjust import decide_next, replan_pinned
-from .recovery.classify import Failure, FailureKind, classify_attempt
+from .recovery.classify import Failure, FailureKind, classify_attempt, classify_pod
+from .recovery.classify import _most_specific as most_specific
+from .recovery.redact import redact
 from .rendering.errors import RenderError
 from .rendering.layout import layout_of
 from .rendering.names import attempt_name
-from .rendering.renderer import render_attempt
+from .rendering.renderer import ATTEMPT_LABEL, render_attempt
 from .sizing import ModelArchitecture, SizingError
 from .sizing.from_job import architecture_of
 
@@ -41,6 +44,14 @@ from .sizing.from_job import architecture_of
 REPLAN_AFTER_SECONDS = 60.0
 # How often to look at a running attempt even when no event arrives.
 RESYNC_SECONDS = 30.0
+# How often to look again at a job that something only a person can fix blocks.
+BLOCKED_RETRY_SECONDS = 10.0
+# Longest message of a failed pod kept in status.
+MAX_EVIDENCE_MESSAGE = 512
+# The training job kind the lifecycle creates (one backend for now; the shell maps it to the API).
+TRAINING_JOB_API_VERSION, TRAINING_JOB_KIND = "kubeflow.org/v1", "PyTorchJob"
+# Outcomes that show a plan does not fit: such a plan is never planned again for the job.
+_MEMORY_OUTCOMES = frozenset({"GPUOutOfMemory", "HostOutOfMemory"})
 
 _OUTCOME_OF: dict[FailureKind, str] = {
     FailureKind.GPU_OUT_OF_MEMORY: "GPUOutOfMemory",
@@ -54,6 +65,13 @@ _OUTCOME_OF: dict[FailureKind, str] = {
 
 
 @dataclass(frozen=True)
+class ObjectRef:
+    api_version: str
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class Observed:
     """What the shell read from the cluster for one job."""
 
@@ -61,8 +79,9 @@ class Observed:
     now: datetime
     policy: ClusterPolicy
     pools: Sequence[NodePool] = ()
-    pytorch_job: dict[str, Any] | None = None  # of the current attempt
-    pods: Sequence[dict[str, Any]] = ()  # of the current attempt
+    children: Sequence[Child] = ()  # every training job this FineTuneJob controls, any attempt
+    pods: Sequence[dict[str, Any]] = ()  # of the job, every attempt (labelled with it)
+    foreign: Sequence[ObjectRef] = ()  # objects holding the current attempt's names, not controlled by this job
     invalid: list[api.FieldProblem] | None = None  # problems found by the shell (e.g. a configMapRef)
     model_config: dict[str, Any] | None = None  # the config.json a configMapRef architecture points at
     architecture: ModelArchitecture | None = None  # resolved by `step`, not by the shell
@@ -75,19 +94,14 @@ class Event:
     message: str
 
 
-@dataclass(frozen=True)
-class ObjectRef:
-    api_version: str
-    kind: str
-    name: str
-
-
 @dataclass
 class Decision:
     status: api.FineTuneJobStatus
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[ObjectRef] = field(default_factory=list)
-    set_suspend: bool | None = None  # patch runPolicy.suspend of the current PyTorchJob
+    # Suspend (True) or resume (False) the current attempt's training job for spec.suspend. Only
+    # ever False for a child the operator itself suspended: a queued child is never resumed here.
+    set_suspend: bool | None = None
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None  # seconds; None: wait for a change
 
@@ -150,8 +164,9 @@ def step(observed: Observed) -> Decision:
     set_condition(status, api.COND_VALIDATED, "True", "Valid", "the spec is valid", now, generation)
     status.observed_generation = generation
 
+    _reconcile_with_children(decision, observed)
     if status.current_attempt is None:
-        return _first_attempt(decision, observed)
+        return _new_attempt(decision, observed, attempt=1, note="")
     return _follow_attempt(decision, observed)
 
 
@@ -181,23 +196,122 @@ def invalid(status: api.FineTuneJobStatus, problems: list[api.FieldProblem], now
     return decision
 
 
-def _first_attempt(decision: Decision, observed: Observed) -> Decision:
+# ---------------------------------------------------------------------------
+# the children are the truth of what runs
+# ---------------------------------------------------------------------------
+
+
+def _reconcile_with_children(decision: Decision, observed: Observed) -> None:
+    """Make the status agree with the training jobs that exist, before deciding anything.
+
+    A status that is behind the cluster (rolled back, patched by a person, a write lost in a
+    crash) is rebuilt from the newest child, so the operator never starts attempt 1 again
+    beside a running attempt 3. Children of other attempts than the current one are
+    leftovers (a crash between the status write and the delete): they are deleted, so at
+    most one training job of the FineTuneJob is ever live.
+    """
+    status = decision.status
+    children = sorted(observed.children, key=lambda c: c.attempt)
+    said = status.current_attempt
+    # A current attempt the status has no record of was not written by us: do not trust it.
+    current = said if said is not None and _attempt_record(status, said) is not None else None
+    newest_child = children[-1] if children else None
+    if newest_child is not None and (current is None or newest_child.attempt > current):
+        _adopt_child_as_current(decision, observed, newest_child, said=said)
+    elif current is None and status.attempts:
+        _continue_after_history(decision, said)
+    for child in children:
+        if child.attempt != status.current_attempt:
+            decision.delete += _attempt_refs(child.name)
+
+
+def _continue_after_history(decision: Decision, said: int | None) -> None:
+    """No child exists and the status names no attempt it has a record of: go on from the
+    newest record (never from attempt 1 again)."""
+    status = decision.status
+    last = status.attempts[-1]
+    if last.outcome == "Running" and last.plan is not None:
+        status.current_attempt, status.plan = last.attempt, last.plan  # it never ran or was deleted: create it
+    else:
+        status.current_attempt, status.plan = None, None  # it ended: the next attempt is planned afresh
+    decision.events.append(Event(
+        "Warning", "StatusRebuilt",
+        f"the status named attempt {said if said is not None else 'none'}; continuing after its history "
+        f"(newest attempt {last.attempt}, {last.outcome})"))
+
+
+def _adopt_child_as_current(decision: Decision, observed: Observed, child: Child, *, said: int | None) -> None:
+    status = decision.status
+    status.current_attempt = child.attempt
+    record = _attempt_record(status, child.attempt)
+    plan = child.plan or (record.plan if record is not None else None)
+    status.plan = plan
+    status.next_attempt_time = None
+    if record is None:
+        status.attempts = sorted(
+            status.attempts + [api.AttemptStatus(
+                attempt=child.attempt, pytorch_job=child.name,
+                plan_summary=_plan_summary(plan), plan=plan, outcome="Running",
+                message="rebuilt from the cluster: the status had lost this attempt",
+                predicted_peak_gi_b=plan.predicted_peak_gi_b if plan is not None else None,
+                start_time=observed.now)],
+            key=lambda a: a.attempt)
+    if status.phase in ("Pending", "Recovering"):
+        status.phase = "Launching"
+    decision.events.append(Event(
+        "Warning", "StatusRebuilt",
+        f"the status named attempt {said if said is not None else 'none'} but {child.name} exists; "
+        f"continuing with attempt {child.attempt}"))
+
+
+def _plan_summary(plan: api.PlanStatus | None) -> str:
+    if plan is None:
+        return ""
+    return f"{plan.gpus} x {plan.gpu_type} on {plan.node_pool} ({plan.region}), {plan.strategy}"
+
+
+def _attempt_refs(name: str) -> list[ObjectRef]:
+    return [ObjectRef(TRAINING_JOB_API_VERSION, TRAINING_JOB_KIND, name), ObjectRef("v1", "ConfigMap", name)]
+
+
+def _history(status: api.FineTuneJobStatus) -> tuple[tuple[PlanKey, ...], float]:
+    """What earlier attempts taught: plans that ran out of memory (never again), and the largest
+    calibration learned (never lost)."""
+    failed = tuple(plan_key_of(a.plan) for a in status.attempts
+                   if a.plan is not None and a.outcome in _MEMORY_OUTCOMES)
+    calibration = max([1.0] + [a.plan.calibration for a in status.attempts if a.plan is not None and a.plan.calibration])
+    return failed, calibration
+
+
+# ---------------------------------------------------------------------------
+# new attempts
+# ---------------------------------------------------------------------------
+
+
+def _new_attempt(decision: Decision, observed: Observed, *, attempt: int, note: str) -> Decision:
+    """Plan attempt `attempt` from scratch (still keeping what earlier attempts taught) and launch it."""
     job, status, now = observed.job, decision.status, observed.now
     generation = job.metadata.generation
+    attempt = max(attempt, max((a.attempt for a in status.attempts), default=0) + 1)
     if job.spec.suspend:
         status.phase = "Suspended"
         set_condition(status, api.COND_SUSPENDED, "True", "Suspended", "spec.suspend is true; nothing runs", now, generation)
         return decision
-    result = plan_job(job.spec, list(observed.pools), observed.policy, architecture=observed.architecture)
+    if not _attempts_left(job, observed.policy, attempt):
+        return _give_up(decision, observed, "Failed", f"all {_max_attempts(job, observed.policy)} attempts are used")
+    excluded, calibration = _history(status)
+    result = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded, calibration=calibration,
+                      architecture=observed.architecture)
     if isinstance(result, Infeasible):
         status.phase = "Pending"
+        status.current_attempt = None
         previous = condition(status, api.COND_PLANNED)
         set_condition(status, api.COND_PLANNED, "False", "NoFit", result.message, now, generation)
         if previous is None or previous.message != result.message:
             decision.events.append(Event("Warning", "NoFit", result.message))
         decision.requeue_after = REPLAN_AFTER_SECONDS
         return decision
-    return _launch(decision, observed, result, attempt=1, note=f"planned: {result.reason}")
+    return _launch(decision, observed, result, attempt=attempt, note=note or f"planned: {result.reason}")
 
 
 def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int, note: str) -> Decision:
@@ -217,110 +331,314 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
         decision.requeue_after = REPLAN_AFTER_SECONDS
         return decision
     plan_status = plan.to_status()
+    # The child carries its whole plan, so a lost status can be rebuilt from it (children.py).
+    rendered.pytorch_job["metadata"].setdefault("annotations", {})[PLAN_STATUS_ANNOTATION] = plan_annotation(plan_status)
+    name = rendered.pytorch_job["metadata"]["name"]
+    existing = _attempt_record(status, attempt)
+    relaunch = existing is not None and existing.outcome == "Running" and existing.plan is not None
     status.plan = plan_status
     status.current_attempt = attempt
+    status.next_attempt_time = None
     status.phase = "Launching"
     status.start_time = status.start_time or now
+    kept = existing.failed_pods if existing is not None else []
     status.attempts = [a for a in status.attempts if a.attempt != attempt] + [
         api.AttemptStatus(
             attempt=attempt,
-            pytorch_job=rendered.pytorch_job["metadata"]["name"],
+            pytorch_job=name,
             plan_summary=plan.summary(),
             plan=plan_status,
             outcome="Running",
             predicted_peak_gi_b=round(plan.predicted_peak_bytes / GiB, 2),
             start_time=now,
+            failed_pods=kept,
         )
     ]
+    status.attempts.sort(key=lambda a: a.attempt)
     set_condition(status, api.COND_PLANNED, "True", "Planned", plan.reason or plan.summary(), now, generation)
-    set_condition(status, api.COND_RUNNING, "False", "Launching", f"attempt {attempt}: creating {rendered.pytorch_job['metadata']['name']}", now, generation)
+    set_condition(status, api.COND_RUNNING, "False", "Launching", f"attempt {attempt}: creating {name}", now, generation)
     decision.create = [rendered.config_map, rendered.pytorch_job]
     if attempt > 1:
         # Normally gone already; after a crash between the status write and the delete it is not.
-        previous = attempt_name(job.metadata.name, attempt - 1)
-        decision.delete = [ObjectRef("kubeflow.org/v1", "PyTorchJob", previous), ObjectRef("v1", "ConfigMap", previous)]
-    decision.events.append(Event("Normal", "Planned" if attempt == 1 else "Relaunched", f"attempt {attempt}: {plan.summary()}. {note}"))
+        decision.delete += _attempt_refs(attempt_name(job.metadata.name, attempt - 1))
+    blocked = condition(status, api.COND_BLOCKED)
+    if not (relaunch and blocked is not None and blocked.status == "True"):
+        # A create the API keeps refusing is retried quietly: the Blocked condition says why.
+        decision.events.append(Event("Normal", "Planned" if attempt == 1 else "Relaunched",
+                                     f"attempt {attempt}: {plan.summary()}. {note}".strip()))
     decision.requeue_after = RESYNC_SECONDS
     return decision
+
+
+def _create_missing(decision: Decision, observed: Observed, attempt: int) -> Decision:
+    """The status names an attempt whose training job does not exist: create it (again)."""
+    job, status, now = observed.job, decision.status, observed.now
+    generation = job.metadata.generation
+    if status.next_attempt_time is not None and now < status.next_attempt_time:
+        decision.requeue_after = max(1.0, (status.next_attempt_time - now).total_seconds())
+        return decision
+    if job.spec.suspend:
+        status.phase = "Suspended"
+        set_condition(status, api.COND_SUSPENDED, "True", "Suspended", "spec.suspend is true; nothing runs", now, generation)
+        return decision
+    if observed.foreign:
+        return blocked(decision, observed, "NameConflict", "; ".join(
+            f"{ref.kind} {job.metadata.namespace}/{ref.name} exists and is not controlled by this FineTuneJob "
+            f"(delete or rename it; the operator never adopts or deletes it)" for ref in observed.foreign))
+    if status.plan is None:
+        return _new_attempt(decision, observed, attempt=attempt, note="")
+    plan = replan_pinned(job.spec, status.plan, list(observed.pools), observed.policy, observed.architecture)
+    if isinstance(plan, Infeasible):
+        # The pool of the recorded plan is gone or changed: plan afresh, keeping what was learned.
+        excluded, calibration = _history(status)
+        plan = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded, calibration=calibration,
+                        architecture=observed.architecture)
+        if isinstance(plan, Infeasible):
+            status.phase = "Pending"
+            set_condition(status, api.COND_PLANNED, "False", "NoFit", plan.message, now, generation)
+            decision.requeue_after = REPLAN_AFTER_SECONDS
+            return decision
+    return _launch(decision, observed, plan, attempt=attempt, note="")
+
+
+# ---------------------------------------------------------------------------
+# following the current attempt
+# ---------------------------------------------------------------------------
 
 
 def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
     job, status, now = observed.job, decision.status, observed.now
     generation = job.metadata.generation
     attempt = status.current_attempt or 1
-    record = _attempt_record(status, attempt)
-    pj = observed.pytorch_job
+    child = next((c for c in observed.children if c.attempt == attempt), None)
 
-    if pj is None:
+    if child is None:
         return _create_missing(decision, observed, attempt)
+    _clear_blocked(status, now, generation)
+    observed = dataclasses.replace(observed, pods=_pods_of_attempt(observed.pods, attempt))
+    _record_failed_pods(status, attempt, observed.pods)
 
-    # Suspend and resume act on the PyTorchJob; the training operator stops or starts pods.
-    suspended_now = bool(((pj.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
-    if job.spec.suspend != suspended_now:
-        decision.set_suspend = job.spec.suspend
-        if job.spec.suspend:
-            decision.events.append(Event("Normal", "Suspended", f"attempt {attempt}: suspended; its pods stop"))
-        else:
-            decision.events.append(Event("Normal", "Resumed", f"attempt {attempt}: resumed"))
+    queued_job = job.spec.queue_name is not None or child.queue is not None
     if job.spec.suspend:
-        status.phase = "Suspended"
-        set_condition(status, api.COND_SUSPENDED, "True", "Suspended", "spec.suspend is true; the PyTorchJob is suspended", now, generation)
-        return decision
-    if condition(status, api.COND_SUSPENDED) is not None:
+        return _suspend(decision, observed, child, queued_job)
+    suspended = condition(status, api.COND_SUSPENDED)
+    if suspended is not None and suspended.status == "True":
         set_condition(status, api.COND_SUSPENDED, "False", "Resumed", "spec.suspend is false", now, generation)
+    if child.suspended:
+        if child.suspended_by_us and not queued_job:
+            decision.set_suspend = False
+            decision.events.append(Event("Normal", "Resumed", f"attempt {attempt}: resumed"))
+            status.phase = "Launching"
+            decision.requeue_after = RESYNC_SECONDS
+            return decision
+        return _queued(decision, observed, child)
+    queued = condition(status, api.COND_QUEUED)
+    if queued is not None and queued.status == "True":
+        set_condition(status, api.COND_QUEUED, "False", "Admitted", f"{child.name} was admitted", now, generation)
 
-    state = _pytorch_job_state(pj)
-    if state == "Succeeded":
+    if child.state == "Succeeded":
         status.phase = "Succeeded"
         status.completion_time = now
-        if record is not None:
-            _update_record(status, attempt, outcome="Succeeded", end_time=now, message="finished")
+        _update_record(status, attempt, outcome="Succeeded", end_time=now, message="finished")
         set_condition(status, api.COND_RUNNING, "False", "Finished", f"attempt {attempt} finished", now, generation)
         if condition(status, api.COND_RECOVERING) is not None:
             set_condition(status, api.COND_RECOVERING, "False", "Recovered", f"attempt {attempt} finished", now, generation)
         set_condition(status, api.COND_SUCCEEDED, "True", "Succeeded", f"training finished on attempt {attempt}", now, generation)
         decision.events.append(Event("Normal", "Succeeded", f"training finished on attempt {attempt}"))
         return decision
-    if state == "Failed":
-        failure = classify_attempt(list(observed.pods), pj)
-        return _recover(decision, observed, failure)
-    if state == "Running":
+    if child.state == "Failed":
+        return _recover(decision, observed, _failure_of_attempt(status, attempt, child))
+    if child.state == "Running":
         if status.phase != "Running":
             decision.events.append(Event("Normal", "Running", f"attempt {attempt} is running"))
         status.phase = "Running"
         set_condition(status, api.COND_RUNNING, "True", "Running", f"attempt {attempt} is running", now, generation)
+        decision.requeue_after = RESYNC_SECONDS
+        return decision
+    status.phase = "Launching"
+    return _waiting_to_start(decision, observed, child, queued_job)
+
+
+def _suspend(decision: Decision, observed: Observed, child: Child, queued_job: bool) -> Decision:
+    """spec.suspend: the pods stop, the attempt and its checkpoints stay."""
+    status, now, generation = decision.status, observed.now, observed.job.metadata.generation
+    attempt = child.attempt
+    first = status.phase != "Suspended"
+    status.phase = "Suspended"
+    if queued_job:
+        # A queueing system re-admits (un-suspends) a suspended job it has admitted, so a queued
+        # attempt is suspended by deleting its training job; resuming creates it again, queued.
+        decision.delete += _attempt_refs(child.name)
+        message = f"spec.suspend is true; {child.name} was deleted and is created again (queued) on resume"
     else:
-        status.phase = "Launching"
+        if not child.suspended:
+            decision.set_suspend = True
+        message = f"spec.suspend is true; {child.name} is suspended"
+    set_condition(status, api.COND_SUSPENDED, "True", "Suspended", message, now, generation)
+    if first:
+        decision.events.append(Event("Normal", "Suspended", f"attempt {attempt}: suspended; its pods stop"))
+    return decision
+
+
+def _queued(decision: Decision, observed: Observed, child: Child) -> Decision:
+    """The child is suspended by someone else (a queueing system): wait for its admission, never resume it."""
+    status, now, generation = decision.status, observed.now, observed.job.metadata.generation
+    queue = child.queue or observed.job.spec.queue_name
+    by = f"queue {queue}" if queue else "a queueing system (the operator did not suspend it)"
+    message = f"{child.name} is suspended by {by}; it starts when admitted"
+    if status.phase != "Queued":
+        decision.events.append(Event("Normal", "Queued", f"attempt {child.attempt}: waiting for admission by {by}"))
+    status.phase = "Queued"
+    set_condition(status, api.COND_QUEUED, "True", "WaitingForAdmission", message, now, generation)
     decision.requeue_after = RESYNC_SECONDS
     return decision
 
 
-def _create_missing(decision: Decision, observed: Observed, attempt: int) -> Decision:
-    """The status names an attempt whose PyTorchJob does not exist: create it (again)."""
-    job, status, now = observed.job, decision.status, observed.now
-    if status.next_attempt_time is not None and now < status.next_attempt_time:
-        decision.requeue_after = max(1.0, (status.next_attempt_time - now).total_seconds())
-        return decision
-    if job.spec.suspend:
-        status.phase = "Suspended"
-        set_condition(status, api.COND_SUSPENDED, "True", "Suspended", "spec.suspend is true; nothing runs", now, job.metadata.generation)
-        return decision
-    if status.plan is None:
-        status.current_attempt = None
-        return _first_attempt(decision, observed)
-    plan = replan_pinned(job.spec, status.plan, list(observed.pools), observed.policy, observed.architecture)
-    if isinstance(plan, Infeasible):
-        # The pool of the recorded plan is gone or changed: plan afresh, never repeating failures.
-        excluded = tuple(plan_key_of(a.plan) for a in status.attempts if a.plan is not None and a.outcome != "Running")
-        plan = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded,
-                        architecture=observed.architecture)
-        if isinstance(plan, Infeasible):
-            status.phase = "Pending"
-            set_condition(status, api.COND_PLANNED, "False", "NoFit", plan.message, now, job.metadata.generation)
-            decision.requeue_after = REPLAN_AFTER_SECONDS
+def _waiting_to_start(decision: Decision, observed: Observed, child: Child, queued_job: bool) -> Decision:
+    """The child exists but is not running: bounded waits for scheduling and for starting."""
+    job, status, now, policy = observed.job, decision.status, observed.now, observed.policy
+    generation = job.metadata.generation
+    attempt = child.attempt
+    record = _attempt_record(status, attempt)
+    decision.requeue_after = RESYNC_SECONDS
+    unschedulable = _unschedulable(observed.pods)
+    if unschedulable is not None:
+        since, message = unschedulable
+        waited = (now - since).total_seconds()
+        bound = policy.unschedulable_timeout_seconds
+        set_condition(status, api.COND_RUNNING, "False", "Unschedulable",
+                      f"attempt {attempt}: pods unschedulable for {waited:.0f} s: {message}", now, generation)
+        if queued_job or waited < bound:
+            # A queue owns placement there: report only.
+            decision.requeue_after = min(RESYNC_SECONDS, max(1.0, bound - waited)) if not queued_job else RESYNC_SECONDS
             return decision
-    status.next_attempt_time = None
-    return _launch(decision, observed, plan, attempt=attempt, note="")
+        return _move_unschedulable(decision, observed, child, message, waited)
+    stuck = _not_starting(observed.pods)
+    if stuck is not None:
+        started = record.start_time if record is not None and record.start_time is not None else now
+        waited = (now - started).total_seconds()
+        bound = policy.start_timeout_seconds
+        set_condition(status, api.COND_RUNNING, "False", "NotStarting",
+                      f"attempt {attempt}: pods are not starting after {waited:.0f} s: {stuck}", now, generation)
+        if waited >= bound:
+            decision.delete += _attempt_refs(child.name)
+            _update_record(status, attempt, outcome="ConfigError", end_time=now,
+                           message=f"pods did not start within {bound} s: {stuck}")
+            return _give_up(decision, observed, "ConfigError",
+                            f"attempt {attempt}: pods did not start within {bound} s: {stuck}; a retry cannot fix this")
+        decision.requeue_after = min(RESYNC_SECONDS, max(1.0, bound - waited))
+    return decision
+
+
+def _move_unschedulable(decision: Decision, observed: Observed, child: Child, message: str, waited: float) -> Decision:
+    """Pods found no node past the bound: move the attempt to another pool that fits, or give up."""
+    job, status, now = observed.job, decision.status, observed.now
+    attempt = child.attempt
+    pool = status.plan.node_pool if status.plan is not None else None
+    what = f"attempt {attempt}: pods unschedulable for {waited:.0f} s on pool {pool}: {message}"
+    decision.delete += _attempt_refs(child.name)
+    _update_record(status, attempt, outcome="Unschedulable", end_time=now, message=what)
+    if not _attempts_left(job, observed.policy, attempt + 1):
+        return _give_up(decision, observed, "Unschedulable", f"{what}; all {_max_attempts(job, observed.policy)} attempts are used")
+    excluded, calibration = _history(status)
+    others = [p for p in observed.pools if p.name != pool]
+    result = plan_job(job.spec, others, observed.policy, exclude=excluded, calibration=calibration,
+                      architecture=observed.architecture)
+    if isinstance(result, Infeasible):
+        return _give_up(decision, observed, "Unschedulable", f"{what}; no other pool in the allowed regions fits: {result.message}")
+    decision.events.append(Event("Warning", "Unschedulable", f"{what}; moving to {result.pool.name}"))
+    return _launch(decision, observed, result, attempt=attempt + 1, note=f"moved from {pool}: its pods found no node")
+
+
+def _pods_of_attempt(pods: Sequence[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
+    return [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL) == str(attempt)]
+
+
+def _unschedulable(pods: Sequence[dict[str, Any]]) -> tuple[datetime, str] | None:
+    """The earliest time a pod of the attempt became unschedulable, and the scheduler's message."""
+    found: list[tuple[datetime, str]] = []
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+                since = _parse_time(cond.get("lastTransitionTime"))
+                if since is not None:
+                    found.append((since, redact(str(cond.get("message") or "no node fits"))))
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+# Container waiting reasons that mean the pod will not start by itself.
+_NOT_STARTING = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                 "CreateContainerError", "RunContainerError")
+
+
+def _not_starting(pods: Sequence[dict[str, Any]]) -> str | None:
+    for pod in pods:
+        status = pod.get("status") or {}
+        for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in _NOT_STARTING:
+                name = (pod.get("metadata") or {}).get("name", "")
+                return redact(f"{name}: {waiting['reason']}: {waiting.get('message', '')}".strip(": "))
+    return None
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# failures
+# ---------------------------------------------------------------------------
+
+
+def _record_failed_pods(status: api.FineTuneJobStatus, attempt: int, pods: Sequence[dict[str, Any]]) -> None:
+    """Put what each failed pod shows into the attempt's record now: the pod may be deleted
+    (eviction, cleanup) and the operator may restart before the attempt is judged."""
+    record = _attempt_record(status, attempt)
+    if record is None:
+        return
+    known = {p.pod: p for p in record.failed_pods}
+    for pod in pods:
+        verdict = classify_pod(pod)
+        if verdict is None or not verdict.pod:
+            continue
+        known[verdict.pod] = _pod_failure_record(verdict)
+    if list(known.values()) != record.failed_pods:
+        _update_record(status, attempt, failed_pods=sorted(known.values(), key=lambda p: p.pod))
+
+
+def _pod_failure_record(failure: Failure) -> api.PodFailure:
+    return api.PodFailure(
+        pod=failure.pod or "", kind=failure.kind.value, source=failure.source,
+        message=redact(failure.message)[:MAX_EVIDENCE_MESSAGE], exit_code=failure.exit_code,
+        phase=failure.phase, step=failure.step, peak_allocated_bytes=failure.peak_allocated_bytes,
+        capacity_bytes=failure.capacity_bytes, tried_to_allocate_bytes=failure.tried_to_allocate_bytes,
+        micro_batch_size=failure.micro_batch_size)
+
+
+def _failure_of_record(record: api.PodFailure) -> Failure:
+    try:
+        kind = FailureKind(record.kind)
+    except ValueError:
+        kind = FailureKind.UNKNOWN
+    return Failure(kind, record.message, record.source, pod=record.pod, exit_code=record.exit_code,
+                   phase=record.phase, step=record.step, peak_allocated_bytes=record.peak_allocated_bytes,
+                   capacity_bytes=record.capacity_bytes, tried_to_allocate_bytes=record.tried_to_allocate_bytes,
+                   micro_batch_size=record.micro_batch_size)
+
+
+def _failure_of_attempt(status: api.FineTuneJobStatus, attempt: int, child: Child) -> Failure:
+    """The verdict on the failed attempt, from every failed pod seen (present or gone) and the job."""
+    record = _attempt_record(status, attempt)
+    verdicts = [_failure_of_record(p) for p in (record.failed_pods if record is not None else [])]
+    if verdicts:
+        return most_specific(verdicts)
+    return classify_attempt([], child.body)
 
 
 def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decision:
@@ -330,6 +648,7 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
     failed_plan = status.plan
     outcome = _OUTCOME_OF[failure.kind]
     observed_peak = round(failure.peak_allocated_bytes / GiB, 2) if failure.peak_allocated_bytes else None
+    # Every plan tried so far counts as failed here: the one that just failed included.
     excluded = tuple(plan_key_of(a.plan) for a in status.attempts if a.plan is not None)
 
     if failed_plan is None:
@@ -342,24 +661,13 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
             architecture=observed.architecture,
         )
         why = nxt.why
-    pj_name = attempt_name(job.metadata.name, attempt)
-    decision.delete = [
-        ObjectRef("kubeflow.org/v1", "PyTorchJob", pj_name),
-        ObjectRef("v1", "ConfigMap", pj_name),
-    ]
     if nxt is None or not nxt.retry or nxt.plan is None:
         _update_record(status, attempt, outcome=outcome, end_time=now, message=why, observed_peak_gi_b=observed_peak)
-        status.phase = "Failed"
-        status.completion_time = now
-        set_condition(status, api.COND_RUNNING, "False", "Failed", f"attempt {attempt} failed", now, generation)
-        if condition(status, api.COND_RECOVERING) is not None:
-            set_condition(status, api.COND_RECOVERING, "False", "GaveUp", why, now, generation)
-        set_condition(status, api.COND_FAILED, "True", outcome, f"attempt {attempt}: {why}", now, generation)
-        decision.events.append(Event("Warning", "Failed", f"attempt {attempt}: {why}"))
-        # Keep the failed PyTorchJob and pods for inspection; the ownerReference cleans up on delete.
-        decision.delete = []
-        return decision
+        # The failed training job and its terminated pods stay for inspection (its running pods
+        # are cleaned by the training operator); the ownerReference removes them with the job.
+        return _give_up(decision, observed, outcome, f"attempt {attempt}: {why}")
 
+    decision.delete += _attempt_refs(attempt_name(job.metadata.name, attempt))
     message = f"attempt {attempt + 1}: {why}; {nxt.changes}"
     _update_record(status, attempt, outcome=outcome, end_time=now, message=f"{why}; next: {nxt.changes}", observed_peak_gi_b=observed_peak)
     backoff = _backoff_seconds(job.spec.recovery.backoff, attempt)
@@ -386,17 +694,70 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
     return decision
 
 
+def _give_up(decision: Decision, observed: Observed, reason: str, message: str) -> Decision:
+    """The job fails for good, saying why."""
+    status, now, generation = decision.status, observed.now, observed.job.metadata.generation
+    status.phase = "Failed"
+    status.completion_time = now
+    status.next_attempt_time = None
+    set_condition(status, api.COND_RUNNING, "False", "Failed", message, now, generation)
+    recovering = condition(status, api.COND_RECOVERING)
+    if recovering is not None and recovering.status == "True":
+        set_condition(status, api.COND_RECOVERING, "False", "GaveUp", message, now, generation)
+    set_condition(status, api.COND_FAILED, "True", reason, message, now, generation)
+    decision.events.append(Event("Warning", "Failed", message))
+    decision.requeue_after = None
+    return decision
+
+
+def blocked(decision: Decision, observed: Observed, reason: str, message: str) -> Decision:
+    """Something only a person can fix stops the job: say so, create and delete nothing, look again later."""
+    status, now, generation = decision.status, observed.now, observed.job.metadata.generation
+    previous = condition(status, api.COND_BLOCKED)
+    set_condition(status, api.COND_BLOCKED, "True", reason, message, now, generation)
+    if previous is None or previous.status != "True" or previous.message != message:
+        decision.events.append(Event("Warning", reason, message))
+    decision.create = []
+    decision.delete = []
+    decision.set_suspend = None
+    decision.requeue_after = BLOCKED_RETRY_SECONDS
+    return decision
+
+
+def create_refused(job: api.FineTuneJob, status: api.FineTuneJobStatus, policy: ClusterPolicy, now: datetime,
+                   kind: str, name: str, message: str) -> Decision:
+    """The API refused to create an attempt's object (an admission webhook, a quota): retry,
+    quoting its message, for at most the policy's bound; then the job fails with that message."""
+    observed = Observed(job=job, now=now, policy=policy)
+    decision = Decision(status=status.model_copy(deep=True))
+    text = f"the API refused to create {kind} {name}: {redact(message)[:MAX_EVIDENCE_MESSAGE]}"
+    previous = condition(decision.status, api.COND_BLOCKED)
+    since = previous.last_transition_time if previous is not None and previous.status == "True" and previous.reason == "CreateRejected" else now
+    if (now - since).total_seconds() >= policy.create_retry_seconds:
+        attempt = decision.status.current_attempt
+        if attempt is not None:
+            _update_record(decision.status, attempt, outcome="Failed", end_time=now, message=text)
+        set_condition(decision.status, api.COND_BLOCKED, "False", "GaveUp", text, now, job.metadata.generation)
+        return _give_up(decision, observed, "CreateRejected", f"{text}; retried for {policy.create_retry_seconds} s")
+    return blocked(decision, observed, "CreateRejected", text)
+
+
+def _clear_blocked(status: api.FineTuneJobStatus, now: datetime, generation: int | None) -> None:
+    previous = condition(status, api.COND_BLOCKED)
+    if previous is not None and previous.status == "True":
+        set_condition(status, api.COND_BLOCKED, "False", "Resolved", f"was: {previous.message}", now, generation)
+
+
+def _max_attempts(job: api.FineTuneJob, policy: ClusterPolicy) -> int:
+    return job.spec.recovery.max_attempts or policy.default_max_attempts
+
+
+def _attempts_left(job: api.FineTuneJob, policy: ClusterPolicy, attempt: int) -> bool:
+    return attempt <= _max_attempts(job, policy)
+
+
 def _backoff_seconds(backoff: api.BackoffSpec, attempt: int) -> float:
     return float(min(backoff.max_seconds, backoff.initial_seconds * 2 ** max(attempt - 1, 0)))
-
-
-def _pytorch_job_state(pj: dict[str, Any]) -> str:
-    """Succeeded, Failed, Running or Pending, from the PyTorchJob's conditions."""
-    conditions = {c.get("type"): c.get("status") for c in ((pj.get("status") or {}).get("conditions") or [])}
-    for state in ("Succeeded", "Failed", "Running"):
-        if conditions.get(state) == "True":
-            return state
-    return "Pending"
 
 
 def _attempt_record(status: api.FineTuneJobStatus, attempt: int) -> api.AttemptStatus | None:

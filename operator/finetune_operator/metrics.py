@@ -55,5 +55,5 @@ def track_phase(namespace: str, name: str, phase: str | None) -> None:
         counts: dict[str, int] = {}
         for value in _phases.values():
             counts[value] = counts.get(value, 0) + 1
-        for value in ("Pending", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed"):
+        for value in ("Pending", "Queued", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed"):
             JOBS_BY_PHASE.labels(phase=value).set(counts.get(value, 0))

@@ -22,5 +22,5 @@ def test_failed_pods_are_remembered_after_they_are_gone():
     response = mock.MagicMock()
     response.data = b'{"items": []}'
     cluster.core.list_namespaced_pod.return_value = response
-    assert [p["metadata"]["name"] for p in cluster.list_attempt_pods("ns", "j", 1)] == ["j-a1-master-0"]
-    assert cluster.list_attempt_pods("ns", "j", 2) == []
+    assert [p["metadata"]["name"] for p in cluster.list_job_pods("ns", "j")] == ["j-a1-master-0"]
+    assert cluster.list_job_pods("ns", "other") == []

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from finetune_operator import api, lifecycle
+from finetune_operator.children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of_pytorch_job
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.planning.pools import GiB, load_catalog
 from finetune_trainer import contract
@@ -33,8 +34,16 @@ def example(name: str, **spec_changes: Any) -> api.FineTuneJob:
     return api.parse_job(doc)
 
 
+class DuplicateCreate(AssertionError):
+    pass
+
+
 class World:
-    """A tiny stand-in for the cluster: the job's status and the objects the operator created."""
+    """A strict stand-in for the cluster: the job's status and the objects the operator created.
+
+    Strict where the invariants live: creating a name that exists is an error (the API server
+    answers 409; the lifecycle must never ask), and the children the lifecycle sees are read
+    back from what it created, as the shell reads them from the cluster."""
 
     def __init__(self, job: api.FineTuneJob) -> None:
         self.job = job
@@ -44,22 +53,28 @@ class World:
         self.events: list[lifecycle.Event] = []
         self.creates = 0
 
+    def children(self) -> list[Child]:
+        found = [child_of_pytorch_job(o) for k, o in self.objects.items() if k.startswith("PyTorchJob/")]
+        return [c for c in found if c is not None]
+
     def step(self) -> lifecycle.Decision:
-        attempt = self.job.status.current_attempt if self.job.status else None
-        pj = self.objects.get(f"PyTorchJob/{self.job.metadata.name}-a{attempt}") if attempt else None
         decision = lifecycle.step(lifecycle.Observed(
-            job=self.job, now=self.now, policy=POLICY, pools=POOLS, pytorch_job=pj, pods=list(self.pods)))
+            job=self.job, now=self.now, policy=POLICY, pools=POOLS, children=self.children(), pods=list(self.pods)))
         for ref in decision.delete:
-            self.objects.pop(f"{ref.kind}/{ref.name}", None)
-            self.pods = []
+            if self.objects.pop(f"{ref.kind}/{ref.name}", None) is not None and ref.kind == "PyTorchJob":
+                self.pods = []
         for obj in decision.create:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
-            if key not in self.objects:
-                self.creates += 1
-                self.objects[key] = copy.deepcopy(obj)
+            if key in self.objects:
+                raise DuplicateCreate(key)
+            self.creates += 1
+            self.objects[key] = copy.deepcopy(obj)
         if decision.set_suspend is not None:
             pj = self.objects[f"PyTorchJob/{self.job.metadata.name}-a{decision.status.current_attempt}"]
             pj["spec"]["runPolicy"]["suspend"] = decision.set_suspend
+            pj["metadata"].setdefault("annotations", {})[SUSPENDED_BY_ANNOTATION] = SUSPENDED_BY_US
+            if not decision.set_suspend:
+                del pj["metadata"]["annotations"][SUSPENDED_BY_ANNOTATION]
         self.events += decision.events
         self.job = self.job.model_copy(update={"status": decision.status})
         return decision
@@ -70,6 +85,10 @@ class World:
     def set_condition(self, state: str) -> None:
         self.current().setdefault("status", {})["conditions"] = [{"type": state, "status": "True"}]
 
+    def pod(self, status: dict[str, Any], name: str = "p") -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {"finetune.dev/attempt": str(self.job.status.current_attempt)}},
+                "status": status}
+
     def oom(self, peak_fraction: float = 0.99) -> None:
         plan = self.job.status.plan
         capacity = int(plan.gpu_memory_gi_b * GiB)
@@ -77,8 +96,8 @@ class World:
             reason="GPUOutOfMemory", phase="backward", step=0, exit_code=75,
             peak_allocated_bytes=int(capacity * peak_fraction), device_total_bytes=capacity,
             micro_batch_size=plan.micro_batch_size)
-        self.pods = [{"metadata": {"name": "p"}, "status": {"phase": "Failed", "containerStatuses": [
-            {"name": "pytorch", "state": {"terminated": {"exitCode": 75, "message": report.to_termination_message()}}}]}}]
+        self.pods = [self.pod({"phase": "Failed", "containerStatuses": [
+            {"name": "pytorch", "state": {"terminated": {"exitCode": 75, "message": report.to_termination_message()}}}]})]
         self.set_condition("Failed")
 
     def wait_backoff(self) -> None:
@@ -191,8 +210,8 @@ def test_data_error_is_not_retried():
     world = World(example("llama-8b-lora.yaml"))
     world.step()
     report = contract.FailureReport(reason="DataError", phase="data", step=0, exit_code=65, message="line 3: not JSON")
-    world.pods = [{"metadata": {"name": "p"}, "status": {"phase": "Failed", "containerStatuses": [
-        {"name": "pytorch", "state": {"terminated": {"exitCode": 65, "message": report.to_termination_message()}}}]}}]
+    world.pods = [world.pod({"phase": "Failed", "containerStatuses": [
+        {"name": "pytorch", "state": {"terminated": {"exitCode": 65, "message": report.to_termination_message()}}}]})]
     world.set_condition("Failed")
     world.step()
     assert world.job.status.phase == "Failed" and world.job.status.attempts[0].outcome == "DataError"
@@ -292,3 +311,206 @@ def test_a_configmap_architecture_is_sized_from_its_config_json():
     decision = lifecycle.step(lifecycle.Observed(job=job, now=T0, policy=POLICY, pools=POOLS, model_config=broken))
     assert decision.status.phase == "Failed"
     assert "spec.model.architecture.configMapRef" in decision.status.conditions[0].message
+
+
+# ---------------------------------------------------------------------------
+# the children are the truth: a status that lost track is rebuilt, never restarted
+# ---------------------------------------------------------------------------
+
+
+def _running_on_attempt_2() -> World:
+    world = World(example("llama-8b-lora.yaml", recovery={"backoff": {"initialSeconds": 0}}))
+    world.step()
+    world.set_condition("Running")
+    world.step()
+    world.oom()
+    world.step()
+    world.wait_backoff()
+    world.step()
+    world.set_condition("Running")
+    world.step()
+    assert world.job.status.current_attempt == 2 and world.job.status.phase == "Running"
+    return world
+
+
+def test_a_status_that_lost_its_current_attempt_is_rebuilt_from_the_running_child():
+    world = _running_on_attempt_2()
+    history = world.job.status.attempts
+    world.job = world.job.model_copy(update={"status": world.job.status.model_copy(update={"current_attempt": None})})
+    decision = world.step()  # a DuplicateCreate here would be a second run beside attempt 2
+    assert decision.create == [] and world.job.status.current_attempt == 2
+    assert world.job.status.attempts == history
+    assert "StatusRebuilt" in [e.reason for e in decision.events]
+
+
+def test_a_wiped_status_is_rebuilt_from_the_child_and_its_plan_annotation():
+    world = _running_on_attempt_2()
+    plan = world.job.status.plan
+    world.job = world.job.model_copy(update={"status": api.FineTuneJobStatus()})
+    decision = world.step()
+    status = world.job.status
+    assert decision.create == [] and status.current_attempt == 2 and status.phase == "Running"
+    assert status.plan == plan
+    assert [a.attempt for a in status.attempts] == [2]
+
+
+def test_a_leftover_child_of_another_attempt_is_deleted():
+    world = _running_on_attempt_2()
+    leftover = copy.deepcopy(world.current())
+    leftover["metadata"]["name"] = "support-bot-a1"
+    leftover["metadata"]["labels"]["finetune.dev/attempt"] = "1"
+    world.objects["PyTorchJob/support-bot-a1"] = leftover
+    decision = world.step()
+    assert lifecycle.ObjectRef("kubeflow.org/v1", "PyTorchJob", "support-bot-a1") in decision.delete
+    assert lifecycle.ObjectRef("kubeflow.org/v1", "PyTorchJob", "support-bot-a2") not in decision.delete
+
+
+def test_without_children_the_history_goes_on_after_its_newest_attempt():
+    world = _running_on_attempt_2()
+    world.objects.clear()
+    world.pods = []
+    world.job = world.job.model_copy(update={"status": world.job.status.model_copy(update={"current_attempt": None})})
+    decision = world.step()
+    assert [o["metadata"]["name"] for o in decision.create] == ["support-bot-a2", "support-bot-a2"]
+
+
+def test_a_current_attempt_without_a_record_is_not_trusted():
+    world = _running_on_attempt_2()
+    world.job = world.job.model_copy(update={"status": world.job.status.model_copy(update={"current_attempt": 7})})
+    decision = world.step()
+    assert decision.create == [] and world.job.status.current_attempt == 2
+
+
+# ---------------------------------------------------------------------------
+# queues, foreign objects, bounded waits
+# ---------------------------------------------------------------------------
+
+
+def test_a_child_suspended_by_a_queue_is_never_resumed_by_us():
+    world = World(example("llama-8b-lora.yaml", queueName="gpu-queue"))
+    created = world.step().create
+    assert created[1]["spec"]["runPolicy"]["suspend"] is True  # created suspended: the queue admits it
+    for _ in range(3):
+        decision = world.step()
+        assert decision.set_suspend is None
+    assert world.job.status.phase == "Queued" and conditions(world.job)["Queued"] == "True"
+    assert [e.reason for e in world.events].count("Queued") == 1
+    world.current()["spec"]["runPolicy"]["suspend"] = False  # Kueue admits
+    world.set_condition("Running")
+    world.step()
+    assert world.job.status.phase == "Running" and conditions(world.job)["Queued"] == "False"
+
+
+def test_a_suspended_child_without_our_mark_is_queued_even_without_a_queue_name():
+    world = World(example("llama-8b-lora.yaml"))
+    world.step()
+    world.current()["spec"]["runPolicy"]["suspend"] = True  # e.g. Kueue's manageJobsWithoutQueueName
+    decision = world.step()
+    assert decision.set_suspend is None and world.job.status.phase == "Queued"
+
+
+def test_suspending_a_queued_job_deletes_its_child_and_resume_queues_it_again():
+    world = World(example("llama-8b-lora.yaml", queueName="gpu-queue"))
+    world.step()
+    world.current()["spec"]["runPolicy"]["suspend"] = False
+    world.set_condition("Running")
+    world.step()
+    world.job = world.job.model_copy(update={"spec": world.job.spec.model_copy(update={"suspend": True})})
+    decision = world.step()
+    assert decision.set_suspend is None and world.job.status.phase == "Suspended"
+    assert {r.kind for r in decision.delete} == {"PyTorchJob", "ConfigMap"} and world.objects == {}
+    world.job = world.job.model_copy(update={"spec": world.job.spec.model_copy(update={"suspend": False})})
+    decision = world.step()
+    assert decision.create[1]["metadata"]["name"] == "support-bot-a1"
+    assert decision.create[1]["spec"]["runPolicy"]["suspend"] is True
+
+
+def test_a_foreign_object_with_the_attempts_name_blocks_without_create_or_delete():
+    world = World(example("llama-8b-lora.yaml"))
+    world.step()
+    world.objects.clear()  # the first create "failed"; someone else's object holds the name
+    foreign = (lifecycle.ObjectRef("v1", "ConfigMap", "support-bot-a1"),)
+    decision = lifecycle.step(lifecycle.Observed(job=world.job, now=world.now, policy=POLICY, pools=POOLS,
+                                                 foreign=foreign))
+    assert decision.create == [] and decision.delete == []
+    blocked = next(c for c in decision.status.conditions if c.type == "Blocked")
+    assert blocked.status == "True" and blocked.reason == "NameConflict" and "support-bot-a1" in blocked.message
+
+
+def _pending_pod(world: World, since: datetime) -> dict[str, Any]:
+    return world.pod({"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+        "lastTransitionTime": since.isoformat().replace("+00:00", "Z")}]})
+
+
+def test_unschedulable_pods_are_reported_then_the_attempt_moves_to_another_pool():
+    world = World(example("llama-8b-lora.yaml", placement={"regions": ["eu-de-berlin", "eu-fr-paris"]}))
+    world.step()
+    first_pool = world.job.status.plan.node_pool
+    world.pods = [_pending_pod(world, world.now)]
+    world.now += timedelta(seconds=60)
+    world.step()
+    running = next(c for c in world.job.status.conditions if c.type == "Running")
+    assert running.reason == "Unschedulable" and "Insufficient nvidia.com/gpu" in running.message
+    world.now += timedelta(seconds=POLICY.unschedulable_timeout_seconds)
+    decision = world.step()
+    status = world.job.status
+    assert status.current_attempt == 2 and status.plan.node_pool != first_pool
+    assert status.attempts[0].outcome == "Unschedulable"
+    assert decision.create[1]["metadata"]["name"] == "support-bot-a2"
+    assert lifecycle.ObjectRef("kubeflow.org/v1", "PyTorchJob", "support-bot-a1") in decision.delete
+
+
+def test_a_queued_job_is_never_moved_for_unschedulable_pods():
+    world = World(example("llama-8b-lora.yaml", queueName="q"))
+    world.step()
+    world.current()["spec"]["runPolicy"]["suspend"] = False
+    world.pods = [_pending_pod(world, world.now)]
+    world.now += timedelta(seconds=POLICY.unschedulable_timeout_seconds * 3)
+    decision = world.step()
+    assert decision.create == [] and world.job.status.current_attempt == 1
+
+
+def test_pods_that_cannot_start_fail_the_job_after_the_bound_quoting_the_reason():
+    world = World(example("llama-8b-lora.yaml"))
+    world.step()
+    world.pods = [world.pod({"phase": "Pending", "containerStatuses": [{"name": "pytorch", "state": {"waiting": {
+        "reason": "ImagePullBackOff", "message": "Back-off pulling image \"trainer:nope\""}}}]})]
+    world.step()
+    assert world.job.status.phase == "Launching"
+    world.now += timedelta(seconds=POLICY.start_timeout_seconds + 1)
+    world.step()
+    failed = next(c for c in world.job.status.conditions if c.type == "Failed")
+    assert world.job.status.phase == "Failed" and failed.reason == "ConfigError" and "ImagePullBackOff" in failed.message
+
+
+def test_failed_pod_evidence_is_kept_in_status_when_the_pod_is_gone():
+    world = World(example("llama-8b-lora.yaml"))
+    world.step()
+    world.set_condition("Running")
+    world.oom()
+    world.current()["status"]["conditions"] = [{"type": "Running", "status": "True"}]  # the job has not noticed yet
+    world.step()
+    assert world.job.status.attempts[0].failed_pods[0].kind == "GPUOutOfMemory"
+    world.pods = []  # deleted (cleanup, eviction) before the attempt is judged
+    world.set_condition("Failed")
+    world.step()
+    assert world.job.status.attempts[0].outcome == "GPUOutOfMemory" and world.job.status.current_attempt == 2
+
+
+def test_a_refused_create_blocks_then_fails_after_the_bound():
+    job = example("llama-8b-lora.yaml")
+    world = World(job)
+    world.step()
+    status = world.job.status
+    decision = lifecycle.create_refused(world.job, status, POLICY, world.now, "PyTorchJob", "support-bot-a1",
+                                        'admission webhook "quota" denied: exceeded quota token=abc123secret')
+    blocked = next(c for c in decision.status.conditions if c.type == "Blocked")
+    assert blocked.reason == "CreateRejected" and "exceeded quota" in blocked.message
+    assert "abc123secret" not in blocked.message
+    assert decision.status.phase != "Failed"
+    later = world.now + timedelta(seconds=POLICY.create_retry_seconds + 1)
+    decision = lifecycle.create_refused(world.job, decision.status, POLICY, later, "PyTorchJob", "support-bot-a1", "exceeded quota")
+    assert decision.status.phase == "Failed"
+    assert next(c for c in decision.status.conditions if c.type == "Failed").reason == "CreateRejected"

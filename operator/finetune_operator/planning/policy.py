@@ -53,6 +53,16 @@ class ClusterPolicy(BaseModel):
     """Fraction of GPU memory plans leave free when the job does not say."""
     default_max_attempts: int = Field(default=4, ge=1, le=20)
     """Attempts when the job does not say."""
+    unschedulable_timeout_seconds: int = Field(default=900, ge=10, le=7 * 86400)
+    """How long an attempt's pods may stay unschedulable before the attempt moves to another
+    pool inside the allowed regions (or, with none, the job fails saying why). Not applied to
+    jobs that a queueing system (Kueue) admits: placement is the queue's there."""
+    start_timeout_seconds: int = Field(default=900, ge=10, le=7 * 86400)
+    """How long scheduled pods may fail to start (image pull, container config errors) before the
+    attempt is given up as a configuration error."""
+    create_retry_seconds: int = Field(default=600, ge=10, le=7 * 86400)
+    """How long the operator retries creating an attempt's objects that the API refuses (an
+    admission webhook, a quota) before the job fails with the API's message."""
     pool_label_keys: list[str] = list(DEFAULT_POOL_LABEL_KEYS)
     """Node labels that name a node's pool, tried in order; the catalog's selectors are tried first."""
     catalog: list[NodePool] = []

@@ -1,0 +1,241 @@
+"""A strict stand-in for the parts of the Kubernetes API the operator's shell calls.
+
+Strict like the API server where it matters for the invariants: a create of an existing
+name is 409 AlreadyExists (never silently absorbed), a status write with a stale
+resourceVersion is 409 Conflict, a delete with a uid precondition that does not match is
+409, reads of missing objects are 404. Every write is logged, so tests can assert on what
+the operator did (and did not do) to each object.
+
+It stands in for `kubernetes.client.CoreV1Api` and `CustomObjectsApi` (the methods
+`finetune_operator.controller.Cluster` uses), so the real `Cluster` and `Reconciler` run
+on top of it. End-to-end tests use the real API server; this is for fast property tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+
+
+@dataclass
+class Response:
+    data: bytes
+
+
+def _response(obj: Any) -> Response:
+    return Response(json.dumps(obj).encode())
+
+
+def _error(status: int, reason: str, message: str) -> ApiException:
+    error = ApiException(status=status, reason=reason)
+    error.body = json.dumps({"kind": "Status", "status": "Failure", "reason": reason, "message": message, "code": status})
+    return error
+
+
+def _plain(body: Any) -> Any:
+    """A kubernetes client model (V1DeleteOptions, CoreV1Event) or a dict, as a dict."""
+    if body is None or isinstance(body, dict):
+        return body
+    from kubernetes.client import ApiClient
+
+    return ApiClient().sanitize_for_serialization(body)
+
+
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """JSON merge patch (RFC 7386): null deletes a key."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def _matches(obj: dict[str, Any], selector: str | None) -> bool:
+    if not selector:
+        return True
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in selector.split(","):
+        if "=" in term:
+            key, value = term.split("=", 1)
+            if labels.get(key) != value:
+                return False
+        elif term and term not in labels:
+            return False
+    return True
+
+
+@dataclass
+class Write:
+    verb: str  # create | delete | patch | status | status-patch
+    kind: str
+    namespace: str
+    name: str
+    body: Any = None
+
+
+@dataclass
+class FakeKube:
+    """The object store; `core` and `custom` are the two API facades over it."""
+
+    objects: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
+    writes: list[Write] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # Fault injection: fail the n-th write from now with this exception (an operator killed
+    # mid-reconcile, an API server that goes away), or refuse creates of a kind (a webhook).
+    fail_after_writes: int | None = None
+    fail_with: Exception | None = None
+    refuse_create: dict[str, ApiException] = field(default_factory=dict)
+    _rv: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self) -> None:
+        self.core = _Core(self)
+        self.custom = _Custom(self)
+
+    # -- store ---------------------------------------------------------------
+    def put(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object as a test (not the operator) would: no write logged."""
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("generation", 1)
+        meta["resourceVersion"] = str(next(self._rv))
+        self.objects[(kind, meta["namespace"], meta["name"])] = obj
+        return obj
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind, namespace, name))
+
+    def of_kind(self, kind: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        return [o for (k, ns, _), o in sorted(self.objects.items()) if k == kind and namespace in (None, ns)]
+
+    def touch(self, obj: dict[str, Any]) -> None:
+        obj["metadata"]["resourceVersion"] = str(next(self._rv))
+
+    def _write(self, write: Write) -> None:
+        if self.fail_after_writes is not None:
+            if self.fail_after_writes == 0:
+                self.fail_after_writes = None
+                raise self.fail_with or RuntimeError("the operator was killed")
+            self.fail_after_writes -= 1
+        self.writes.append(write)
+
+    def _must_get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
+        obj = self.get(kind, namespace, name)
+        if obj is None:
+            raise _error(404, "NotFound", f'{kind} "{name}" not found')
+        return obj
+
+    def _create(self, kind: str, namespace: str, body: Any) -> Response:
+        body = copy.deepcopy(_plain(body))
+        name = body["metadata"]["name"]
+        if kind in self.refuse_create:
+            raise self.refuse_create[kind]
+        if self.get(kind, namespace, name) is not None:
+            raise _error(409, "AlreadyExists", f'{kind} "{name}" already exists')
+        self._write(Write("create", kind, namespace, name, body))
+        body["metadata"]["namespace"] = namespace
+        body["metadata"].pop("uid", None)
+        return _response(self.put(kind, body))
+
+    def _delete(self, kind: str, namespace: str, name: str, options: Any) -> None:
+        obj = self._must_get(kind, namespace, name)
+        options = _plain(options) or {}
+        wanted = (options.get("preconditions") or {}).get("uid")
+        if wanted is not None and wanted != obj["metadata"]["uid"]:
+            raise _error(409, "Conflict", f"precondition failed: uid {wanted} != {obj['metadata']['uid']}")
+        self._write(Write("delete", kind, namespace, name))
+        del self.objects[(kind, namespace, name)]
+        if kind == "PyTorchJob":  # the garbage collector takes its pods
+            for key, pod in list(self.objects.items()):
+                if key[0] == "Pod" and any(r.get("uid") == obj["metadata"]["uid"]
+                                           for r in pod["metadata"].get("ownerReferences") or []):
+                    del self.objects[key]
+
+    def _patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], *, status: bool) -> Response:
+        obj = self._must_get(kind, namespace, name)
+        wanted = ((body.get("metadata") or {}).get("resourceVersion"))
+        if wanted is not None and wanted != obj["metadata"]["resourceVersion"]:
+            raise _error(409, "Conflict", "the object has been modified")
+        self._write(Write("status-patch" if status else "patch", kind, namespace, name, copy.deepcopy(body)))
+        patch = copy.deepcopy(body)
+        if status:
+            patch = {"status": patch.get("status") or {}}
+        else:
+            patch.pop("status", None)
+            (patch.get("metadata") or {}).pop("resourceVersion", None)
+        _merge(obj, patch)
+        self.touch(obj)
+        return _response(obj)
+
+
+_PLURALS = {"pytorchjobs": "PyTorchJob", "finetunejobs": "FineTuneJob"}
+
+
+class _Custom:
+    def __init__(self, kube: FakeKube) -> None:
+        self.kube = kube
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+        return _response(self.kube._must_get(_PLURALS[plural], namespace, name))
+
+    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
+        items = [o for o in self.kube.of_kind(_PLURALS[plural], namespace) if _matches(o, label_selector)]
+        return _response({"items": items})
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body, **_):
+        return self.kube._create(_PLURALS[plural], namespace, body)
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, body=None, **_):
+        self.kube._delete(_PLURALS[plural], namespace, name, body)
+
+    def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body, **_):
+        return self.kube._patch(_PLURALS[plural], namespace, name, body, status=False)
+
+    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body, **_):
+        return self.kube._patch(_PLURALS[plural], namespace, name, body, status=True)
+
+    def replace_namespaced_custom_object_status(self, group, version, namespace, plural, name, body, **_):
+        kind = _PLURALS[plural]
+        obj = self.kube._must_get(kind, namespace, name)
+        if body["metadata"].get("resourceVersion") != obj["metadata"]["resourceVersion"]:
+            raise _error(409, "Conflict", "the object has been modified; please apply your changes to the latest version")
+        self.kube._write(Write("status", kind, namespace, name, copy.deepcopy(body.get("status"))))
+        obj["status"] = copy.deepcopy(body.get("status"))
+        self.kube.touch(obj)
+        return _response(obj)
+
+
+class _Core:
+    def __init__(self, kube: FakeKube) -> None:
+        self.kube = kube
+
+    def list_namespaced_pod(self, namespace, label_selector=None, **_):
+        return _response({"items": [p for p in self.kube.of_kind("Pod", namespace) if _matches(p, label_selector)]})
+
+    def list_pod_for_all_namespaces(self, **_):
+        return _response({"items": [p for p in self.kube.of_kind("Pod")
+                                    if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]})
+
+    def list_node(self, **_):
+        return _response({"items": self.kube.of_kind("Node")})
+
+    def read_namespaced_config_map(self, name, namespace, **_):
+        return _response(self.kube._must_get("ConfigMap", namespace, name))
+
+    def create_namespaced_config_map(self, namespace, body, **_):
+        return self.kube._create("ConfigMap", namespace, body)
+
+    def delete_namespaced_config_map(self, name, namespace, body=None, **_):
+        self.kube._delete("ConfigMap", namespace, name, body)
+
+    def create_namespaced_event(self, namespace, body, **_):
+        self.kube.events.append(_plain(body))
