@@ -9,7 +9,7 @@ from jinja2 import TemplateError
 from render_factories import GiB, plan_for, policy, pool
 
 from finetune_operator import api
-from finetune_operator.rendering import RenderError, render_attempt
+from finetune_operator.rendering import RenderError, is_queued, render_attempt, starts_suspended
 from finetune_operator.rendering.templating import _ENV, render_json_template
 
 
@@ -58,18 +58,30 @@ def test_resources_are_guaranteed_and_follow_the_plan(lora_job):
     }
 
 
-def test_placement_is_required_affinity_on_region_and_pool(lora_job):
+# The values GPU Feature Discovery writes into nvidia.com/gpu.product on an H100 SXM node.
+H100_PRODUCTS = ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB"]
+
+
+def match_expressions(rendered) -> list[dict]:
+    terms = pods(rendered)["Master"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (term,) = terms["nodeSelectorTerms"]
+    return term["matchExpressions"]
+
+
+def test_placement_is_required_affinity_on_region_gpu_and_pool(lora_job):
     job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
     node_pool = pool(selector={"karpenter.sh/nodepool": "h100-berlin", "gpu.example/class": "h100"})
     plan = plan_for(job, node_pool, allowed_regions=["eu-fr-paris", "eu-de-berlin"])
     spec = pods(render_attempt(job, plan, 1, policy(region_label_key="example.com/region")))["Master"]["spec"]
+    # One region (the plan's, though the plan could have used two) and the plan's GPU product.
     assert spec["affinity"] == {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [
                     {
                         "matchExpressions": [
-                            {"key": "example.com/region", "operator": "In", "values": ["eu-de-berlin", "eu-fr-paris"]},
+                            {"key": "example.com/region", "operator": "In", "values": ["eu-de-berlin"]},
+                            {"key": "nvidia.com/gpu.product", "operator": "In", "values": H100_PRODUCTS},
                             {"key": "gpu.example/class", "operator": "In", "values": ["h100"]},
                             {"key": "karpenter.sh/nodepool", "operator": "In", "values": ["h100-berlin"]},
                         ]
@@ -107,30 +119,95 @@ def test_a_pool_outside_the_plans_region_is_refused(lora_job):
         render_attempt(job, plan, 1, policy())
 
 
-def test_a_pool_selector_cannot_widen_the_region(lora_job):
-    job = job_of(lora_job)
-    plan = plan_for(job, pool(selector={"topology.kubernetes.io/region": "us-east-virginia"}))
-    with pytest.raises(RenderError, match="outside the allowed regions") as error:
+@pytest.mark.parametrize("other", ["us-east-virginia", "eu-fr-paris"])  # outside the allowed regions; allowed, but not the plan's
+def test_a_pool_selector_cannot_move_the_region(lora_job, other):
+    job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
+    plan = plan_for(job, pool(selector={"topology.kubernetes.io/region": other}), allowed_regions=["eu-de-berlin", "eu-fr-paris"])
+    with pytest.raises(RenderError, match="not the plan's region 'eu-de-berlin'") as error:
         render_attempt(job, plan, 1, policy())
     assert error.value.path == "pool h100-berlin.selector"
 
 
-def test_a_pool_selector_may_narrow_the_region(lora_job):
+def test_a_pool_selector_that_pins_the_plans_region_is_not_repeated(lora_job):
     # Discovery pins a pool label that spans regions by region as well.
     job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
     node_pool = pool(selector={"karpenter.sh/nodepool": "h100", "topology.kubernetes.io/region": "eu-de-berlin"})
     plan = plan_for(job, node_pool, allowed_regions=["eu-de-berlin", "eu-fr-paris"])
-    terms = pods(render_attempt(job, plan, 1, policy()))["Master"]["spec"]["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms == [
-        {
-            "matchExpressions": [
-                {"key": "topology.kubernetes.io/region", "operator": "In", "values": ["eu-de-berlin", "eu-fr-paris"]},
-                {"key": "karpenter.sh/nodepool", "operator": "In", "values": ["h100"]},
-                {"key": "topology.kubernetes.io/region", "operator": "In", "values": ["eu-de-berlin"]},
-            ]
-        }
+    assert match_expressions(render_attempt(job, plan, 1, policy())) == [
+        {"key": "topology.kubernetes.io/region", "operator": "In", "values": ["eu-de-berlin"]},
+        {"key": "nvidia.com/gpu.product", "operator": "In", "values": H100_PRODUCTS},
+        {"key": "karpenter.sh/nodepool", "operator": "In", "values": ["h100"]},
     ]
+
+
+def test_a_multi_node_attempt_runs_in_the_plans_region_only(lora_job):
+    # The plan may run in either region; its pods, Master and Workers alike, must all land in the one
+    # it chose, or the ranks of one attempt could straddle a border.
+    job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
+    paris = pool(name="h100-paris", region="eu-fr-paris", selector={"karpenter.sh/nodepool": "h100-paris"})
+    rendered = render_attempt(job, plan_for(job, paris, nodes=4, allowed_regions=["eu-de-berlin", "eu-fr-paris"]), 1, policy())
+    for template in pods(rendered).values():
+        (term,) = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"]
+        assert term["matchExpressions"][0] == {"key": "topology.kubernetes.io/region", "operator": "In", "values": ["eu-fr-paris"]}
+
+
+def test_a_plan_region_the_policy_does_not_allow_is_refused_not_widened(lora_job):
+    job = job_of(lora_job, placement={"regions": ["eu-de-berlin", "eu-fr-paris"]})
+    paris = pool(name="h100-paris", region="eu-fr-paris")
+    # The plan claims only Berlin is allowed but runs in Paris.
+    with pytest.raises(RenderError, match="plan says 'eu-fr-paris'") as error:
+        render_attempt(job, plan_for(job, paris, allowed_regions=["eu-de-berlin"]), 1, policy())
+    assert error.value.path == "plan.region"
+    # The policy allows only Berlin; a plan in Paris is refused, whatever the plan says is allowed.
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job, paris, allowed_regions=["eu-fr-paris"]), 1, policy(allowed_regions=["eu-de-berlin"]))
+    assert error.value.path == "plan.allowedRegions"
+
+
+def test_gpu_label_under_another_key_pins_by_that_key(lora_job):
+    # A GKE pool without GPU Feature Discovery: its nodes name the GPU in GKE's accelerator label.
+    job = job_of(lora_job)
+    node_pool = pool(gpu_label={"key": "cloud.google.com/gke-accelerator"})
+    assert match_expressions(render_attempt(job, plan_for(job, node_pool), 1, policy()))[1] == {
+        "key": "cloud.google.com/gke-accelerator", "operator": "In", "values": ["nvidia-h100-80gb", "nvidia-h100-mega-80gb"]
+    }
+
+
+def test_a_gpu_type_the_table_does_not_know_is_pinned_by_the_pools_own_values(lora_job):
+    job = job_of(lora_job)
+    node_pool = pool(gpu_type="B200-192GB", gpu_memory_bytes=180 * GiB, gpu_label={"values": ["NVIDIA-B200"]})
+    assert match_expressions(render_attempt(job, plan_for(job, node_pool), 1, policy()))[1] == {
+        "key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-B200"]
+    }
+
+
+def test_gpu_pins_that_cannot_be_right_are_refused(lora_job):
+    job = job_of(lora_job)
+    h100 = pool()
+    # The plan says A100, the pool is H100.
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job, h100, gpu_type="A100-80GB"), 1, policy())
+    assert error.value.path == "plan.gpuType"
+    # Nobody said how the nodes of an unknown GPU type are labelled: nothing to pin to.
+    unknown = pool(gpu_type="B200-192GB", gpu_memory_bytes=180 * GiB)
+    assert unknown.gpu_label is None
+    with pytest.raises(RenderError, match="gpuLabel.values") as error:
+        render_attempt(job, plan_for(job, unknown), 1, policy())
+    assert error.value.path == "pool h100-berlin.gpuLabel"
+    # A label value of another GPU type (a pool changed without validation) would pin the pods there.
+    mislabelled = h100.model_copy(update={"gpu_label": h100.gpu_label.model_copy(update={"values": ["NVIDIA-A100-SXM4-80GB"]})})
+    with pytest.raises(RenderError, match="names A100-80GB, not the plan.s H100-80GB") as error:
+        render_attempt(job, plan_for(job, mislabelled), 1, policy())
+    assert error.value.path == "pool h100-berlin.gpuLabel"
+    # A value no node label can hold would leave the pods pending forever.
+    nasty = h100.model_copy(update={"gpu_label": h100.gpu_label.model_copy(update={"values": ['H100"], "x": ["']})})
+    with pytest.raises(RenderError, match="not a valid label value") as error:
+        render_attempt(job, plan_for(job, nasty), 1, policy())
+    # A pool selector on the GPU label may only narrow it to one of the plan's values.
+    with pytest.raises(RenderError, match="selects GPU 'NVIDIA-A100-SXM4-80GB'") as error:
+        render_attempt(job, plan_for(job, pool(selector={"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"})), 1, policy())
+    assert error.value.path == "pool h100-berlin.selector"
 
 
 def test_bad_label_keys_from_the_catalog_or_policy_are_named(lora_job):
@@ -167,7 +244,28 @@ def test_labels_owner_queue_and_suspend(lora_job):
             {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob", "name": "demo", "uid": "0b9d-uid",
              "controller": True, "blockOwnerDeletion": True}
         ]
-    assert rendered.pytorch_job["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "suspend": True}
+    assert rendered.pytorch_job["spec"]["runPolicy"] == {"cleanPodPolicy": "Running", "suspend": True}
+    assert is_queued(rendered.pytorch_job)
+
+
+def test_a_queued_job_is_created_suspended_for_the_queue_to_admit(lora_job):
+    # Kueue admits a job by un-suspending it; one created running would start before admission.
+    job = job_of(lora_job, queueName="research")
+    assert job.spec.suspend is False and starts_suspended(job.spec)
+    rendered = render_attempt(job, plan_for(job), 1, policy())
+    assert rendered.pytorch_job["spec"]["runPolicy"]["suspend"] is True
+    assert is_queued(rendered.pytorch_job) and not is_queued(rendered.config_map)
+    unqueued = render_attempt(job_of(lora_job, queueName=None), plan_for(job), 1, policy())
+    assert not is_queued(unqueued.pytorch_job) and unqueued.pytorch_job["spec"]["runPolicy"]["suspend"] is False
+
+
+def test_a_finished_job_frees_the_gpus_of_pods_still_running(lora_job):
+    # Training-operator v1.9: once the job is Failed or Succeeded, "Running" deletes its Running and
+    # Pending pods (hung peer ranks holding GPUs) and keeps the terminated ones that explain a failure;
+    # "None" would keep them all, and "All" would delete the evidence too.
+    job = job_of(lora_job)
+    rendered = render_attempt(job, plan_for(job, nodes=2), 1, policy())
+    assert rendered.pytorch_job["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
 
 
 def test_no_uid_no_owner_no_queue(lora_job):

@@ -5,8 +5,8 @@ YAML and Jinja metacharacters, newlines, quotes, `{{ }}`, `{% %}`, anchors, unic
 long text. Each job is rendered twice: as generated, and as a "benign twin" in which
 every such string is a plain word. The two renderings must have the same skeleton (every
 key set and list length, recursively, the trainer config's JSON included): strings only
-ever land in leaves. On top, every pod template keeps exactly the required region
-affinity, the key sets of the objects are the expected ones, every string arrives
+ever land in leaves. On top, every pod template keeps exactly the required node affinity
+(the plan's one region, inside the allowed regions, and the plan's GPU product), the key sets of the objects are the expected ones, every string arrives
 verbatim where it belongs, and (every tenth example) the manifests pass the upstream
 PyTorchJob schema and survive the CLI's YAML output unchanged.
 """
@@ -29,6 +29,7 @@ from upstream_crd import pytorchjob_schema
 
 from finetune_operator import api
 from finetune_operator.planning import ClusterPolicy, NodePool
+from finetune_operator.planning.pools import GFD_PRODUCT, GKE_ACCELERATOR, gpu_type_info, label_values_for
 from finetune_operator.rendering import render_attempt
 from finetune_operator.rendering.names import DNS1035_LABEL
 from finetune_operator.rendering.output import manifests_yaml
@@ -156,6 +157,8 @@ class Case:
     attempt: int
     suspend: bool
     pin_region: bool  # the pool's selector also names its region (as discovery does for split pools)
+    region_index: int  # which of the regions both job and policy allow the plan (and its pool) is in
+    gpu: tuple[str, str | None, tuple[str, ...]]  # GPU type, its label key (None: default), values (): the table's
 
 
 @st.composite
@@ -182,6 +185,11 @@ def cases(draw) -> Case:
     if selector_key == region_label_key:
         selector_key = "x" + selector_key
     shape = draw(SHAPES)
+    gpu = draw(GPUS)
+    if gpu[1] is not None and gpu[1] in (region_label_key, selector_key):
+        gpu = (gpu[0], "x" + gpu[1], gpu[2])
+    if selector_key == (gpu[1] or GFD_PRODUCT):
+        selector_key = "x" + selector_key
     return Case(
         strings=strings,
         job_name=draw(DNS_SUBDOMAIN),
@@ -202,6 +210,8 @@ def cases(draw) -> Case:
         attempt=shape[6],
         suspend=shape[7],
         pin_region=shape[8],
+        region_index=draw(st.integers(0, 3)),
+        gpu=gpu,
     )
 
 
@@ -213,6 +223,16 @@ NAMESPACES = st.one_of(st.none(), DNS_LABEL)
 CLAIMS = st.lists(DNS_SUBDOMAIN, min_size=4, max_size=4)
 TAINTS = st.one_of(st.none(), st.tuples(QUALIFIED_NAME, st.one_of(st.none(), LABEL_VALUE)))
 QUEUES = st.one_of(st.none(), LABEL_VALUE)
+# GPU types the table knows (their label values come from it, under GFD's or GKE's label), and
+# a type it does not know, whose label and values the pool names itself.
+GPUS = st.one_of(
+    st.tuples(st.sampled_from(["H100-80GB", "A100-40GB", "L40S-48GB"]), st.sampled_from([None, GKE_ACCELERATOR]), st.just(())),
+    st.tuples(
+        st.just("B200-192GB"),
+        st.one_of(st.none(), QUALIFIED_NAME),
+        st.lists(LABEL_VALUE.filter(lambda v: gpu_type_info(v) is None), min_size=1, max_size=3, unique=True).map(tuple),
+    ),
+)
 SHAPES = st.tuples(
     st.booleans(),
     st.booleans(),
@@ -224,6 +244,18 @@ SHAPES = st.tuples(
     st.booleans(),
     st.booleans(),
 )
+
+
+def plan_region(case: Case) -> str:
+    both = sorted(set(case.regions) & set(case.policy_regions))
+    return both[case.region_index % len(both)]
+
+
+def gpu_expression(case: Case) -> dict[str, Any]:
+    """The GPU requirement the pods must carry, worked out from the case, not from the pool."""
+    gpu_type, key, values = case.gpu
+    key = key or GFD_PRODUCT
+    return {"key": key, "operator": "In", "values": sorted(values or label_values_for(key, gpu_type))}
 
 
 def build(case: Case, s: Strings) -> tuple[api.FineTuneJob, ClusterPolicy, NodePool]:
@@ -252,17 +284,22 @@ def build(case: Case, s: Strings) -> tuple[api.FineTuneJob, ClusterPolicy, NodeP
         metadata["namespace"] = case.namespace
     job = api.parse_job({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": metadata, "spec": spec})
     taints = [] if case.taint is None else [{"key": case.taint[0], "value": case.taint[1], "effect": "NoExecute"}]
+    gpu_type, label_key, label_values = case.gpu
+    gpu_label: dict[str, Any] = {"values": list(label_values)}
+    if label_key is not None:
+        gpu_label["key"] = label_key
     pool = NodePool.model_validate(
         {
             "name": "pool-a",
-            "region": case.regions[0],
-            "gpu_type": "H100-80GB",
+            "region": plan_region(case),
+            "gpu_type": gpu_type,
+            "gpu_label": gpu_label,
             "gpu_memory_bytes": 80 * 1024**3,
             "gpus_per_node": 8,
             "max_nodes": 4,
             "cpus": 96,
             "selector": {case.selector_key: s.selector_value}
-            | ({case.region_label_key: case.regions[0]} if case.pin_region else {}),
+            | ({case.region_label_key: plan_region(case)} if case.pin_region else {}),
             "taints": taints,
         }
     )
@@ -335,7 +372,8 @@ def check(case: Case, schema: bool) -> None:
     assert set(pj["metadata"]["labels"]) == expected_labels
     assert set(pj["metadata"]["annotations"]) == {"finetune.dev/model", "finetune.dev/plan", "finetune.dev/job-name"}
     assert set(pj["spec"]) == {"runPolicy", "nprocPerNode", "pytorchReplicaSpecs"}
-    assert pj["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "suspend": case.suspend}
+    # A named queue creates the job suspended: Kueue admits it by un-suspending it.
+    assert pj["spec"]["runPolicy"] == {"cleanPodPolicy": "Running", "suspend": case.suspend or case.queue_name is not None}
     assert pj["spec"]["nprocPerNode"] == str(case.gpus_per_node)
     replicas = pj["spec"]["pytorchReplicaSpecs"]
     assert set(replicas) == ({"Master", "Worker"} if case.nodes > 1 else {"Master"})
@@ -356,19 +394,31 @@ def check(case: Case, schema: bool) -> None:
         }
         pod = template["spec"]
         assert set(pod) == POD_SPEC_KEYS | ({"initContainers"} if case.hf_model else set())
-        # --- sovereignty: exactly one required term, exactly the allowed regions, then the pool
+        # --- sovereignty: exactly one required term: the plan's one region, its GPU, then the pool
         affinity = pod["affinity"]
         assert set(affinity) == {"nodeAffinity"} and set(affinity["nodeAffinity"]) == {"requiredDuringSchedulingIgnoredDuringExecution"}
         terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert set(terms) == {"nodeSelectorTerms"} and len(terms["nodeSelectorTerms"]) == 1
-        pool_expressions = {case.selector_key: {"key": case.selector_key, "operator": "In", "values": [s.selector_value]}}
-        if case.pin_region:
-            pool_expressions[case.region_label_key] = {"key": case.region_label_key, "operator": "In", "values": [case.regions[0]]}
+        expressions = terms["nodeSelectorTerms"][0]["matchExpressions"]
         assert terms["nodeSelectorTerms"][0] == {
-            "matchExpressions": [{"key": case.region_label_key, "operator": "In", "values": plan_regions}]
-            + [pool_expressions[k] for k in sorted(pool_expressions)]
+            "matchExpressions": [
+                {"key": case.region_label_key, "operator": "In", "values": [plan_region(case)]},
+                gpu_expression(case),
+                {"key": case.selector_key, "operator": "In", "values": [s.selector_value]},
+            ]
         }
-        assert set(plan_regions) <= set(case.regions) & set(case.policy_regions)
+        # Pinned to exactly the plan's region, one region, inside what both policy and job allow
+        # (every expression on the region key, the pool's own pin included, says just that) ...
+        on_region = [e for e in expressions if e["key"] == case.region_label_key]
+        assert on_region and all(e["operator"] == "In" and e["values"] == [plan.region] for e in on_region)
+        assert plan.region in set(case.regions) & set(case.policy_regions)
+        # ... and to the plan's GPU product: every value names the plan's GPU type (or, for a type
+        # the table does not know, is one the pool itself names).
+        (on_gpu,) = [e for e in expressions if e["key"] == (case.gpu[1] or GFD_PRODUCT)]
+        assert on_gpu["operator"] == "In" and on_gpu["values"]
+        for value in on_gpu["values"]:
+            known = gpu_type_info(value)
+            assert (known.name == plan.gpu_type) if known else value in case.gpu[2]
         (container,) = pod["containers"]
         assert set(container) == CONTAINER_KEYS and container["name"] == "pytorch"
         assert container["image"] == (s.image if case.image_override else s.policy_image)
@@ -468,7 +518,7 @@ def test_the_property_check_catches_a_template_that_splices_text(monkeypatch, na
         policy_regions=("eu-de-berlin",), region_label_key="topology.kubernetes.io/region",
         selector_key="karpenter.sh/nodepool", taint=None, queue_name=None, hf_model=True, output_volume=True,
         image_override=False, nodes=2, gpus_per_node=2, strategy="zero3", attempt=1, suspend=False,
-        pin_region=False,
+        pin_region=False, region_index=0, gpu=("H100-80GB", None, ()),
     )
     check(case, schema=False)  # the real filter: passes
     monkeypatch.setitem(templating._ENV.filters, "json", _spliced)

@@ -12,7 +12,9 @@ from .renderer import (
     QUEUE_LABEL,
     RenderedAttempt,
     common_labels,
+    is_queued,
     render_attempt,
+    starts_suspended,
 )
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "RenderedAttempt",
     "attempt_name",
     "common_labels",
+    "is_queued",
     "label_value",
     "render_attempt",
+    "starts_suspended",
 ]

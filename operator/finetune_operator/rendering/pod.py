@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import api
 from ..planning import ClusterPolicy, Plan
+from ..planning.pools import gpu_type_info, same_gpu_type
 from . import layout as paths
 from .errors import RenderError
 from .k8s_names import is_label_value, is_qualified_name
@@ -27,16 +28,19 @@ RUN_AS_USER = 1000
 FETCH_CONTAINER = "fetch-model"
 
 
-def allowed_regions(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> list[str]:
-    """The regions to pin the pods to: the plan's, checked once more against policy and job.
+def pinned_region(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> str:
+    """The one region the pods are pinned to: the plan's, checked once more against policy and job.
 
-    The planner computes them; the renderer does not trust it blindly, because this list
-    is the one thing that keeps the pods inside the allowed regions.
+    An attempt runs in one region: the ranks of a multi-node attempt talk over the network
+    every step, and its data must not cross the border either. The planner chooses the
+    region; the renderer does not trust it blindly, because this check is the one thing
+    that keeps the pods inside the allowed regions. A plan outside them is an error,
+    never a reason to widen anything.
     """
     permitted = set(policy.allowed_regions) & set(job.spec.placement.regions)
     regions = sorted(set(plan.allowed_regions))
     if not regions:
-        raise RenderError("plan.allowedRegions", "empty; a pod must be pinned to at least one region")
+        raise RenderError("plan.allowedRegions", "empty; a pod must be pinned to a region")
     outside = [r for r in regions if r not in permitted]
     if outside:
         raise RenderError(
@@ -50,25 +54,67 @@ def allowed_regions(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> 
             f"pool {plan.pool.name} is in {plan.pool.region!r}, plan says {plan.region!r},"
             f" allowed regions are {regions}",
         )
-    return regions
+    return plan.region
 
 
-def match_expressions(region_label_key: str, regions: list[str], plan: Plan) -> list[dict[str, Any]]:
-    """One required node-selector term: the region label in `regions` and the pool's labels."""
+def gpu_requirement(plan: Plan) -> dict[str, Any]:
+    """The node requirement that pins the pods to the plan's GPU type: the pool's GPU label.
+
+    Pools of other GPU types may share a selector (one pool label over mixed nodes); the
+    GPU label is what tells their nodes apart, so a plan for one type never lands on another.
+    """
+    pool = plan.pool
+    where = f"pool {pool.name}.gpuLabel"
+    if not same_gpu_type(plan.gpu_type, pool.gpu_type):
+        raise RenderError("plan.gpuType", f"{plan.gpu_type!r}, but pool {pool.name} has {pool.gpu_type!r}")
+    label = pool.gpu_label
+    if label is None or not label.values:
+        raise RenderError(
+            where,
+            f"the pool does not say how its nodes name their GPU ({pool.gpu_type} is not in the GPU table);"
+            " the catalog must give gpuLabel.values",
+        )
+    if not is_qualified_name(label.key):
+        raise RenderError(where, f"{label.key!r} is not a valid label key")
+    for value in label.values:
+        if not is_label_value(value):
+            raise RenderError(where, f"{value!r} is not a valid label value; no node could carry it")
+        known = gpu_type_info(value)
+        if known is not None and not same_gpu_type(known.name, plan.gpu_type):
+            raise RenderError(where, f"{value!r} names {known.name}, not the plan's {plan.gpu_type}")
+    return {"key": label.key, "operator": "In", "values": sorted(label.values)}
+
+
+def match_expressions(region_label_key: str, region: str, plan: Plan) -> list[dict[str, Any]]:
+    """One required node-selector term: the plan's region, the plan's GPU, and the pool's labels.
+
+    All expressions of a term must hold, so a pool label can only narrow what the region
+    and GPU expressions allow; one that contradicts them is an error.
+    """
     if not is_qualified_name(region_label_key):
         raise RenderError("policy.regionLabelKey", f"{region_label_key!r} is not a valid label key")
-    expressions = [{"key": region_label_key, "operator": "In", "values": list(regions)}]
+    gpu = gpu_requirement(plan)
+    if gpu["key"] == region_label_key:
+        raise RenderError(f"pool {plan.pool.name}.gpuLabel", f"{gpu['key']!r} is the region label")
+    expressions = [{"key": region_label_key, "operator": "In", "values": [region]}, gpu]
     for key in sorted(plan.pool.selector):
+        value = plan.pool.selector[key]
         if not is_qualified_name(key):
             raise RenderError(f"pool {plan.pool.name}.selector", f"{key!r} is not a valid label key")
-        if key == region_label_key and plan.pool.selector[key] not in regions:
-            # Discovery pins a pool that spans regions by region too; that may narrow the
-            # region requirement (both expressions must hold), never widen or contradict it.
+        if key == region_label_key and value != region:
+            # Discovery pins a pool that spans regions by region too; that must be the plan's region.
             raise RenderError(
                 f"pool {plan.pool.name}.selector",
-                f"selects region {plan.pool.selector[key]!r} on {key!r}, outside the allowed regions {regions}",
+                f"selects region {value!r} on {key!r}, not the plan's region {region!r}",
             )
-        expressions.append({"key": key, "operator": "In", "values": [plan.pool.selector[key]]})
+        if key == gpu["key"] and value not in gpu["values"]:
+            raise RenderError(
+                f"pool {plan.pool.name}.selector",
+                f"selects GPU {value!r} on {key!r}, not one of the plan's {gpu['values']}",
+            )
+        expression = {"key": key, "operator": "In", "values": [value]}
+        if expression not in expressions:  # the region again, say nothing twice
+            expressions.append(expression)
     return expressions
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from finetune_trainer.contract import DEFAULT_REPORT_PATH, TrainerConfig
 
@@ -25,6 +25,9 @@ PLAN_ANNOTATION = "finetune.dev/plan"
 # The FineTuneJob's full name: the job label holds it shortened (with a hash) when it is over 63 characters.
 JOB_NAME_ANNOTATION = "finetune.dev/job-name"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# What the training operator deletes when the job has finished: its pods still Running or
+# Pending (they hold GPUs), never the terminated ones that explain a failure.
+CLEAN_POD_POLICY = "Running"
 MANAGER = "finetune-operator"
 
 
@@ -41,6 +44,21 @@ class RenderedAttempt:
     def objects(self) -> list[dict[str, Any]]:
         """In creation order: the pods mount the ConfigMap, so it goes first."""
         return [self.config_map, self.pytorch_job]
+
+
+def starts_suspended(spec: api.FineTuneJobSpec) -> bool:
+    """Whether an attempt's training job is created suspended: the user's `spec.suspend`, or a
+    named queue, because Kueue admits a job by un-suspending it (created running, it would
+    start before admission, and quota would mean nothing)."""
+    return spec.suspend or spec.queue_name is not None
+
+
+def is_queued(child: Mapping[str, Any]) -> bool:
+    """Whether a training job (as rendered, or as read back from the API) is admitted by a
+    queueing system: it carries the queue label. Its suspension is the queue's, never ours
+    to lift."""
+    labels = (child.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(QUEUE_LABEL))
 
 
 def common_labels(job: api.FineTuneJob, attempt: int) -> dict[str, str]:
@@ -79,7 +97,7 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
         raise RenderError("attempt", f"must be at least 1, got {attempt}")
     name = attempt_name(job.metadata.name, attempt)
     layout = layout_of(job.spec)
-    regions = pod.allowed_regions(job, plan, policy)
+    region = pod.pinned_region(job, plan, policy)
     trainer_config = build_trainer_config(job, plan, attempt, layout)
     labels = common_labels(job, attempt)
     owner = owner_reference(job)
@@ -104,7 +122,7 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
             JOB_NAME_ANNOTATION: job.metadata.name,
         },
         "security_context": pod.pod_security_context(),
-        "match_expressions": pod.match_expressions(policy.region_label_key, regions, plan),
+        "match_expressions": pod.match_expressions(policy.region_label_key, region, plan),
         "tolerations": pod.tolerations(plan),
         "init_containers": pod.init_containers(
             job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}
@@ -130,7 +148,8 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
             owner,
             {MODEL_ANNOTATION: job.spec.model.name, PLAN_ANNOTATION: plan.summary(), JOB_NAME_ANNOTATION: job.metadata.name},
         ),
-        suspend=job.spec.suspend,
+        suspend=starts_suspended(job.spec),
+        clean_pod_policy=CLEAN_POD_POLICY,
         nproc_per_node=str(plan.gpus_per_node),
         replicas=replicas,
         pod=pod_data,
