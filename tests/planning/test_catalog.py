@@ -97,13 +97,90 @@ def test_policy_loads_catalog_with_its_pool_label_and_names_errors():
     assert load_policy("").allowed_regions == []  # nothing allowed unless the platform says so
 
 
-def test_quantities_and_gpu_names():
-    assert parse_quantity("2063146352Ki") == 2063146352 * 1024
-    assert parse_quantity("191500m") == 191.5
-    assert parse_quantity("80Gi") == 80 * GiB
-    assert parse_quantity(8) == 8
-    with pytest.raises(ValueError):
-        parse_quantity("8 GPUs")
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1e3", 1000),  # decimal exponent: the hand-written parser refused it
+        ("1Ei", 2**60),  # exbi: refused too
+        ("2E", 2 * 10**18),  # exa
+        ("500m", 0.5),
+        ("16Gi", 16 * GiB),
+        ("2063146352Ki", 2063146352 * 1024),
+        ("191500m", 191.5),
+        ("1.5Gi", 1.5 * GiB),
+        ("0", 0),
+        (8, 8),
+    ],
+)
+def test_kubernetes_quantities(text, value):
+    assert parse_quantity(text) == value
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("8 GPUs", "not a Kubernetes quantity"),
+        ("1.5.5", "not a Kubernetes quantity"),
+        ("", "not a Kubernetes quantity"),
+        ("1Gb", "not a Kubernetes quantity"),
+        (" 16Gi", "not a Kubernetes quantity"),  # Decimal strips spaces, the API server does not
+        ("1_000", "not a Kubernetes quantity"),  # Decimal's digit separator
+        ("inf", "not a Kubernetes quantity"),
+        ("NaN", "not a Kubernetes quantity"),
+        ("\u0663", "not a Kubernetes quantity"),  # an Arabic-Indic three: a Decimal digit, not the API's
+        ("-1Gi", "must not be negative"),
+        ("1e999999999", "larger than the API server can hold"),  # as an int it would take gigabytes
+        (True, "not a Kubernetes quantity"),
+        (None, "not a Kubernetes quantity"),
+    ],
+)
+def test_invalid_quantities_name_the_field(text, why):
+    with pytest.raises(QuantityError) as error:
+        parse_quantity(text, "hostMemory")
+    assert str(error.value).startswith(f"hostMemory: {why}: {text!r}"), str(error.value)
+
+
+def test_catalog_quantities_in_every_form_and_errors_naming_pool_and_field():
+    (pool,) = load_catalog([_pool(gpuType="B200-192GB", gpuMemory="1.8e11", hostMemory="2Ei",
+                                  gpuLabel={"values": ["NVIDIA-B200"]})])
+    assert pool.gpu_memory_bytes == 180_000_000_000 and pool.host_memory_bytes == 2 * 2**60
+    with pytest.raises(CatalogError, match=r"^pool 'p1' \(pools\[0\]\): gpuMemory: must not be negative: '-80Gi'"):
+        load_catalog([_pool(gpuMemory="-80Gi")])
+
+
+def test_gpu_names():
     assert canonical_gpu_name("nvidia-h100-80gb") == "H100-80GB"
     assert canonical_gpu_name("NVIDIA-H200") == "H200-141GB"
     assert canonical_gpu_name("Something-Else") == "Something-Else"
+
+
+def test_a_known_gpu_type_says_how_its_nodes_are_labelled():
+    # Pods are pinned to the GPU label: the catalog fills it from the GPU table, under GPU Feature
+    # Discovery's label by default, or under the label the pool names (GKE's own, without GFD).
+    (gfd, gke) = load_catalog([
+        _pool(name="a", gpuType="A100-80GB"),
+        _pool(name="b", gpuType="nvidia-tesla-a100", gpuLabel={"key": "cloud.google.com/gke-accelerator"}),
+    ])
+    assert gfd.gpu_label == GpuLabel(key="nvidia.com/gpu.product", values=["NVIDIA-A100-80GB-PCIe", "NVIDIA-A100-SXM4-80GB"])
+    assert gke.gpu_type == "A100-40GB"
+    assert gke.gpu_label == GpuLabel(key="cloud.google.com/gke-accelerator", values=["nvidia-tesla-a100"])
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        # A type the table does not know: nobody can guess what GFD writes for it.
+        ({"gpuType": "B200-192GB", "gpuMemory": "180Gi"}, "gpuLabel: the GPU table does not know the values of"
+                                                          " nvidia.com/gpu.product on B200-192GB nodes; give gpuLabel.values"),
+        # A label the table has no values for.
+        ({"gpuLabel": {"key": "example.com/gpu"}}, "gpuLabel: the GPU table does not know the values of example.com/gpu"),
+        # Values of another GPU type would pin an H100 pool's pods to A100 nodes.
+        ({"gpuLabel": {"values": ["NVIDIA-A100-SXM4-80GB"]}}, "gpuLabel: values ['NVIDIA-A100-SXM4-80GB'] name another GPU type"),
+        ({"gpuLabel": {"values": ["x", "x"]}}, "gpuLabel: values ['x', 'x'] repeat a value"),
+        ({"gpuLabel": {"value": "x"}}, "gpuLabel.value: unknown field"),
+    ],
+)
+def test_gpu_label_errors_name_pool_and_field(fields, expected):
+    with pytest.raises(CatalogError) as error:
+        load_catalog([_pool(**fields)])
+    assert str(error.value).startswith(f"pool 'p1' (pools[0]): {expected}"), str(error.value)

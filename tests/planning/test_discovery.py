@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from finetune_operator.planning import ClusterPolicy, discover, discover_pools, load_catalog, merge_pools
-from finetune_operator.planning.pools import MiB
+from finetune_operator.planning.pools import MiB, same_gpu_type
 
 from .nodes import cpu_node, gpu_node, gpu_pod, snake_case
 
@@ -209,3 +209,107 @@ def test_free_gpus_are_known_per_node():
     assert pool.free_gpus == 8 and pool.free_gpus_per_node == [4, 4]
     # Eight GPUs are free, but not on one node.
     assert pool.fits_now(2, 4) and pool.fits_now(1, 4) and not pool.fits_now(1, 8)
+
+
+A100_80 = {"product": "NVIDIA-A100-SXM4-80GB", "memory_mib": 81920}
+
+
+def _node_labels(node):
+    return node["metadata"]["labels"]
+
+
+def test_pool_label_spanning_gpu_types_is_split_with_selectors_that_tell_the_parts_apart():
+    # One Karpenter pool label over H100 and A100 nodes in one region: before, both parts had the
+    # same selector, so a plan for the H100 part could land on the A100 nodes.
+    nodes = [gpu_node("h1"), gpu_node("a1", **A100_80)]
+    pools = _by_name(discover_pools(nodes, [], POLICY))
+    assert set(pools) == {"h100-berlin-eu-de-berlin-h100-80gb", "h100-berlin-eu-de-berlin-a100-80gb"}
+    h100, a100 = pools["h100-berlin-eu-de-berlin-h100-80gb"], pools["h100-berlin-eu-de-berlin-a100-80gb"]
+    assert h100.selector == {"karpenter.sh/nodepool": "h100-berlin", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert a100.selector == {"karpenter.sh/nodepool": "h100-berlin", "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    assert (h100.gpu_type, h100.gpu_label.values) == ("H100-80GB", ["NVIDIA-H100-80GB-HBM3"])
+    assert (a100.gpu_type, a100.gpu_label.values) == ("A100-80GB", ["NVIDIA-A100-SXM4-80GB"])
+    region = POLICY.region_label_key
+    assert [n["metadata"]["name"] for n in nodes if h100.selects(_node_labels(n), region)] == ["h1"]
+    assert [n["metadata"]["name"] for n in nodes if a100.selects(_node_labels(n), region)] == ["a1"]
+
+
+def test_the_catalogs_gpu_type_keeps_the_catalogs_name_and_its_gpu_label_grows_by_what_nodes_show():
+    catalog = load_catalog({"pools": [
+        {"name": "h100-berlin", "region": "eu-de-berlin", "gpuType": "H100-80GB", "gpusPerNode": 8, "maxNodes": 4,
+         "pricePerGpuHour": 3.4},
+    ]})
+    policy = ClusterPolicy(allowed_regions=["eu-de-berlin"], catalog=catalog)
+    # A product spelling the GPU table does not know yet, with the memory GFD reports.
+    odd = gpu_node("h2", product="NVIDIA-H100-80GB-HBM3-Rev2", memory_mib=81559)
+    merged = _by_name(merge_pools(catalog, discover_pools([gpu_node("h1"), gpu_node("a1", **A100_80), odd], [], policy)))
+    assert merged["h100-berlin"].source == "both" and merged["h100-berlin"].price_per_gpu_hour == 3.4
+    assert merged["h100-berlin"].gpu_type == "H100-80GB"
+    # The catalog's spellings (for nodes yet to scale up) and the one the node shows now.
+    assert merged["h100-berlin"].gpu_label.values == ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB"]
+    a100 = merged["h100-berlin-eu-de-berlin-a100-80gb"]
+    assert a100.source == "discovered" and a100.gpu_label.values == ["NVIDIA-A100-SXM4-80GB"]
+    # The unknown spelling is a type of its own (the table cannot say it is an H100).
+    assert any(p.gpu_label.values == ["NVIDIA-H100-80GB-HBM3-Rev2"] for p in merged.values())
+
+
+def test_labels_that_read_as_one_name_stay_apart():
+    # "GPU_Group.A" and "gpu-group-a" both make the pool name gpu-group-a; grouped together, one
+    # selector would have stood for nodes it does not select.
+    nodes = [gpu_node("n1", pool_labels={"eks.amazonaws.com/nodegroup": "GPU_Group.A"}),
+             gpu_node("n2", pool_labels={"eks.amazonaws.com/nodegroup": "gpu-group-a"})]
+    pools = discover_pools(nodes, [], POLICY)
+    assert sorted((p.name, p.selector["eks.amazonaws.com/nodegroup"]) for p in pools) == [
+        ("gpu-group-a", "GPU_Group.A"), ("gpu-group-a-2", "gpu-group-a")]
+
+
+def test_allocatable_quantities_in_every_form_the_api_writes():
+    # The kubelet reports memory in Ki, but the API accepts (and a device plugin or a patch may write)
+    # any canonical quantity: exponents and exbibytes included.
+    node = gpu_node("n1", memory="2113523516e3", cpu="1.92e2")
+    node["status"]["allocatable"]["nvidia.com/gpu"] = "8e0"
+    (pool,) = discover_pools([node], [], POLICY)
+    assert (pool.host_memory_bytes, pool.cpus, pool.gpus_per_node) == (2113523516000, 192, 8)
+    big = gpu_node("n2", memory="1Ei")
+    assert discover_pools([big], [], POLICY)[0].host_memory_bytes == 2**60
+
+
+@pytest.mark.parametrize("key, value", [("memory", "lots"), ("cpu", "-4"), ("nvidia.com/gpu", "8 GPUs")])
+def test_an_unreadable_allocatable_quantity_is_reported_naming_the_field(key, value):
+    node = gpu_node("n1")
+    node["status"]["allocatable"][key] = value
+    found = discover([node], [], POLICY)
+    assert found.pools == []
+    (skipped,) = found.skipped
+    assert skipped.reason.startswith(f"status.allocatable[{key}]: "), skipped.reason
+    assert repr(value) in skipped.reason
+
+
+PRODUCTS = [("NVIDIA-H100-80GB-HBM3", 81559), ("NVIDIA-H100-SXM5-80GB", 81559), ("NVIDIA-A100-SXM4-80GB", 81920),
+            ("NVIDIA-L40S", 46068), ("NVIDIA-B200", 183359)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["h100", "mixed", "GPU_Pool"]), st.sampled_from(["eu-de-berlin", "eu-fr-paris"]),
+                          st.sampled_from(PRODUCTS)), min_size=1, max_size=10),
+       st.booleans())
+def test_every_node_is_selected_by_exactly_its_own_pool(specs, with_catalog):
+    """Whatever mix of pool labels, regions and GPUs: each node is selected (region, selector and GPU
+    label, as the rendered pods require them) by exactly one discovered pool, of its GPU type and region."""
+    nodes = [gpu_node(f"n{i}", product=product, memory_mib=mib, region=region, pool_labels={"karpenter.sh/nodepool": label})
+             for i, (label, region, (product, mib)) in enumerate(specs)]
+    catalog = load_catalog({"pools": [
+        {"name": "h100", "region": "eu-de-berlin", "gpuType": "H100-80GB", "gpusPerNode": 8, "maxNodes": 2},
+        {"name": "mixed", "region": "eu-fr-paris", "gpuType": "A100-80GB", "gpusPerNode": 8, "maxNodes": 2},
+    ]}) if with_catalog else []
+    policy = ClusterPolicy(allowed_regions=["eu-de-berlin", "eu-fr-paris"], catalog=catalog)
+    pools = discover_pools(nodes, [], policy)
+    assert len({p.name for p in pools}) == len(pools)
+    for node, (_, region, (product, _)) in zip(nodes, specs):
+        (pool,) = [p for p in pools if p.selects(_node_labels(node), policy.region_label_key)]
+        assert pool.region == region
+        assert same_gpu_type(pool.gpu_type, product) or pool.gpu_type == product.upper()
+    # The merged list keeps that: the catalog adds pools, never a second home for a node.
+    merged = merge_pools(catalog, pools)
+    for node in nodes:
+        assert len([p for p in merged if p.selects(_node_labels(node), policy.region_label_key)]) == 1

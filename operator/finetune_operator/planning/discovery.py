@@ -232,7 +232,7 @@ def _reports_gpus(node: Mapping[str, Any]) -> bool:
 
 
 def _group(facts: list[_NodeFacts], region_key: str, catalog: Sequence[NodePool]) -> list[NodePool]:
-    """One pool per (pool label, region, GPU type).
+    """One pool per pool label (name and selector), region and GPU type.
 
     A pool label that spans regions or GPU types is split. Every part is pinned by what sets
     it apart: its region (a region label in its selector) and, when the label spans GPU types
@@ -241,39 +241,50 @@ def _group(facts: list[_NodeFacts], region_key: str, catalog: Sequence[NodePool]
     product values of its own nodes only, and the pods of a plan require it: no node of
     one part is selected by another. The part the catalog describes (its name, its region, and
     its GPU type where the label spans types) keeps the name; the others are named after what
-    sets them apart.
+    sets them apart. Labels that differ but read as one name (`GPU_Group.A`, `gpu-group-a`)
+    stay apart too, the later one numbered.
     """
-    groups: dict[tuple[str, str, str], list[_NodeFacts]] = {}
+    Label = tuple[str, tuple[tuple[str, str], ...]]  # pool name, selector
+    groups: dict[tuple[Label, str, str], list[_NodeFacts]] = {}
     for f in facts:
-        groups.setdefault((f.pool_name, f.region, f.gpu_type), []).append(f)
-    regions_of: dict[str, set[str]] = {}
-    types_of: dict[tuple[str, str], set[str]] = {}
-    for pool_name, region, gpu_type in groups:
-        regions_of.setdefault(pool_name, set()).add(region)
-        types_of.setdefault((pool_name, region), set()).add(gpu_type)
+        label = (f.pool_name, tuple(sorted(f.selector.items())))
+        groups.setdefault((label, f.region, f.gpu_type), []).append(f)
+    regions_of: dict[Label, set[str]] = {}
+    types_of: dict[tuple[Label, str], set[str]] = {}
+    for label, region, gpu_type in groups:
+        regions_of.setdefault(label, set()).add(region)
+        types_of.setdefault((label, region), set()).add(gpu_type)
     described = {p.name: p for p in catalog}
+
+    def catalogs_part(label: Label, region: str, gpu_type: str) -> bool:
+        # Its name, selector and region, and its GPU type when the label spans types there (when
+        # it does not, the nodes' hardware wins over the catalog's, as in merge_pools).
+        entry = described.get(label[0])
+        return (
+            entry is not None
+            and tuple(sorted(entry.selector.items())) == label[1]
+            and entry.region == region
+            and (len(types_of[(label, region)]) == 1 or same_gpu_type(entry.gpu_type, gpu_type))
+        )
+
     pools: list[NodePool] = []
     taken: set[str] = set()
-    for (pool_name, region, gpu_type), members in sorted(groups.items()):
-        first = members[0]
-        selector = dict(first.selector)
+    # The catalog's parts first: they keep their names whatever else reads the same.
+    for (label, region, gpu_type), members in sorted(groups.items(), key=lambda g: (not catalogs_part(*g[0]), g[0])):
+        pool_name = label[0]
+        selector = dict(label[1])
         products = sorted({f.product for f in members})
-        split_by_region = len(regions_of[pool_name]) > 1
-        split_by_type = len(types_of[(pool_name, region)]) > 1
+        split_by_region = len(regions_of[label]) > 1
+        split_by_type = len(types_of[(label, region)]) > 1
         if split_by_region:
             selector[region_key] = region
         if split_by_type and len(products) == 1:
             selector[GFD_PRODUCT] = products[0]
-        entry = described.get(pool_name)
         name = pool_name
-        # The catalog's part: its region, and its GPU type when the label spans types there (when
-        # it does not, the nodes' hardware wins over the catalog's, as in merge_pools).
-        catalogs_part = entry is not None and entry.region == region and (
-            not split_by_type or same_gpu_type(entry.gpu_type, gpu_type)
-        )
-        if (split_by_region or split_by_type) and not catalogs_part:
+        if (split_by_region or split_by_type) and not catalogs_part(label, region, gpu_type):
             name = pool_name_from(f"{pool_name}-{region}-{gpu_type}" if split_by_type else f"{pool_name}-{region}")
         name = _unique(name, taken)
+        first = members[0]
         info = gpu_type_info(gpu_type)
         # Nodes of a pool may differ slightly (allocatable after system reservations): plan to the smallest.
         pools.append(
@@ -297,7 +308,7 @@ def _group(facts: list[_NodeFacts], region_key: str, catalog: Sequence[NodePool]
                 source="discovered",
             )
         )
-    return pools
+    return sorted(pools, key=lambda p: p.name)
 
 
 def _unique(name: str, taken: set[str]) -> str:
