@@ -1,5 +1,16 @@
-"""Recovery: why an attempt failed (`classify`) and what the next attempt changes (`adjust`)."""
+"""Recovery: why an attempt failed (`classify`), what the next attempt changes (`adjust`), and
+credential-shaped strings kept out of what either quotes (`redact`)."""
 
 from .classify import Failure, FailureKind, Remedy, classify_attempt, classify_pod, parse_cuda_oom
+from .redact import bounded, redact
 
-__all__ = ["Failure", "FailureKind", "Remedy", "classify_attempt", "classify_pod", "parse_cuda_oom"]
+__all__ = [
+    "Failure",
+    "FailureKind",
+    "Remedy",
+    "bounded",
+    "classify_attempt",
+    "classify_pod",
+    "parse_cuda_oom",
+    "redact",
+]

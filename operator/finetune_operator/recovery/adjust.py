@@ -10,31 +10,56 @@ of change per rung, in this documented order:
   1. gradientCheckpointing  turn activation recomputation on
   2. microBatch             smaller micro-batch, more accumulation (the global batch is kept)
   3. sharding               ddp -> fsdp / zero2 -> zero3
-  4. optimizer8bit          AdamW states in 8 bits
+  4. optimizer8bit          the optimizer may switch between AdamW and 8-bit AdamW
   5. offload                optimizer (and parameter) states to host memory
   6. moreGPUs               more GPUs, or another pool, in the allowed regions
   7. method                 LoRA -> QLoRA; only when `recovery.allowedAdjustments` lists `method`
 
 Rungs the job does not allow are skipped. Each rung keeps the freedoms of the rungs
-before it, and the planner picks the cheapest plan among them, so the answer is the
-cheapest change that fits, found as early in the ladder as possible. Plans that already
-failed are excluded; placement is never touched, so the regions stay as allowed.
+before it and adds its own: a freedom, never an obligation. The planner cannot choose the
+optimizer itself (`training.optimizer` is a fixed field of its search), so from rung 4 on
+each rung is planned once with the failed plan's optimizer and once with the other one,
+and the two answers are ranked the way the planner ranks its own candidates (cheapest
+within the cost tie, then free now, fewer GPUs, fewer nodes, fewer changes, where the
+switch counts as a change). A later rung may so keep AdamW and use ZeRO with offload,
+which bitsandbytes' 8-bit optimizers cannot run under. The answer is the cheapest change
+that fits, found as early in the ladder as possible. Placement is never touched, so the
+regions stay as allowed. When the optimizer changes, the next attempt cannot resume the
+optimizer state of the checkpoint (other shapes, other dtypes): the trainer starts the
+optimizer afresh from the checkpointed weights, and the change says so.
 
-A host out-of-memory kill (OOMKilled, exit 137) raises the pod's memory within what the
-node has; when that is exhausted and the plan offloads to host memory, offload is turned
-off instead. Eviction and node loss run the same plan again.
+A host out-of-memory kill (OOMKilled, exit 137, or one torchrun worker killed by the
+kernel) raises the pod's memory within what the node has; when that is exhausted and the
+plan offloads to host memory, offload is turned off instead. Eviction and node loss run
+the same plan again; when that plan can no longer be placed (its pool is gone or
+changed), the job is re-planned elsewhere (`replan_after_loss`).
+
+Two invariants hold for every plan this module proposes, whatever the failure:
+
+* Never a plan that ran out of memory again. A plan that failed with a GPU OOM (its key,
+  `PlanKey`: pool, shape, method, strategy, offload, optimizer, micro-batch,
+  checkpointing) is never proposed again, in any form. A plan that failed with a host
+  OOM is proposed again only with strictly more pod memory than it failed with (the GPU
+  side of it was not at fault; pod memory is part of what ran). A plan that was evicted
+  or lost its node did not fail by its own doing and may run again: that is what
+  RETRY_SAME is for. `failed_runs` reads these facts from a job's attempt history; a bare
+  `PlanKey` given instead counts as "never again", the stricter reading.
+* The calibration learned is never lost: every plan proposed carries a calibration at
+  least as large as the failed plan's (and as the one the caller passes, e.g. the
+  largest of the history, `learned_calibration`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .. import api
-from ..planning.plan import Infeasible, Plan, PlanKey
+from ..planning.plan import Infeasible, Plan, PlanKey, plan_key_of
 from ..planning.policy import ClusterPolicy
 from ..planning.pools import GiB, NodePool
-from ..planning.search import plan_job
+from ..planning.search import COST_TIE, plan_job
 from ..sizing import ModelArchitecture
 from .classify import Failure, FailureKind, Remedy
 
@@ -46,6 +71,16 @@ HOST_MEMORY_GROWTH = 1.5
 # Share of a node's memory a training pod may take (the kubelet, system daemons and the
 # eviction threshold need the rest).
 HOST_MEMORY_NODE_SHARE = 0.90
+
+# Attempt outcomes (status.attempts[].outcome) that are the plan's own fault.
+MEMORY_OUTCOMES: dict[str, FailureKind] = {
+    FailureKind.GPU_OUT_OF_MEMORY.value: FailureKind.GPU_OUT_OF_MEMORY,
+    FailureKind.HOST_OUT_OF_MEMORY.value: FailureKind.HOST_OUT_OF_MEMORY,
+}
+_MEMORY_KINDS = frozenset(MEMORY_OUTCOMES.values())
+
+# The optimizer rung lets the plan switch between these two (see the module's docstring).
+_OPTIMIZER_COUNTERPART = {"adamw": "adamw-8bit", "adamw-8bit": "adamw", "paged-adamw-8bit": "adamw"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +110,71 @@ class NextStep:
     why: str  # the failure and the reasoning, for a person
 
 
+@dataclass(frozen=True)
+class FailedRun:
+    """A plan that ran out of memory, as it ran: never to be proposed again as it was."""
+
+    key: PlanKey
+    host_memory_bytes: int  # the pod memory it ran with
+    kind: FailureKind  # GPU_OUT_OF_MEMORY or HOST_OUT_OF_MEMORY
+
+    def __post_init__(self) -> None:
+        if self.kind not in _MEMORY_KINDS:
+            raise ValueError(f"FailedRun: {self.kind.value} is not a memory failure; only those exclude a plan")
+
+    def repeated_by(self, key: PlanKey, host_memory_bytes: int) -> bool:
+        """Whether running `key` with `host_memory_bytes` of pod memory would repeat this failure."""
+        if key != self.key:
+            return False
+        if self.kind is FailureKind.HOST_OUT_OF_MEMORY:
+            return host_memory_bytes <= self.host_memory_bytes
+        return True
+
+    @classmethod
+    def of(cls, plan: api.PlanStatus, kind: FailureKind) -> "FailedRun":
+        return cls(plan_key_of(plan), _host_bytes(plan), kind)
+
+
+Excluded = PlanKey | FailedRun
+
+
+def failed_runs(attempts: Iterable[api.AttemptStatus]) -> tuple[FailedRun, ...]:
+    """The runs of a job's history that ran out of memory (outcome GPU/HostOutOfMemory).
+
+    Evicted, lost and unschedulable attempts are not among them: their plans did not fail."""
+    return tuple(
+        FailedRun.of(a.plan, MEMORY_OUTCOMES[a.outcome])
+        for a in attempts
+        if a.plan is not None and a.outcome in MEMORY_OUTCOMES
+    )
+
+
+def learned_calibration(attempts: Iterable[api.AttemptStatus]) -> float:
+    """The largest calibration any attempt's plan carried (1.0 when none): the floor for the next plan."""
+    return max([1.0] + [a.plan.calibration for a in attempts if a.plan is not None and a.plan.calibration])
+
+
+def is_repeat(key: PlanKey, host_memory_bytes: int, excluded: Iterable[Excluded]) -> bool:
+    """Whether a plan with `key` and `host_memory_bytes` repeats one of `excluded`."""
+    for item in excluded:
+        if isinstance(item, FailedRun):
+            if item.repeated_by(key, host_memory_bytes):
+                return True
+        elif plan_key_of(item) == key:
+            return True
+    return False
+
+
+def _host_bytes(plan: api.PlanStatus) -> int:
+    return int(round(plan.host_memory_gi_b * GiB))
+
+
+def _keys(excluded: Iterable[Excluded]) -> tuple[PlanKey, ...]:
+    """What the planner excludes: every key that failed (a host-OOM'd key too: the planner
+    would propose it with the pod memory it failed with, or less)."""
+    return tuple(dict.fromkeys(e.key if isinstance(e, FailedRun) else plan_key_of(e) for e in excluded))
+
+
 def calibration_factor(failure: Failure, failed: api.PlanStatus) -> float:
     """How much the raw estimate of the failed plan under-predicted, at least (>= 1).
 
@@ -99,13 +199,19 @@ def decide_next(
     failed: api.PlanStatus,
     *,
     attempts_made: int,
-    failed_keys: Sequence[PlanKey],
+    failed_keys: Sequence[Excluded],
     pools: Sequence[NodePool],
     policy: ClusterPolicy,
     architecture: ModelArchitecture | None = None,
+    calibration: float | None = None,
 ) -> NextStep:
-    """The next attempt's plan after `failure`, or why there is none.
+    """The next attempt's plan after `failure` of the plan `failed`, or why there is none.
 
+    `failed_keys`: what earlier attempts ruled out: `failed_runs(status.attempts)` (or bare
+    PlanKeys, each then ruled out entirely). The failed plan itself is added here when
+    `failure` is a memory failure, so the caller need not have recorded it yet.
+    `calibration`: the largest calibration learned so far (`learned_calibration`), when
+    the history knows more than `failed` does; the next plan never has less.
     `architecture`: the model's, when the spec refers to a ConfigMap (see `plan_job`)."""
     what = failure.describe()
     if failure.remedy is Remedy.GIVE_UP:
@@ -113,28 +219,85 @@ def decide_next(
     max_attempts = spec.recovery.max_attempts or policy.default_max_attempts
     if attempts_made >= max_attempts:
         return NextStep(False, None, "", f"{what}; all {max_attempts} attempts are used")
+    floor = _calibration_floor(failed, calibration)
+    excluded: list[Excluded] = list(failed_keys)
+    if failure.kind in _MEMORY_KINDS:
+        excluded.append(FailedRun.of(failed, failure.kind))
     if failure.remedy is Remedy.RETRY_SAME:
-        plan = replan_pinned(spec, failed, pools, policy, architecture)
-        if isinstance(plan, Plan):
-            return NextStep(True, plan, "same plan (the failure was not the plan's)", what)
-        return NextStep(False, None, "", f"{what}; the same plan no longer fits: {plan.message}")
+        return _after_loss(spec, failed, excluded, floor, pools, policy, what, architecture)
     if failure.kind is FailureKind.HOST_OUT_OF_MEMORY:
-        return _after_host_oom(spec, failure, failed, pools, policy, what, architecture)
-    return _after_gpu_oom(spec, failure, failed, failed_keys, pools, policy, what, architecture)
+        return _after_host_oom(spec, failed, excluded, floor, pools, policy, what, architecture)
+    return _after_gpu_oom(spec, failure, failed, excluded, floor, pools, policy, what, architecture)
+
+
+def _calibration_floor(failed: api.PlanStatus, calibration: float | None) -> float:
+    if calibration is not None and not (calibration > 0 and math.isfinite(calibration)):
+        raise ValueError(f"calibration: must be a positive number, got {calibration!r}")
+    return max(failed.calibration or 1.0, calibration or 1.0, 1.0)
+
+
+def replan_after_loss(
+    spec: api.FineTuneJobSpec,
+    recorded: api.PlanStatus,
+    *,
+    failed: Sequence[Excluded] = (),
+    calibration: float | None = None,
+    pools: Sequence[NodePool],
+    policy: ClusterPolicy,
+    architecture: ModelArchitecture | None = None,
+) -> Plan | Infeasible:
+    """The plan for an attempt whose recorded plan must be run again (eviction, node loss, a
+    child to create again), keeping what was learned: first the recorded plan itself;
+    when it cannot be placed any more (its pool is gone or changed), the same settings on
+    other GPUs or pools; then a fresh plan of the spec. Never a plan of `failed`
+    (`failed_runs(status.attempts)`), never a calibration below the recorded plan's or
+    `calibration` (`learned_calibration(status.attempts)`)."""
+    floor = _calibration_floor(recorded, calibration)
+    same = replan_pinned(spec, recorded, pools, policy, architecture, calibration=floor)
+    if isinstance(same, Plan) and not is_repeat(same.key, same.host_memory_bytes, failed):
+        return same
+    keys = _keys(failed)
+    elsewhere = plan_job(pinned_spec(spec, recorded, {"gpus", "node_pool"}), pools, policy, exclude=keys,
+                         calibration=floor, architecture=architecture)
+    if isinstance(elsewhere, Plan):
+        return elsewhere
+    return plan_job(spec, pools, policy, exclude=keys, calibration=floor, architecture=architecture)
+
+
+def _after_loss(
+    spec: api.FineTuneJobSpec,
+    failed: api.PlanStatus,
+    excluded: Sequence[Excluded],
+    floor: float,
+    pools: Sequence[NodePool],
+    policy: ClusterPolicy,
+    what: str,
+    architecture: ModelArchitecture | None,
+) -> NextStep:
+    plan = replan_after_loss(spec, failed, failed=excluded, calibration=floor, pools=pools, policy=policy,
+                             architecture=architecture)
+    if isinstance(plan, Infeasible):
+        return NextStep(False, None, "", f"{what}; the plan can no longer be placed and nothing else fits: {plan.message}")
+    if plan.key == plan_key_of(failed):
+        return NextStep(True, plan, "same plan (the failure was not the plan's)", what)
+    return NextStep(True, plan, f"the same plan cannot run again: {describe_change(failed, plan)}", what)
 
 
 def _after_gpu_oom(
     spec: api.FineTuneJobSpec,
     failure: Failure,
     failed: api.PlanStatus,
-    failed_keys: Sequence[PlanKey],
+    excluded: Sequence[Excluded],
+    floor: float,
     pools: Sequence[NodePool],
     policy: ClusterPolicy,
     what: str,
     architecture: ModelArchitecture | None,
 ) -> NextStep:
-    factor = calibration_factor(failure, failed)
+    factor = max(calibration_factor(failure, failed), floor)
     allowed = set(spec.recovery.allowed_adjustments)
+    keys = _keys(excluded)
+    planner = _Planner(pools, policy, keys, factor, architecture)
     free: set[str] = set()
     tried: list[str] = []
     last: Infeasible | None = None
@@ -145,9 +308,7 @@ def _after_gpu_oom(
             continue  # only LoRA -> QLoRA; full fine-tuning is never silently turned into adapters
         free |= rung.knobs
         tried.append(rung.name)
-        candidate_spec = pinned_spec(spec, failed, free)
-        result = plan_job(candidate_spec, pools, policy, exclude=tuple(failed_keys), calibration=factor,
-                          architecture=architecture)
+        result = _best_of_optimizers(planner, spec, failed, free)
         if isinstance(result, Plan):
             change = describe_change(failed, result)
             why = f"{what}; the estimate under-predicted, calibrated x{factor:.2f}"
@@ -162,10 +323,72 @@ def _after_gpu_oom(
     )
 
 
+class _Planner:
+    """plan_job with the ladder's fixed arguments, remembering answers: successive rungs ask
+    the same question again (a rung whose optimizer choice keeps the failed plan's optimizer
+    repeats the previous rung's search)."""
+
+    def __init__(self, pools: Sequence[NodePool], policy: ClusterPolicy, exclude: tuple[PlanKey, ...],
+                 calibration: float, architecture: ModelArchitecture | None) -> None:
+        self.pools, self.policy, self.exclude = pools, policy, exclude
+        self.calibration, self.architecture = calibration, architecture
+        self._answers: dict[str, Plan | Infeasible] = {}
+
+    def plan(self, spec: api.FineTuneJobSpec) -> Plan | Infeasible:
+        question = spec.model_dump_json()
+        answer = self._answers.get(question)
+        if answer is None:
+            answer = self._answers[question] = plan_job(
+                spec, self.pools, self.policy, exclude=self.exclude, calibration=self.calibration,
+                architecture=self.architecture,
+            )
+        return answer
+
+
+def _optimizer_choices(failed: api.PlanStatus, free: set[str]) -> tuple[str, ...]:
+    """The optimizers the plan may use: the failed plan's first (no change), then, from the
+    optimizer rung on, its counterpart."""
+    if "optimizer" not in free:
+        return (failed.optimizer,)
+    return (failed.optimizer, _OPTIMIZER_COUNTERPART[failed.optimizer])
+
+
+def _best_of_optimizers(planner: _Planner, spec: api.FineTuneJobSpec, failed: api.PlanStatus,
+                        free: set[str]) -> Plan | Infeasible:
+    found: list[tuple[Plan, int]] = []
+    last: Infeasible | None = None
+    for optimizer in _optimizer_choices(failed, free):
+        result = planner.plan(pinned_spec(spec, failed, free, optimizer=optimizer))
+        if isinstance(result, Plan):
+            found.append((result, int(optimizer != failed.optimizer)))
+        else:
+            last = result
+    if not found:
+        assert last is not None
+        return last
+    return _preferred(found)
+
+
+def _preferred(found: list[tuple[Plan, int]]) -> Plan:
+    """The planner's own choice rule over finished plans (`search._leader`): within COST_TIE
+    of the cheapest, pools free now first, then fewer GPUs, fewer nodes, fewer changes
+    (`extra` counts the changes the planner did not see, such as the optimizer), then cost.
+    On a full tie the earlier plan wins: the one that keeps the optimizer."""
+
+    def cost(plan: Plan) -> float:
+        return plan.cost_per_step if plan.cost_per_step is not None else math.inf
+
+    lowest = min(cost(p) for p, _ in found)
+    tied = [(p, extra) for p, extra in found if cost(p) <= lowest * (1 + COST_TIE)]
+    return min(tied, key=lambda pe: (pe[0].needs_scale_up, pe[0].gpus, pe[0].nodes, len(pe[0].changes) + pe[1],
+                                     cost(pe[0])))[0]
+
+
 def _after_host_oom(
     spec: api.FineTuneJobSpec,
-    failure: Failure,
     failed: api.PlanStatus,
+    excluded: Sequence[Excluded],
+    floor: float,
     pools: Sequence[NodePool],
     policy: ClusterPolicy,
     what: str,
@@ -173,36 +396,49 @@ def _after_host_oom(
 ) -> NextStep:
     allowed = set(spec.recovery.allowed_adjustments)
     pool = next((p for p in pools if p.name == failed.node_pool), None)
-    if pool is None:
-        return NextStep(False, None, "", f"{what}; node pool {failed.node_pool} is gone")
-    node_limit = int(pool.host_memory_bytes * HOST_MEMORY_NODE_SHARE)
-    current = int(failed.host_memory_gi_b * GiB)
-    if "hostMemory" in allowed and current < node_limit:
-        plan = replan_pinned(spec, failed, pools, policy, architecture)
-        if isinstance(plan, Plan):
+    current = _host_bytes(failed)
+    node_limit = int(pool.host_memory_bytes * HOST_MEMORY_NODE_SHARE) if pool is not None else 0
+    if pool is not None and "hostMemory" in allowed and current < node_limit:
+        same = replan_pinned(spec, failed, pools, policy, architecture, calibration=floor)
+        if isinstance(same, Plan) and same.pool.name == failed.node_pool:
             bigger = min(node_limit, int(current * HOST_MEMORY_GROWTH))
-            plan = plan.model_copy(update={"host_memory_bytes": max(bigger, plan.host_memory_bytes)})
-            change = f"raised pod memory {current / GiB:.0f} -> {plan.host_memory_bytes / GiB:.0f} GiB (node has {pool.host_memory_bytes / GiB:.0f} GiB)"
-            return NextStep(True, plan, change, what)
+            plan = same.model_copy(update={"host_memory_bytes": max(bigger, same.host_memory_bytes)})
+            # Strictly more than it failed with, by construction (current < node_limit);
+            # checked all the same, against every run of this plan that failed before.
+            if not is_repeat(plan.key, plan.host_memory_bytes, excluded):
+                change = (f"raised pod memory {current / GiB:.0f} -> {plan.host_memory_bytes / GiB:.0f} GiB"
+                          f" (node has {pool.host_memory_bytes / GiB:.0f} GiB)")
+                return NextStep(True, plan, change, what)
     if "offload" in allowed and failed.offload != "none":
         candidate = pinned_spec(spec, failed, set())
         candidate = candidate.model_copy(
             update={"resources": candidate.resources.model_copy(update={"offload": "none"})}
         )
-        result = plan_job(candidate, pools, policy, architecture=architecture)
+        result = plan_job(candidate, pools, policy, exclude=_keys(excluded), calibration=floor,
+                          architecture=architecture)
         if isinstance(result, Plan):
             return NextStep(True, result, f"turned offload off ({failed.offload} -> none): host memory is exhausted", what)
-    return NextStep(False, None, "", f"{what}; pod memory is at the node's limit ({node_limit / GiB:.0f} GiB) and nothing else is allowed")
+        tried = f"; without offload it does not fit: {result.message}"
+    else:
+        tried = "; nothing else is allowed"
+    if pool is None:
+        return NextStep(False, None, "", f"{what}; node pool {failed.node_pool} is gone{tried}")
+    if "hostMemory" not in allowed:
+        return NextStep(False, None, "", f"{what}; raising pod memory is not allowed{tried}")
+    return NextStep(False, None, "", f"{what}; pod memory is at the node's limit ({node_limit / GiB:.0f} GiB){tried}")
 
 
-def pinned_spec(spec: api.FineTuneJobSpec, plan: api.PlanStatus, free: set[str]) -> api.FineTuneJobSpec:
-    """The job's spec with every knob of `plan` fixed, except those in `free` (left to the planner)."""
+def pinned_spec(spec: api.FineTuneJobSpec, plan: api.PlanStatus, free: set[str],
+                *, optimizer: str | None = None) -> api.FineTuneJobSpec:
+    """The job's spec with every knob of `plan` fixed, except those in `free` (left to the planner).
+
+    The planner has no `auto` for the optimizer: it is pinned to `optimizer` (default the
+    plan's); the ladder frees it by asking once per optimizer (`_optimizer_choices`)."""
     training = spec.training.model_copy(
         update={
             "micro_batch_size": "auto" if "micro_batch_size" in free else plan.micro_batch_size,
             "gradient_checkpointing": None if "gradient_checkpointing" in free else plan.gradient_checkpointing,
-            # The rung is "use an 8-bit optimizer": the rungs before it already tried without.
-            "optimizer": "adamw-8bit" if "optimizer" in free and plan.optimizer == "adamw" else plan.optimizer,
+            "optimizer": optimizer or plan.optimizer,
         }
     )
     resources = spec.resources.model_copy(
@@ -226,12 +462,15 @@ def replan_pinned(
     pools: Sequence[NodePool],
     policy: ClusterPolicy,
     architecture: ModelArchitecture | None = None,
+    *,
+    calibration: float | None = None,
 ) -> Plan | Infeasible:
-    """The plan described by a PlanStatus, rebuilt by the planner (to render it again)."""
-    result = plan_job(pinned_spec(spec, plan, set()), pools, policy, calibration=plan.calibration or 1.0,
+    """The plan described by a PlanStatus, rebuilt by the planner (to render it again), with
+    its pod memory and at least its calibration (or `calibration`, when larger)."""
+    result = plan_job(pinned_spec(spec, plan, set()), pools, policy, calibration=_calibration_floor(plan, calibration),
                       architecture=architecture)
     if isinstance(result, Plan):
-        wanted = int(plan.host_memory_gi_b * GiB)
+        wanted = _host_bytes(plan)
         if wanted > result.host_memory_bytes:
             result = result.model_copy(update={"host_memory_bytes": wanted})
     return result
@@ -253,7 +492,13 @@ def describe_change(old: api.PlanStatus, new: Plan) -> str:
     if new.strategy != old.strategy:
         parts.append(f"sharding {old.strategy} -> {new.strategy}")
     if new.optimizer != old.optimizer:
-        parts.append(f"optimizer {old.optimizer} -> {new.optimizer}")
+        # The trainer drops the checkpoint's optimizer state on purpose when the optimizer
+        # differs (its states have other shapes and dtypes); a person must know the
+        # moments restart from zero.
+        parts.append(
+            f"optimizer {old.optimizer} -> {new.optimizer} (optimizer state is not carried over on resume:"
+            " the weights resume from the checkpoint, the optimizer starts afresh)"
+        )
     if new.offload != old.offload:
         parts.append(f"offload {old.offload} -> {new.offload}")
     if new.gpus != old.gpus or new.pool.name != old.node_pool:
