@@ -8,7 +8,7 @@ import pytest
 import yaml
 from manifest_checks import attempt_errors, schema_errors
 from render_factories import plan_for, policy, pool
-from upstream_crd import CRD_IN_MODULE, pytorchjob_crd_path, training_operator_version
+from upstream_crd import CRD_IN_MODULE, go_string_constant, pytorchjob_crd_path, training_operator_version
 
 from finetune_operator import api
 from finetune_operator.rendering import render_attempt
@@ -52,3 +52,15 @@ def test_the_schema_check_can_fail(lora_job):
     assert any("backoffLimit" in e for e in errors)
     assert any("resourcez" in e for e in errors)
     assert any("nprocPerNode" in e for e in errors)
+
+
+def test_clean_pod_policy_is_upstreams_running(lora_job):
+    # The CRD types cleanPodPolicy as any string. Training-operator v1.9 (DeletePodsAndServices) compares
+    # it with its constants: "None" keeps every pod of a finished job, "Running" deletes those still
+    # Running or Pending (hung ranks holding GPUs) and keeps the terminated ones that explain a
+    # failure, and anything else deletes them all, the evidence too. So the value must be exactly
+    # the pinned module's CleanPodPolicyRunning.
+    job = api.parse_job(lora_job)
+    rendered = render_attempt(job, plan_for(job, nodes=2), 1, policy())
+    running = go_string_constant("pkg/apis/kubeflow.org/v1/common_types.go", "CleanPodPolicyRunning")
+    assert rendered.pytorch_job["spec"]["runPolicy"]["cleanPodPolicy"] == running == "Running"

@@ -95,3 +95,12 @@ def _strict(schema: Any) -> Any:
         for item in schema:
             _strict(item)
     return schema
+
+
+def go_string_constant(path_in_module: str, name: str) -> str:
+    """The value of a Go string constant (`Name Type = "value"`) in the pinned training operator's source."""
+    source = (pytorchjob_crd_path().parents[3] / path_in_module).read_text()
+    match = re.search(rf'^\s*{re.escape(name)}\s+\w+\s*=\s*"([^"]*)"', source, re.MULTILINE)
+    if match is None:
+        raise UpstreamCrdMissing(f"no string constant {name} in {path_in_module} of {MODULE}")
+    return match.group(1)
