@@ -338,3 +338,15 @@ def test_a_private_key_printed_across_lines_is_not_quoted_in_part():
             "QyNTUxOQAAACBvZXJ0aGVyZW1vdmVkZm9yYmVyZXZpdHk\n")  # the tail ends inside the block
     verdict = classify_pod(pod("p", {"exitCode": 2, "message": tail}))
     assert "QyNTUxOQ" not in verdict.message and "b3BlbnNz" not in verdict.message
+
+
+def test_oom_killed_wins_over_an_unknown_report_of_a_surviving_rank():
+    # Rank 1 wrote "NCCL communicator was aborted" (Unknown) after rank 0 vanished; then the
+    # kernel killed the container for memory. The kill is the cause.
+    unknown = report(reason="Unknown", exit_code=1, message="RuntimeError: NCCL communicator was aborted",
+                     peak_allocated_bytes=None, rank=1)
+    verdict = classify_pod(pod("p", {"exitCode": 137, "reason": "OOMKilled", "message": unknown}))
+    assert verdict.kind is FailureKind.HOST_OUT_OF_MEMORY
+    # A specific report still wins over the kill (a GPU OOM, then the teardown).
+    verdict = classify_pod(pod("p", {"exitCode": 137, "reason": "OOMKilled", "message": report()}))
+    assert verdict.kind is FailureKind.GPU_OUT_OF_MEMORY

@@ -99,3 +99,17 @@ def test_bounded_cuts_with_a_mark():
     assert len(out) == 100 and out.endswith("…")
     with pytest.raises(ValueError):
         bounded("x", limit=0)
+
+
+@pytest.mark.parametrize("text", [
+    "a." * 6000, "a-" * 6000, "a://" * 8000, "password: " * 3000, ("ab://cd:" + "e" * 100) * 300,
+    "-----BEGIN PRIVATE KEY-----" + "a" * 32000, "Authorization: " + "x" * 32000,
+], ids=["dots", "dashes", "schemes", "keys", "userinfo", "pem", "header"])
+def test_redaction_is_linear_on_hostile_text(text):
+    # A pattern that backtracks from every word boundary made 32 KB of "a.a.a." take minutes:
+    # a crashing process controls this text, and the operator's loop would stall on it.
+    import time
+
+    started = time.perf_counter()
+    redact(text)
+    assert time.perf_counter() - started < 2.0

@@ -298,7 +298,9 @@ def _classify_terminated(terminated: dict[str, Any], pod: str | None) -> Failure
     reason = terminated.get("reason") or ""
 
     report = contract.parse_failure_report(terminated.get("message"))
-    if report is not None:
+    # A rank that failed with a collective error (Unknown) after its peer vanished may have
+    # written the report before the kernel killed the whole container: the kill says more.
+    if report is not None and not (reason == "OOMKilled" and report.reason is contract.FailureReason.UNKNOWN):
         return Failure(
             _REPORT_KIND[report.reason],
             report.message,

@@ -28,8 +28,10 @@ _ELLIPSIS = "…"
 
 # Key names whose value is a secret, as they appear in env dumps, config prints, query
 # strings and JSON (`HF_TOKEN=...`, `"password": "..."`, `aws_secret_access_key = ...`,
-# `client-secret: ...`). The name must END with one of these words, so `tokenizer: x` and
-# `max_tokens=4096` are left alone.
+# `client-secret: ...`). The name must END with one of these words (whatever comes before
+# it), so `tokenizer: x` and `max_tokens=4096` are left alone. The pattern matches from the
+# word on: a prefix pattern (`[\w.-]*token`) would be tried from every word boundary to
+# the end of a long run of such characters, quadratic in the message's length.
 _SECRET_KEY_WORDS = (
     r"token",
     r"passw(?:or)?d",
@@ -47,7 +49,7 @@ _SECRET_KEY_WORDS = (
     r"session[_-]?id",
     r"cookie",
 )
-_KEY = r"[A-Za-z0-9_.-]*?(?:" + "|".join(_SECRET_KEY_WORDS) + r")"
+_KEY = r"(?:" + "|".join(_SECRET_KEY_WORDS) + r")"
 
 # Query-string parameters of presigned / signed URLs (S3 SigV4 and V2, GCS, Azure SAS) and
 # common token parameters. Only the value goes; the URL's host and path stay.
@@ -102,7 +104,7 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     # AWS access key ids (long-term AKIA, temporary ASIA, and the other documented prefixes).
     (re.compile(r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA|ABIA|ACCA)[A-Z0-9]{16}\b"), REDACTED),
     # The password of a URL's userinfo: scheme://user:password@host.
-    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]+:)[^\s@/]+(@)"), r"\1" + REDACTED + r"\2"),
+    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]{0,30}://[^\s:/@]{1,256}:)[^\s@/]{1,512}(@)"), r"\1" + REDACTED + r"\2"),
     # Signed-URL and token query parameters.
     (
         re.compile(r"(?i)([?&](?:" + "|".join(re.escape(p) for p in _QUERY_PARAMS) + r")=)[^&\s\"'#<>]+"),
@@ -112,7 +114,7 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     # an earlier rule already replaced is left as it is, so redact() is idempotent).
     (
         re.compile(
-            r"""(?i)(\b""" + _KEY + r"""["']?\s*[:=]\s*)(?!["']?\[REDACTED\])("[^"\n]*"|'[^'\n]*'|[^\s"',;&)}\]]+)"""
+            r"""(?i)(""" + _KEY + r"""["']?\s*[:=]\s*)(?!["']?\[REDACTED\])("[^"\n]*"|'[^'\n]*'|[^\s"',;&)}\]]+)"""
         ),
         r"\1" + REDACTED,
     ),
