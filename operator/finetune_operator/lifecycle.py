@@ -419,12 +419,13 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
     _record_failed_pods(status, attempt, observed.pods)
 
     queued_job = job.spec.queue_name is not None or child.queue is not None
-    if job.spec.suspend:
+    # A finished child is judged by how it ended, whatever its suspend flag says.
+    if job.spec.suspend and child.live:
         return _suspend(decision, observed, child, queued_job)
     suspended = condition(status, api.COND_SUSPENDED)
     if suspended is not None and suspended.status == "True":
         set_condition(status, api.COND_SUSPENDED, "False", "Resumed", "spec.suspend is false", now, generation)
-    if child.suspended:
+    if child.suspended and child.live:
         if child.suspended_by_us and not queued_job:
             decision.set_suspend = False
             decision.events.append(Event("Normal", "Resumed", f"attempt {attempt}: resumed"))

@@ -79,6 +79,7 @@ class Write:
     namespace: str
     name: str
     body: Any = None
+    before: Any = None  # the object as it was, for patches
 
 
 @dataclass
@@ -165,7 +166,8 @@ class FakeKube:
         wanted = ((body.get("metadata") or {}).get("resourceVersion"))
         if wanted is not None and wanted != obj["metadata"]["resourceVersion"]:
             raise _error(409, "Conflict", "the object has been modified")
-        self._write(Write("status-patch" if status else "patch", kind, namespace, name, copy.deepcopy(body)))
+        self._write(Write("status-patch" if status else "patch", kind, namespace, name, copy.deepcopy(body),
+                          before=copy.deepcopy(obj)))
         patch = copy.deepcopy(body)
         if status:
             patch = {"status": patch.get("status") or {}}

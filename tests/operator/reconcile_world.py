@@ -1,0 +1,152 @@
+"""The real shell (`Cluster`, `Reconciler`) and lifecycle on the strict fake API, with a
+training operator and kubelet played by the test: children start, fail and succeed as told."""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import yaml
+
+from finetune_operator.children import PLAN_STATUS_ANNOTATION, SUSPENDED_BY_ANNOTATION
+from finetune_operator.controller import Cluster, PolicyHolder, Reconciler
+from finetune_operator.planning.policy import load_policy
+from finetune_operator.planning.pools import GiB
+from finetune_operator.rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+from finetune_trainer import contract
+
+from fake_kube import FakeKube
+
+REPO = Path(__file__).resolve().parents[2]
+T0 = datetime(2026, 11, 30, 10, 0, tzinfo=timezone.utc)
+NAMESPACE = "team-a"
+ALLOWED = ["eu-de-berlin", "eu-fr-paris"]
+
+
+def policy_with_catalog():
+    catalog = yaml.safe_load((REPO / "examples" / "pools.yaml").read_text())
+    return load_policy({"allowedRegions": ALLOWED, "catalog": catalog["pools"]})
+
+
+def job_document(name: str = "support-bot", **spec_changes: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "examples" / "llama-8b-lora.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    doc["spec"].update(spec_changes)
+    return doc
+
+
+def live(pj: dict[str, Any]) -> bool:
+    conditions = {c["type"]: c["status"] for c in (pj.get("status") or {}).get("conditions") or []}
+    return conditions.get("Succeeded") != "True" and conditions.get("Failed") != "True"
+
+
+class ReconcileWorld:
+    def __init__(self, doc: dict[str, Any], policy=None) -> None:
+        self.kube = FakeKube()
+        self.policy = policy or policy_with_catalog()
+        self.now = T0
+        self.name = doc["metadata"]["name"]
+        self.kube.put("FineTuneJob", doc)
+        self.restarts = 0
+        self.restart()
+
+    # -- the operator --------------------------------------------------------
+    def restart(self) -> None:
+        """A new operator process: nothing of the old one's memory survives."""
+        cluster = Cluster(mock.MagicMock())
+        cluster.core, cluster.custom = self.kube.core, self.kube.custom
+        self.reconciler = Reconciler(cluster=cluster, policy=PolicyHolder(self.policy), clock=lambda: self.now)
+        self.restarts += 1
+
+    def reconcile(self) -> float | None:
+        return self.reconciler.reconcile(NAMESPACE, self.name)
+
+    # -- reading -------------------------------------------------------------
+    @property
+    def job(self) -> dict[str, Any]:
+        return self.kube.get("FineTuneJob", NAMESPACE, self.name)
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.job.get("status") or {}
+
+    def ours(self, kind: str) -> list[dict[str, Any]]:
+        uid = self.job["metadata"]["uid"]
+        return [o for o in self.kube.of_kind(kind, NAMESPACE)
+                if any(r.get("uid") == uid and r.get("controller") for r in o["metadata"].get("ownerReferences") or [])]
+
+    def live_children(self) -> list[dict[str, Any]]:
+        return [pj for pj in self.ours("PyTorchJob") if live(pj)]
+
+    def newest_child(self) -> dict[str, Any] | None:
+        children = sorted(self.ours("PyTorchJob"), key=lambda pj: int(pj["metadata"]["labels"][ATTEMPT_LABEL]))
+        return children[-1] if children else None
+
+    def conditions(self) -> dict[str, dict[str, Any]]:
+        return {c["type"]: c for c in self.status.get("conditions") or []}
+
+    # -- the training operator and kubelet ---------------------------------------
+    def _pod(self, pj: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        meta = pj["metadata"]
+        return self.kube.put("Pod", {
+            "metadata": {"name": f"{meta['name']}-master-0", "namespace": NAMESPACE,
+                         "labels": {JOB_LABEL: meta["labels"][JOB_LABEL], ATTEMPT_LABEL: meta["labels"][ATTEMPT_LABEL]},
+                         "ownerReferences": [{"kind": "PyTorchJob", "name": meta["name"], "uid": meta["uid"], "controller": True}]},
+            "status": status})
+
+    def _set_state(self, pj: dict[str, Any], state: str) -> None:
+        pj.setdefault("status", {})["conditions"] = [{"type": state, "status": "True"}]
+        self.kube.touch(pj)
+
+    def run(self, pj: dict[str, Any]) -> None:
+        self._set_state(pj, "Running")
+        self._pod(pj, {"phase": "Running"})
+
+    def succeed(self, pj: dict[str, Any]) -> None:
+        self._set_state(pj, "Succeeded")
+
+    def gpu_oom(self, pj: dict[str, Any]) -> None:
+        plan = json.loads(pj["metadata"]["annotations"][PLAN_STATUS_ANNOTATION])
+        capacity = int(plan["gpuMemoryGiB"] * GiB)
+        report = contract.FailureReport(
+            reason="GPUOutOfMemory", phase="backward", step=3, exit_code=75,
+            peak_allocated_bytes=int(capacity * 0.99), device_total_bytes=capacity,
+            micro_batch_size=plan["microBatchSize"])
+        self._pod(pj, {"phase": "Failed", "containerStatuses": [{"name": "pytorch", "state": {"terminated": {
+            "exitCode": 75, "message": report.to_termination_message()}}}]})
+        self._set_state(pj, "Failed")
+
+    def host_oom(self, pj: dict[str, Any]) -> None:
+        self._pod(pj, {"phase": "Failed", "containerStatuses": [{"name": "pytorch", "state": {"terminated": {
+            "exitCode": 137, "reason": "OOMKilled"}}}]})
+        self._set_state(pj, "Failed")
+
+    def evict(self, pj: dict[str, Any]) -> None:
+        self._pod(pj, {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory.",
+                       "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}]})
+        self._set_state(pj, "Failed")
+
+    def queue_suspend(self, pj: dict[str, Any]) -> None:
+        """What Kueue's webhook does to a job it manages: suspend it, with no mark of ours."""
+        pj["spec"].setdefault("runPolicy", {})["suspend"] = True
+        (pj["metadata"].get("annotations") or {}).pop(SUSPENDED_BY_ANNOTATION, None)
+        self.kube.touch(pj)
+
+    def queue_admit(self, pj: dict[str, Any]) -> None:
+        pj["spec"].setdefault("runPolicy", {})["suspend"] = False
+        self.kube.touch(pj)
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def foreign(self, kind: str, name: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"metadata": {"name": name, "namespace": NAMESPACE, "labels": {"team": "other"}}}
+        if kind == "ConfigMap":
+            body["data"] = {"x": "y"}
+        else:
+            body.update(apiVersion="kubeflow.org/v1", kind="PyTorchJob", spec={"runPolicy": {}})
+        return copy.deepcopy(self.kube.put(kind, body))

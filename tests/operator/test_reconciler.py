@@ -1,0 +1,317 @@
+"""The shell and the lifecycle together on a strict fake API: ownership, unreadable status,
+refused creates, and a stateful property test over random histories of faults."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from finetune_operator.children import SUSPENDED_BY_ANNOTATION
+from finetune_operator.planning.plan import plan_key_of
+from finetune_operator import api
+from finetune_operator.rendering.renderer import ATTEMPT_LABEL
+
+from fake_kube import _error
+from reconcile_world import ALLOWED, NAMESPACE, ReconcileWorld, job_document, live
+
+
+def test_a_foreign_configmap_is_neither_adopted_nor_deleted_and_the_job_says_so():
+    world = ReconcileWorld(job_document())
+    foreign = world.foreign("ConfigMap", "support-bot-a1")
+    world.reconcile()
+    assert world.kube.get("ConfigMap", NAMESPACE, "support-bot-a1") == foreign
+    assert world.ours("PyTorchJob") == []  # the ConfigMap goes first; nothing runs without it
+    blocked = world.conditions()["Blocked"]
+    assert blocked["status"] == "True" and blocked["reason"] == "NameConflict" and "support-bot-a1" in blocked["message"]
+    for _ in range(3):
+        world.reconcile()
+    assert world.kube.get("ConfigMap", NAMESPACE, "support-bot-a1") == foreign
+    assert not [w for w in world.kube.writes if w.name == "support-bot-a1" and w.kind == "ConfigMap"]
+    # A person removes it: the job goes on by itself.
+    del world.kube.objects[("ConfigMap", NAMESPACE, "support-bot-a1")]
+    world.reconcile()
+    world.reconcile()
+    assert [pj["metadata"]["name"] for pj in world.ours("PyTorchJob")] == ["support-bot-a1"]
+    assert world.conditions()["Blocked"]["status"] == "False"
+
+
+def test_a_foreign_training_job_with_the_next_attempts_name_is_never_deleted():
+    world = ReconcileWorld(job_document(recovery={"backoff": {"initialSeconds": 0}}))
+    world.reconcile()
+    world.gpu_oom(world.newest_child())
+    foreign = world.foreign("PyTorchJob", "support-bot-a2")
+    for _ in range(4):
+        world.reconcile()
+    assert world.kube.get("PyTorchJob", NAMESPACE, "support-bot-a2") == foreign
+    assert world.conditions()["Blocked"]["reason"] == "NameConflict"
+    assert [w.verb for w in world.kube.writes if w.name == "support-bot-a2"] == []
+
+
+def test_a_status_it_cannot_read_gets_a_condition_and_nothing_else():
+    world = ReconcileWorld(job_document())
+    world.reconcile()
+    world.run(world.newest_child())
+    world.job["status"]["attempts"] = "garbage"
+    before = len(world.kube.writes)
+    world.reconcile()
+    writes = world.kube.writes[before:]
+    assert [w.verb for w in writes] == ["status-patch"]
+    blocked = world.conditions()["Blocked"]
+    assert blocked["reason"] == "StatusUnreadable" and "status.attempts" in blocked["message"]
+    assert world.status["attempts"] == "garbage"
+    world.reconcile()  # the same problem: no second write, no event storm
+    assert len(world.kube.writes) == before + 1
+
+
+def test_unknown_status_keys_are_ignored_not_fatal():
+    world = ReconcileWorld(job_document())
+    world.reconcile()
+    world.run(world.newest_child())
+    world.job["status"]["attempts"][0]["addedByANewerOperator"] = {"x": 1}
+    world.job["status"]["somethingElse"] = 3
+    world.reconcile()
+    assert world.status["phase"] == "Running" and len(world.ours("PyTorchJob")) == 1
+
+
+def test_a_refused_create_is_a_condition_quoting_the_api_then_a_failure():
+    world = ReconcileWorld(job_document())
+    world.kube.refuse_create["PyTorchJob"] = _error(403, "Forbidden",
+                                                   'admission webhook "quota.example" denied the request: exceeded quota')
+    world.reconcile()
+    blocked = world.conditions()["Blocked"]
+    assert blocked["reason"] == "CreateRejected" and "exceeded quota" in blocked["message"]
+    events = [e["reason"] for e in world.kube.events]
+    world.advance(60)
+    world.reconcile()
+    assert [e["reason"] for e in world.kube.events] == events  # retried quietly
+    world.advance(world.policy.create_retry_seconds)
+    world.reconcile()
+    assert world.status["phase"] == "Failed" and world.conditions()["Failed"]["reason"] == "CreateRejected"
+
+
+def test_a_crash_between_status_write_and_create_does_not_start_two_runs():
+    world = ReconcileWorld(job_document(recovery={"backoff": {"initialSeconds": 0}}))
+    world.reconcile()
+    world.gpu_oom(world.newest_child())
+    world.kube.fail_after_writes = 1  # the status write of the recovery lands, the delete does not
+    with pytest.raises(RuntimeError):
+        world.reconcile()
+    world.restart()
+    for _ in range(3):
+        world.reconcile()
+    assert [pj["metadata"]["name"] for pj in world.live_children()] == ["support-bot-a2"]
+
+
+def test_a_status_conflict_is_retried_not_lost():
+    world = ReconcileWorld(job_document())
+    real = world.kube.custom.replace_namespaced_custom_object_status
+    calls = []
+
+    def stale_once(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            world.kube.touch(world.job)  # someone wrote the job since we read it
+        return real(*args, **kwargs)
+
+    world.kube.custom.replace_namespaced_custom_object_status = stale_once
+    with pytest.raises(Exception) as error:
+        world.reconcile()
+    assert getattr(error.value, "status", None) == 409
+    assert world.ours("PyTorchJob") == []  # nothing created on a status that did not land
+    world.reconcile()
+    assert len(world.ours("PyTorchJob")) == 1
+
+
+# ---------------------------------------------------------------------------
+# the stateful property test
+# ---------------------------------------------------------------------------
+
+FATES = ("gpu-oom", "host-oom", "evict", "succeed")
+
+
+class ControlLoop(RuleBasedStateMachine):
+    """Random histories of pod fates, operator restarts and crashes, status tampering,
+    foreign objects and queue suspensions; the invariants hold after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_attempts = 4
+        self.world = ReconcileWorld(job_document(recovery={"maxAttempts": self.max_attempts,
+                                                           "backoff": {"initialSeconds": 1, "maxSeconds": 4}}))
+        self.foreign: dict[tuple[str, str], dict] = {}
+        self.created_attempts: list[int] = []
+        self.seen_writes = 0
+        self.resumed_unmarked = 0
+
+    # -- the operator --------------------------------------------------------
+    @rule()
+    def reconcile(self) -> None:
+        try:
+            self.world.reconcile()
+        except Exception as error:  # a 409 (status conflict) or an injected crash: the queue retries
+            if getattr(error, "status", None) != 409 and not isinstance(error, RuntimeError):
+                raise
+        self._note_writes()
+
+    @rule(writes=st.integers(min_value=0, max_value=3))
+    def crash_mid_reconcile(self, writes: int) -> None:
+        self.world.kube.fail_after_writes = writes
+        try:
+            self.world.reconcile()
+        except RuntimeError:
+            pass
+        self.world.kube.fail_after_writes = None
+        self._note_writes()
+        self.world.restart()
+
+    @rule()
+    def restart(self) -> None:
+        self.world.restart()
+
+    @rule(seconds=st.sampled_from([1, 5, 30]))
+    def time_passes(self, seconds: int) -> None:
+        self.world.advance(seconds)
+
+    # -- the training jobs ----------------------------------------------------
+    @precondition(lambda self: self._newest_live() is not None)
+    @rule(fate=st.sampled_from(FATES), running_first=st.booleans())
+    def the_newest_child_ends(self, fate: str, running_first: bool) -> None:
+        pj = self._newest_live()
+        if running_first:
+            self.world.run(pj)
+        {"gpu-oom": self.world.gpu_oom, "host-oom": self.world.host_oom,
+         "evict": self.world.evict, "succeed": self.world.succeed}[fate](pj)
+
+    @precondition(lambda self: self._newest_live() is not None)
+    @rule()
+    def the_pods_vanish(self) -> None:
+        for key in [k for k in self.world.kube.objects if k[0] == "Pod"]:
+            del self.world.kube.objects[key]
+
+    @precondition(lambda self: self._newest_live() is not None)
+    @rule()
+    def a_queue_suspends_the_child(self) -> None:
+        pj = self._newest_live()
+        self.world.queue_suspend(pj)
+
+    @precondition(lambda self: self._newest_live() is not None)
+    @rule()
+    def the_queue_admits_the_child(self) -> None:
+        self.world.queue_admit(self._newest_live())
+
+    # -- people and other tools -------------------------------------------------
+    @precondition(lambda self: self.world.status.get("currentAttempt") is not None)
+    @rule()
+    def someone_nulls_current_attempt(self) -> None:
+        self.world.job["status"]["currentAttempt"] = None
+        self.world.kube.touch(self.world.job)
+
+    @precondition(lambda self: bool(self.world.status.get("attempts")))
+    @rule()
+    def someone_adds_unknown_status_keys(self) -> None:
+        self.world.job["status"]["attempts"][-1]["fromAnotherTool"] = True
+        self.world.job["status"]["unknownTopLevel"] = {"a": 1}
+        self.world.kube.touch(self.world.job)
+
+    @rule(kind=st.sampled_from(["ConfigMap", "PyTorchJob"]), ahead=st.integers(min_value=0, max_value=2))
+    def a_foreign_object_takes_a_name(self, kind: str, ahead: int) -> None:
+        attempt = (self.world.status.get("currentAttempt") or 0) + ahead
+        name = f"support-bot-a{max(attempt, 1)}"
+        if self.world.kube.get(kind, NAMESPACE, name) is None:
+            self.foreign[(kind, name)] = self.world.foreign(kind, name)
+
+    @precondition(lambda self: bool(self.foreign))
+    @rule()
+    def a_person_removes_the_foreign_objects(self) -> None:
+        for kind, name in self.foreign:
+            del self.world.kube.objects[(kind, NAMESPACE, name)]
+        self.foreign.clear()
+
+    # -- helpers ----------------------------------------------------------------
+    def _newest_live(self):
+        children = self.world.live_children()
+        return max(children, key=lambda pj: int(pj["metadata"]["labels"][ATTEMPT_LABEL])) if children else None
+
+    def _note_writes(self) -> None:
+        for write in self.world.kube.writes[self.seen_writes:]:
+            if write.kind == "PyTorchJob" and write.verb == "create":
+                self.created_attempts.append(int(write.body["metadata"]["labels"][ATTEMPT_LABEL]))
+                self._check_pinned(write.body)
+            if write.kind == "PyTorchJob" and write.verb == "patch":
+                suspend = ((write.body.get("spec") or {}).get("runPolicy") or {}).get("suspend")
+                if suspend is False:
+                    # Only a child the operator suspended itself (it carries our mark) may be resumed by it.
+                    marks = write.before["metadata"].get("annotations") or {}
+                    self.resumed_unmarked += SUSPENDED_BY_ANNOTATION not in marks
+            assert (write.kind, write.name) not in self.foreign, f"touched a foreign object: {write}"
+        self.seen_writes = len(self.world.kube.writes)
+
+    def _check_pinned(self, pj: dict) -> None:
+        for replica in pj["spec"]["pytorchReplicaSpecs"].values():
+            terms = replica["template"]["spec"]["affinity"]["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            for term in terms:
+                regions = [e for e in term["matchExpressions"] if e["key"] == "topology.kubernetes.io/region"]
+                # One region per attempt, inside the allowed ones; and pinned to the plan's GPU product.
+                assert regions and all(e["operator"] == "In" and len(e["values"]) == 1 and set(e["values"]) <= set(ALLOWED)
+                                       for e in regions)
+                assert any(e["key"] == "nvidia.com/gpu.product" for e in term["matchExpressions"])
+
+    # -- invariants ---------------------------------------------------------------
+    @invariant()
+    def at_most_one_live_training_job(self) -> None:
+        assert len(self.world.live_children()) <= 1, [pj["metadata"]["name"] for pj in self.world.live_children()]
+
+    @invariant()
+    def attempts_increase_without_gaps_and_stay_bounded(self) -> None:
+        created = self.created_attempts
+        assert created == sorted(created), created
+        if created:
+            assert sorted(set(created)) == list(range(1, max(created) + 1)), created
+            assert max(created) <= self.max_attempts
+
+    @invariant()
+    def foreign_objects_are_untouched(self) -> None:
+        for (kind, name), original in self.foreign.items():
+            assert self.world.kube.get(kind, NAMESPACE, name) == original
+
+    @invariant()
+    def a_plan_that_ran_out_of_memory_is_never_planned_again(self) -> None:
+        status = self.world.status
+        if not isinstance(status.get("attempts"), list):
+            return
+        records = [api.AttemptStatus.model_validate(a) for a in status["attempts"]]
+        for index, record in enumerate(records):
+            if record.outcome == "GPUOutOfMemory" and record.plan is not None:
+                later = [r for r in records[index + 1:] if r.plan is not None]
+                assert plan_key_of(record.plan) not in [plan_key_of(r.plan) for r in later]
+
+    @invariant()
+    def a_queued_child_is_never_resumed_by_us(self) -> None:
+        assert self.resumed_unmarked == 0
+
+    def teardown(self) -> None:
+        # Settle: with faults gone, the job reaches a terminal phase in bounded steps.
+        for (kind, name) in list(self.foreign):
+            del self.world.kube.objects[(kind, NAMESPACE, name)]
+        self.foreign.clear()
+        for _ in range(60):
+            for pj in self.world.live_children():
+                if (pj["spec"].get("runPolicy") or {}).get("suspend") and not (
+                        pj["metadata"].get("annotations") or {}).get(SUSPENDED_BY_ANNOTATION):
+                    self.world.queue_admit(pj)
+                self.world.succeed(pj)
+            self.world.advance(5)
+            self.reconcile()
+            if self.world.status.get("phase") in ("Succeeded", "Failed"):
+                break
+        assert self.world.status.get("phase") in ("Succeeded", "Failed"), self.world.status
+        self.at_most_one_live_training_job()
+        self.attempts_increase_without_gaps_and_stay_bounded()
+
+
+ControlLoop.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+test_control_loop = ControlLoop.TestCase
