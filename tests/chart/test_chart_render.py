@@ -219,6 +219,9 @@ def test_policy_configmap_is_the_operators_cluster_policy(render, default_values
     assert policy.zone_label_key == "topology.kubernetes.io/zone"
     assert policy.default_memory_headroom == pytest.approx(p["defaultMemoryHeadroom"])
     assert policy.default_max_attempts == p["defaultMaxAttempts"]
+    assert policy.unschedulable_timeout_seconds == p["unschedulableTimeoutSeconds"]
+    assert policy.start_timeout_seconds == p["startTimeoutSeconds"]
+    assert policy.create_retry_seconds == p["createRetrySeconds"]
     assert policy.pool_label_keys == p["poolLabelKeys"]
     assert policy.trainer_image == "registry.eu-de-berlin.internal/finetune-operator/trainer:0.1.0"
     assert [pool.name for pool in policy.catalog] == [pool["name"] for pool in p["catalog"]]
@@ -232,6 +235,7 @@ def test_every_catalog_field_the_schema_allows_reaches_the_operator(render, defa
         "gpuMemory": "180Gi", "gpusPerNode": 8, "maxNodes": 4, "pricePerGpuHour": 6.5, "intraNode": "nvlink",
         "interNodeGbps": 3200, "hostMemory": "2Ti", "cpus": 224, "peakTflops": 2250,
         "selector": {"example.com/pool": "b200"}, "taints": [{"key": "example.com/gpu", "effect": "NoExecute"}],
+        "gpuLabel": {"key": "nvidia.com/gpu.product", "values": ["NVIDIA-B200"]},
     }
     schema = __import__("json").loads((CHART / "values.schema.json").read_text())
     assert set(pool) == set(schema["properties"]["policy"]["properties"]["catalog"]["items"]["properties"])
@@ -241,6 +245,7 @@ def test_every_catalog_field_the_schema_allows_reaches_the_operator(render, defa
     assert loaded.host_memory_bytes == 2 * 2**40
     assert loaded.peak_tflops == 2250 and loaded.price_per_gpu_hour == 6.5 and loaded.max_nodes == 4
     assert loaded.selector == {"example.com/pool": "b200"}
+    assert (loaded.gpu_label.key, loaded.gpu_label.values) == ("nvidia.com/gpu.product", ["NVIDIA-B200"])
     assert loaded.taints[0].effect == "NoExecute"
 
 

@@ -75,6 +75,9 @@ renders it with toYaml, so values reach the operator as data, never as text spli
   "poolLabelKeys" $p.poolLabelKeys
   "defaultMemoryHeadroom" $p.defaultMemoryHeadroom
   "defaultMaxAttempts" $p.defaultMaxAttempts
+  "unschedulableTimeoutSeconds" $p.unschedulableTimeoutSeconds
+  "startTimeoutSeconds" $p.startTimeoutSeconds
+  "createRetrySeconds" $p.createRetrySeconds
   "trainerImage" (include "finetune-operator.trainerImage" .)
   "catalog" $p.catalog
 -}}

@@ -77,7 +77,8 @@ class Plan(BaseModel):
     free_now: bool = False
     """True when the pool has enough free GPUs right now."""
     allowed_regions: list[str]
-    """Regions the pods are pinned to: cluster policy intersected with spec.placement.regions."""
+    """Regions the plan may choose from (cluster policy intersected with spec.placement.regions); the
+    pods are pinned to `region` alone."""
     changes: list[str] = []
     """Where the plan departs from what the user asked (fields they left `auto` are not changes)."""
     reason: str = ""
