@@ -184,13 +184,27 @@ def test_method_is_only_changed_when_listed_and_only_from_lora():
 
 def test_the_failed_plan_is_never_proposed_again_even_when_the_caller_did_not_list_it():
     spec = spec_of(LORA)
-    failed = first_plan(spec)
-    # The process saw less GPU memory than the pool promises (a MIG slice, another process):
-    # the calibration learns nothing (x1), so by the estimate the same plan fits again.
-    small = Failure(FailureKind.GPU_OUT_OF_MEMORY, "CUDA out of memory", "log", capacity_bytes=10 * GiB)
-    assert calibration_factor(small, failed) == pytest.approx(1.0)
-    step = decide(spec, small, failed, failed_keys=())
+    plan = first_plan(spec)
+    # Figures that teach nothing (a recorded requirement above the GPU, no peak reported):
+    # the calibration stays x1, and by the estimate the same plan fits again.
+    failed = plan.model_copy(update={"required_gi_b": 2 * plan.gpu_memory_gi_b})
+    nothing = gpu_oom(failed, None)
+    assert calibration_factor(nothing, failed) == pytest.approx(1.0)
+    step = decide(spec, nothing, failed, failed_keys=())
     assert step.retry and step.plan.key != plan_key_of(failed)
+
+
+def test_a_gpu_smaller_than_promised_scales_the_estimate():
+    # The process saw 40 of the pool's 80 GB (a MIG slice, another process): the estimate
+    # was not wrong, the GPU was smaller; the next plan must fit in what was really there.
+    spec = spec_of(LORA)
+    failed = first_plan(spec)
+    half = Failure(FailureKind.GPU_OUT_OF_MEMORY, "CUDA out of memory", "log",
+                   capacity_bytes=int(failed.gpu_memory_gi_b * GiB / 2))
+    assert calibration_factor(half, failed) == pytest.approx(2 * CALIBRATION_MARGIN, rel=1e-3)
+    step = decide(spec, half, failed)
+    # The planner's own (uncalibrated) figure for the new plan fits in what the process saw.
+    assert step.retry and step.plan.required_bytes / step.plan.calibration <= half.capacity_bytes
 
 
 def test_plans_that_failed_earlier_are_excluded():
@@ -543,3 +557,49 @@ def test_describe_change_lists_every_difference():
     assert "sharding zero1 -> fsdp" in text and "optimizer adamw -> adamw-8bit" in text
     assert "turned on gradient checkpointing" in text and "GPUs 8 x" in text
     assert describe_change(old, plan_job(spec, POOLS, POLICY)) == "same settings"
+
+
+# ---------------------------------------------------------------------------
+# GPUs spread over nodes
+# ---------------------------------------------------------------------------
+
+MULTI_NODE = {"resources__gpus": 16, "resources__maxGPUs": 16, "placement__regions": ["eu-de-berlin"]}
+
+
+def test_replan_pinned_reproduces_the_recorded_split():
+    spec = spec_of(FULL, **MULTI_NODE)
+    planned = first_plan(spec)
+    assert planned.nodes * planned.gpus_per_node == 16 and planned.nodes > 1
+    # Another split of the same GPUs, as an earlier attempt may have recorded it: the spec can
+    # only pin the count, and the planner prefers fewer nodes.
+    recorded = planned.model_copy(update={"nodes": 4, "gpus_per_node": 4})
+    plan = replan_pinned(spec, recorded, POOLS, POLICY)
+    assert isinstance(plan, Plan) and (plan.nodes, plan.gpus_per_node) == (4, 4)
+    assert plan.key == plan_key_of(recorded)
+    # Evicted: the same plan, as it was recorded.
+    step = decide(spec, EVICTED, recorded)
+    assert step.retry and step.plan.key == plan_key_of(recorded)
+
+
+def test_a_gpu_oom_rules_out_every_split_of_the_plan():
+    spec = spec_of(FULL, **MULTI_NODE)
+    failed = first_plan(spec)
+    run = FailedRun.of(failed, FailureKind.GPU_OUT_OF_MEMORY)
+    other_split = plan_key_of(failed)._replace(nodes=4, gpus_per_node=4)
+    assert run.repeated_by(other_split, 0)
+    assert other_split in run.keys() and plan_key_of(failed) in run.keys()
+    # Host memory is per node: another split is another run.
+    host_run = FailedRun.of(failed, FailureKind.HOST_OUT_OF_MEMORY)
+    assert not host_run.repeated_by(other_split, 0) and host_run.keys() == (plan_key_of(failed),)
+    step = decide(spec, gpu_oom(failed), failed)
+    assert step.retry
+    assert (step.plan.gpus, step.plan.strategy, step.plan.micro_batch_size, step.plan.gradient_checkpointing,
+            step.plan.offload, step.plan.optimizer) != (failed.gpus, failed.strategy, failed.micro_batch_size,
+                                                        failed.gradient_checkpointing, failed.offload, failed.optimizer)
+
+
+def test_describe_change_names_a_new_split():
+    spec = spec_of(FULL, **MULTI_NODE)
+    old = first_plan(spec)
+    new = replan_pinned(spec, old.model_copy(update={"nodes": 4, "gpus_per_node": 4}), POOLS, POLICY)
+    assert describe_change(old, new) == f"nodes {old.nodes} x {old.gpus_per_node} GPUs -> 4 x 4 GPUs"

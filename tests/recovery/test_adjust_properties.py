@@ -39,6 +39,7 @@ JOBS = [
     (FULL, {"resources__gpus": 4, "resources__strategy": "fsdp", "resources__offload": "optimizer+params"}),
     ("llama-70b-qlora.yaml", {}),
     (LORA, {"training__gradientCheckpointing": True, "training__microBatchSize": 1}),
+    (FULL, {"resources__gpus": 16, "resources__maxGPUs": 16}),
 ]
 ADJUSTMENTS = ["gradientCheckpointing", "microBatch", "sharding", "optimizer8bit", "offload", "moreGPUs",
                "hostMemory", "method"]
@@ -72,6 +73,10 @@ def failure_of(fate: Fate, plan: api.PlanStatus) -> Failure:
         return Failure(fate.kind, "CUDA out of memory", "report", phase="forward", step=1,
                        peak_allocated_bytes=peak, capacity_bytes=capacity)
     return Failure(fate.kind, fate.kind.value, "pod")
+
+
+def unsplit(key) -> tuple:
+    return (key.node_pool, key.nodes * key.gpus_per_node, *key[3:])
 
 
 def host_bytes(plan: api.PlanStatus) -> int:
@@ -123,10 +128,12 @@ def test_recovery_invariants_over_random_failures(job, allowed, max_attempts, fa
 
         # Attempts bounded by maxAttempts.
         assert len(attempts) + 1 <= max_attempts
-        # Never a plan that ran out of memory again.
+        # Never a plan that ran out of memory again (after a GPU OOM, not even spread over
+        # nodes differently: the memory per GPU is the same).
         for key, host, kind in ran_out:
-            if new.key == key:
-                assert kind is FailureKind.HOST_OUT_OF_MEMORY, (key, step.changes)
+            if kind is FailureKind.GPU_OUT_OF_MEMORY:
+                assert unsplit(new.key) != unsplit(key), (key, step.changes)
+            elif new.key == key:
                 assert new.host_memory_bytes > host, (key, new.host_memory_bytes, host)
         # The calibration learned is never lost.
         assert new.calibration >= max(a.plan.calibration for a in attempts) - 1e-9

@@ -38,7 +38,8 @@ Two invariants hold for every plan this module proposes, whatever the failure:
 
 * Never a plan that ran out of memory again. A plan that failed with a GPU OOM (its key,
   `PlanKey`: pool, shape, method, strategy, offload, optimizer, micro-batch,
-  checkpointing) is never proposed again, in any form. A plan that failed with a host
+  checkpointing) is never proposed again, in any form, nor spread differently over nodes
+  (2 x 2 GPUs instead of 1 x 4: the same memory per GPU). A plan that failed with a host
   OOM is proposed again only with strictly more pod memory than it failed with (the GPU
   side of it was not at fault; pod memory is part of what ran). A plan that was evicted
   or lost its node did not fail by its own doing and may run again: that is what
@@ -124,11 +125,17 @@ class FailedRun:
 
     def repeated_by(self, key: PlanKey, host_memory_bytes: int) -> bool:
         """Whether running `key` with `host_memory_bytes` of pod memory would repeat this failure."""
-        if key != self.key:
-            return False
         if self.kind is FailureKind.HOST_OUT_OF_MEMORY:
-            return host_memory_bytes <= self.host_memory_bytes
-        return True
+            # Pod memory is per node: another split is another run for host memory.
+            return key == self.key and host_memory_bytes <= self.host_memory_bytes
+        # GPU memory does not depend on how the GPUs are spread over nodes.
+        return _unsplit(key) == _unsplit(self.key)
+
+    def keys(self) -> tuple[PlanKey, ...]:
+        """The keys the planner must not propose again because of this failure."""
+        if self.kind is FailureKind.HOST_OUT_OF_MEMORY:
+            return (self.key,)
+        return _all_splits(self.key)
 
     @classmethod
     def of(cls, plan: api.PlanStatus, kind: FailureKind) -> "FailedRun":
@@ -169,10 +176,26 @@ def _host_bytes(plan: api.PlanStatus) -> int:
     return int(round(plan.host_memory_gi_b * GiB))
 
 
+def _unsplit(key: PlanKey) -> tuple:
+    """A key with its nodes x GPUs-per-node replaced by the GPU count."""
+    return (key.node_pool, key.nodes * key.gpus_per_node, *key[3:])
+
+
+def _all_splits(key: PlanKey) -> tuple[PlanKey, ...]:
+    """`key` with its GPUs spread over nodes in every even way (the key itself first)."""
+    gpus = key.nodes * key.gpus_per_node
+    others = (key._replace(nodes=n, gpus_per_node=gpus // n) for n in range(1, gpus + 1) if gpus % n == 0)
+    return tuple(dict.fromkeys((key, *others)))
+
+
 def _keys(excluded: Iterable[Excluded]) -> tuple[PlanKey, ...]:
     """What the planner excludes: every key that failed (a host-OOM'd key too: the planner
-    would propose it with the pod memory it failed with, or less)."""
-    return tuple(dict.fromkeys(e.key if isinstance(e, FailedRun) else plan_key_of(e) for e in excluded))
+    would propose it with the pod memory it failed with, or less; a GPU-OOM'd key in every
+    split)."""
+    keys: list[PlanKey] = []
+    for e in excluded:
+        keys.extend(e.keys() if isinstance(e, FailedRun) else (plan_key_of(e),))
+    return tuple(dict.fromkeys(keys))
 
 
 def calibration_factor(failure: Failure, failed: api.PlanStatus) -> float:
@@ -180,11 +203,18 @@ def calibration_factor(failure: Failure, failed: api.PlanStatus) -> float:
 
     The plan's required figure already carries the calibration it was planned with; the
     raw estimate is that divided back out, so repeated failures do not compound the factor.
+    When the process saw less GPU memory than the pool promises (a MIG slice, memory held
+    by another process, a driver reserve larger than the catalog's), the estimate is scaled
+    by that shortfall too, so that the next plan fits in what was really there: otherwise
+    nothing is learned, and the same settings would be proposed again.
     """
     old = failed.calibration or 1.0
-    capacity = failure.capacity_bytes or int(failed.gpu_memory_gi_b * GiB)
+    planned = int(failed.gpu_memory_gi_b * GiB)
+    capacity = failure.capacity_bytes or planned
     raw_required = failed.required_gi_b * GiB / old
     factor = capacity / raw_required if raw_required > 0 else 1.0
+    if 0 < capacity < planned:
+        factor = max(factor, old * planned / capacity)
     peak = failed.predicted_peak_gi_b * GiB
     if failure.peak_allocated_bytes and peak > 0:
         observed = failure.peak_allocated_bytes + (failure.tried_to_allocate_bytes or 0)
@@ -466,9 +496,13 @@ def replan_pinned(
     calibration: float | None = None,
 ) -> Plan | Infeasible:
     """The plan described by a PlanStatus, rebuilt by the planner (to render it again), with
-    its pod memory and at least its calibration (or `calibration`, when larger)."""
+    its pod memory and at least its calibration (or `calibration`, when larger).
+
+    The spec can pin the GPU count but not how the GPUs are spread over nodes: every other
+    split is excluded, so the answer is the recorded plan itself or an Infeasible."""
+    key = plan_key_of(plan)
     result = plan_job(pinned_spec(spec, plan, set()), pools, policy, calibration=_calibration_floor(plan, calibration),
-                      architecture=architecture)
+                      architecture=architecture, exclude=_all_splits(key)[1:])
     if isinstance(result, Plan):
         wanted = _host_bytes(plan)
         if wanted > result.host_memory_bytes:
@@ -505,6 +539,8 @@ def describe_change(old: api.PlanStatus, new: Plan) -> str:
         parts.append(
             f"GPUs {old.gpus} x {old.gpu_type} ({old.node_pool}) -> {new.gpus} x {new.gpu_type} ({new.pool.name})"
         )
+    elif (new.nodes, new.gpus_per_node) != (old.nodes, old.gpus_per_node):
+        parts.append(f"nodes {old.nodes} x {old.gpus_per_node} GPUs -> {new.nodes} x {new.gpus_per_node} GPUs")
     if new.method != old.method:
         parts.append(f"method {old.method} -> {new.method}")
     if not parts:
