@@ -319,6 +319,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
     if find_installation() is None:
         raise SystemExit("the lab's binaries are not built: run e2e/lab/build.sh")
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # retries while the apiserver restarts are expected
     rng = random.Random(cfg.seed)
     plans = plan_jobs(cfg, rng)
     chaos_rng = random.Random(f"{cfg.seed}:chaos")
@@ -413,7 +414,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
                     if plan.fate.clash and plan.foreign is None:
                         kind, suffix = plan.fate.clash
                         plan.foreign = foreign.create(kind, plan.namespace, f"{plan.name}-{suffix}", plan.name)
-                        faults.add("foreign-object", kind=kind, name=plan.foreign.name)
+                        faults.add("foreign-object", object_kind=kind, name=plan.foreign.name)
                     lab.kubectl("apply", "-f", "-", input=json.dumps(job_manifest(plan)))  # volumes exist per namespace
                     plan.submitted_at = time.monotonic()
                     pending.pop(0)

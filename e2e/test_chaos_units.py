@@ -135,3 +135,22 @@ def test_queue_webhook_suspends_a_queued_pytorchjob_on_create():
         assert "patch" not in review(_pj("j-a1", "j", "u1", suspend=True, queue="q"))
     finally:
         server.shutdown()
+
+
+def test_a_lab_process_started_from_a_short_lived_thread_outlives_it(tmp_path):
+    """PR_SET_PDEATHSIG follows the forking thread: an apiserver restarted by a chaos thread
+    must not get SIGTERM when that thread returns."""
+    import threading
+    import time
+
+    from e2e.lab.processes import is_alive, start, stop
+
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("p", start("sleeper", ["sleep", "30"], tmp_path, die_with_parent=True)))
+    thread.start()
+    thread.join()
+    time.sleep(0.5)
+    try:
+        assert is_alive(out["p"])
+    finally:
+        stop([out["p"]], grace=1)

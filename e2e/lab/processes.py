@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
+import queue
 import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -82,7 +85,41 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+_spawner: "queue.Queue[tuple[Callable[[], Proc], concurrent.futures.Future]] | None" = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn_from_lasting_thread(fn: Callable[[], Proc]) -> Proc:
+    """PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process: a
+    lab process started from a short-lived thread (e.g. a kube-apiserver restarted by a chaos
+    thread) would be sent SIGTERM as soon as that thread returns. Such starts are run by one
+    daemon thread that lives as long as this process."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = queue.Queue()
+
+            def serve() -> None:
+                while True:
+                    job, future = _spawner.get()
+                    try:
+                        future.set_result(job())
+                    except BaseException as exc:  # handed to the caller
+                        future.set_exception(exc)
+
+            threading.Thread(target=serve, name="lab-spawner", daemon=True).start()
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    _spawner.put((fn, future))
+    return future.result()
+
+
 def start(name: str, argv: list[str], log_dir: Path, env: dict | None = None, die_with_parent: bool = False) -> Proc:
+    if die_with_parent and threading.current_thread() is not threading.main_thread():
+        return _spawn_from_lasting_thread(lambda: _start(name, argv, log_dir, env, die_with_parent))
+    return _start(name, argv, log_dir, env, die_with_parent)
+
+
+def _start(name: str, argv: list[str], log_dir: Path, env: dict | None, die_with_parent: bool) -> Proc:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
