@@ -1,7 +1,7 @@
 """Recovery: why an attempt failed (`classify`), what the next attempt changes (`adjust`), and
 credential-shaped strings kept out of what either quotes (`redact`)."""
 
-from .classify import Failure, FailureKind, Remedy, classify_attempt, classify_pod, parse_cuda_oom
+from .classify import Failure, FailureKind, Remedy, classify_attempt, classify_pod, most_specific, parse_cuda_oom
 from .redact import bounded, redact
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "bounded",
     "classify_attempt",
     "classify_pod",
+    "most_specific",
     "parse_cuda_oom",
     "redact",
 ]

@@ -212,7 +212,7 @@ def classify_pod(pod: dict[str, Any]) -> Failure | None:
     status = pod.get("status") or {}
 
     verdicts = [v for v in (_classify_terminated(t, name) for t in _terminated_states(pod)) if v is not None]
-    own = _most_specific(verdicts) if verdicts else None
+    own = most_specific(verdicts) if verdicts else None
     # The container's own specific verdict (a report, OOMKilled, an error in its log, a
     # trusted exit code) says why it ended; a disruption is what the pod went through
     # meanwhile. An Unknown exit (SIGTERM 143, NCCL errors after a peer vanished) is what a
@@ -382,8 +382,14 @@ def _tail(text: str, limit: int = 300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
-def _most_specific(verdicts: list[Failure]) -> Failure:
+def most_specific(verdicts: list[Failure]) -> Failure:
+    """The verdict that explains the others: the most specific kind, then the most trusted source."""
+    if not verdicts:
+        raise ValueError("most_specific: no verdicts")
     return max(verdicts, key=lambda v: (_SPECIFICITY[v.kind], _SOURCE_TRUST.get(v.source, 0)))
+
+
+_most_specific = most_specific  # the name lifecycle.py imported first
 
 
 # ---------------------------------------------------------------------------
@@ -395,7 +401,7 @@ def classify_attempt(pods: list[dict[str, Any]], pytorch_job: dict[str, Any] | N
     """The verdict on a failed attempt, from all its pods and its PyTorchJob."""
     verdicts = [v for v in (classify_pod(p) for p in pods) if v is not None]
     if verdicts:
-        return _most_specific(verdicts)
+        return most_specific(verdicts)
     message = _job_failure_message(pytorch_job)
     if pods == [] and message is None:
         message = "the attempt failed and its pods are gone"
