@@ -3,7 +3,9 @@
 For a GPU out-of-memory failure the estimate is first *calibrated* by what was observed:
 the attempt needed more than the GPU has, so the true figure is at least
 `capacity / predicted`, times a safety margin (and at least `(reported peak + the
-allocation that failed) / predicted peak`, when the trainer or the log tail gave them).
+allocation that failed) / predicted peak`, when the trainer or the log tail gave them, and
+at least `planned GPU memory / capacity seen` when the process saw less than the pool
+promises), never below what earlier failures taught.
 Then the planner is asked again, with the calibrated estimate, allowing one more kind
 of change per rung, in this documented order:
 
@@ -33,6 +35,11 @@ kernel) raises the pod's memory within what the node has; when that is exhausted
 plan offloads to host memory, offload is turned off instead. Eviction and node loss run
 the same plan again; when that plan can no longer be placed (its pool is gone or
 changed), the job is re-planned elsewhere (`replan_after_loss`).
+
+Recovery ends, with the reason in the answer, when the failure is one a retry cannot fix
+(DataError, ConfigError, Unknown: classify.py says which evidence gives which), when
+`recovery.maxAttempts` (or the policy's default) attempts were made, or when no allowed
+change fits.
 
 Two invariants hold for every plan this module proposes, whatever the failure:
 
