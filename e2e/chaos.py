@@ -537,11 +537,7 @@ class ForeignObjects:
         """Read each foreign object once more (a change while a watch was down is caught here)."""
         for item in list(self.items.values()):
             try:
-                if item.kind == "ConfigMap":
-                    obj = json.loads(self.core.read_namespaced_config_map(item.name, item.namespace, _preload_content=False).data)
-                else:
-                    obj = json.loads(self.custom.get_namespaced_custom_object(
-                        *PJ[:2], item.namespace, PJ[2], item.name, _preload_content=False).data)
+                obj = self._read_with_retries(item)
             except ApiException as exc:
                 if exc.status == 404:
                     if not any(e["what"] == "deleted" for e in item.events):
@@ -557,6 +553,21 @@ class ForeignObjects:
             elif _fingerprint(obj) != item.fingerprint:
                 item.events.append({"what": "modified", "at": now(), "seen": "final check",
                                     "now": json.loads(_fingerprint(obj))})
+
+    def _read_with_retries(self, item: Foreign, tries: int = 30) -> dict:
+        for attempt in range(tries):
+            try:
+                if item.kind == "ConfigMap":
+                    return json.loads(self.core.read_namespaced_config_map(item.name, item.namespace, _preload_content=False).data)
+                return json.loads(self.custom.get_namespaced_custom_object(
+                    *PJ[:2], item.namespace, PJ[2], item.name, _preload_content=False).data)
+            except ApiException:
+                raise
+            except Exception:  # the apiserver is away: it comes back, or the run says so
+                if attempt == tries - 1:
+                    raise
+                time.sleep(1)
+        raise AssertionError("unreachable")
 
     def touched(self) -> list[Foreign]:
         return [f for f in self.items.values() if f.events]
