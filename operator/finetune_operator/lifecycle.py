@@ -6,10 +6,16 @@ delete, and the events to post; the shell (`controller.py`) does the I/O. Everyt
 is deterministic in its input, so the lifecycle is tested without a cluster and the
 operator can be killed at any point: the next `step` sees what exists and carries on.
 
-Phases: Pending (until a plan fits) -> Launching -> Running -> Succeeded
+Phases: Pending (until a plan fits) -> [Queued ->] Launching -> Running -> Succeeded
                                                        \\-> Recovering -> Launching (attempt N+1) ...
                                                        \\-> Failed
         any -> Suspended (spec.suspend) -> back where it was.
+Queued: a queueing system (Kueue) holds the attempt's training job suspended.
+
+Before deciding anything, the status is reconciled with the children (children.py): they are
+the truth of what runs, so a status that lost track is rebuilt from them, never restarted.
+Something only a person can fix (a foreign object holding a name, a refused create) sets the
+Blocked condition and the step creates and deletes nothing.
 
 Spec changes after the first attempt: only `suspend`, `recovery` and `resources` may change
 (the CRD enforces it with CEL transition rules); `resources` applies to the next plan, never
