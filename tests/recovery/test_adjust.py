@@ -443,9 +443,10 @@ def test_a_second_host_oom_raises_again_with_the_history():
     history = [FailedRun.of(failed, FailureKind.HOST_OUT_OF_MEMORY)]
     twice = decide(spec, HOST_OOM, once, failed_keys=history)
     assert twice.retry and twice.plan.host_memory_bytes > once.host_memory_gi_b * GiB
-    # A bare key means "never again at all": then raising is not possible either.
-    strict = decide(spec, HOST_OOM, once, failed_keys=[plan_key_of(failed)])
-    assert strict.plan is None or strict.plan.key != plan_key_of(failed)
+    # A caller that lists every attempt's key (this one's too) gets the same answer: the
+    # failed plan's own bare key is this failure, whose kind decide_next knows.
+    listed = decide(spec, HOST_OOM, once, failed_keys=[plan_key_of(failed), plan_key_of(once)])
+    assert listed.retry and listed.plan.host_memory_bytes == twice.plan.host_memory_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -484,11 +485,26 @@ def test_an_evicted_plan_whose_pool_is_gone_moves_and_keeps_what_was_learned():
     assert step.changes.startswith("the same plan cannot run again")
 
 
-def test_an_evicted_plan_that_the_caller_rules_out_is_not_run_again():
+def test_an_evicted_plan_that_ran_out_of_memory_before_is_not_run_again():
+    # Not a history our own answers make (a GPU-OOM'd plan is never proposed again), but the
+    # history may come from elsewhere (an older operator): it is never run again.
     spec = spec_of(LORA)
     failed = first_plan(spec)
-    step = decide(spec, EVICTED, failed, failed_keys=[plan_key_of(failed)])
+    step = decide(spec, EVICTED, failed, failed_keys=[FailedRun.of(failed, FailureKind.GPU_OUT_OF_MEMORY)])
     assert step.retry and step.plan.key != plan_key_of(failed)
+    assert step.changes.startswith("the same plan cannot run again")
+
+
+def test_a_caller_listing_every_attempt_still_reruns_an_evicted_plan():
+    # lifecycle.py lists every attempt's plan key, the evicted one included.
+    spec = spec_of(LORA)
+    plain = first_plan(spec)
+    failed = decide(spec, gpu_oom(plain), plain).plan.to_status()
+    step = decide(spec, EVICTED, failed, failed_keys=[plan_key_of(plain), plan_key_of(failed)])
+    assert step.retry and step.plan.key == plan_key_of(failed)
+    # The other bare keys still count: the plan that ran out of GPU memory stays excluded.
+    step = decide(spec, gpu_oom(failed), failed, failed_keys=[plan_key_of(plain), plan_key_of(failed)])
+    assert step.plan is None or step.plan.key not in (plan_key_of(plain), plan_key_of(failed))
 
 
 # ---------------------------------------------------------------------------

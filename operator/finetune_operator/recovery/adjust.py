@@ -51,7 +51,9 @@ Two invariants hold for every plan this module proposes, whatever the failure:
   side of it was not at fault; pod memory is part of what ran). A plan that was evicted
   or lost its node did not fail by its own doing and may run again: that is what
   RETRY_SAME is for. `failed_runs` reads these facts from a job's attempt history; a bare
-  `PlanKey` given instead counts as "never again", the stricter reading.
+  `PlanKey` given instead counts as "never again", the stricter reading, except the failed
+  plan's own key: a caller that lists every attempt lists the one that just failed too,
+  and how that one failed is `failure`, known here.
 * The calibration learned is never lost: every plan proposed carries a calibration at
   least as large as the failed plan's (and as the one the caller passes, e.g. the
   largest of the history, `learned_calibration`).
@@ -257,7 +259,12 @@ def decide_next(
     if attempts_made >= max_attempts:
         return NextStep(False, None, "", f"{what}; all {max_attempts} attempts are used")
     floor = _calibration_floor(failed, calibration)
-    excluded: list[Excluded] = list(failed_keys)
+    own = plan_key_of(failed)
+    # A bare key of the failed plan itself says no more than `failure` does (and, read as
+    # "never again", would forbid running an evicted plan again or giving a host-OOM'd plan
+    # more memory). Earlier failures of this very plan can only have been host OOMs with
+    # less pod memory: after a GPU OOM it is never proposed again.
+    excluded: list[Excluded] = [k for k in failed_keys if isinstance(k, FailedRun) or plan_key_of(k) != own]
     if failure.kind in _MEMORY_KINDS:
         excluded.append(FailedRun.of(failed, failure.kind))
     if failure.remedy is Remedy.RETRY_SAME:
