@@ -31,13 +31,13 @@ from typing import Any, Sequence
 
 from . import api
 from .children import PLAN_STATUS_ANNOTATION, Child, plan_annotation
-from .planning.plan import Infeasible, Plan, PlanKey, plan_key_of
+from .planning.plan import Infeasible, Plan
 from .planning.policy import ClusterPolicy
 from .planning.pools import GiB, NodePool
 from .planning.search import plan_job
-from .recovery.adjust import decide_next, replan_pinned
+from .recovery.adjust import decide_next, failed_runs, learned_calibration, replan_after_loss
 from .recovery.classify import Failure, FailureKind, classify_attempt, classify_pod
-from .recovery.classify import _most_specific as most_specific
+from .recovery.classify import most_specific
 from .recovery.redact import redact
 from .rendering.errors import RenderError
 from .rendering.layout import layout_of
@@ -56,8 +56,6 @@ BLOCKED_RETRY_SECONDS = 10.0
 MAX_EVIDENCE_MESSAGE = 512
 # The training job kind the lifecycle creates (one backend for now; the shell maps it to the API).
 TRAINING_JOB_API_VERSION, TRAINING_JOB_KIND = "kubeflow.org/v1", "PyTorchJob"
-# Outcomes that show a plan does not fit: such a plan is never planned again for the job.
-_MEMORY_OUTCOMES = frozenset({"GPUOutOfMemory", "HostOutOfMemory"})
 
 _OUTCOME_OF: dict[FailureKind, str] = {
     FailureKind.GPU_OUT_OF_MEMORY: "GPUOutOfMemory",
@@ -280,15 +278,6 @@ def _attempt_refs(name: str) -> list[ObjectRef]:
     return [ObjectRef(TRAINING_JOB_API_VERSION, TRAINING_JOB_KIND, name), ObjectRef("v1", "ConfigMap", name)]
 
 
-def _history(status: api.FineTuneJobStatus) -> tuple[tuple[PlanKey, ...], float]:
-    """What earlier attempts taught: plans that ran out of memory (never again), and the largest
-    calibration learned (never lost)."""
-    failed = tuple(plan_key_of(a.plan) for a in status.attempts
-                   if a.plan is not None and a.outcome in _MEMORY_OUTCOMES)
-    calibration = max([1.0] + [a.plan.calibration for a in status.attempts if a.plan is not None and a.plan.calibration])
-    return failed, calibration
-
-
 # ---------------------------------------------------------------------------
 # new attempts
 # ---------------------------------------------------------------------------
@@ -305,9 +294,10 @@ def _new_attempt(decision: Decision, observed: Observed, *, attempt: int, note: 
         return decision
     if not _attempts_left(job, observed.policy, attempt):
         return _give_up(decision, observed, "Failed", f"all {_max_attempts(job, observed.policy)} attempts are used")
-    excluded, calibration = _history(status)
-    result = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded, calibration=calibration,
-                      architecture=observed.architecture)
+    # Keep what earlier attempts taught (a status rebuilt after its current attempt was lost).
+    excluded = tuple(key for run in failed_runs(status.attempts) for key in run.keys())
+    result = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded,
+                      calibration=learned_calibration(status.attempts), architecture=observed.architecture)
     if isinstance(result, Infeasible):
         status.phase = "Pending"
         status.current_attempt = None
@@ -393,17 +383,15 @@ def _create_missing(decision: Decision, observed: Observed, attempt: int) -> Dec
             f"(delete or rename it; the operator never adopts or deletes it)" for ref in observed.foreign))
     if status.plan is None:
         return _new_attempt(decision, observed, attempt=attempt, note="")
-    plan = replan_pinned(job.spec, status.plan, list(observed.pools), observed.policy, observed.architecture)
+    # The recorded plan; when its pool is gone or changed, elsewhere, keeping what was learned.
+    plan = replan_after_loss(job.spec, status.plan, failed=failed_runs(status.attempts),
+                             calibration=learned_calibration(status.attempts), pools=list(observed.pools),
+                             policy=observed.policy, architecture=observed.architecture)
     if isinstance(plan, Infeasible):
-        # The pool of the recorded plan is gone or changed: plan afresh, keeping what was learned.
-        excluded, calibration = _history(status)
-        plan = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded, calibration=calibration,
-                        architecture=observed.architecture)
-        if isinstance(plan, Infeasible):
-            status.phase = "Pending"
-            set_condition(status, api.COND_PLANNED, "False", "NoFit", plan.message, now, generation)
-            decision.requeue_after = REPLAN_AFTER_SECONDS
-            return decision
+        status.phase = "Pending"
+        set_condition(status, api.COND_PLANNED, "False", "NoFit", plan.message, now, generation)
+        decision.requeue_after = REPLAN_AFTER_SECONDS
+        return decision
     return _launch(decision, observed, plan, attempt=attempt, note="")
 
 
@@ -547,10 +535,12 @@ def _move_unschedulable(decision: Decision, observed: Observed, child: Child, me
     _update_record(status, attempt, outcome="Unschedulable", end_time=now, message=what)
     if not _attempts_left(job, observed.policy, attempt + 1):
         return _give_up(decision, observed, "Unschedulable", f"{what}; all {_max_attempts(job, observed.policy)} attempts are used")
-    excluded, calibration = _history(status)
     others = [p for p in observed.pools if p.name != pool]
-    result = plan_job(job.spec, others, observed.policy, exclude=excluded, calibration=calibration,
-                      architecture=observed.architecture)
+    # The same settings elsewhere first (they were chosen for a reason), then a fresh plan.
+    result = replan_after_loss(job.spec, status.plan, failed=failed_runs(status.attempts),
+                               calibration=learned_calibration(status.attempts), pools=others,
+                               policy=observed.policy, architecture=observed.architecture) \
+        if status.plan is not None else Infeasible(message="no plan recorded")
     if isinstance(result, Infeasible):
         return _give_up(decision, observed, "Unschedulable", f"{what}; no other pool in the allowed regions fits: {result.message}")
     decision.events.append(Event("Warning", "Unschedulable", f"{what}; moving to {result.pool.name}"))
@@ -655,8 +645,6 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
     failed_plan = status.plan
     outcome = _OUTCOME_OF[failure.kind]
     observed_peak = round(failure.peak_allocated_bytes / GiB, 2) if failure.peak_allocated_bytes else None
-    # Every plan tried so far counts as failed here: the one that just failed included.
-    excluded = tuple(plan_key_of(a.plan) for a in status.attempts if a.plan is not None)
 
     if failed_plan is None:
         nxt = None
@@ -664,8 +652,8 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
     else:
         nxt = decide_next(
             job.spec, failure, failed_plan,
-            attempts_made=attempt, failed_keys=excluded, pools=list(observed.pools), policy=observed.policy,
-            architecture=observed.architecture,
+            attempts_made=attempt, failed_keys=failed_runs(status.attempts), pools=list(observed.pools),
+            policy=observed.policy, architecture=observed.architecture, calibration=learned_calibration(status.attempts),
         )
         why = nxt.why
     if nxt is None or not nxt.retry or nxt.plan is None:
