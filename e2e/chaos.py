@@ -269,6 +269,10 @@ class ChildTracker:
         with self.lock:
             return [n for _, n, _ in self.seen.get(job, [])]
 
+    def live_attempts(self, job: tuple[str, str]) -> list[int]:
+        with self.lock:
+            return [n for n in (attempt_number(meta(o).get("name", "")) for o in self.live(job)) if n is not None]
+
     def live_count(self, job: tuple[str, str]) -> int:
         with self.lock:
             return len(self.live(job))
