@@ -89,6 +89,8 @@ for _reason in FAILED_REASONS:
     JOBS_FINISHED.labels(result="Failed", reason=_reason)
 for _result in PLANNING_RESULTS:
     PLANNING_SECONDS.labels(result=_result)
+for _planned in ("true", "false"):
+    RECONCILE_SECONDS.labels(planned=_planned)
 for _phase in PHASES:
     JOBS_BY_PHASE.labels(phase=_phase)
 
