@@ -40,6 +40,9 @@ PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", 
 DISCOVERY_CACHE_SECONDS = 5.0
 # Attempts whose failed pods are remembered (oldest forgotten first).
 FAILED_POD_MEMORY = 512
+# The same event again within this time updates the first one's count (client-go: 10 minutes).
+EVENT_AGGREGATION_SECONDS = 600.0
+EVENT_MEMORY = 4096
 
 
 def _json(response: Any) -> dict[str, Any]:
@@ -56,6 +59,8 @@ class Cluster:
         self._pool_lock = threading.Lock()
         self._failed_pods: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
         self._failed_lock = threading.Lock()
+        self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
+        self._events_lock = threading.Lock()
 
     # -- FineTuneJobs -------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -236,23 +241,48 @@ class Cluster:
 
     # -- events -------------------------------------------------------------
     def post_event(self, job_body: dict[str, Any], event: lifecycle.Event) -> None:
+        """Post an Event about the job, the way client-go's recorder does: the same event again
+        within EVENT_AGGREGATION_SECONDS bumps the count of the first one instead of adding an
+        object (a flapping pod cannot flood the API), and names sort in time order (the job's
+        name and the nanosecond clock in hex), so `kubectl describe` lists events of one second
+        in the order they happened."""
         meta = job_body["metadata"]
         now = datetime.now(timezone.utc)
-        body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
-            involved_object=client.V1ObjectReference(
-                api_version=api.API_VERSION, kind=api.KIND, name=meta["name"],
-                namespace=meta["namespace"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion")),
-            type=event.type, reason=event.reason, message=event.message[:1024],
-            first_timestamp=now, last_timestamp=now, count=1,
-            source=client.V1EventSource(component="finetune-operator"),
-            reporting_component="finetune.dev/operator", reporting_instance="finetune-operator",
-            action=event.reason,
-        )
-        try:
-            self.core.create_namespaced_event(meta["namespace"], body)
-        except ApiException as error:  # events are best effort: never fail a reconcile for one
-            log.warning("could not post event %s: %s", event.reason, error.reason)
+        message = event.message[:1024]
+        key = (meta["namespace"], meta.get("uid"), event.type, event.reason, message)
+        with self._events_lock:
+            seen = self._events.get(key)
+            if seen is not None and (now - seen[1]).total_seconds() < EVENT_AGGREGATION_SECONDS:
+                name, first, count = seen
+                try:
+                    self.core.patch_namespaced_event(name, meta["namespace"], {
+                        "count": count + 1, "lastTimestamp": now.isoformat().replace("+00:00", "Z")})
+                    self._events[key] = (name, first, count + 1)
+                    return
+                except ApiException as error:
+                    if error.status != 404:
+                        log.warning("could not update event %s: %s", event.reason, error.reason)
+                        return
+            name = f"{meta['name']}.{time.time_ns():x}"
+            body = client.CoreV1Event(
+                metadata=client.V1ObjectMeta(name=name, namespace=meta["namespace"]),
+                involved_object=client.V1ObjectReference(
+                    api_version=api.API_VERSION, kind=api.KIND, name=meta["name"],
+                    namespace=meta["namespace"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion")),
+                type=event.type, reason=event.reason, message=message,
+                first_timestamp=now, last_timestamp=now, count=1,
+                source=client.V1EventSource(component="finetune-operator"),
+                reporting_component="finetune.dev/operator", reporting_instance="finetune-operator",
+                action=event.reason,
+            )
+            try:
+                self.core.create_namespaced_event(meta["namespace"], body)
+            except ApiException as error:  # events are best effort: never fail a reconcile for one
+                log.warning("could not post event %s: %s", event.reason, error.reason)
+                return
+            self._events[key] = (name, now, 1)
+            while len(self._events) > EVENT_MEMORY:
+                self._events.pop(next(iter(self._events)))
 
 
 class PolicyHolder:

@@ -307,7 +307,7 @@ def _new_attempt(decision: Decision, observed: Observed, *, attempt: int, note: 
             decision.events.append(Event("Warning", "NoFit", result.message))
         decision.requeue_after = REPLAN_AFTER_SECONDS
         return decision
-    return _launch(decision, observed, result, attempt=attempt, note=note or f"planned: {result.reason}")
+    return _launch(decision, observed, result, attempt=attempt, note=note)
 
 
 def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int, note: str) -> Decision:
@@ -360,8 +360,9 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
     blocked = condition(status, api.COND_BLOCKED)
     if not (relaunch and blocked is not None and blocked.status == "True"):
         # A create the API keeps refusing is retried quietly: the Blocked condition says why.
+        # Short: the long story (why this plan won) is in the Planned condition and status.plan.
         decision.events.append(Event("Normal", "Planned" if attempt == 1 else "Relaunched",
-                                     f"attempt {attempt}: {plan.summary()}. {note}".strip()))
+                                     f"attempt {attempt}: {plan.summary()}" + (f"; {note}" if note else "")))
     decision.requeue_after = RESYNC_SECONDS
     return decision
 

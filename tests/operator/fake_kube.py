@@ -240,4 +240,11 @@ class _Core:
         self.kube._delete("ConfigMap", namespace, name, body)
 
     def create_namespaced_event(self, namespace, body, **_):
-        self.kube.events.append(_plain(body))
+        body = _plain(body)
+        if self.kube.get("Event", namespace, body["metadata"]["name"]) is not None:
+            raise _error(409, "AlreadyExists", f'Event "{body["metadata"]["name"]}" already exists')
+        self.kube.events.append(body)
+        self.kube.put("Event", body)
+
+    def patch_namespaced_event(self, name, namespace, body, **_):
+        return self.kube._patch("Event", namespace, name, body, status=False)

@@ -315,3 +315,19 @@ class ControlLoop(RuleBasedStateMachine):
 ControlLoop.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_control_loop = ControlLoop.TestCase
+
+
+def test_a_repeated_event_is_aggregated_and_names_sort_in_time_order():
+    world = ReconcileWorld(job_document())
+    cluster = world.reconciler.cluster
+    from finetune_operator import lifecycle
+
+    for _ in range(5):
+        cluster.post_event(world.job, lifecycle.Event("Warning", "Flapping", "the same thing again"))
+    cluster.post_event(world.job, lifecycle.Event("Normal", "Other", "something else"))
+    stored = world.kube.of_kind("Event", NAMESPACE)
+    assert len(stored) == 2
+    flapping = next(e for e in stored if e["reason"] == "Flapping")
+    assert flapping["count"] == 5
+    # list order (by name) is creation order: kubectl describe keeps it for events of one second
+    assert [e["reason"] for e in sorted(stored, key=lambda e: e["metadata"]["name"])] == ["Flapping", "Other"]
