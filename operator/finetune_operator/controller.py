@@ -324,7 +324,7 @@ class Reconciler:
         try:
             job = api.parse_job(_without_status(body))
             job = job.model_copy(update={"status": status})
-            model_config, problems = self._read_model_config(job)
+            model_config, problems, waiting_for = self._read_model_config(job)
         except api.JobValidationError as error:
             decision = lifecycle.invalid(status, error.problems, now, body["metadata"].get("generation"))
             self._apply(body, job=None, decision=decision, policy=policy)
@@ -340,7 +340,8 @@ class Reconciler:
         needs_plan = current is None or current.state in ("Failed", "Pending")
         pools = self.cluster.pools(policy) if needs_plan else []
         observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
-                                      foreign=foreign, invalid=problems, model_config=model_config)
+                                      foreign=foreign, invalid=problems, model_config=model_config,
+                                      waiting_for=waiting_for)
         decision = lifecycle.step(observed)
         self._apply(body, job=job, decision=decision, policy=policy)
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
@@ -367,20 +368,26 @@ class Reconciler:
         self.cluster.post_event(body, lifecycle.Event("Warning", "StatusUnreadable", message))
         log.warning("%s/%s: %s", body["metadata"].get("namespace"), body["metadata"].get("name"), message)
 
-    def _read_model_config(self, job: api.FineTuneJob) -> tuple[dict[str, Any] | None, list[api.FieldProblem]]:
-        """The config.json a configMapRef architecture points at (reading is I/O; parsing it is the core's)."""
+    def _read_model_config(self, job: api.FineTuneJob) -> tuple[dict[str, Any] | None, list[api.FieldProblem], str | None]:
+        """The config.json a configMapRef architecture points at (reading is I/O; parsing it is the
+        core's): (config, problems, what is still missing). A ConfigMap or key that does not exist
+        yet is waited for, not an error: GitOps tools apply objects in any order."""
         ref = job.spec.model.architecture.config_map_ref
         if ref is None:
-            return None, []
+            return None, [], None
         path = "spec.model.architecture.configMapRef"
-        text = self.cluster.read_config_map_key(job.metadata.namespace or "default", ref.name, ref.key)
+        namespace = job.metadata.namespace or "default"
+        config_map = self.cluster.get_config_map(namespace, ref.name)
+        if config_map is None:
+            return None, [], f"ConfigMap {namespace}/{ref.name} ({path}) does not exist yet"
+        text = (config_map.get("data") or {}).get(ref.key)
         if text is None:
-            return None, [api.FieldProblem(path=path, message=f"ConfigMap {ref.name} has no key {ref.key!r} (or does not exist)")]
+            return None, [], f"ConfigMap {namespace}/{ref.name} ({path}) has no key {ref.key!r} yet"
         try:
             config = json.loads(text)
         except ValueError as error:
-            return None, [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key} is not JSON: {error}")]
-        return config, []
+            return None, [api.FieldProblem(path=path, message=f"{ref.name}/{ref.key} is not JSON: {error}")], None
+        return config, [], None
 
     def _apply(self, body: dict[str, Any], *, job: api.FineTuneJob | None, decision: lifecycle.Decision,
                policy: ClusterPolicy) -> None:

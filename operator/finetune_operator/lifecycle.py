@@ -50,6 +50,8 @@ from .sizing.from_job import architecture_of
 REPLAN_AFTER_SECONDS = 60.0
 # How often to look at a running attempt even when no event arrives.
 RESYNC_SECONDS = 30.0
+# How often to look again for an object the job refers to that does not exist yet.
+WAITING_RETRY_SECONDS = 5.0
 # How often to look again at a job that something only a person can fix blocks.
 BLOCKED_RETRY_SECONDS = 10.0
 # Longest message of a failed pod kept in status.
@@ -88,6 +90,7 @@ class Observed:
     foreign: Sequence[ObjectRef] = ()  # objects holding the current attempt's names, not controlled by this job
     invalid: list[api.FieldProblem] | None = None  # problems found by the shell (e.g. a configMapRef)
     model_config: dict[str, Any] | None = None  # the config.json a configMapRef architecture points at
+    waiting_for: str | None = None  # something the job refers to that does not exist yet (its configMapRef)
     architecture: ModelArchitecture | None = None  # resolved by `step`, not by the shell
 
 
@@ -158,6 +161,8 @@ def step(observed: Observed) -> Decision:
         layout_of(job.spec)  # sources the pods cannot read are the job's fault: say so now, not after planning
     except RenderError as error:
         problems.append(api.FieldProblem(path=error.path, message=error.message))
+    if not problems and observed.waiting_for is not None:
+        return _waiting_for(decision, observed)
     if not problems:
         try:
             observed = dataclasses.replace(observed, architecture=architecture_of(job.spec, observed.model_config))
@@ -172,6 +177,21 @@ def step(observed: Observed) -> Decision:
     if status.current_attempt is None:
         return _new_attempt(decision, observed, attempt=1, note="")
     return _follow_attempt(decision, observed)
+
+
+def _waiting_for(decision: Decision, observed: Observed) -> Decision:
+    """The job refers to an object that does not exist yet: say what is missing and look again
+    soon; nothing else changes (a running attempt runs on)."""
+    status, now, generation = decision.status, observed.now, observed.job.metadata.generation
+    message = f"waiting: {observed.waiting_for}"
+    previous = condition(status, api.COND_VALIDATED)
+    set_condition(status, api.COND_VALIDATED, "Unknown", "WaitingForConfigMap", message, now, generation)
+    if previous is None or previous.message != message:
+        decision.events.append(Event("Warning", "WaitingForConfigMap", message))
+    if status.current_attempt is None:
+        status.phase = "Pending"
+    decision.requeue_after = WAITING_RETRY_SECONDS
+    return decision
 
 
 def _architecture_problem(spec: api.FineTuneJobSpec, error: SizingError) -> api.FieldProblem:

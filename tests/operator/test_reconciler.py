@@ -331,3 +331,21 @@ def test_a_repeated_event_is_aggregated_and_names_sort_in_time_order():
     assert flapping["count"] == 5
     # list order (by name) is creation order: kubectl describe keeps it for events of one second
     assert [e["reason"] for e in sorted(stored, key=lambda e: e["metadata"]["name"])] == ["Flapping", "Other"]
+
+
+def test_a_configmap_architecture_that_arrives_later_is_waited_for():
+    doc = job_document()
+    doc["spec"]["model"]["architecture"] = {"configMapRef": {"name": "cfg"}}
+    world = ReconcileWorld(doc)
+    assert world.reconcile() is not None  # looks again soon
+    validated = world.conditions()["Validated"]
+    assert world.status["phase"] == "Pending" and validated["reason"] == "WaitingForConfigMap"
+    assert "cfg" in validated["message"] and world.ours("PyTorchJob") == []
+    config = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True}
+    world.kube.put("ConfigMap", {"metadata": {"name": "cfg", "namespace": NAMESPACE}, "data": {}})
+    world.reconcile()
+    assert "no key 'config.json'" in world.conditions()["Validated"]["message"]
+    world.kube.get("ConfigMap", NAMESPACE, "cfg")["data"]["config.json"] = __import__("json").dumps(config)
+    world.reconcile()
+    assert world.conditions()["Validated"]["status"] == "True" and len(world.ours("PyTorchJob")) == 1
