@@ -7,7 +7,8 @@ It starts its own lab (real etcd, kube-apiserver, scheduler, controller-manager,
 Kubeflow training operator, the fake GPU), installs the Helm chart and runs the operator as a
 local process authenticated as the chart's ServiceAccount (as e2e/demo.py does), then runs
 `--jobs` small FineTuneJobs (8B LoRA, short fake-GPU runs) over several namespaces, each with
-an injected fate, while:
+an injected fate (submitted paced by the kills, at most `--concurrency` at once, so jobs arrive
+over the whole fault phase), while:
 
 - the operator is SIGKILLed at random moments (`--kills`) and started again;
 - the kube-apiserver is stopped and started again on the same port and etcd (`--apiserver-restarts`);
@@ -428,7 +429,11 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
             try:
                 # submit
                 in_flight = sum(1 for p in plans if p.submitted_at is not None and not settled(p))
-                while pending and in_flight < cfg.concurrency:
+                # Paced by the kills, so that jobs keep arriving over the whole fault phase
+                # rather than finishing before most kills: job i waits for kill i*K/N.
+                kills_done = faults.count("operator-sigkill")
+                while pending and in_flight < cfg.concurrency and (
+                        chaos.finished.is_set() or kills_done >= (pending[0].index * cfg.kills) // max(cfg.jobs, 1)):
                     plan = pending[0]
                     if plan.fate.clash and plan.foreign is None:
                         kind, suffix = plan.fate.clash
