@@ -117,8 +117,9 @@ def test_operator_killed_midway_makes_no_duplicates(lab, operator, namespace):
 
 def test_invalid_job_gets_an_invalid_condition(lab, operator, namespace):
     start = time.monotonic()
+    lab.kubectl("create", "configmap", "not-json", "-n", namespace, "--from-literal=config.json={not json")
     job = h.job_from_example("llama-8b-lora.yaml", "no-config", namespace)
-    job["spec"]["model"]["architecture"] = {"configMapRef": {"name": "missing-config"}}
+    job["spec"]["model"]["architecture"] = {"configMapRef": {"name": "not-json"}}
     h.apply_job(lab, job)
     failed = h.wait_phase(lab, namespace, "no-config", ("Failed",), timeout=60)
     validated = h.condition(failed, "Validated")
@@ -126,6 +127,28 @@ def test_invalid_job_gets_an_invalid_condition(lab, operator, namespace):
     assert "spec.model.architecture.configMapRef" in validated["message"]
     assert h.pytorch_jobs(lab, namespace, "no-config") == []
     print(f"scenario invalid job: {h.elapsed(start)}")
+
+
+def test_a_configmap_that_arrives_later_is_waited_for(lab, operator, namespace):
+    """GitOps tools apply in any order: the job waits for its architecture ConfigMap, then runs."""
+    start = time.monotonic()
+    job = _fast(h.job_from_example("llama-8b-lora.yaml", "late-config", namespace, rule={"run-duration": "1s"}))
+    job["spec"]["model"]["architecture"] = {"configMapRef": {"name": "late-config"}}
+    h.apply_job(lab, job)
+
+    def waiting():
+        current = h.get_job(lab, namespace, "late-config")
+        validated = h.condition(current, "Validated") if current else None
+        return current if validated and validated["reason"] == "WaitingForConfigMap" else None
+
+    current = wait_for(waiting, 60, "Validated=Unknown WaitingForConfigMap")
+    assert current["status"]["phase"] == "Pending" and "late-config" in h.condition(current, "Validated")["message"]
+    assert h.pytorch_jobs(lab, namespace, "late-config") == []
+    config = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True}
+    lab.kubectl("create", "configmap", "late-config", "-n", namespace, f"--from-literal=config.json={json.dumps(config)}")
+    lab.kubectl("wait", "--for=condition=Succeeded", "ftj/late-config", "-n", namespace, "--timeout=120s", timeout=130)
+    print(f"scenario ConfigMap arriving later: {h.elapsed(start)}")
 
 
 def test_region_without_a_suitable_pool_stays_unplanned(lab, operator, namespace):
