@@ -6,14 +6,16 @@ writes (`up`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
-from pathlib import Path
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
 import yaml
 
-from chart_support import CHART, Rendered, kubernetes_version, with_values
+from chart_support import CHART, TOOLS_DIR, Rendered, kubernetes_version, with_values
 
 RELEASE_NS = "finetune-system"
 FULLNAME = "finetune-operator"
@@ -350,3 +352,57 @@ def test_schema_rejects_bad_monitoring_values(helm, default_values, tmp_path, pa
     # The schema refuses it (helm's path of a propertyNames error is unreliable, so only the refusal is checked).
     assert "don't meet the specifications of the schema" in proc.stderr, proc.stderr
 
+
+
+# ---------------------------------------------------------------------------
+# Prometheus's own parser, when built
+# ---------------------------------------------------------------------------
+
+PROMQL_CHECK_SOURCE = "tests/chart/promql_check"
+# What Grafana puts in place of its variables before a query reaches Prometheus.
+GRAFANA_VARIABLES = {"$__rate_interval": "2m", "$__range": "24h", "$__interval": "1m", "$namespace": ".*", "$job": ".*"}
+
+
+def find_promql_check() -> str | None:
+    for candidate in (str(TOOLS_DIR / "promql_check"), shutil.which("promql_check")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def run_promql_check(items: list[dict[str, str]]) -> subprocess.CompletedProcess:
+    binary = find_promql_check()
+    if binary is None:
+        pytest.skip(f"promql_check is not built: `cd {PROMQL_CHECK_SOURCE} && GOBIN={TOOLS_DIR} go install .` "
+                    "(Prometheus's PromQL parser, pinned in its go.mod)")
+    return subprocess.run([binary], input=json.dumps(items), capture_output=True, text=True, timeout=60)
+
+
+def grafana_interpolated(expr: str) -> str:
+    for variable, replacement in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, replacement)
+    assert "$" not in expr, f"a Grafana variable this test does not know: {expr}"
+    return expr
+
+
+def test_promql_check_finds_a_bad_expression():
+    proc = run_promql_check([{"where": "good", "expr": 'sum by (le) (rate(a_bucket{b="c"}[5m])) > 1'},
+                             {"where": "bad", "expr": "sum(rate(a[5m]) >"}, {"where": "for", "duration": "15 m"}])
+    assert proc.returncode == 1 and "bad:" in proc.stdout and "for:" in proc.stdout and "good" not in proc.stdout
+
+
+def test_prometheus_parses_every_rule_and_dashboard_query(render, default_values):
+    r = render(monitoring(default_values))
+    items = []
+    for name, rule in _rules(r).items():
+        items.append({"where": f"rule {name}", "expr": rule["expr"]})
+        if "for" in rule:
+            items.append({"where": f"rule {name} for", "duration": rule["for"]})
+    _, dashboard = _dashboard(r)
+    for where, expr in _exprs_of_dashboard(dashboard):
+        if where.startswith("variable "):
+            expr = re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", expr)
+        items.append({"where": f"dashboard {where}", "expr": grafana_interpolated(expr)})
+    proc = run_promql_check(items)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(items)} checked, 0 problems" in proc.stdout
