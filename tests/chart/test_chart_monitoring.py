@@ -406,3 +406,20 @@ def test_prometheus_parses_every_rule_and_dashboard_query(render, default_values
     proc = run_promql_check(items)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{len(items)} checked, 0 problems" in proc.stdout
+
+
+def test_readme_lists_every_metric_the_operator_exports():
+    """The chart README's metrics table and the registry agree: no metric undocumented, none documented
+    that is not exported."""
+    from prometheus_client import REGISTRY
+
+    import finetune_operator.metrics  # noqa: F401
+
+    families = set()
+    for family in REGISTRY.collect():
+        if family.name.startswith("finetune_"):
+            families.add(family.name + ("_total" if family.type == "counter" else ""))
+    text = (CHART / "README.md").read_text()
+    table = text.split("### Metrics", 1)[1].split("\n\n", 2)[1]
+    documented = set(re.findall(r"^\| `(finetune_[a-z_]+)` \|", table, flags=re.M))
+    assert documented == families, f"undocumented: {sorted(families - documented)}; not exported: {sorted(documented - families)}"
