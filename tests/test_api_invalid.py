@@ -123,6 +123,20 @@ CASES = [
     Case("uri-bad-scheme", _both(_delete("spec.model.source.pvc"), _set("spec.model.source.uri", "ftp://x/y")), "spec.model.source.uri", "pattern", True),
     Case("hf-without-revision", _set("spec.model.source", {"hf": {"repo": "meta-llama/Llama-3.1-8B"}}), "spec.model.source.hf.revision", "required", True),
     Case("queue-name-invalid", _set("spec.queueName", "team a/queue"), "spec.queueName", "pattern", True),
+    # text that reaches terminals and command lines
+    Case("model-name-newline", _set("spec.model.name", "Llama\nfake-row Succeeded"), "spec.model.name", "printable", True),
+    Case("model-name-trailing-newline", _set("spec.model.name", "Llama\n"), "spec.model.name", "line breaks", False),
+    Case("model-name-escape", _set("spec.model.name", "\x1b[2J\x1b[31mLlama"), "spec.model.name", "escape", True),
+    Case("model-name-c1-csi", _set("spec.model.name", "Llama\x9b31m"), "spec.model.name", "control characters", True),
+    Case("model-name-tab", _set("spec.model.name", "Llama\t8B"), "spec.model.name", "tabs", True),
+    Case("hf-revision-option", _set("spec.model.source", {"hf": {"repo": "meta-llama/Llama-3.1-8B", "revision": "--local-dir=/etc"}}),
+         "spec.model.source.hf.revision", "leading '-'", True),
+    Case("hf-revision-space", _set("spec.model.source", {"hf": {"repo": "meta-llama/Llama-3.1-8B", "revision": "main --force"}}),
+         "spec.model.source.hf.revision", "commit hash, tag or branch", True),
+    Case("checkpoint-read-only", _set("spec.checkpoint", {"pvc": {"claimName": "ckpt", "readOnly": True}}),
+         "spec.checkpoint.pvc.readOnly", "unknown field", False),
+    Case("output-read-only", _set("spec.output", {"pvc": {"claimName": "out", "readOnly": False}}),
+         "spec.output.pvc.readOnly", "unknown field", False),
     # names that are not DNS-1123
     Case("name-upper-case", _set("metadata.name", "Support-Bot"), "metadata.name", "DNS-1123", False),
     Case("name-underscore", _set("metadata.name", "support_bot"), "metadata.name", "DNS-1123", False),
@@ -160,6 +174,17 @@ def test_the_valid_base_job_is_valid(lora_job: Doc):
     job = api.parse_job(lora_job)
     assert job.spec.lora.target_modules == ["all-linear"]
     assert job.spec.resources.gpus == "auto"
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B-Instruct", "Qwen2.5 7B (Instruct) @ v2", "Modèle-FR ünï"])
+@pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/12", "0a1b2c3d4e5f", "release_2024-01+fix"])
+def test_ordinary_names_and_revisions_pass(lora_job: Doc, name: str, revision: str):
+    lora_job["spec"]["model"]["name"] = name
+    lora_job["spec"]["model"]["source"] = {"hf": {"repo": "meta-llama/Llama-3.1-8B", "revision": revision}}
+    job = api.parse_job(lora_job)
+    assert (job.spec.model.name, job.spec.model.source.hf.revision) == (name, revision)
+    errors = list(jsonschema.Draft4Validator(crd.openapi_schema()).iter_errors(lora_job))
+    assert not errors, [e.message for e in errors]
 
 
 def test_not_a_mapping():

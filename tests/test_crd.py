@@ -43,8 +43,39 @@ def test_identity_of_the_crd():
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["storage"] and version["served"]
     assert version["subresources"] == {"status": {}}
-    columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Model", "Method", "GPUs", "Pool", "Region", "Attempt", "Age"]
+    columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
+    assert columns == ["Phase", "Reason", "Model", "Method", "GPUs", "Pool", "Region", "Attempt", "Age"]
+    wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
+    assert wide == ["Strategy", "Predicted GiB", "GPU GiB"]
+
+
+def test_printer_columns_read_fields_the_status_has():
+    """Each column's JSONPath names a field of the status schema (a typo prints an empty column forever)."""
+    schema = crd.openapi_schema()
+    for column in crd.PRINTER_COLUMNS:
+        *parents, leaf = column["jsonPath"].lstrip(".").split(".")
+        node = schema
+        for key in parents:
+            node = node["properties"][key] if key != "metadata" else {"properties": {}}
+        if parents[0] != "metadata":
+            assert leaf in node["properties"], column
+            kind = node["properties"][leaf]["type"]
+            assert kind == column["type"] or (kind, column["type"]) == ("integer", "number"), column
+
+
+def test_conditions_are_a_map_keyed_by_type():
+    conditions = crd.openapi_schema()["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert "type" in conditions["items"]["required"]
+
+
+def test_checkpoint_and_output_volumes_have_no_read_only_field():
+    """They are always mounted read-write: a readOnly field there (defaulted to true) would lie."""
+    spec = crd.openapi_schema()["properties"]["spec"]["properties"]
+    assert "readOnly" not in spec["checkpoint"]["properties"]["pvc"]["properties"]
+    assert "readOnly" not in spec["output"]["properties"]["pvc"]["properties"]
+    assert spec["model"]["properties"]["source"]["properties"]["pvc"]["properties"]["readOnly"]["default"] is True
 
 
 def test_schema_is_structural():
@@ -84,6 +115,9 @@ def test_auto_or_int_fields_are_int_or_string_with_a_rule():
         assert node["default"] == "auto"
         (rule,) = node["x-kubernetes-validations"]
         assert "self == 'auto'" in rule["rule"]
+        # kubectl explain shows an int-or-string field as <Object>: the description says what it takes.
+        assert "Accepts `auto` or an integer from 1 to " in node["description"], node["description"]
+        assert "x-finetune-accepts" not in node
 
 
 def test_cel_rules_name_their_field_in_the_message_or_path():

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -64,12 +65,18 @@ class ApiModel(BaseModel):
     )
 
 
+ACCEPTS_KEY = "x-finetune-accepts"
+
+
 def _auto_or_int(minimum: int, maximum: int, what: str) -> Any:
     """`auto` or an integer in [minimum, maximum], spelled the way Kubernetes can check it."""
     return WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
             "anyOf": [{"type": "integer"}, {"type": "string"}],
+            # What the field accepts, added to its description by crd.py: `kubectl explain` can only
+            # call an int-or-string field <Object>.
+            ACCEPTS_KEY: f"`auto` or an integer from {minimum} to {maximum}",
             "x-kubernetes-validations": [
                 {
                     "rule": (
@@ -92,6 +99,28 @@ AutoOrMicroBatch = Annotated[
     _auto_or_int(1, 4096, "micro-batch size"),
 ]
 
+def _text_matching(pattern: str, message: str, max_length: int) -> Any:
+    """A string the CRD checks with `pattern` (Go RE2 at the API server) and pydantic with the
+    same pattern and a message a person reads (`fullmatch`: no trailing newline slips through)."""
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.fullmatch(value):
+            raise ValueError(message)
+        return value
+
+    return Annotated[
+        str, Field(min_length=1, max_length=max_length, json_schema_extra={"pattern": pattern}), AfterValidator(check)
+    ]
+
+
+# One line of printable text: no C0/C1 control characters (line breaks, tabs, ESC and CSI, which
+# start terminal escape sequences) in what `kubectl get` and logs print.
+PRINTABLE_LINE = r"^[^\x00-\x1f\x7f-\x9f]+$"
+# A git revision (commit hash, tag, branch, `refs/pr/N`) that no command reads as an option:
+# starts with a letter, digit or `_`, never with `-`.
+GIT_REVISION = r"^[A-Za-z0-9_][-A-Za-z0-9_.+/]*$"
+
 ShortName = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=DNS1123_SUBDOMAIN)]
 Text = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
 RelativePath = Annotated[
@@ -100,15 +129,13 @@ RelativePath = Annotated[
 ]
 
 
-class PvcSource(ApiModel):
+class _ClaimPath(ApiModel):
     """A path inside a PersistentVolumeClaim in the job's namespace."""
 
     claim_name: ShortName
     """Name of the PersistentVolumeClaim."""
     path: RelativePath | None = None
     """Path inside the volume, relative to its root; the whole volume when omitted."""
-    read_only: bool = True
-    """Mount the claim read-only (true for models and data; checkpoints are always mounted read-write)."""
 
     @field_validator("path")
     @classmethod
@@ -116,6 +143,17 @@ class PvcSource(ApiModel):
         if value is not None and ".." in value.split("/"):
             raise ValueError("must not contain '..' segments")
         return value
+
+
+class PvcSource(_ClaimPath):
+    """A path inside a PersistentVolumeClaim in the job's namespace, that the pods read."""
+
+    read_only: bool = True
+    """Mount the claim read-only (the default: the pods only read models and data); false mounts it read-write."""
+
+
+class PvcTarget(_ClaimPath):
+    """A path inside a PersistentVolumeClaim in the job's namespace, that the pods write: always mounted read-write."""
 
 
 class SecretKeyRef(ApiModel):
@@ -132,8 +170,13 @@ class HuggingFaceSource(ApiModel):
 
     repo: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")]
     """Repository id, `owner/name`."""
-    revision: Annotated[str, Field(min_length=1, max_length=200)]
-    """Commit hash, tag or branch. Required: an unpinned model is not reproducible."""
+    revision: _text_matching(
+        GIT_REVISION,
+        "must be a commit hash, tag or branch: letters, digits and . _ - + /, starting with a letter,"
+        " digit or '_' (a leading '-' would be read as an option of the download command)",
+        200,
+    )
+    """Commit hash, tag or branch (letters, digits, `. _ - + /`; not starting with `-`). Required: an unpinned model is not reproducible."""
     token_secret_ref: SecretKeyRef | None = None
     """Secret holding the Hub token, for gated or private models."""
 
@@ -299,8 +342,10 @@ class ArchitectureSource(ApiModel):
 class ModelSpec(ApiModel):
     """The model to fine-tune."""
 
-    name: Annotated[str, Field(min_length=1, max_length=200)]
-    """Human-readable model name, e.g. `meta-llama/Llama-3.1-8B-Instruct` (shown in `kubectl get`)."""
+    name: _text_matching(
+        PRINTABLE_LINE, "must be one line of printable text: no line breaks, tabs, escape or other control characters", 200
+    )
+    """Human-readable model name, e.g. `meta-llama/Llama-3.1-8B-Instruct` (shown in `kubectl get`): one line of printable text."""
     architecture: ArchitectureSource
     """Architecture used to size GPU memory."""
     source: ModelSource
@@ -392,7 +437,7 @@ class TrainingSpec(ApiModel):
     global_batch_size: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)] = 32
     """Sequences per optimizer step, over all GPUs: microBatchSize x gradient accumulation x data-parallel size."""
     micro_batch_size: AutoOrMicroBatch = "auto"
-    """Sequences per GPU per forward pass: `auto` (the planner picks the largest that fits) or a number."""
+    """Sequences per GPU per forward pass; `auto`: the planner picks the largest that fits."""
     max_steps: Annotated[int, Field(ge=1, le=100_000_000)] | None = None
     """Optimizer steps to run. Set this or `epochs`."""
     epochs: Annotated[float, Field(gt=0, le=10_000)] | None = None
@@ -464,7 +509,7 @@ class ResourcesSpec(ApiModel):
     )
 
     gpus: AutoOrPositiveInt = "auto"
-    """Total GPUs: `auto` (the cheapest count that fits) or a number."""
+    """Total GPUs; `auto`: the planner picks the cheapest count that fits."""
     max_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS, alias="maxGPUs")] = 8
     """Upper bound for `gpus: auto` and for recovery."""
     strategy: Strategy = "auto"
@@ -559,7 +604,7 @@ class RecoverySpec(ApiModel):
 class CheckpointSpec(ApiModel):
     """Checkpoints, so that a recovered attempt resumes instead of starting over."""
 
-    pvc: PvcSource
+    pvc: PvcTarget
     """Volume for checkpoints (ReadWriteMany when the plan spans nodes). Mounted read-write."""
     every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 200
     """Save every N optimizer steps."""
@@ -570,7 +615,7 @@ class CheckpointSpec(ApiModel):
 class OutputSpec(_VolumeOrUri):
     """Where the result (the adapter, or the full model) is written."""
 
-    pvc: PvcSource | None = None
+    pvc: PvcTarget | None = None
     """A volume path for the result. Mounted read-write."""
     uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs)://.+$")] | None = None
     """An `s3://` or `gs://` prefix to upload the result to."""
@@ -870,8 +915,13 @@ class FineTuneJobStatus(StatusModel):
 
     phase: Phase = "Pending"
     """Pending (validated, waiting for a plan that fits), Queued (a queueing system holds the attempt), Launching, Running, Recovering, Suspended, Succeeded or Failed."""
-    conditions: list[Condition] = []
-    """Validated, Planned, Queued, Running, Recovering, Suspended, Blocked, Succeeded, Failed."""
+    reason: Annotated[str, Field(max_length=1024)] | None = None
+    """Why the job is in its phase, in one CamelCase word: the reason of the condition that matters now (Blocked's, Failed's, Queued's, Planned=False's, ...). Shown by `kubectl get`."""
+    conditions: Annotated[
+        list[Condition],
+        Field(json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}),
+    ] = []
+    """Validated, Planned, Queued, Running, Recovering, Suspended, Blocked, Succeeded, Failed: at most one of each type."""
     plan: PlanStatus | None = None
     """The plan of the current attempt."""
     attempts: list[AttemptStatus] = []

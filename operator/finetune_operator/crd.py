@@ -17,14 +17,24 @@ import yaml
 
 from . import api
 
+# A column is one JSONPath, no logic: `Reason` reads `status.reason`, which the operator keeps as the
+# reason of the condition that matters now (summary.status_reason). Priority 1: only with `-o wide`.
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase"},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason",
+     "description": "Why the job is in its phase: the reason of the condition that matters now"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "description": "Model being fine-tuned"},
     {"name": "Method", "type": "string", "jsonPath": ".spec.method", "description": "full, lora or qlora"},
     {"name": "GPUs", "type": "integer", "jsonPath": ".status.plan.gpus", "description": "GPUs of the current plan"},
     {"name": "Pool", "type": "string", "jsonPath": ".status.plan.nodePool", "description": "Node pool of the current plan"},
     {"name": "Region", "type": "string", "jsonPath": ".status.plan.region", "description": "Region of the current plan"},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.currentAttempt", "description": "Current attempt"},
+    {"name": "Strategy", "type": "string", "jsonPath": ".status.plan.strategy", "priority": 1,
+     "description": "Strategy of the current plan: ddp, fsdp, zero1, zero2 or zero3"},
+    {"name": "Predicted GiB", "type": "number", "jsonPath": ".status.plan.predictedPeakGiB", "priority": 1,
+     "description": "Predicted peak GPU memory per GPU of the current plan, GiB"},
+    {"name": "GPU GiB", "type": "number", "jsonPath": ".status.plan.gpuMemoryGiB", "priority": 1,
+     "description": "GPU memory per GPU of the plan's GPU type, GiB"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -47,6 +57,7 @@ _KEPT_KEYS = {
     "x-kubernetes-int-or-string",
     "x-kubernetes-preserve-unknown-fields",
     "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
     "x-kubernetes-map-type",
 }
 
@@ -92,6 +103,10 @@ class _Converter:
         for key, value in node.items():
             if key in _KEPT_KEYS:
                 out[key] = copy.deepcopy(value)
+        if api.ACCEPTS_KEY in node:
+            # kubectl explain calls an int-or-string field <Object>: the description says what it takes.
+            described = (out.get("description") or "").rstrip()
+            out["description"] = f"{described}\nAccepts {node[api.ACCEPTS_KEY]}.".lstrip()
         if "exclusiveMinimum" in node:
             out["minimum"] = node["exclusiveMinimum"]
             out["exclusiveMinimum"] = True
