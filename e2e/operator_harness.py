@@ -51,6 +51,9 @@ class OperatorProcess:
     def __init__(self, lab: Any, workdir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.lab = lab
         self.extra_args = tuple(extra_args)  # more `finetune-operator run` flags, e.g. ("--workers", "8")
+        # Its name in the leader election: one per replica, kept across restarts of it (as a pod's
+        # name is across container restarts), so a restarted replica leads again at once.
+        self.identity = f"operator-{workdir.name}-{id(self):x}"
         self.workdir = workdir
         self.kubeconfig = lab.service_account_kubeconfig(RELEASE_NAMESPACE, service_account(),
                                                          path=workdir / "operator-sa.kubeconfig")
@@ -72,7 +75,7 @@ class OperatorProcess:
              "--kubeconfig", str(self.kubeconfig),
              "--policy-configmap", f"{RELEASE}-finetune-operator-policy", "--policy-namespace", RELEASE_NAMESPACE,
              "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
-             "--log-format", "plain", "--log-level", "info", *self.extra_args],
+             "--log-format", "plain", "--log-level", "info", "--identity", self.identity, *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         wait_for(self._healthy, 60, "the operator's health endpoint")

@@ -96,7 +96,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kubeconfig", help="kubeconfig to use (default: in-cluster, then ~/.kube/config)")
     p.add_argument("--health-port", type=int, default=8080, help="kopf liveness endpoint port (/healthz); 0 turns it off")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port; 0 turns it off")
-    p.add_argument("--peering", default="finetune-operator", help="kopf peering name ('' for standalone)")
+    p.add_argument("--lease", default="finetune-operator",
+                   help="Lease (in the policy namespace) that elects the one active replica ('' for a single replica, no election)")
+    p.add_argument("--identity", default=None, help="this replica's name in the election (default: $POD_NAME, else the host name)")
     p.add_argument("--workers", type=int, default=4, help="jobs reconciled in parallel")
     p.add_argument("--log-format", choices=["json", "plain"], default="json")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
@@ -123,12 +125,13 @@ def _run_operator(args: argparse.Namespace) -> int:
         policy_file=args.policy_file,
         metrics_port=args.metrics_port or None,
         workers=args.workers,
-        peering=args.peering or None,
+        lease=args.lease or None,
+        identity=args.identity,
         clusterwide=not args.namespace,
         kubeconfig=args.kubeconfig,
     )
     kopf.run(
-        standalone=not args.peering,
+        standalone=True,  # one active replica through our Lease, not kopf peering
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,

@@ -15,12 +15,14 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -43,6 +45,11 @@ FAILED_POD_MEMORY = 512
 # The same event again within this time updates the first one's count (client-go: 10 minutes).
 EVENT_AGGREGATION_SECONDS = 600.0
 EVENT_MEMORY = 4096
+# Retries of a reconcile that met a transient error.
+BASE_BACKOFF_SECONDS = 0.5
+MAX_BACKOFF_SECONDS = 30.0
+# What a dead or restarting API server looks like to the client.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
 
 
 def _json(response: Any) -> dict[str, Any]:
@@ -53,6 +60,7 @@ class Cluster:
     """Reads and writes of the Kubernetes API that reconciling a job needs."""
 
     def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self._pool_cache: tuple[float, list[NodePool]] | None = None
@@ -328,6 +336,7 @@ class Reconciler:
         except api.JobValidationError as error:
             decision = lifecycle.invalid(status, error.problems, now, body["metadata"].get("generation"))
             self._apply(body, job=None, decision=decision, policy=policy)
+            metrics.observe_reconcile(decision, time.monotonic() - started, planned=False)
             return None
         uid = body["metadata"].get("uid")
         children = self.cluster.list_children(namespace, name, uid)
@@ -492,6 +501,8 @@ class WorkQueue:
         self._counter = 0
         self._cv = threading.Condition()
         self._stopped = False
+        self._active = True  # False while another replica leads: keys wait, nothing is reconciled
+        self._failures: dict[tuple[str, str], int] = {}
         self._threads = [threading.Thread(target=self._work, name=f"reconcile-{i}", daemon=True) for i in range(workers)]
 
     def start(self) -> None:
@@ -504,6 +515,30 @@ class WorkQueue:
             self._cv.notify_all()
         for thread in self._threads:
             thread.join(timeout=10)
+
+    def _backoff(self, key: tuple[str, str]) -> float:
+        """Exponential backoff per key with full jitter, like client-go's rate limiter: 0.5 s
+        doubling to 30 s, so an API-server restart is not hammered by every job at once."""
+        failures = self._failures[key] = self._failures.get(key, 0) + 1
+        ceiling = min(MAX_BACKOFF_SECONDS, BASE_BACKOFF_SECONDS * 2 ** (failures - 1))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+    def set_active(self, active: bool) -> None:
+        """Hand out keys (this replica leads) or hold them (it does not)."""
+        with self._cv:
+            self._active = active
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no reconcile is running; False when `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(timeout=left)
+            return True
 
     def add(self, key: tuple[str, str], delay: float = 0.0) -> None:
         when = time.monotonic() + max(delay, 0.0)
@@ -519,6 +554,9 @@ class WorkQueue:
     def _next(self) -> tuple[str, str] | None:
         with self._cv:
             while not self._stopped:
+                if not self._active:
+                    self._cv.wait(timeout=1.0)
+                    continue
                 now = time.monotonic()
                 ready = None
                 for index, (when, _, key) in enumerate(sorted(self._heap)):
@@ -549,12 +587,18 @@ class WorkQueue:
             delay: float | None = None
             try:
                 delay = self._handle(key)
+                self._failures.pop(key, None)
             except ApiException as error:
                 if error.status == 409:  # the job changed under us: read it again now
                     delay = 0.0
                 else:
-                    log.warning("reconcile %s/%s: API error %s %s; retrying", *key, error.status, error.reason)
-                    delay = 5.0
+                    delay = self._backoff(key)
+                    log.warning("reconcile %s/%s: API error %s %s; retrying in %.1f s", *key, error.status, error.reason, delay)
+            except TRANSIENT_ERRORS as error:
+                # The API server is away (a restart, a network blip): one line, not a traceback.
+                delay = self._backoff(key)
+                log.warning("reconcile %s/%s: API unreachable (%s); retrying in %.1f s", *key,
+                            type(error).__name__, delay)
             except Exception:  # a bug must not kill the worker; the job is retried with backoff
                 log.exception("reconcile %s/%s failed; retrying", *key)
                 delay = 30.0

@@ -5,9 +5,11 @@ Every FineTuneJob, PyTorchJob and pod event puts the job's key on the work queue
 calls the pure lifecycle and writes the result. No kopf handler keeps progress on the
 object and none needs a finalizer: children go by ownerReference.
 
-Two replicas use kopf peering. kopf pauses *every* operator when peers share a priority,
-so each replica takes its priority from its start time: the oldest one runs, the others
-wait, and when it goes the next oldest resumes.
+Replicas elect one leader through a coordination Lease (`leadership.py`): every replica
+watches and queues, only the leader's work queue reconciles. A standby takes over a few
+seconds after the leader dies; a replica restarted in the same pod leads again at once.
+kopf's own peering is off: it pauses kopf's handlers, not our work queue, and its records
+expire only after their lifetime, which made a restarted operator wait.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kubernetes import client, config
 
 from . import api, metrics
 from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
+from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
 from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
 
@@ -42,7 +45,8 @@ class Options:
     policy_file: str | None = None  # for running outside a cluster
     metrics_port: int | None = 9090
     workers: int = 4
-    peering: str | None = "finetune-operator"
+    lease: str | None = "finetune-operator"  # the Lease of the leader election; None: act alone, no election
+    identity: str | None = None  # this replica's name in the election (default: $POD_NAME, else the host name)
     clusterwide: bool = True
     kubeconfig: str | None = None
 
@@ -55,6 +59,7 @@ class Runtime:
     policy: PolicyHolder = field(default_factory=lambda: PolicyHolder(ClusterPolicy()))
     known: set[tuple[str, str]] = field(default_factory=set)
     stop: threading.Event = field(default_factory=threading.Event)
+    leadership: Leadership | None = None
 
 
 RUNTIME = Runtime()
@@ -98,13 +103,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.networking.error_backoffs = [1, 2, 5, 10, 20, 30]
-    settings.peering.name = options.peering or "finetune-operator"
-    settings.peering.standalone = options.peering is None
-    settings.peering.clusterwide = options.clusterwide
-    # Oldest replica wins (see module docstring); the fraction keeps ties practically impossible.
-    settings.peering.priority = 2_000_000_000 - int(time.time() * 10) % 1_000_000_000
-    # A replica that died without saying goodbye blocks the others until its record expires.
-    settings.peering.lifetime = 30
+    # One active replica through our own Lease (see the module docstring), not kopf peering.
+    settings.peering.standalone = True
     # Only our pods and PyTorchJobs, filtered by the API server rather than in the operator.
     settings.watching.label_selectors["pods"] = JOB_LABEL
     settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = JOB_LABEL
@@ -115,12 +115,37 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.policy.set(_read_policy(cluster, options))
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy)
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
+    if options.lease:
+        RUNTIME.queue.set_active(False)  # until this replica leads
+        RUNTIME.leadership = Leadership(
+            cluster.api_client, LeaseSettings(namespace=options.policy_namespace, name=options.lease,
+                                              identity=options.identity or ""),
+            on_started=_lead, on_stopped=_follow)
+        RUNTIME.leadership.start()
     RUNTIME.queue.start()
     if options.policy_configmap:
         threading.Thread(target=_poll_policy, args=(cluster, options, RUNTIME.stop), name="policy", daemon=True).start()
     if options.metrics_port:
         metrics.serve(options.metrics_port)
     log.info("started: %d allowed regions, %d catalog pools", len(RUNTIME.policy.get().allowed_regions), len(RUNTIME.policy.get().catalog))
+
+
+def _lead() -> None:
+    """This replica leads: reconcile everything it has seen, now."""
+    if RUNTIME.queue is None:
+        return
+    RUNTIME.queue.set_active(True)
+    for key in list(RUNTIME.known):
+        RUNTIME.queue.add(key)
+
+
+def _follow() -> None:
+    """Another replica may lead soon: stop handing out work and let running reconciles end."""
+    if RUNTIME.queue is None:
+        return
+    RUNTIME.queue.set_active(False)
+    if not RUNTIME.queue.wait_idle(timeout=LEASE_DURATION_SECONDS):
+        log.warning("a reconcile still runs after losing the lease; its writes stay guarded by resourceVersion and uid")
 
 
 @kopf.on.login()
@@ -149,6 +174,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.cleanup()
 def shutdown(**_: Any) -> None:
     RUNTIME.stop.set()
+    if RUNTIME.leadership is not None:
+        RUNTIME.leadership.stop()
     if RUNTIME.queue is not None:
         RUNTIME.queue.stop()
 
@@ -165,7 +192,7 @@ def finetunejob_event(event: dict[str, Any], namespace: str, name: str, status: 
         RUNTIME.known.discard((namespace, name))
         metrics.track_phase(namespace, name, None)
         return
-    metrics.track_phase(namespace, name, (status or {}).get("phase") or "Pending")
+    metrics.track_phase(namespace, name, (status or {}).get("phase") or "Pending", status=status)
     _enqueue(namespace, name)
 
 

@@ -1,0 +1,116 @@
+"""One active replica: leader election through a coordination.k8s.io Lease.
+
+Every replica watches (cheap, and a standby is then warm); only the holder of the Lease
+reconciles. The Lease is the one Kubernetes controllers use, through the client library's
+`leaderelection` (optimistic updates of the Lease's holder and renew time):
+
+- the leader renews every `retry_period` seconds; when it cannot renew for `renew_deadline`
+  seconds it stops reconciling at once (before any standby may take over) and becomes a
+  candidate again;
+- a standby takes over `lease_duration` seconds after the last renew it saw, so a leader
+  that dies is replaced within about `lease_duration + retry_period` seconds;
+- the identity is the pod's name: a replica restarted in the same pod (a crash, an OOM kill)
+  finds the Lease held by itself and leads again at once, without waiting for it to expire.
+
+Correctness does not rest on the Lease alone: every write of a reconcile is guarded (status
+by resourceVersion, creates by deterministic names, deletes by uid), and the children are the
+truth of what runs, so two replicas overlapping for a moment cannot start a second run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from kubernetes import client
+from kubernetes.leaderelection import electionconfig, leaderelection
+from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
+
+log = logging.getLogger("finetune_operator.leadership")
+# The library logs every renew attempt at info level; its failures are reported here instead.
+logging.getLogger("leaderelection").setLevel(logging.WARNING)
+
+# A standby acts within about 3 to 4 s of the leader's death. The client library refuses a
+# retry period under 1 s and a renew deadline under 1.2 retry periods.
+LEASE_DURATION_SECONDS = 3
+RENEW_DEADLINE_SECONDS = 2
+RETRY_PERIOD_SECONDS = 1
+
+
+def default_identity() -> str:
+    """The pod's name (stable across container restarts), else the host name."""
+    return os.environ.get("POD_NAME") or socket.gethostname()
+
+
+@dataclass
+class LeaseSettings:
+    namespace: str
+    name: str = "finetune-operator"
+    identity: str = ""
+    lease_duration: float = LEASE_DURATION_SECONDS
+    renew_deadline: float = RENEW_DEADLINE_SECONDS
+    retry_period: float = RETRY_PERIOD_SECONDS
+
+
+class Leadership:
+    """Runs the election in a thread; calls `on_started` when this replica leads and
+    `on_stopped` as soon as it must stop (then it is a candidate again)."""
+
+    def __init__(self, api_client: client.ApiClient, settings: LeaseSettings,
+                 on_started: Callable[[], None], on_stopped: Callable[[], None]) -> None:
+        self.settings = settings
+        self.identity = settings.identity or default_identity()
+        self._api_client = api_client
+        self._on_started = on_started
+        self._on_stopped = on_stopped
+        self._stop = threading.Event()
+        self.leading = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _lock(self) -> LeaseLock:
+        lock = LeaseLock(self.settings.name, self.settings.namespace, self.identity)
+        # The library builds its client from the default configuration; use ours (kubeconfig,
+        # ServiceAccount) so the Lease is written with the operator's own identity.
+        lock.api_instance = client.CoordinationV1Api(self._api_client)
+        return lock
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            config = electionconfig.Config(
+                self._lock(),
+                lease_duration=self.settings.lease_duration,
+                renew_deadline=self.settings.renew_deadline,
+                retry_period=self.settings.retry_period,
+                onstarted_leading=self._started,
+                onstopped_leading=self._stopped,
+            )
+            try:
+                leaderelection.LeaderElection(config).run()
+            except Exception as error:  # the API may be away; stay a candidate
+                log.warning("leader election: %s; trying again", error)
+                if self.leading.is_set():
+                    self._stopped()
+            self._stop.wait(self.settings.retry_period)
+
+    def _started(self) -> None:
+        log.info("%s leads (lease %s/%s)", self.identity, self.settings.namespace, self.settings.name)
+        self.leading.set()
+        self._on_started()
+
+    def _stopped(self) -> None:
+        if not self.leading.is_set():
+            return
+        self.leading.clear()
+        log.warning("%s lost the lease %s/%s: reconciling stops until it leads again",
+                    self.identity, self.settings.namespace, self.settings.name)
+        self._on_stopped()
