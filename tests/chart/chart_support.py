@@ -151,16 +151,25 @@ def granted(rules: list[dict[str, Any]]) -> set[Grant]:
     return out
 
 
-def needed(scope: str, all_namespaces: bool, peering_name: str) -> set[Grant]:
-    """The grants operator_access.yaml lists for a scope (namespaced, cluster, peering)."""
+def needed(scope: str, lease_name: str = "finetune-operator") -> set[Grant]:
+    """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease)."""
     out: set[Grant] = set()
     for need in operator_access()["needs"]:
         if need["scope"] != scope:
             continue
-        resource = need["resource"]
-        if resource == "PEERINGS":
-            resource = "clusterkopfpeerings" if all_namespaces else "kopfpeerings"
-        name = peering_name if need.get("resourceName") == "PEERING" else ""
+        name = lease_name if need.get("resourceName") == "LEASE" else ""
         for verb in need["verbs"]:
-            out.add((need["group"], resource, verb, name))
+            out.add((need["group"], need["resource"], verb, name))
+    return out
+
+
+def forbidden(lease_name: str = "finetune-operator") -> list[tuple[str, str, str, str, str]]:
+    """operator_access.yaml's forbidden list as (where, group, resource, verb, name): where is
+    "watched" or "release"; group and resource split from kubectl's RESOURCE.GROUP; name "" for any."""
+    out = []
+    for item in operator_access()["forbidden"]:
+        resource, _, group = item["resource"].partition(".")
+        base, _, sub = resource.partition("/")
+        name = {"LEASE": lease_name, "OTHER": "kube-scheduler", None: ""}[item.get("name")]
+        out.append((item.get("where", "watched"), group, f"{base}/{sub}" if sub else base, item["verb"], name))
     return out

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from chart_support import CHART, Rendered, granted, kubernetes_version, needed, operator_access, with_values
+from chart_support import CHART, Rendered, forbidden, granted, kubernetes_version, needed, operator_access, with_values
 from finetune_operator.planning.policy import load_policy
 
 RELEASE_NS = "finetune-system"
@@ -81,11 +81,12 @@ def test_default_objects(render, default_values):
     r = render(default_values)
     assert r.kinds() == sorted([
         "ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
-        "PodDisruptionBudget", "ClusterKopfPeering",
+        "PodDisruptionBudget", "Role", "RoleBinding",
     ])
-    peering = r.one("ClusterKopfPeering", "finetune-operator")
-    assert peering["apiVersion"] == "kopf.dev/v1"
-    assert "namespace" not in peering["metadata"]
+    # The leader election's Role and its binding, in the release namespace; no kopf peering objects.
+    assert r.one("Role")["metadata"] == {**r.one("Role")["metadata"], "name": f"{FULLNAME}-leader-election",
+                                        "namespace": RELEASE_NS}
+    assert not any(o["apiVersion"].startswith("kopf.dev/") for o in r.objects)
 
 
 def _container(r: Rendered) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def test_deployment_runs_the_operator_as_agreed(render, default_values):
     assert _flag(args, "--policy-namespace") == [RELEASE_NS] == [policy_cm["namespace"]]
     assert _flag(args, "--health-port") == ["8080"]
     assert _flag(args, "--metrics-port") == ["9090"]
-    assert _flag(args, "--peering") == ["finetune-operator"]
+    assert _flag(args, "--lease") == ["finetune-operator"] and "--peering" not in args
     assert _flag(args, "--log-format") == ["json"]
     assert _flag(args, "--log-level") == ["info"]
     assert all(isinstance(a, str) for a in args)
@@ -319,10 +320,8 @@ def _rules(obj: dict[str, Any]) -> set:
 
 def test_all_namespaces_rbac_grants_exactly_what_the_operator_needs(render, default_values):
     r = render(default_values)
-    assert r.of_kind("Role") == [] and r.of_kind("RoleBinding") == []
-    want = (needed("namespaced", True, "finetune-operator") | needed("cluster", True, "finetune-operator")
-            | needed("peering", True, "finetune-operator"))
-    assert _rules(r.one("ClusterRole")) == want
+    assert _rules(r.one("ClusterRole")) == needed("namespaced") | needed("cluster")
+    _assert_lease_role(r)
     binding = r.one("ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": r.one("ClusterRole")["metadata"]["name"]}
@@ -330,30 +329,41 @@ def test_all_namespaces_rbac_grants_exactly_what_the_operator_needs(render, defa
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
 
 
+def _assert_lease_role(r: Rendered, lease: str = "finetune-operator") -> None:
+    """The leader election's Role: in the release namespace, exactly the lease needs (get and update of
+    the one Lease by name, create), bound to the operator's ServiceAccount."""
+    role = r.one("Role", f"{FULLNAME}-leader-election", RELEASE_NS)
+    assert _rules(role) == needed("lease", lease)
+    binding = r.one("RoleBinding", f"{FULLNAME}-leader-election", RELEASE_NS)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": f"{FULLNAME}-leader-election"}
+    sa = r.one("ServiceAccount")["metadata"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": RELEASE_NS}]
+
+
 def test_namespaced_rbac_grants_only_in_the_watched_namespaces(render, default_values):
     r = render(value_sets(default_values)["namespaced"])
     args = _container(r)["args"]
     assert "--all-namespaces" not in args and _flag(args, "--namespace") == ["team-a", "team-b"]
-    assert _rules(r.one("ClusterRole")) == needed("cluster", False, "finetune-operator")
+    assert _rules(r.one("ClusterRole")) == needed("cluster")
     sa = r.one("ServiceAccount")["metadata"]
     for ns in ("team-a", "team-b"):
         role = r.one("Role", FULLNAME, ns)
-        assert _rules(role) == needed("namespaced", False, "finetune-operator") | needed("peering", False, "finetune-operator")
+        assert _rules(role) == needed("namespaced")
         binding = r.one("RoleBinding", FULLNAME, ns)
         assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["name"] == FULLNAME
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": RELEASE_NS}]
-        assert r.one("KopfPeering", "finetune-operator", ns)["apiVersion"] == "kopf.dev/v1"
-    assert r.of_kind("ClusterKopfPeering") == []
     # The release namespace is not served, but the operator reads its policy there.
     reader = r.one("Role", f"{FULLNAME}-policy-reader", RELEASE_NS)
     assert _rules(reader) == {("", "configmaps", v, "") for v in ("get", "list", "watch")}
     r.one("RoleBinding", f"{FULLNAME}-policy-reader", RELEASE_NS)
+    _assert_lease_role(r)
 
 
 def test_namespaced_rbac_without_extra_reader_when_release_namespace_is_watched(render, default_values):
     r = render(value_sets(default_values)["namespaced-incl-release-ns"])
-    assert sorted(o["metadata"]["namespace"] for o in r.of_kind("Role")) == sorted(["team-a", RELEASE_NS])
-    assert all(o["metadata"]["name"] == FULLNAME for o in r.of_kind("Role"))
+    roles = sorted((o["metadata"]["namespace"], o["metadata"]["name"]) for o in r.of_kind("Role"))
+    assert roles == sorted([("team-a", FULLNAME), (RELEASE_NS, FULLNAME), (RELEASE_NS, f"{FULLNAME}-leader-election")])
 
 
 def test_rbac_never_grants_wildcards_secrets_or_writes_to_nodes(render, default_values):
@@ -363,16 +373,56 @@ def test_rbac_never_grants_wildcards_secrets_or_writes_to_nodes(render, default_
             for group, resource, verb, _ in _rules(obj):
                 assert "*" not in (group, resource, verb), obj["metadata"]["name"]
                 assert resource not in ("secrets", "serviceaccounts", "serviceaccounts/token", "pods/exec",
-                                        "pods/log", "leases"), (name, resource)
+                                        "pods/log"), (name, resource)
+                # Leases only in the leader election's Role (checked by _assert_lease_role).
+                assert resource != "leases" or obj["metadata"]["name"] == f"{FULLNAME}-leader-election"
                 assert not (resource == "nodes" and verb not in ("get", "list", "watch")), (name, verb)
                 assert verb not in ("escalate", "bind", "impersonate", "deletecollection"), (name, verb)
+
+
+def _grants_in(r: Rendered, namespace: str) -> set:
+    """What the ServiceAccount may do in one namespace: the ClusterRole and that namespace's Roles."""
+    out = set()
+    for obj in r.of_kind("ClusterRole") + [o for o in r.of_kind("Role") if o["metadata"]["namespace"] == namespace]:
+        out |= _rules(obj)
+    return out
+
+
+@pytest.mark.parametrize("name", ["default", "namespaced"])
+def test_rbac_grants_nothing_the_access_file_forbids(render, default_values, name):
+    """Every forbidden line, against the rendered roles: in a watched namespace (or the release
+    namespace for `where: release`), a grant matches by verb and resource, for any name or that name."""
+    r = render(with_values(value_sets(default_values)[name], **{"leaderElection.leaseName": "ft-lease"}))
+    _assert_lease_role(r, "ft-lease")
+    allowed = []
+    for where, group, resource, verb, obj_name in forbidden("ft-lease"):
+        grants = _grants_in(r, RELEASE_NS if where == "release" else "team-a")
+        if any((group, resource, verb, n) in grants for n in {"", obj_name}):
+            allowed.append((where, group, resource, verb, obj_name))
+    assert not allowed, allowed
+
+
+def test_leader_election_off_renders_no_lease_rules_and_one_replica_at_most(helm, render, default_values, tmp_path):
+    off = with_values(default_values, **{"leaderElection.enabled": False, "replicaCount": 1})
+    r = render(off)
+    assert _flag(_container(r)["args"], "--lease") == [""]
+    assert not any(res == "leases" for obj in r.of_kind("ClusterRole") + r.of_kind("Role") for _, res, _, _ in _rules(obj))
+    assert r.of_kind("Role") == [] and r.of_kind("RoleBinding") == []
+    render(with_values(off, replicaCount=0))
+    proc = helm.template(with_values(off, replicaCount=2), tmp_path, namespace=RELEASE_NS)
+    assert proc.returncode != 0
+    assert "replicaCount (2) needs leaderElection.enabled" in proc.stderr, proc.stderr
+    # Another lease name reaches the operator and its Role.
+    named = render(with_values(default_values, **{"leaderElection.leaseName": "ft-lease"}))
+    assert _flag(_container(named)["args"], "--lease") == ["ft-lease"]
+    _assert_lease_role(named, "ft-lease")
 
 
 def test_access_file_lists_a_reason_for_every_need():
     access = operator_access()
     for need in access["needs"]:
         assert need["why"].strip() and need["verbs"], need
-        assert need["scope"] in ("namespaced", "cluster", "peering"), need
+        assert need["scope"] in ("namespaced", "cluster", "lease"), need
     assert access["forbidden"]
 
 

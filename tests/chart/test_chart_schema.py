@@ -66,7 +66,10 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("pdb-min-zero", {"podDisruptionBudget.minAvailable": 0}, "/podDisruptionBudget/minAvailable"),
     ("spread-unknown-mode", {"topologySpread.whenUnsatisfiable": "Sometimes"}, "/topologySpread/whenUnsatisfiable"),
     ("monitor-interval", {"metrics.serviceMonitor.interval": "soon"}, "/metrics/serviceMonitor/interval"),
-    ("peering-name-invalid", {"peering.name": "Finetune Operator"}, "/peering/name"),
+    ("lease-name-invalid", {"leaderElection.leaseName": "Finetune Operator"}, "/leaderElection/leaseName"),
+    ("lease-name-empty", {"leaderElection.leaseName": ""}, "/leaderElection/leaseName"),
+    ("lease-enabled-string", {"leaderElection.enabled": "yes"}, "/leaderElection/enabled"),
+    ("peering-is-gone", {"peering": {"name": "finetune-operator"}}, "peering"),
 ]
 
 

@@ -84,7 +84,7 @@ renders it with toYaml, so values reach the operator as data, never as text spli
 {{- toYaml $policy -}}
 {{- end -}}
 
-{{/* The namespaces the namespaced objects (Roles, KopfPeerings) go to; empty when all are watched. */}}
+{{/* The namespaces the namespaced objects (Roles) go to; empty when all are watched. */}}
 {{- define "finetune-operator.watchedNamespaces" -}}
 {{- if not .Values.watch.allNamespaces -}}
 {{- toJson (uniq .Values.watch.namespaces) -}}
