@@ -238,8 +238,15 @@ def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, fl
 
 
 def build(force: bool = False, say=None) -> Installation:
-    """Build every lab binary for the pinned versions unless a complete build is cached."""
+    """Build every lab binary for the pinned versions unless a complete build is cached, then the
+    S3-compatible server (its own cache directory inside the lab's)."""
     say = say or (lambda msg: print(f"[lab build] {msg}", file=sys.stderr, flush=True))
+    installation = _build_kubernetes_lab(force, say)
+    build_s3_server(force=force, say=say)
+    return installation
+
+
+def _build_kubernetes_lab(force: bool, say) -> Installation:
     v = load_versions()
     existing = find_installation(v)
     if existing and not force:
@@ -280,3 +287,94 @@ def build(force: bool = False, say=None) -> Installation:
                 shutil.rmtree(staging, ignore_errors=True)
         say(f"lab binaries ready in {manifest['total_seconds']:.0f}s: {home}")
         return Installation(home)
+
+
+# ---------------------------------------------------------------------------
+# The S3-compatible server: rclone `serve s3`, from the small main module in s3server/
+# ---------------------------------------------------------------------------
+
+S3_MODULE_DIR = Path(__file__).resolve().parent / "s3server"
+S3_BINARY = "rclone-s3"
+RCLONE_MODULE = "github.com/rclone/rclone"
+S3_RECIPE = 1
+
+
+def check_s3_module(v: Versions) -> None:
+    """s3server/go.mod must require the rclone that versions.env pins."""
+    import re
+
+    go_mod = (S3_MODULE_DIR / "go.mod").read_text()
+    m = re.search(rf"^require {re.escape(RCLONE_MODULE)} (v\S+)$", go_mod, re.MULTILINE)
+    declared = m.group(1) if m else None
+    if declared != v.rclone:
+        raise BuildError(
+            f"e2e/lab/s3server/go.mod requires rclone {declared} but versions.env says RCLONE_VERSION={v.rclone};"
+            " edit the require line, run `go mod tidy` in e2e/lab/s3server, commit go.mod and go.sum"
+        )
+
+
+def s3_server_home(v: Versions | None = None) -> Path:
+    """<lab home>/s3/<key>: inside the lab's directory, so `prune` keeps it with the lab; keyed by
+    the rclone version, the main module's files and the Go version, so a bump rebuilds only it."""
+    import hashlib
+
+    v = v or load_versions()
+    h = hashlib.sha256(f"rclone={v.rclone}|{go_version()}|recipe={S3_RECIPE}".encode())
+    for name in ("go.mod", "go.sum", "main.go"):
+        h.update((S3_MODULE_DIR / name).read_bytes())
+    return lab_home(v) / "s3" / h.hexdigest()[:16]
+
+
+def find_s3_server(v: Versions | None = None) -> Path | None:
+    """The built S3 server binary, or None when it has not been built."""
+    v = v or load_versions()
+    if not v.rclone:
+        return None
+    home = s3_server_home(v)
+    binary = home / "bin" / S3_BINARY
+    return binary if (home / "build.json").is_file() and binary.is_file() else None
+
+
+def build_s3_server(force: bool = False, say=None) -> Path | None:
+    """Build (or reuse) the S3 server for RCLONE_VERSION; None when versions.env pins none."""
+    say = say or (lambda msg: print(f"[lab build] {msg}", file=sys.stderr, flush=True))
+    v = load_versions()
+    if not v.rclone:
+        say("no RCLONE_VERSION in versions.env: no S3 server")
+        return None
+    existing = find_s3_server(v)
+    if existing and not force:
+        say(f"reusing {existing}")
+        return existing
+    check_s3_module(v)
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    home = s3_server_home(v)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        existing = find_s3_server(v)
+        if existing and not force:
+            return existing
+        home.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{home.name}.partial-", dir=home.parent))
+        log_path = home.parent / f"{home.name}.build.log"
+        say(f"building the S3 server (rclone {v.rclone} serve s3) into {home} (log: {log_path})")
+        t0 = time.monotonic()
+        try:
+            (staging / "bin").mkdir()
+            ldflags = f"-s -w -X github.com/rclone/rclone/fs.Version={v.rclone}"
+            with open(log_path, "w") as log:
+                _run(["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags={ldflags}",
+                      "-o", str(staging / "bin" / S3_BINARY), "."], S3_MODULE_DIR, dict(os.environ), log)
+            seconds = round(time.monotonic() - t0, 1)
+            manifest = {"rclone": v.rclone, "go": go_version(), "seconds": seconds,
+                        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            (staging / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            if home.exists():
+                shutil.rmtree(home)
+            staging.rename(home)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        say(f"built the S3 server in {seconds:.0f}s: {home / 'bin' / S3_BINARY}")
+        return home / "bin" / S3_BINARY

@@ -26,6 +26,10 @@ class Versions:
     kwok: str
     training_operator: str
     helm: str
+    # The lab's S3-compatible server (rclone `serve s3`). Optional in the file's grammar, and not
+    # part of cache_key: it is built into its own directory under the lab's (build.s3_server_home),
+    # so pinning or bumping it never rebuilds the Kubernetes binaries.
+    rclone: str | None = None
 
     @property
     def staging(self) -> str:
@@ -42,6 +46,8 @@ class Versions:
         (go.sum); build.cache_key adds the Go version."""
         h = hashlib.sha256()
         for f in fields(self):
+            if f.name in _OWN_CACHE:
+                continue
             h.update(f"{f.name}={getattr(self, f.name)}\n".encode())
         go_sum = TOOLS_DIR / "go.sum"
         if go_sum.exists():
@@ -56,6 +62,9 @@ _KEYS = {
     "TRAINING_OPERATOR_VERSION": "training_operator",
     "HELM_VERSION": "helm",
 }
+# Keys a versions.env may leave out; their components are built into a cache of their own.
+_OPTIONAL_KEYS = {"RCLONE_VERSION": "rclone"}
+_OWN_CACHE = set(_OPTIONAL_KEYS.values())
 
 
 def parse_versions(text: str) -> Versions:
@@ -68,11 +77,12 @@ def parse_versions(text: str) -> Versions:
         if not sep:
             raise VersionsError(f"versions.env line {lineno}: expected KEY=VALUE, got {raw!r}")
         key, value = key.strip(), value.strip()
-        if key not in _KEYS:
-            raise VersionsError(f"versions.env line {lineno}: unknown key {key!r} (known: {sorted(_KEYS)})")
+        known = {**_KEYS, **_OPTIONAL_KEYS}
+        if key not in known:
+            raise VersionsError(f"versions.env line {lineno}: unknown key {key!r} (known: {sorted(known)})")
         if not _SEMVER.match(value):
             raise VersionsError(f"versions.env: {key}={value!r} is not a version like v1.2.3")
-        values[_KEYS[key]] = value
+        values[known[key]] = value
     missing = sorted(k for k, attr in _KEYS.items() if attr not in values)
     if missing:
         raise VersionsError(f"versions.env: missing {', '.join(missing)}")

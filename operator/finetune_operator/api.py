@@ -181,6 +181,84 @@ class HuggingFaceSource(ApiModel):
     """Secret holding the Hub token, for gated or private models."""
 
 
+S3_ENDPOINT = r"^https?://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?/?$"
+# S3 bucket names (the rules AWS and S3-compatible servers share): 3-63 lower-case letters,
+# digits, '.' and '-', starting and ending with a letter or digit.
+S3_BUCKET = r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"
+UNSUPPORTED_URI_MESSAGE = (
+    "uri sources and outputs are not supported yet (gs://, https://, and s3:// without an endpoint);"
+    " for S3-compatible object storage use s3 (endpoint, bucket, key, credentialsSecretRef), or a pvc"
+)
+
+
+# What a key of a Secret's data may be.
+SecretDataKey = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")]
+
+
+class S3CredentialsRef(ApiModel):
+    """A Secret in the job's namespace holding the access key pair. Its values reach the pods only as
+    environment variables of the containers that transfer (`secretKeyRef`), never in the trainer config."""
+
+    name: ShortName
+    """Name of the Secret."""
+    access_key_id_key: SecretDataKey = "accessKeyId"
+    """Key of the Secret that holds the access key id."""
+    secret_access_key_key: SecretDataKey = "secretAccessKey"
+    """Key of the Secret that holds the secret access key."""
+
+
+class S3Location(ApiModel):
+    """A bucket and key at an S3-compatible endpoint (path-style requests, SigV4). The endpoint
+    must be one the cluster policy's `objectStorage` lists, in a region the job may use."""
+
+    endpoint: Annotated[str, Field(min_length=1, max_length=255, pattern=S3_ENDPOINT)]
+    """Endpoint URL, `https://host[:port]` (or `http://` where the policy lists it), e.g.
+    `https://s3.eu-de-berlin.example`. Its region comes from the cluster policy, never from the job."""
+    bucket: Annotated[str, Field(min_length=3, max_length=63, pattern=S3_BUCKET)]
+    """Bucket name."""
+    key: Annotated[str, Field(max_length=MAX_TEXT, pattern=r"^([^/].*)?$")] = ""
+    """Object key, or a key prefix ending in `/` for a folder (everything under it); empty for the
+    whole bucket. A model and an output are always folders (a `/` is added)."""
+    credentials_secret_ref: S3CredentialsRef
+    """Secret with the access key pair."""
+    signing_region: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][-a-z0-9]*$")] = "us-east-1"
+    """Region name used to sign requests (SigV4); most S3-compatible servers accept any, often `us-east-1`."""
+
+    @field_validator("key")
+    @classmethod
+    def _no_parent(cls, value: str) -> str:
+        if any(part in ("..", ".") for part in value.split("/")):
+            raise ValueError("must not contain '.' or '..' segments")
+        return value
+
+    @property
+    def folder_key(self) -> str:
+        """The key as a folder prefix (ends with `/`, or empty)."""
+        return self.key if self.key == "" or self.key.endswith("/") else self.key + "/"
+
+
+def _unsupported_uri(schemes: str) -> Any:
+    """A `uri` field kept in the API so that the API server says why it is refused."""
+    return WithJsonSchema(
+        {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_TEXT,
+            "x-kubernetes-validations": [{"rule": "false", "message": UNSUPPORTED_URI_MESSAGE}],
+            "description": f"Not supported yet ({schemes}): refused by the API server. Use `s3` or `pvc`.",
+        }
+    )
+
+
+UnsupportedUri = Annotated[str, Field(min_length=1, max_length=MAX_TEXT), _unsupported_uri("s3://, gs://, https://")]
+
+
+def _reject_uri(value: str | None) -> str | None:
+    if value is not None:
+        raise ValueError(UNSUPPORTED_URI_MESSAGE)
+    return value
+
+
 class ModelSource(ApiModel):
     """Where the model weights come from. Set exactly one of `pvc`, `uri`, `hf`."""
 
@@ -188,8 +266,8 @@ class ModelSource(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
-                    "rule": "[has(self.pvc), has(self.uri), has(self.hf)].filter(x, x).size() == 1",
-                    "message": "set exactly one of pvc, uri, hf",
+                    "rule": "[has(self.pvc), has(self.uri), has(self.hf), has(self.s3)].filter(x, x).size() == 1",
+                    "message": "set exactly one of pvc, s3, hf",
                 }
             ]
         }
@@ -197,14 +275,21 @@ class ModelSource(ApiModel):
 
     pvc: PvcSource | None = None
     """Weights already on a volume (`HF_HUB_OFFLINE=1` is set in the pods)."""
-    uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs|https)://.+$")] | None = None
-    """An archive or prefix at `s3://`, `gs://` or `https://`, unpacked before training."""
+    s3: S3Location | None = None
+    """A folder (key prefix) in S3-compatible object storage, downloaded into the pods before training."""
+    uri: UnsupportedUri | None = None
+    """Not supported yet (`s3://`, `gs://`, `https://`): refused. Use `s3` or `pvc`."""
     hf: HuggingFaceSource | None = None
     """A Hugging Face Hub repository at a pinned revision."""
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_unsupported(cls, value: str | None) -> str | None:
+        return _reject_uri(value)
+
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSource":
-        _require_exactly_one(self, ("pvc", "uri", "hf"))
+        _require_exactly_one(self, ("pvc", "s3", "hf"), also=("uri",))
         return self
 
 
@@ -214,28 +299,40 @@ class _VolumeOrUri(ApiModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                {"rule": "has(self.pvc) != has(self.uri)", "message": "set exactly one of pvc, uri"}
+                {
+                    "rule": "[has(self.pvc), has(self.uri), has(self.s3)].filter(x, x).size() == 1",
+                    "message": "set exactly one of pvc, s3",
+                }
             ]
         }
     )
 
+    @field_validator("uri", check_fields=False)
+    @classmethod
+    def _uri_unsupported(cls, value: str | None) -> str | None:
+        return _reject_uri(value)
+
     @model_validator(mode="after")
     def _exactly_one(self) -> "_VolumeOrUri":
-        _require_exactly_one(self, ("pvc", "uri"))
+        _require_exactly_one(self, ("pvc", "s3"), also=("uri",))
         return self
 
 
 class DataSource(_VolumeOrUri):
-    """Where the training data comes from. Set exactly one of `pvc`, `uri`."""
+    """Where the training data comes from. Set exactly one of `pvc`, `s3`."""
 
     pvc: PvcSource | None = None
     """A JSONL file (or a folder of them) on a volume."""
-    uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs|https)://.+$")] | None = None
-    """A JSONL file at `s3://`, `gs://` or `https://`."""
+    s3: S3Location | None = None
+    """A JSONL object, or a folder (key ending in `/`) of `*.jsonl` objects, in S3-compatible object
+    storage; downloaded into the pods before training."""
+    uri: UnsupportedUri | None = None
+    """Not supported yet (`s3://`, `gs://`, `https://`): refused. Use `s3` or `pvc`."""
 
 
-def _require_exactly_one(model: BaseModel, names: tuple[str, ...]) -> None:
-    set_names = [n for n in names if getattr(model, n) is not None]
+def _require_exactly_one(model: BaseModel, names: tuple[str, ...], also: tuple[str, ...] = ()) -> None:
+    """Exactly one of `names` set; `also` are fields that count as set but are refused elsewhere."""
+    set_names = [n for n in names + also if getattr(model, n) is not None]
     if len(set_names) != 1:
         spelled = ", ".join(to_camel(n) for n in names)
         found = ", ".join(to_camel(n) for n in set_names) or "none"
@@ -613,12 +710,15 @@ class CheckpointSpec(ApiModel):
 
 
 class OutputSpec(_VolumeOrUri):
-    """Where the result (the adapter, or the full model) is written."""
+    """Where the result (the adapter, or the full model) is written. Set exactly one of `pvc`, `s3`."""
 
     pvc: PvcTarget | None = None
     """A volume path for the result. Mounted read-write."""
-    uri: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, pattern=r"^(s3|gs)://.+$")] | None = None
-    """An `s3://` or `gs://` prefix to upload the result to."""
+    s3: S3Location | None = None
+    """A folder (key prefix) in S3-compatible object storage: the master pod uploads the result there
+    after training succeeds."""
+    uri: UnsupportedUri | None = None
+    """Not supported yet (`s3://`, `gs://`): refused. Use `s3` or `pvc`."""
 
 
 Method = Literal["full", "lora", "qlora"]

@@ -228,6 +228,22 @@ def test_policy_configmap_is_the_operators_cluster_policy(render, default_values
     assert [pool.name for pool in policy.catalog] == [pool["name"] for pool in p["catalog"]]
 
 
+def test_object_storage_reaches_the_operator(render, default_values):
+    """The policy's objectStorage: every field the schema allows loads, endpoints in one spelling."""
+    entries = [
+        {"endpoint": "https://S3.eu-de-berlin.internal:443/", "region": "eu-de-berlin"},
+        {"endpoint": "http://127.0.0.1:8333", "region": "eu-fr-paris", "accessibleFrom": ["eu-fr-paris", "eu-de-berlin"]},
+    ]
+    schema = __import__("json").loads((CHART / "values.schema.json").read_text())
+    assert set(entries[1]) == set(schema["properties"]["policy"]["properties"]["objectStorage"]["items"]["properties"])
+    assert load_policy(render(default_values).one("ConfigMap")["data"]["policy.yaml"]).object_storage == []
+    values = with_values(default_values, **{"policy.objectStorage": entries})
+    loaded = load_policy(render(values).one("ConfigMap")["data"]["policy.yaml"])
+    berlin, paris = loaded.object_storage
+    assert (berlin.endpoint, berlin.usable_regions) == ("https://s3.eu-de-berlin.internal", ["eu-de-berlin"])
+    assert (paris.endpoint, paris.usable_regions) == ("http://127.0.0.1:8333", ["eu-fr-paris", "eu-de-berlin"])
+
+
 def test_every_catalog_field_the_schema_allows_reaches_the_operator(render, default_values):
     """The schema's pool fields and the operator's catalog loader agree: a pool using every field the
     schema allows loads, and keeps the values given."""

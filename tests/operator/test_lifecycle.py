@@ -266,13 +266,16 @@ def test_condition_transition_time_moves_only_on_change():
 
 
 def test_a_source_the_pods_cannot_read_is_invalid_before_planning():
+    # Object storage the cluster policy does not list (POLICY has no objectStorage).
     job = example("llama-8b-lora.yaml", model={
-        "name": "m", "architecture": {"preset": "llama-3.1-8b"}, "source": {"uri": "s3://bucket/llama"}})
+        "name": "m", "architecture": {"preset": "llama-3.1-8b"},
+        "source": {"s3": {"endpoint": "https://s3.elsewhere.example", "bucket": "models", "key": "llama/",
+                          "credentialsSecretRef": {"name": "s3"}}}})
     world = World(job)
     decision = world.step()
     assert world.job.status.phase == "Failed" and decision.create == []
     validated = next(c for c in world.job.status.conditions if c.type == "Validated")
-    assert validated.reason == "Invalid" and "spec.model.source.uri" in validated.message
+    assert validated.reason == "Invalid" and "spec.model.source.s3.endpoint" in validated.message
 
 
 def test_a_long_job_name_still_finds_its_pods():

@@ -334,20 +334,20 @@ def test_hub_model_is_fetched_by_an_init_container(lora_job):
     [
         ("model", {"uri": "s3://bucket/llama"}, "spec.model.source.uri"),
         ("dataset", {"uri": "https://example.com/train.jsonl"}, "spec.dataset.source.uri"),
-        ("output", {"uri": "s3://bucket/out"}, "spec.output.uri"),
+        ("output", {"uri": "gs://bucket/out"}, "spec.output.uri"),
     ],
 )
-def test_sources_the_pods_cannot_fetch_are_named(lora_job, where, value, path):
+def test_uri_sources_are_refused_as_not_supported_yet(lora_job, where, value, path):
     if where == "model":
         lora_job["spec"]["model"]["source"] = value
     elif where == "dataset":
         lora_job["spec"]["dataset"]["source"] = value
     else:
         lora_job["spec"]["output"] = value
-    job = job_of(lora_job)
-    with pytest.raises(RenderError) as error:
-        render_attempt(job, plan_for(job), 1, policy())
-    assert error.value.path == path
+    with pytest.raises(api.JobValidationError) as error:
+        job_of(lora_job)
+    assert [p.path for p in error.value.problems] == [path]
+    assert "not supported yet" in error.value.problems[0].message
 
 
 def test_trainer_config_follows_the_plan(lora_job):

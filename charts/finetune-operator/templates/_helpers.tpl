@@ -80,6 +80,7 @@ renders it with toYaml, so values reach the operator as data, never as text spli
   "createRetrySeconds" $p.createRetrySeconds
   "trainerImage" (include "finetune-operator.trainerImage" .)
   "catalog" $p.catalog
+  "objectStorage" ($p.objectStorage | default list)
 -}}
 {{- toYaml $policy -}}
 {{- end -}}

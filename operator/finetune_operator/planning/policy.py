@@ -6,6 +6,7 @@ of sovereignty: a job's `placement.regions` can only narrow it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -28,6 +29,57 @@ DEFAULT_TRAINER_IMAGE = "ghcr.io/finetune-operator/trainer:0.1.0"
 
 class PolicyError(ValueError):
     """A cluster policy that cannot be used; the message names the field."""
+
+
+_ENDPOINT = re.compile(r"^(https?)://([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?)(:([0-9]{1,5}))?/?$", re.IGNORECASE)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def normalize_endpoint(url: str) -> str:
+    """`scheme://host[:port]` in one spelling: lower case, no default port, no trailing slash.
+    Raises ValueError for anything else (a path, user info, a query)."""
+    match = _ENDPOINT.match(url.strip())
+    if match is None:
+        raise ValueError(f"{url!r} is not an endpoint URL of the form http(s)://host[:port]")
+    scheme, host = match.group(1).lower(), match.group(2).lower()
+    port = int(match.group(5)) if match.group(5) else _DEFAULT_PORTS[scheme]
+    if not 0 < port < 65536:
+        raise ValueError(f"{url!r}: port {port} is out of range")
+    return f"{scheme}://{host}" + ("" if port == _DEFAULT_PORTS[scheme] else f":{port}")
+
+
+class ObjectStorageEndpoint(BaseModel):
+    """An S3-compatible endpoint jobs may read from and write to, and where its data lives."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True, use_attribute_docstrings=True
+    )
+
+    endpoint: str
+    """`https://host[:port]` (or `http://`), as jobs spell it in `s3.endpoint`; compared case-insensitively,
+    without a default port or trailing slash."""
+    region: str = Field(min_length=1, max_length=63)
+    """The region the storage keeps its data in."""
+    accessible_from: list[str] = []
+    """Regions whose pods may read from and write to it; only `region` when empty. Listing another
+    region says that data may be trained on there (and results written back from there)."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _normal(cls, value: str) -> str:
+        return normalize_endpoint(value)
+
+    @field_validator("accessible_from")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("regions must be unique")
+        return value
+
+    @property
+    def usable_regions(self) -> list[str]:
+        """Regions whose pods may use it."""
+        return list(self.accessible_from) or [self.region]
 
 
 class ClusterPolicy(BaseModel):
@@ -67,6 +119,9 @@ class ClusterPolicy(BaseModel):
     """Node labels that name a node's pool, tried in order; the catalog's selectors are tried first."""
     catalog: list[NodePool] = []
     """Pools the platform team describes (they may scale from zero)."""
+    object_storage: list[ObjectStorageEndpoint] = []
+    """S3-compatible endpoints jobs may use for models, data and outputs, each with the region its data
+    lives in. An endpoint not listed here is refused (the job is Invalid, naming the field)."""
 
     @field_validator("allowed_regions")
     @classmethod
@@ -74,6 +129,23 @@ class ClusterPolicy(BaseModel):
         if len(set(value)) != len(value):
             raise ValueError("regions must be unique")
         return value
+
+    @field_validator("object_storage")
+    @classmethod
+    def _unique_endpoints(cls, value: list[ObjectStorageEndpoint]) -> list[ObjectStorageEndpoint]:
+        endpoints = [e.endpoint for e in value]
+        twice = sorted({e for e in endpoints if endpoints.count(e) > 1})
+        if twice:
+            raise ValueError(f"endpoints listed twice: {', '.join(twice)}")
+        return value
+
+    def object_storage_for(self, endpoint: str) -> ObjectStorageEndpoint | None:
+        """The policy's entry for an endpoint, however it is spelled; None when not listed."""
+        try:
+            wanted = normalize_endpoint(endpoint)
+        except ValueError:
+            return None
+        return next((e for e in self.object_storage if e.endpoint == wanted), None)
 
 
 def load_policy(source: str | dict[str, Any]) -> ClusterPolicy:

@@ -48,6 +48,7 @@ from ..sizing import ModelArchitecture, SizingError, TrainingSetup
 from ..sizing.from_job import architecture_of
 from .plan import Infeasible, Plan, PlanKey, PlanningResult, plan_key_of
 from .policy import ClusterPolicy
+from .storage import StorageError, storage_regions
 from .pools import GiB, NodePool, same_gpu_type
 from .throughput import JobWork, combine, compute_and_communication, job_work, offload_costs
 
@@ -358,6 +359,13 @@ def _ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architectur
                 return Infeasible(message=f"spec.lora.targetModules: {error}")
     t, r = spec.training, spec.resources
     regions = tuple(reg for reg in spec.placement.regions if reg in set(policy.allowed_regions))
+    try:
+        # Object storage narrows further: data is trained on only where its endpoint may be read.
+        reachable = storage_regions(spec, policy)
+    except StorageError:
+        reachable = None  # an endpoint the policy refuses: the job is Invalid (layout_of, render_attempt say so)
+    if reachable is not None:
+        regions = tuple(reg for reg in regions if reg in reachable)
     headroom = r.memory_headroom if r.memory_headroom is not None else policy.default_memory_headroom
     return _Ask(
         arch=arch,

@@ -3,14 +3,19 @@
 One volume per role (model, data, checkpoints, output); the same claim may serve several
 roles. Paths inside a claim are not mounted with `subPath`: the whole claim is mounted
 and the path goes into the trainer config, so a path is only ever data in a JSON document.
+A model or data in S3-compatible object storage is fetched by an init container into an
+emptyDir of its role; an output there is written to an emptyDir and uploaded after training.
 """
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 from typing import Literal
 
 from .. import api
+from ..planning.policy import ClusterPolicy
+from ..planning.storage import StorageError, storage_regions
 from .errors import RenderError
 
 CONFIG_DIR = "/etc/finetune"
@@ -43,13 +48,39 @@ class ClaimMount:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """A role whose files live in S3-compatible object storage: fetched before training (model,
+    data) or uploaded after it (output), through an emptyDir at `local_dir`."""
+
+    role: Role
+    field: str  # the spec field, e.g. spec.dataset.source.s3
+    location: api.S3Location
+    local_dir: str
+
+    @property
+    def key(self) -> str:
+        """What is transferred: data may be one object; a model and an output are folders."""
+        return self.location.key if self.role == "data" else self.location.folder_key
+
+    @property
+    def local_path(self) -> str:
+        """Where the trainer finds it: the folder, or the one data object's file in it."""
+        key = self.key
+        if key == "" or key.endswith("/"):
+            return self.local_dir
+        return f"{self.local_dir}/{posixpath.basename(key)}"
+
+
+@dataclass(frozen=True)
 class Layout:
     """The volumes of one job's pods and the paths the trainer reads and writes."""
 
-    model: ClaimMount | None  # None: fetched from the Hub into an emptyDir by an init container
-    data: ClaimMount
+    model: ClaimMount | None  # None: fetched (Hub or object storage) into an emptyDir by an init container
+    data: ClaimMount | None  # None: fetched from object storage into an emptyDir
     checkpoints: ClaimMount | None
     output: ClaimMount | None
+    fetches: tuple[Transfer, ...] = ()  # model and data from object storage, in that order
+    upload: Transfer | None = None  # the output to object storage
 
     @property
     def claims(self) -> list[ClaimMount]:
@@ -60,16 +91,29 @@ class Layout:
         return self.model.local_path if self.model is not None else MODEL_DIR
 
     @property
+    def data_path(self) -> str:
+        if self.data is not None:
+            return self.data.local_path
+        return next(t.local_path for t in self.fetches if t.role == "data")
+
+    @property
     def checkpoint_path(self) -> str | None:
         return None if self.checkpoints is None else self.checkpoints.local_path
 
     @property
     def output_is_ephemeral(self) -> bool:
         """Neither an output nor a checkpoint volume: the result goes to an emptyDir and is lost with the pod."""
-        return self.output is None and self.checkpoints is None
+        return self.output is None and self.checkpoints is None and self.upload is None
+
+    @property
+    def output_in_empty_dir(self) -> bool:
+        """The result is written to an emptyDir: it is uploaded from there, or (ephemeral) lost with the pod."""
+        return self.upload is not None or self.output_is_ephemeral
 
     @property
     def output_path(self) -> str:
+        if self.upload is not None:
+            return OUTPUT_DIR
         if self.output is not None:
             return self.output.local_path
         if self.checkpoints is not None:
@@ -77,36 +121,44 @@ class Layout:
         return OUTPUT_DIR
 
 
-def layout_of(spec: api.FineTuneJobSpec) -> Layout:
-    """The layout for a job; sources the pods cannot read yet are errors naming the field."""
+def layout_of(spec: api.FineTuneJobSpec, policy: ClusterPolicy | None = None) -> Layout:
+    """The layout for a job; sources the pods cannot read are errors naming the field.
+
+    With the cluster policy, object storage is checked too: an endpoint the policy does not
+    list, or one no region the job may use may reach, is an error naming the endpoint field.
+    """
+    if policy is not None:
+        try:
+            storage_regions(spec, policy)
+        except StorageError as error:
+            raise RenderError(error.path, error.message) from None
+    fetches: list[Transfer] = []
     source = spec.model.source
+    model = None
     if source.pvc is not None:
         model = ClaimMount("model", source.pvc.claim_name, MODEL_DIR, source.pvc.read_only, source.pvc.path)
-    elif source.hf is not None:
-        model = None
-    else:
-        raise RenderError(
-            "spec.model.source.uri",
-            "archives at s3://, gs:// or https:// are not fetched by the training pods yet;"
-            " put the weights on a volume (source.pvc) or use source.hf",
-        )
+    elif source.s3 is not None:
+        fetches.append(Transfer("model", "spec.model.source.s3", source.s3, MODEL_DIR))
+    elif source.hf is None:
+        raise RenderError("spec.model.source.uri", api.UNSUPPORTED_URI_MESSAGE)
     data_source = spec.dataset.source
-    if data_source.pvc is None:
-        raise RenderError(
-            "spec.dataset.source.uri",
-            "data at s3://, gs:// or https:// is not fetched by the training pods yet; put it on a volume (source.pvc)",
-        )
-    data = ClaimMount("data", data_source.pvc.claim_name, DATA_DIR, data_source.pvc.read_only, data_source.pvc.path)
+    data = None
+    if data_source.pvc is not None:
+        data = ClaimMount("data", data_source.pvc.claim_name, DATA_DIR, data_source.pvc.read_only, data_source.pvc.path)
+    elif data_source.s3 is not None:
+        fetches.append(Transfer("data", "spec.dataset.source.s3", data_source.s3, DATA_DIR))
+    else:
+        raise RenderError("spec.dataset.source.uri", api.UNSUPPORTED_URI_MESSAGE)
     checkpoints = None
     if spec.checkpoint is not None:
         pvc = spec.checkpoint.pvc
         checkpoints = ClaimMount("checkpoints", pvc.claim_name, CHECKPOINT_DIR, False, pvc.path)
-    output = None
+    output = upload = None
     if spec.output is not None:
-        if spec.output.pvc is None:
-            raise RenderError(
-                "spec.output.uri",
-                "uploading the result to s3:// or gs:// is not supported yet; use output.pvc",
-            )
-        output = ClaimMount("output", spec.output.pvc.claim_name, OUTPUT_DIR, False, spec.output.pvc.path)
-    return Layout(model=model, data=data, checkpoints=checkpoints, output=output)
+        if spec.output.pvc is not None:
+            output = ClaimMount("output", spec.output.pvc.claim_name, OUTPUT_DIR, False, spec.output.pvc.path)
+        elif spec.output.s3 is not None:
+            upload = Transfer("output", "spec.output.s3", spec.output.s3, OUTPUT_DIR)
+        else:
+            raise RenderError("spec.output.uri", api.UNSUPPORTED_URI_MESSAGE)
+    return Layout(model=model, data=data, checkpoints=checkpoints, output=output, fetches=tuple(fetches), upload=upload)

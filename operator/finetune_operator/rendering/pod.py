@@ -12,6 +12,7 @@ from typing import Any
 from .. import api
 from ..planning import ClusterPolicy, Plan
 from ..planning.pools import gpu_type_info, same_gpu_type
+from ..planning.storage import StorageError, storage_regions
 from . import layout as paths
 from .errors import RenderError
 from .k8s_names import is_label_value, is_qualified_name
@@ -26,6 +27,10 @@ CPU_SHARE = 0.9
 FALLBACK_CPUS_PER_GPU = 8
 RUN_AS_USER = 1000
 FETCH_CONTAINER = "fetch-model"
+FETCH_DATA_CONTAINER = "fetch-data"
+# The environment variables finetune_trainer.objectstore reads the access key pair from.
+S3_ACCESS_KEY_ENV = "FINETUNE_S3_ACCESS_KEY_ID"
+S3_SECRET_KEY_ENV = "FINETUNE_S3_SECRET_ACCESS_KEY"
 
 
 def pinned_region(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> str:
@@ -38,6 +43,13 @@ def pinned_region(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> st
     never a reason to widen anything.
     """
     permitted = set(policy.allowed_regions) & set(job.spec.placement.regions)
+    try:
+        reachable = storage_regions(job.spec, policy)
+    except StorageError as error:
+        raise RenderError(error.path, error.message) from None
+    if reachable is not None:
+        # Object storage the job uses may be reached only from some of those regions (planning/storage.py).
+        permitted &= set(reachable)
     regions = sorted(set(plan.allowed_regions))
     if not regions:
         raise RenderError("plan.allowedRegions", "empty; a pod must be pinned to a region")
@@ -46,7 +58,8 @@ def pinned_region(job: api.FineTuneJob, plan: Plan, policy: ClusterPolicy) -> st
         raise RenderError(
             "plan.allowedRegions",
             f"{outside} not allowed by both the cluster policy {sorted(policy.allowed_regions)}"
-            f" and spec.placement.regions {list(job.spec.placement.regions)}",
+            f" and spec.placement.regions {list(job.spec.placement.regions)}"
+            + ("" if reachable is None else f" and the job's object storage {sorted(reachable)}"),
         )
     if plan.region not in regions or plan.pool.region != plan.region:
         raise RenderError(
@@ -162,9 +175,11 @@ def volumes(config_map_name: str, layout: Layout) -> list[dict[str, Any]]:
     ]
     if layout.model is None:
         result.append({"name": "model", "emptyDir": {}})
-    if layout.output_is_ephemeral:
-        # The API allows a job with neither output nor checkpoint volume (a smoke test);
-        # its result lives only as long as the pod.
+    if layout.data is None:
+        result.append({"name": "data", "emptyDir": {}})  # fetched from object storage
+    if layout.output_in_empty_dir:
+        # Uploaded to object storage after training; or, for a job with neither output nor
+        # checkpoint volume (the API allows it: a smoke test), lost with the pod.
         result.append({"name": "output", "emptyDir": {}})
     for mount in layout.claims:
         result.append(
@@ -181,15 +196,41 @@ def volume_mounts(layout: Layout) -> list[dict[str, Any]]:
     ]
     if layout.model is None:
         result.append({"name": "model", "mountPath": paths.MODEL_DIR, "readOnly": True})
-    if layout.output_is_ephemeral:
+    if layout.data is None:
+        result.append({"name": "data", "mountPath": paths.DATA_DIR, "readOnly": True})
+    if layout.output_in_empty_dir:
         result.append({"name": "output", "mountPath": paths.OUTPUT_DIR})
     for mount in layout.claims:
         result.append({"name": mount.role, "mountPath": mount.mount_path, "readOnly": mount.read_only})
     return result
 
 
-def env() -> list[dict[str, Any]]:
+def s3_credentials_env(location: api.S3Location) -> list[dict[str, Any]]:
+    """The access key pair of a location, from its Secret: the values never appear in a manifest."""
+    ref = location.credentials_secret_ref
     return [
+        {"name": S3_ACCESS_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.access_key_id_key}}},
+        {"name": S3_SECRET_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.secret_access_key_key}}},
+    ]
+
+
+def s3_arguments(transfer: paths.Transfer) -> list[str]:
+    """The location as `--name=value` arguments: one list element each, so a value that starts
+    with '-' is never read as an option and nothing is ever parsed by a shell."""
+    location = transfer.location
+    return [
+        f"--endpoint={location.endpoint}",
+        f"--bucket={location.bucket}",
+        f"--key={transfer.key}",
+        f"--signing-region={location.signing_region}",
+    ]
+
+
+def env(layout: Layout | None = None) -> list[dict[str, Any]]:
+    """The training container's environment; with an output in object storage, the key pair its
+    upload step reads (removed from the environment before the training processes start)."""
+    upload = [] if layout is None or layout.upload is None else s3_credentials_env(layout.upload.location)
+    return upload + [
         # The home of the non-root user may not be writable; caches go to the scratch volume.
         {"name": "HOME", "value": paths.SCRATCH_DIR},
         {"name": "HF_HOME", "value": f"{paths.SCRATCH_DIR}/huggingface"},
@@ -201,57 +242,90 @@ def env() -> list[dict[str, Any]]:
     ]
 
 
-def trainer_command(plan: Plan) -> list[str]:
+def trainer_command(plan: Plan, layout: Layout | None = None) -> list[str]:
     """The trainer's launcher: torchrun with the plan's shape (the training operator sets the
     rendezvous, PET_MASTER_ADDR, ...), exiting with the failure report's documented code
-    rather than torchrun's blanket 1."""
-    return [
-        "python",
-        "-m",
-        "finetune_trainer.launch",
+    rather than torchrun's blanket 1. With an output in object storage, the launcher runs inside
+    `finetune_trainer.objectstore train-and-upload`, which uploads the result from the master pod
+    once training has succeeded."""
+    launch = [
         "--config",
         f"{paths.CONFIG_DIR}/{paths.CONFIG_KEY}",
         f"--nnodes={plan.nodes}",
         f"--nproc-per-node={plan.gpus_per_node}",
     ]
+    if layout is None or layout.upload is None:
+        return ["python", "-m", "finetune_trainer.launch", *launch]
+    return [
+        "python", "-m", "finetune_trainer.objectstore", "train-and-upload",
+        *s3_arguments(layout.upload), f"--source={paths.OUTPUT_DIR}", "--", *launch,
+    ]
 
 
 def init_containers(
-    job: api.FineTuneJob, image: str, security_context: dict[str, Any], limits: dict[str, str]
+    job: api.FineTuneJob,
+    image: str,
+    security_context: dict[str, Any],
+    limits: dict[str, str],
+    layout: Layout | None = None,
 ) -> list[dict[str, Any]]:
-    """For a Hub model: download the pinned revision into the model volume before training."""
-    hf = job.spec.model.source.hf
-    if hf is None:
-        return []
-    fetch_env: list[dict[str, Any]] = [
+    """Before training: download a Hub model's pinned revision, and fetch a model or data kept in
+    object storage, each into the emptyDir of its role."""
+    result: list[dict[str, Any]] = []
+    scratch_env: list[dict[str, Any]] = [
         {"name": "HOME", "value": paths.SCRATCH_DIR},
         {"name": "HF_HOME", "value": f"{paths.SCRATCH_DIR}/huggingface"},
     ]
-    if hf.token_secret_ref is not None:
-        fetch_env.append(
+    common = {
+        # Requests equal to limits, like the trainer's, so the pod keeps Guaranteed QoS.
+        "resources": {"requests": dict(limits), "limits": dict(limits)},
+        "securityContext": security_context,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    hf = job.spec.model.source.hf
+    if hf is not None:
+        fetch_env = list(scratch_env)
+        if hf.token_secret_ref is not None:
+            fetch_env.append(
+                {
+                    "name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": hf.token_secret_ref.name, "key": hf.token_secret_ref.key}},
+                }
+            )
+        result.append(
             {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": hf.token_secret_ref.name, "key": hf.token_secret_ref.key}},
+                "name": FETCH_CONTAINER,
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                # `hf` is huggingface_hub's CLI, which transformers depends on; arguments are a list, never a shell line.
+                "command": ["hf", "download", hf.repo, "--revision", hf.revision, "--local-dir", paths.MODEL_DIR],
+                "env": fetch_env,
+                "volumeMounts": [
+                    {"name": "model", "mountPath": paths.MODEL_DIR},
+                    {"name": "scratch", "mountPath": paths.SCRATCH_DIR},
+                ],
+                **common,
             }
         )
-    return [
-        {
-            "name": FETCH_CONTAINER,
-            "image": image,
-            "imagePullPolicy": "IfNotPresent",
-            # `hf` is huggingface_hub's CLI, which transformers depends on; arguments are a list, never a shell line.
-            "command": ["hf", "download", hf.repo, "--revision", hf.revision, "--local-dir", paths.MODEL_DIR],
-            "env": fetch_env,
-            "volumeMounts": [
-                {"name": "model", "mountPath": paths.MODEL_DIR},
-                {"name": "scratch", "mountPath": paths.SCRATCH_DIR},
-            ],
-            # Requests equal to limits, like the trainer's, so the pod keeps Guaranteed QoS.
-            "resources": {"requests": dict(limits), "limits": dict(limits)},
-            "securityContext": security_context,
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        }
-    ]
+    for transfer in layout.fetches if layout is not None else ():
+        result.append(
+            {
+                "name": FETCH_CONTAINER if transfer.role == "model" else FETCH_DATA_CONTAINER,
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": [
+                    "python", "-m", "finetune_trainer.objectstore", "fetch", *s3_arguments(transfer),
+                    f"--dest={transfer.local_dir}", f"--phase={'load' if transfer.role == 'model' else 'data'}",
+                ],
+                "env": scratch_env + s3_credentials_env(transfer.location),
+                "volumeMounts": [
+                    {"name": transfer.role, "mountPath": transfer.local_dir},
+                    {"name": "scratch", "mountPath": paths.SCRATCH_DIR},
+                ],
+                **common,
+            }
+        )
+    return result
 
 
 def pod_security_context() -> dict[str, Any]:

@@ -96,7 +96,7 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     if attempt < 1:
         raise RenderError("attempt", f"must be at least 1, got {attempt}")
     name = attempt_name(job.metadata.name, attempt)
-    layout = layout_of(job.spec)
+    layout = layout_of(job.spec, policy)
     region = pod.pinned_region(job, plan, policy)
     trainer_config = build_trainer_config(job, plan, attempt, layout)
     labels = common_labels(job, attempt)
@@ -125,11 +125,11 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
         "match_expressions": pod.match_expressions(policy.region_label_key, region, plan),
         "tolerations": pod.tolerations(plan),
         "init_containers": pod.init_containers(
-            job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}
+            job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}, layout
         ),
         "image": image,
-        "command": pod.trainer_command(plan),
-        "env": pod.env(),
+        "command": pod.trainer_command(plan, layout),
+        "env": pod.env(layout),
         "resources": limits,
         "volume_mounts": pod.volume_mounts(layout),
         "container_security_context": container_security,

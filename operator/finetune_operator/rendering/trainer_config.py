@@ -69,7 +69,7 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             job_name=job.metadata.name,
             attempt=attempt,
             model=ModelSource(path=layout.model_path),
-            dataset=DatasetSource(path=layout.data.local_path, format=spec.dataset.format, packing=spec.dataset.packing),
+            dataset=DatasetSource(path=layout.data_path, format=spec.dataset.format, packing=spec.dataset.packing),
             method=plan.method,
             lora=_lora(spec, plan),
             precision=plan.precision,

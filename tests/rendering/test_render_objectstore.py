@@ -1,0 +1,212 @@
+"""Models, data and outputs in S3-compatible object storage: the init containers that fetch, the
+upload step of the training container, credentials only through secretKeyRef, and the endpoint
+checked against the regions the job may use."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from manifest_checks import attempt_errors
+from render_factories import plan_for, policy, pool
+
+from finetune_operator import api
+from finetune_operator.rendering import RenderError, render_attempt
+from finetune_operator.rendering.layout import layout_of
+from finetune_operator.rendering.output import manifests_yaml
+
+GOLDEN = Path(__file__).parent / "golden" / "objectstore" / "s3-model-data-output.yaml"
+UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+BERLIN = "https://s3.eu-de-berlin.example"
+PARIS = "https://s3.eu-fr-paris.example"
+
+
+def s3(endpoint: str = BERLIN, bucket: str = "team-a", key: str = "", secret: str = "s3-team-a") -> dict:
+    return {"endpoint": endpoint, "bucket": bucket, "key": key, "credentialsSecretRef": {"name": secret}}
+
+
+def storage_policy(**overrides):
+    fields = {
+        "object_storage": [
+            {"endpoint": BERLIN, "region": "eu-de-berlin"},
+            {"endpoint": PARIS, "region": "eu-fr-paris"},
+        ]
+    }
+    fields.update(overrides)
+    return policy(**fields)
+
+
+def s3_job(lora_job, *, model=True, data_key="support/train.jsonl", output=True, **data) -> api.FineTuneJob:
+    spec = lora_job["spec"]
+    if model:
+        spec["model"]["source"] = {"s3": s3(key="models/llama-3.1-8b", secret="s3-models")}
+    spec["dataset"]["source"] = {"s3": s3(key=data_key, **data)}
+    if output:
+        spec["output"] = {"s3": s3(key="results/support-bot/")}
+    return api.parse_job(lora_job)
+
+
+def master(rendered) -> dict:
+    return rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+
+
+def trainer(rendered) -> dict:
+    return json.loads(rendered.config_map["data"]["config.json"])
+
+
+def test_s3_model_data_and_output_render_init_containers_and_an_upload_step(lora_job):
+    job = s3_job(lora_job)
+    rendered = render_attempt(job, plan_for(job), 1, storage_policy())
+    spec = master(rendered)
+    fetch_model, fetch_data = spec["initContainers"]
+    assert fetch_model["name"] == "fetch-model" and fetch_data["name"] == "fetch-data"
+    assert fetch_model["command"] == [
+        "python", "-m", "finetune_trainer.objectstore", "fetch", f"--endpoint={BERLIN}", "--bucket=team-a",
+        "--key=models/llama-3.1-8b/", "--signing-region=us-east-1", "--dest=/mnt/model", "--phase=load",
+    ]
+    assert fetch_data["command"][4:] == [
+        f"--endpoint={BERLIN}", "--bucket=team-a", "--key=support/train.jsonl", "--signing-region=us-east-1",
+        "--dest=/mnt/data", "--phase=data",
+    ]
+    # Each fetch writes only its own emptyDir; the trainer mounts both read-only.
+    assert [m["name"] for m in fetch_model["volumeMounts"]] == ["model", "scratch"]
+    assert [m["name"] for m in fetch_data["volumeMounts"]] == ["data", "scratch"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["model"] == {"name": "model", "emptyDir": {}} and volumes["data"] == {"name": "data", "emptyDir": {}}
+    assert volumes["output"] == {"name": "output", "emptyDir": {}}
+    (container,) = spec["containers"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["model"]["readOnly"] is True and mounts["data"]["readOnly"] is True
+    assert mounts["output"] == {"name": "output", "mountPath": "/mnt/output"}
+    assert container["command"] == [
+        "python", "-m", "finetune_trainer.objectstore", "train-and-upload", f"--endpoint={BERLIN}", "--bucket=team-a",
+        "--key=results/support-bot/", "--signing-region=us-east-1", "--source=/mnt/output", "--",
+        "--config", "/etc/finetune/config.json", "--nnodes=1", "--nproc-per-node=2",
+    ]
+    config = trainer(rendered)
+    assert config["model"]["path"] == "/mnt/model"
+    assert config["dataset"]["path"] == "/mnt/data/train.jsonl"
+    assert config["outputDirectory"] == "/mnt/output"
+    # The same security contexts and Guaranteed resources as the trainer, without GPUs.
+    for init in (fetch_model, fetch_data):
+        assert init["securityContext"] == container["securityContext"]
+        assert init["resources"]["requests"] == init["resources"]["limits"]
+        assert "nvidia.com/gpu" not in init["resources"]["limits"]
+        assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert attempt_errors(rendered.config_map, rendered.pytorch_job) == []
+
+
+def test_credentials_come_only_from_the_secret(lora_job):
+    job = s3_job(lora_job)
+    rendered = render_attempt(job, plan_for(job), 1, storage_policy())
+    spec = master(rendered)
+    fetch_model, fetch_data = spec["initContainers"]
+    (container,) = spec["containers"]
+
+    def s3_env(c):
+        return {e["name"]: e for e in c["env"] if e["name"].startswith("FINETUNE_S3_")}
+
+    assert s3_env(fetch_model) == {
+        "FINETUNE_S3_ACCESS_KEY_ID": {"name": "FINETUNE_S3_ACCESS_KEY_ID",
+                                      "valueFrom": {"secretKeyRef": {"name": "s3-models", "key": "accessKeyId"}}},
+        "FINETUNE_S3_SECRET_ACCESS_KEY": {"name": "FINETUNE_S3_SECRET_ACCESS_KEY",
+                                          "valueFrom": {"secretKeyRef": {"name": "s3-models", "key": "secretAccessKey"}}},
+    }
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in s3_env(fetch_data).values()} == {"s3-team-a"}
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in s3_env(container).values()} == {"s3-team-a"}
+    for c in (fetch_model, fetch_data, container):
+        assert all("value" not in e for e in s3_env(c).values())
+        assert not any("secret" in arg.lower() for arg in c["command"])
+    # The trainer config says where, never with what key.
+    config_text = rendered.config_map["data"]["config.json"]
+    assert "s3-team-a" not in config_text and "FINETUNE_S3" not in config_text and "s3.eu-de-berlin" not in config_text
+
+
+def test_custom_secret_keys_and_a_data_folder(lora_job):
+    job = s3_job(lora_job, model=False, output=False, data_key="support/")
+    lora_job["spec"]["dataset"]["source"]["s3"]["credentialsSecretRef"] = {
+        "name": "minio", "accessKeyIdKey": "AWS_ACCESS_KEY_ID", "secretAccessKeyKey": "AWS_SECRET_ACCESS_KEY"}
+    job = api.parse_job(lora_job)
+    rendered = render_attempt(job, plan_for(job), 1, storage_policy())
+    spec = master(rendered)
+    (fetch_data,) = spec["initContainers"]
+    refs = [e["valueFrom"]["secretKeyRef"] for e in fetch_data["env"] if "valueFrom" in e]
+    assert refs == [{"name": "minio", "key": "AWS_ACCESS_KEY_ID"}, {"name": "minio", "key": "AWS_SECRET_ACCESS_KEY"}]
+    assert trainer(rendered)["dataset"]["path"] == "/mnt/data"
+    # Model on a volume, no output: the trainer runs as before, without the upload step.
+    assert spec["containers"][0]["command"][:3] == ["python", "-m", "finetune_trainer.launch"]
+    assert not any(e["name"].startswith("FINETUNE_S3_") for e in spec["containers"][0]["env"])
+
+
+def test_a_key_that_looks_like_an_option_stays_a_value(lora_job):
+    job = s3_job(lora_job, model=False, output=False, data_key="--dest=/etc/x.jsonl")
+    (fetch_data,) = master(render_attempt(job, plan_for(job), 1, storage_policy()))["initContainers"]
+    assert "--key=--dest=/etc/x.jsonl" in fetch_data["command"]
+    assert [a for a in fetch_data["command"] if a.startswith("--dest")] == ["--dest=/mnt/data"]
+
+
+def test_an_endpoint_the_policy_does_not_list_is_named(lora_job):
+    job = s3_job(lora_job, model=False, output=False, endpoint="https://s3.elsewhere.example")
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job), 1, storage_policy())
+    assert error.value.path == "spec.dataset.source.s3.endpoint"
+    assert "not an object storage endpoint the cluster policy allows" in error.value.message
+    with pytest.raises(RenderError) as error:
+        layout_of(job.spec, storage_policy())
+    assert error.value.path == "spec.dataset.source.s3.endpoint"
+    layout_of(job.spec)  # without the policy only the shape is checked
+
+
+def test_an_endpoint_in_a_region_the_job_may_not_use_is_named(lora_job):
+    # Paris's storage, a job placed in Berlin: the data would cross the border.
+    job = s3_job(lora_job, model=False, output=False, endpoint=PARIS)
+    with pytest.raises(RenderError) as error:
+        layout_of(job.spec, storage_policy())
+    assert error.value.path == "spec.dataset.source.s3.endpoint"
+    assert "eu-fr-paris" in error.value.message and "eu-de-berlin" in error.value.message
+    # The policy may say that Paris's storage may be read from Berlin: then it renders.
+    readable = storage_policy(object_storage=[{"endpoint": PARIS, "region": "eu-fr-paris",
+                                               "accessible_from": ["eu-fr-paris", "eu-de-berlin"]}])
+    render_attempt(job, plan_for(job), 1, readable)
+    # A region the cluster policy does not allow is no way around it.
+    outside = storage_policy(allowed_regions=["eu-fr-paris"])
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job, pool(name="a100-paris", region="eu-fr-paris")), 1, outside)
+    assert error.value.path == "plan.allowedRegions"
+
+
+def test_the_output_endpoint_is_checked_too(lora_job):
+    lora_job["spec"]["output"] = {"s3": s3(endpoint=PARIS, key="out/")}
+    job = api.parse_job(lora_job)
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, plan_for(job), 1, storage_policy())
+    assert error.value.path == "spec.output.s3.endpoint"
+
+
+def test_a_plan_outside_the_storage_regions_is_refused(lora_job):
+    # The job may use Berlin and Paris, its data may be read only in Paris: a Berlin plan is refused.
+    lora_job["spec"]["placement"]["regions"] = ["eu-de-berlin", "eu-fr-paris"]
+    job = s3_job(lora_job, model=False, output=False, endpoint=PARIS)
+    berlin_plan = plan_for(job, allowed_regions=["eu-de-berlin", "eu-fr-paris"])
+    with pytest.raises(RenderError) as error:
+        render_attempt(job, berlin_plan, 1, storage_policy())
+    assert error.value.path == "plan.allowedRegions" and "object storage" in error.value.message
+    paris = pool(name="a100-paris", region="eu-fr-paris", selector={"karpenter.sh/nodepool": "a100-paris"})
+    rendered = render_attempt(job, plan_for(job, paris), 1, storage_policy())
+    (term,) = master(rendered)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert {"key": "topology.kubernetes.io/region", "operator": "In", "values": ["eu-fr-paris"]} in term["matchExpressions"]
+
+
+def test_s3_job_matches_its_golden_file(lora_job):
+    job = s3_job(lora_job)
+    rendered = render_attempt(job, plan_for(job), 1, storage_policy())
+    text = manifests_yaml(rendered.objects)
+    if UPDATE:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), f"renders differently from {GOLDEN.name} (UPDATE_GOLDEN=1 after review)"
+    assert all(doc for doc in yaml.safe_load_all(text))
