@@ -1,14 +1,7 @@
-import os
-import sys
-
 from .run import main
+from .teardown import exit_process
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        # A failed rank must not wait in process-group teardown for peers that are
-        # stuck in a collective; torchrun stops them once this process is gone.
-        os._exit(code)
-    sys.exit(0)
+    # Not sys.exit: see teardown.py for why a process with live process-group threads
+    # must not finalize the interpreter.
+    exit_process(main())

@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(exc)) from exc
         report_path = args.report_path or cfg.report_path
         train(cfg)
+        # Inside the try: a teardown that fails is reported like any other failure.
+        from .teardown import close_distributed
+
+        close_distributed()
         return 0
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report
         report = build_report(exc, PROGRESS, cfg.attempt if cfg else None)
