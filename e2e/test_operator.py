@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import yaml
 
 from e2e import operator_harness as h
 from e2e.lab.waiting import wait_for
@@ -212,6 +213,33 @@ def test_spec_is_immutable_after_creation_except_suspend_recovery_resources(lab,
                         "-p", '{"spec":{"placement":{"regions":["eu-de-berlin"]}}}', check=False)
     assert moved.returncode != 0 and "placement is immutable" in moved.stderr
     lab.kubectl("patch", "ftj", "frozen", "-n", namespace, "--type=merge", "-p", '{"spec":{"recovery":{"maxAttempts":2}}}')
+
+
+def _example_jobs() -> list[str]:
+    return sorted(p.name for p in (h.REPO_ROOT / "examples").glob("*.yaml")
+                  if any((d or {}).get("kind") == "FineTuneJob" for d in yaml.safe_load_all(p.read_text())))
+
+
+@pytest.mark.parametrize("example", _example_jobs())
+def test_every_example_is_planned_on_the_lab(lab, operator, namespace, example):
+    """Each job a user copies from examples/ gets a plan on the lab's pools: its PyTorchJob is
+    created, every replica pinned by required node affinity inside the regions both the job and
+    the cluster policy allow."""
+    doc = yaml.safe_load((h.REPO_ROOT / "examples" / example).read_text())
+    name = doc["metadata"]["name"]
+    h.apply_job(lab, h.job_from_example(example, name, namespace, rule={"run-duration": "2s"}))
+    try:
+        (child,) = wait_for(lambda: h.pytorch_jobs(lab, namespace, name), 90, f"the PyTorchJob of {example}")
+    except TimeoutError:
+        pytest.fail(f"{example} got no PyTorchJob on the lab: {h.get_job(lab, namespace, name).get('status')}")
+    planned = h.condition(h.get_job(lab, namespace, name), "Planned")
+    assert planned is not None and planned["status"] == "True", planned
+    allowed = ALLOWED & set(doc["spec"]["placement"]["regions"])
+    for replica, spec in child["spec"]["pytorchReplicaSpecs"].items():
+        terms = spec["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        for term in terms:
+            (region,) = [e for e in term["matchExpressions"] if e["key"] == "topology.kubernetes.io/region"]
+            assert region["operator"] == "In" and set(region["values"]) <= allowed, (example, replica, region)
 
 
 def test_metrics_are_served(lab, operator, namespace):

@@ -82,6 +82,17 @@ def relative_path(text: str) -> str:
     return "p" + path[1:] if path.startswith("/") else path
 
 
+def printable_line(text: str) -> str:
+    """The same text made what the API accepts as a model name: no control characters (C0, DEL, C1)."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", "_", text)
+
+
+def git_revision(text: str) -> str:
+    """The same length of text made a revision the API accepts: `-._+/` kept, never first."""
+    text = re.sub(r"[^-A-Za-z0-9_.+/]", "_", text)
+    return "r" + text[1:] if text[0] in "-.+/" else text
+
+
 LOWER = "abcdefghijklmnopqrstuvwxyz"
 ALNUM = LOWER + LOWER.upper() + "0123456789"
 
@@ -164,12 +175,12 @@ class Case:
 @st.composite
 def cases(draw) -> Case:
     strings = Strings(
-        model_name=draw(WILD_200),
+        model_name=printable_line(draw(WILD_200)),
         model_path=relative_path(draw(WILD_1024)),
         data_path=relative_path(draw(WILD_1024)),
         checkpoint_path=relative_path(draw(WILD_1024)),
         output_path=relative_path(draw(WILD_1024)),
-        hf_revision=draw(WILD_200),
+        hf_revision=git_revision(draw(WILD_200)),
         secret_key=draw(WILD_1024),
         image=draw(WILD_IMAGE),
         policy_image=draw(WILD_512),
@@ -513,7 +524,8 @@ def test_the_property_check_catches_a_template_that_splices_text(monkeypatch, na
     from finetune_operator.rendering import templating
 
     case = Case(
-        strings=Strings(*([nasty] * len(Strings.__dataclass_fields__))),
+        # Every free text nasty, but the revision: the API only takes a git ref there.
+        strings=Strings(**{name: "v1" if name == "hf_revision" else nasty for name in Strings.__dataclass_fields__}),
         job_name="demo", namespace="team-a", claims=("m", "d", "c", "o"), regions=("eu-de-berlin",),
         policy_regions=("eu-de-berlin",), region_label_key="topology.kubernetes.io/region",
         selector_key="karpenter.sh/nodepool", taint=None, queue_name=None, hf_model=True, output_volume=True,
