@@ -106,21 +106,27 @@ def _resource_arg(group: str, resource: str) -> tuple[str, str | None]:
     return (f"{base}.{group}" if group else base), (sub or None)
 
 
-def expected_access(all_namespaces: bool, peering: str) -> list[tuple[str, str, str | None, str]]:
-    """(verb, kubectl resource[/name], subresource, scope) for every need of operator_access.yaml."""
+def expected_access(lease: str) -> list[tuple[str, str, str | None, str]]:
+    """(verb, kubectl resource[/name], subresource, scope) for every need of operator_access.yaml;
+    scope "lease" is asked in the release namespace."""
     out = []
     for need in ACCESS["needs"]:
-        resource = need["resource"]
-        if resource == "PEERINGS":
-            resource = "clusterkopfpeerings" if all_namespaces else "kopfpeerings"
-        arg, sub = _resource_arg(need["group"], resource)
-        if need.get("resourceName") == "PEERING":
-            arg = f"{arg}/{peering}"
-        scope = need["scope"]
-        if scope == "peering":
-            scope = "cluster" if all_namespaces else "namespaced"
+        arg, sub = _resource_arg(need["group"], need["resource"])
+        if need.get("resourceName") == "LEASE":
+            arg = f"{arg}/{lease}"
         for verb in need["verbs"]:
-            out.append((verb, arg, sub, scope))
+            out.append((verb, arg, sub, need["scope"]))
+    return out
+
+
+def forbidden_access(lease: str) -> list[tuple[str, str, str | None, str]]:
+    """(verb, kubectl resource[/name], subresource, where) for every forbidden line; where is
+    "watched" (a watched namespace) or "release" (the release namespace)."""
+    out = []
+    for item in ACCESS["forbidden"]:
+        base, _, sub = item["resource"].partition("/")
+        name = {"LEASE": lease, "OTHER": "kube-scheduler", None: None}[item.get("name")]
+        out.append((item["verb"], f"{base}/{name}" if name else base, sub or None, item.get("where", "watched")))
     return out
 
 
@@ -137,21 +143,20 @@ def chart_crds(lab):
     """The chart's CRDs, applied the way helm would leave them (create if missing)."""
     for path in sorted((CHART / "crds").glob("*.yaml")):
         lab.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=chart-e2e", "-f", str(path))
-    for name in ("finetunejobs.finetune.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
-        lab.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
 
 
 @pytest.fixture(scope="module")
 def installed(lab, helm, tmp_path_factory):
-    """The chart installed watching all namespaces, in its own namespace with its own peering name
-    (the operator scenarios install another release; one ClusterKopfPeering name per release)."""
+    """The chart installed watching all namespaces, in its own namespace with its own lease name
+    (the operator scenarios install another release)."""
     tmp = tmp_path_factory.mktemp("chart-install")
     ns = _make_namespace(lab, "chart-e2e")
     release = f"fto-{uuid.uuid4().hex[:5]}"
-    peering = f"chart-e2e-{uuid.uuid4().hex[:5]}"
-    proc = helm("install", release, str(CHART), "--namespace", ns, "--set", f"peering.name={peering}",
+    lease = f"chart-e2e-{uuid.uuid4().hex[:5]}"
+    proc = helm("install", release, str(CHART), "--namespace", ns, "--set", f"leaderElection.leaseName={lease}",
                 "--set", "trainingOperator.requireCRD=true")
-    info = {"namespace": ns, "release": release, "peering": peering, "notes": proc.stdout, "tmp": tmp,
+    info = {"namespace": ns, "release": release, "lease": lease, "notes": proc.stdout, "tmp": tmp,
             "fullname": f"{release}-finetune-operator", "sa": f"{ns}:{release}-finetune-operator"}
     yield info
     helm("uninstall", release, "--namespace", ns, "--wait", check=False)
@@ -163,7 +168,7 @@ def installed(lab, helm, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
 def test_every_rendered_object_passes_server_side_dry_run(lab, helm, chart_crds, namespace, tmp_path, mode):
-    args = ["--set", "peering.name=chart-dry-run"]
+    args = ["--set", "leaderElection.leaseName=chart-dry-run"]
     if mode == "namespaced":
         team_a, team_b = _make_namespace(lab, "chart-team-a"), _make_namespace(lab, "chart-team-b")
         args += ["--set", "watch.allNamespaces=false", "--set", f"watch.namespaces={{{team_a},{team_b}}}"]
@@ -209,11 +214,14 @@ def test_install_creates_the_objects_and_notes(lab, installed):
                        ("service", f"{full}-metrics"), ("poddisruptionbudget", full)):
         assert _exists(lab, kind, name, "-n", ns), f"{kind}/{name} missing"
     assert _exists(lab, "clusterrole", f"{ns}-{full}") and _exists(lab, "clusterrolebinding", f"{ns}-{full}")
-    assert _exists(lab, "clusterkopfpeering", installed["peering"])
-    for crd in ("finetunejobs.finetune.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
-        lab.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    assert _exists(lab, "role", f"{full}-leader-election", "-n", ns)
+    assert _exists(lab, "rolebinding", f"{full}-leader-election", "-n", ns)
+    lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
+    assert not _exists(lab, "crd", "clusterkopfpeerings.kopf.dev"), "kopf peering CRDs are no longer the chart's"
     notes = installed["notes"]
     assert "NOTES:" in notes and "kubectl get finetunejobs -w" in notes
+    # NOTES say how to see the leader.
+    assert f"kubectl -n {ns} get lease {installed['lease']} -o jsonpath='{{.spec.holderIdentity}}'" in notes, notes
     # The lab has the training operator: the lookup finds its CRD, so no warning (and requireCRD passed).
     assert "pytorchjobs.kubeflow.org is missing" not in notes and "Could not check" not in notes, notes
 
@@ -231,11 +239,13 @@ def test_the_first_job_in_notes_is_accepted_by_the_api_server(lab, installed, ft
 
 def test_service_account_can_do_what_the_operator_needs(lab, installed, namespace):
     """Every rule the operator needs, asked of the API server as the chart's ServiceAccount:
-    cluster-wide, and in a namespace the release knows nothing about (all namespaces are watched)."""
+    cluster-wide, and in a namespace the release knows nothing about (all namespaces are watched);
+    the Lease in the release namespace."""
     sa = installed["sa"]
     missing = []
-    for verb, resource, sub, scope in expected_access(True, installed["peering"]):
-        for where in ((namespace, None) if scope == "namespaced" else (None,)):
+    for verb, resource, sub, scope in expected_access(installed["lease"]):
+        wheres = {"namespaced": (namespace, None), "cluster": (None,), "lease": (installed["namespace"],)}[scope]
+        for where in wheres:
             if not can_i(lab, sa, verb, resource, where, sub):
                 missing.append(f"{verb} {resource}{'/' + sub if sub else ''} in {where or 'cluster'}")
     assert not missing, f"the chart's RBAC does not allow: {missing}"
@@ -244,14 +254,14 @@ def test_service_account_can_do_what_the_operator_needs(lab, installed, namespac
 def test_service_account_cannot_do_what_it_must_not(lab, installed, namespace):
     sa = installed["sa"]
     allowed = []
-    for item in ACCESS["forbidden"]:
-        base, _, sub = item["resource"].partition("/")
-        for where in (namespace, None):
-            if can_i(lab, sa, item["verb"], base, where, sub or None):
-                allowed.append(f"{item['verb']} {item['resource']} in {where or 'cluster'}")
-    # Only its own peering object is writable.
-    if can_i(lab, sa, "patch", "clusterkopfpeerings.kopf.dev/someone-elses", None):
-        allowed.append("patch another release's ClusterKopfPeering")
+    for verb, resource, sub, scope in forbidden_access(installed["lease"]):
+        for where in ((installed["namespace"] if scope == "release" else namespace), None):
+            if can_i(lab, sa, verb, resource, where, sub):
+                allowed.append(f"{verb} {resource}{'/' + sub if sub else ''} in {where or 'cluster'}")
+    # The release's Lease name is not writable anywhere else: not another controller's in kube-system.
+    for name in (installed["lease"], "kube-scheduler", "kube-controller-manager"):
+        if can_i(lab, sa, "update", f"leases.coordination.k8s.io/{name}", "kube-system"):
+            allowed.append(f"update lease {name} in kube-system")
     assert not allowed, f"the chart's RBAC allows too much: {allowed}"
 
 
@@ -270,8 +280,26 @@ def test_service_account_token_does_the_work(lab, installed, namespace, tmp_path
     as_sa("get", "configmap", f"{full}-policy", "-n", ns)
     as_sa("create", "configmap", "attempt-1-trainer", "-n", namespace, "--from-literal=trainer.json={}")
     as_sa("delete", "configmap", "attempt-1-trainer", "-n", namespace)
-    as_sa("patch", "clusterkopfpeering", installed["peering"], "--type=merge",
-          "-p", json.dumps({"status": {"e2e-peer": {"priority": 0, "lifetime": 60}}}))
+    # The leader election: create the release's Lease, read it, take it over (an update, as the client
+    # library's LeaseLock does); another Lease may be created (RBAC cannot restrict create) but not updated.
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": installed["lease"], "namespace": ns},
+             "spec": {"holderIdentity": "chart-e2e-a", "leaseDurationSeconds": 3}}
+    as_sa("create", "-f", "-", input=json.dumps(lease))
+    current = json.loads(as_sa("get", "lease", installed["lease"], "-n", ns, "-o", "json").stdout)
+    current["spec"]["holderIdentity"] = "chart-e2e-b"
+    as_sa("replace", "-f", "-", input=json.dumps(current))
+    assert as_sa("get", "lease", installed["lease"], "-n", ns, "-o", "jsonpath={.spec.holderIdentity}").stdout == "chart-e2e-b"
+    other = {**lease, "metadata": {"name": f"{installed['lease']}-other", "namespace": ns}}
+    as_sa("create", "-f", "-", input=json.dumps(other))
+    refused = as_sa("get", "lease", other["metadata"]["name"], "-n", ns, check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+    refused = as_sa("replace", "-f", "-", input=json.dumps(other), check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+    refused = as_sa("create", "-f", "-", input=json.dumps({**lease, "metadata": {"name": "x", "namespace": namespace}}),
+                    check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+    lab.kubectl("delete", "lease", installed["lease"], other["metadata"]["name"], "-n", ns)
     event = {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "chart-e2e-", "namespace": namespace},
              "involvedObject": {"kind": "FineTuneJob", "apiVersion": "finetune.dev/v1alpha1", "name": "x",
                                 "namespace": namespace},
@@ -311,6 +339,10 @@ def test_upgrade_with_bad_values_is_rejected_and_changes_nothing(lab, helm, inst
 # ---- the operator, run the way the chart's Deployment runs it ---------------------------------------
 
 
+def _flag_value(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -330,12 +362,15 @@ class Replica:
     """One replica of the Deployment as a local process: the container's args (ports made free),
     authenticated with a bound token of the chart's ServiceAccount."""
 
-    def __init__(self, args: list[str], kubeconfig: Path, namespace: str, log: Path) -> None:
+    def __init__(self, args: list[str], kubeconfig: Path, namespace: str, log: Path, pod_name: str) -> None:
         args = list(args)
         self.health_port = _free_port()
         args[args.index("--health-port") + 1] = str(self.health_port)
         args[args.index("--metrics-port") + 1] = str(_free_port())
-        env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_NAMESPACE=namespace, PYTHONUNBUFFERED="1")
+        # The Deployment gives each pod its name as POD_NAME: the replica's identity in the election.
+        self.pod_name = pod_name
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_NAMESPACE=namespace, POD_NAME=pod_name,
+                   PYTHONUNBUFFERED="1")
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
@@ -362,15 +397,15 @@ class Replica:
 @pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
 def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_account(
         lab, helm, chart_crds, tmp_path, mode):
-    """The Deployment's command line, twice, as the chart's ServiceAccount: both serve /healthz, both
-    announce themselves in the chart's peering object(s), one pauses for the other, no request is
-    forbidden, and a policy-only `helm upgrade` reaches the running operator without a restart."""
+    """The Deployment's command line, twice, as the chart's ServiceAccount: both serve /healthz, one
+    holds the chart's Lease (in the release namespace) and says it leads, the other does not, no request
+    is forbidden, and a policy-only `helm upgrade` reaches the running operator without a restart."""
     ns = _make_namespace(lab, "chart-run")
     watched = [_make_namespace(lab, p) for p in ("chart-run-a", "chart-run-b")] if mode == "namespaced" else []
     release = f"ftr-{uuid.uuid4().hex[:5]}"
     full = f"{release}-finetune-operator"
-    peering = f"chart-e2e-{uuid.uuid4().hex[:5]}"
-    values = {"peering": {"name": peering}, "logFormat": "plain"}
+    lease = f"chart-e2e-{uuid.uuid4().hex[:5]}"
+    values = {"leaderElection": {"enabled": True, "leaseName": lease}, "logFormat": "plain"}
     if watched:
         values["watch"] = {"allNamespaces": False, "namespaces": watched}
     replicas: list[Replica] = []
@@ -379,20 +414,21 @@ def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_accou
         deploy = _kubectl_json(lab, "get", "deployment", full, "-n", ns)
         args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
         kubeconfig = lab.service_account_kubeconfig(ns, full, path=tmp_path / "sa.kubeconfig")
+        assert _flag_value(args, "--lease") == lease
         for i in range(deploy["spec"]["replicas"]):
-            replicas.append(Replica(args, kubeconfig, ns, tmp_path / f"replica-{i}.log"))
+            replicas.append(Replica(args, kubeconfig, ns, tmp_path / f"replica-{i}.log", f"{full}-pod{i}"))
             wait_for(replicas[-1].healthy, 90, f"replica {i}'s /healthz")
 
-        def live_peers(*where: str) -> int:
-            status = _kubectl_json(lab, "get", *where).get("status") or {}
-            return sum(1 for v in status.values() if v)
+        def holder() -> str:
+            return lab.kubectl("get", "lease", lease, "-n", ns, "--ignore-not-found",
+                               "-o", "jsonpath={.spec.holderIdentity}").stdout
 
-        objects = ([("kopfpeering", peering, "-n", w) for w in watched] if watched
-                   else [("clusterkopfpeering", peering)])
-        for obj in objects:
-            wait_for(lambda: live_peers(*obj) == 2, 60, f"both replicas in {' '.join(obj)}")
-        wait_for(lambda: sum("Pausing operations in favour of" in r.text() for r in replicas) == 1, 60,
-                 "one replica to pause for the other")
+        names = {r.pod_name for r in replicas}
+        wait_for(lambda: holder() in names, 30, f"one replica to hold the Lease {ns}/{lease}")
+        wait_for(lambda: sum(f"{r.pod_name} leads (lease {ns}/{lease})" in r.text() for r in replicas) == 1, 30,
+                 "the holder to say it leads")
+        (leader,) = [r for r in replicas if f"{r.pod_name} leads" in r.text()]
+        assert holder() == leader.pod_name
 
         helm("upgrade", release, str(CHART), "--namespace", ns, "--reuse-values",
              "--set", "policy.allowedRegions={eu-fr-paris}")
@@ -405,6 +441,10 @@ def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_accou
 
         def reloaded() -> bool:
             return any("policy reloaded" in r.text() and "eu-fr-paris" in r.text() for r in replicas)
+
+        # Still one leader, the same one: the standby never took the Lease.
+        assert holder() == leader.pod_name
+        assert all(" leads (lease" not in r.text() for r in replicas if r is not leader)
 
         # Whatever namespaces are watched, the operator polls the policy ConfigMap itself.
         wait_for(reloaded, 60, "the active replica to reload the policy")
@@ -423,23 +463,27 @@ def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_cr
     team_a, team_b, other = (_make_namespace(lab, p) for p in ("chart-team-a", "chart-team-b", "chart-other"))
     release = f"ftn-{uuid.uuid4().hex[:5]}"
     full = f"{release}-finetune-operator"
-    peering = f"chart-e2e-{uuid.uuid4().hex[:5]}"
+    lease = f"chart-e2e-{uuid.uuid4().hex[:5]}"
     sa = f"{release_ns}:{full}"
-    values = {"watch": {"allNamespaces": False, "namespaces": [team_a, team_b]}, "peering": {"name": peering}}
+    values = {"watch": {"allNamespaces": False, "namespaces": [team_a, team_b]},
+              "leaderElection": {"enabled": True, "leaseName": lease}}
     try:
         helm("install", release, str(CHART), "--namespace", release_ns, "--values", helm.values_file(tmp_path, values))
         for ns in (team_a, team_b):
             assert _exists(lab, "role", full, "-n", ns) and _exists(lab, "rolebinding", full, "-n", ns)
-            assert _exists(lab, "kopfpeering", peering, "-n", ns)
-        assert not _exists(lab, "clusterkopfpeering", peering)
 
+        where = {"namespaced": lambda ns: ns, "cluster": lambda ns: None, "lease": lambda ns: release_ns}
         missing = [
-            f"{verb} {resource} in {ns if scope == 'namespaced' else 'cluster'}"
-            for verb, resource, sub, scope in expected_access(False, peering)
+            f"{verb} {resource} in {where[scope](ns) or 'cluster'}"
+            for verb, resource, sub, scope in expected_access(lease)
             for ns in (team_a, team_b)
-            if not can_i(lab, sa, verb, resource, ns if scope == "namespaced" else None, sub)
+            if not can_i(lab, sa, verb, resource, where[scope](ns), sub)
         ]
         assert not missing, f"the chart's RBAC does not allow: {missing}"
+        # The Lease only in the release namespace.
+        for ns in (team_a, other, None):
+            for verb in ("get", "update", "create"):
+                assert not can_i(lab, sa, verb, f"leases.coordination.k8s.io/{lease}", ns), f"{verb} lease in {ns}"
         # Nothing namespaced outside the watched namespaces, except reading the policy at home.
         for verb, resource in (("list", "finetunejobs.finetune.dev"), ("create", "pytorchjobs.kubeflow.org"),
                                ("create", "configmaps"), ("list", "pods")):
@@ -452,11 +496,12 @@ def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_cr
         helm("uninstall", release, "--namespace", release_ns, "--wait")
         leftovers = []
         for ns in (team_a, team_b):
-            for kind, name in (("role", full), ("rolebinding", full), ("kopfpeering", peering)):
+            for kind, name in (("role", full), ("rolebinding", full)):
                 if _exists(lab, kind, name, "-n", ns):
                     leftovers.append(f"{ns}/{kind}/{name}")
         for kind, name in (("deployment", full), ("serviceaccount", full), ("configmap", f"{full}-policy"),
-                           ("service", f"{full}-metrics"), ("role", f"{full}-policy-reader")):
+                           ("service", f"{full}-metrics"), ("role", f"{full}-policy-reader"),
+                           ("role", f"{full}-leader-election"), ("rolebinding", f"{full}-leader-election")):
             if _exists(lab, kind, name, "-n", release_ns):
                 leftovers.append(f"{release_ns}/{kind}/{name}")
         for kind in ("clusterrole", "clusterrolebinding"):
