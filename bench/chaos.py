@@ -275,17 +275,21 @@ class Chaos(threading.Thread):
             self._wait_active()
 
     def _wait_active(self, settle: float = 3.0, limit: float = 60.0) -> None:
-        """kopf peering pauses a restarted operator until the dead one's peering record expires
-        (up to its 30 s lifetime): the next gap starts when it works again, so kills land while
-        it reconciles, not only while it waits. The pause is measured."""
+        """A restarted operator may wait before it reconciles: kopf peering pauses it until the
+        dead one's peering record expires (up to 30 s); a Lease-elected one waits until the dead
+        leader's lease expires. The next gap starts when it works again, so kills land while it
+        reconciles, not only while it waits. The wait is measured."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < limit and not self.stop_event.is_set():
             text = self.operator.logs()
             since_start = text[text.rfind("===== start"):]
+            if "leads (lease" in since_start:
+                break
             paused_at = since_start.rfind("Pausing operations")
             if paused_at >= 0 and since_start.rfind("Resuming operations") > paused_at:
                 break
-            if paused_at < 0 and time.monotonic() - t0 >= settle:
+            waiting_for_lease = "lease" in since_start.lower()
+            if paused_at < 0 and not waiting_for_lease and time.monotonic() - t0 >= settle:
                 break
             time.sleep(0.25)
         waited = time.monotonic() - t0
@@ -316,6 +320,15 @@ def use_operator_revision(rev: str, workdir: Path) -> Path:
     h.CHART = dest / "charts" / "finetune-operator"
     say(f"operator, CRD and chart of {rev} ({commit[:10]}) from {dest}")
     return dest / "crds" / "finetunejob.yaml"
+
+
+def standalone_flags() -> tuple[str, ...]:
+    """No leader election: `--lease ''` (operators with a Lease) or `--peering ''` (kopf peering)."""
+    import subprocess
+
+    usage = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "--help"],
+                           capture_output=True, text=True).stdout
+    return ("--lease", "") if "--lease" in usage else ("--peering", "")
 
 
 def operator_source(cfg: Config) -> str:
@@ -392,7 +405,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
             w.synced.wait(30)
         queue.start_webhook()
 
-        extra = ("--peering", "") if cfg.standalone else ()
+        extra = standalone_flags() if cfg.standalone else ()
         operator = h.OperatorProcess(lab, workdir, extra_args=extra)
         operator.start()
         say(f"lab, chart, queue webhook and operator ready in {time.monotonic() - t_start:.0f}s; operator log {operator.log_path}")
@@ -618,6 +631,7 @@ def evaluate(cfg: Config, plans: list[JobPlan], jobs: ch.JobTracker, children: c
         "queue_admissions": queue.admissions,
         "queue_resuspends": queue.resuspends,
         "operator_pauses_by_peering": log_text.count("Pausing operations"),
+        "operator_leads_by_lease": log_text.count("leads (lease"),
         "operator_paused_seconds": round(chaos.paused_seconds, 1),
         "operator_tracebacks": log_text.count("Traceback (most recent call last)"),
         "fault_phase_seconds": round(ended_at - t_faults, 1),
@@ -670,7 +684,7 @@ def table(result: dict[str, Any]) -> str:
         f"{'status patches: currentAttempt null / extra attempts[] key / unknown key':<55} {sp['current-attempt-null']} / {sp['attempt-extra-key']} / {sp['unknown-status-key']}",
         f"{'evictions (API) / pod deletes':<55} {f['evictions']} / {f['pod_deletes']}",
         f"{'queued children / admissions / re-suspended':<55} {f['queued_children']} / {f['queue_admissions']} / {f['queue_resuspends']}",
-        f"{'operator paused by kopf peering after a restart':<55} {f['operator_pauses_by_peering']} times, {f['operator_paused_seconds']} s",
+        f"{'restarted operator waiting to lead (peering pauses / lease)':<55} {f['operator_pauses_by_peering']} / {f['operator_leads_by_lease']} times, {f['operator_paused_seconds']} s waiting",
         "", f"{'fate':<20} {'jobs':>5} {'right':>6}", "-" * 33,
     ]
     out += [f"{fate:<20} {n:>5} {r:>6}" for fate, (n, r) in sorted(by_fate.items())]
@@ -704,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-min", type=float, default=d.gap_min, help="seconds between kills, lower bound")
     parser.add_argument("--gap-max", type=float, default=d.gap_max, help="seconds between kills, upper bound")
     parser.add_argument("--deadline", type=float, default=d.deadline, help="hard limit in seconds after the faults start")
-    parser.add_argument("--standalone", action="store_true", help="run the operator without kopf peering")
+    parser.add_argument("--standalone", action="store_true", help="run the operator without leader election (no Lease / kopf peering)")
     parser.add_argument("--prune-unknown-status", action="store_true",
                         help="leave the CRD as installed (the apiserver prunes unknown status keys)")
     parser.add_argument("--json-out", type=Path, default=d.json_out)
