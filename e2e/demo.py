@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from e2e import operator_harness as h
+from e2e.lab.processes import Proc, proc_start_ticks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,10 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
         say("installing the Helm chart (CRDs, RBAC, policy ConfigMap)")
         h.install_chart(lab)
-        workdir = Path(tempfile.mkdtemp(prefix="finetune-demo-"))
+        # Inside the lab's directory: the operator's kubeconfig holds a ServiceAccount token, and
+        # `down` removes the directory (and stops the operator, recorded with the lab's processes).
+        workdir = lab.workdir / "demo"
+        workdir.mkdir()
         operator = h.OperatorProcess(lab, workdir)
         say(f"starting the operator as ServiceAccount {h.RELEASE_NAMESPACE}/{h.service_account()} (log: {operator.log_path})")
         operator.start()
+        lab.procs.append(Proc("operator", operator.proc.pid, proc_start_ticks(operator.proc.pid), str(operator.log_path)))
+        lab.save()
 
         namespace = "team-a"
         lab.kubectl("create", "namespace", namespace, check=False)
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         say("the job succeeded" if ok else f"the job ended in phase {final.get('phase')}")
         if args.keep:
             say(f"the lab is still running: export KUBECONFIG={lab.kubeconfig}")
-            say(f"stop it with: python -m e2e.lab down {lab.workdir}")
+            say(f"stop it (and the operator) with: {down_command(lab.workdir)}")
         return 0 if ok else 1
     finally:
         if not args.keep:
@@ -70,12 +75,19 @@ def main(argv: list[str] | None = None) -> int:
             say("lab stopped; nothing left running")
 
 
+def down_command(workdir) -> str:
+    """How to stop a lab kept with --keep (its operator is one of its recorded processes)."""
+    return f"python -m e2e.lab down --workdir {shlex.quote(str(workdir))}"
+
+
 def watch(lab, namespace: str, name: str, timeout: float) -> None:
     """Print a line each time the job's printed columns change, like `kubectl get ftj -w`."""
     deadline = time.monotonic() + timeout
     last = None
     header_done = False
-    while time.monotonic() < deadline:
+
+    def show() -> None:
+        nonlocal last, header_done
         out = lab.kubectl("get", "ftj", name, "-n", namespace, check=False).stdout.strip().splitlines()
         if len(out) == 2:
             if not header_done:
@@ -85,8 +97,12 @@ def watch(lab, namespace: str, name: str, timeout: float) -> None:
             if row != last:
                 print(out[1], flush=True)
                 last = row
+
+    while time.monotonic() < deadline:
+        show()
         status = json.loads(lab.kubectl("get", "ftj", name, "-n", namespace, "-o", "json").stdout).get("status") or {}
         if status.get("phase") in ("Succeeded", "Failed"):
+            show()  # the row printed above may be from before the job ended: print the final one
             return
         time.sleep(0.5)
     raise TimeoutError(f"{namespace}/{name} did not finish in {timeout:.0f} s")

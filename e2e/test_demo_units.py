@@ -1,0 +1,42 @@
+"""`make demo` without a lab (not e2e): the progress display ends with the final row, and the
+command it suggests for a kept lab is one `python -m e2e.lab` accepts."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from types import SimpleNamespace
+
+from e2e import demo
+from e2e.lab.__main__ import main as lab_main
+
+HEADER = "NAME          PHASE       REASON   MODEL   AGE"
+
+
+class _RacingLab:
+    """kubectl answers in the order the demo asks: the table still shows Running when the JSON
+    read already sees Succeeded (the job ended between the two reads)."""
+
+    def __init__(self) -> None:
+        self.tables = iter([f"{HEADER}\nsupport-bot   Running              m       5s",
+                            f"{HEADER}\nsupport-bot   Succeeded            m       6s"])
+
+    def kubectl(self, *args: str, check: bool = True) -> SimpleNamespace:
+        if "-o" in args:
+            return SimpleNamespace(stdout=json.dumps({"status": {"phase": "Succeeded"}}))
+        return SimpleNamespace(stdout=next(self.tables))
+
+
+def test_watch_prints_the_final_row(capsys):
+    demo.watch(_RacingLab(), "team-a", "support-bot", timeout=5)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == HEADER
+    assert lines[-1].split()[:2] == ["support-bot", "Succeeded"], lines
+
+
+def test_the_suggested_down_command_is_accepted(tmp_path, capsys):
+    workdir = tmp_path / "a lab"
+    argv = shlex.split(demo.down_command(workdir))
+    assert argv[:4] == ["python", "-m", "e2e.lab", "down"]
+    assert lab_main(argv[3:]) == 0  # no lab there: "no lab in ...", not a usage error
+    assert f"no lab in {workdir}" in capsys.readouterr().out
