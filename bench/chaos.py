@@ -322,13 +322,12 @@ def use_operator_revision(rev: str, workdir: Path) -> Path:
     return dest / "crds" / "finetunejob.yaml"
 
 
-def standalone_flags() -> tuple[str, ...]:
-    """No leader election: `--lease ''` (operators with a Lease) or `--peering ''` (kopf peering)."""
+def operator_usage() -> str:
+    """`finetune-operator run --help` of the operator under test (flags differ across revisions)."""
     import subprocess
 
-    usage = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "--help"],
-                           capture_output=True, text=True).stdout
-    return ("--lease", "") if "--lease" in usage else ("--peering", "")
+    return subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "--help"],
+                          capture_output=True, text=True).stdout
 
 
 def operator_source(cfg: Config) -> str:
@@ -405,8 +404,11 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
             w.synced.wait(30)
         queue.start_webhook()
 
-        extra = standalone_flags() if cfg.standalone else ()
+        usage = operator_usage()
+        extra = (("--lease", "") if "--lease" in usage else ("--peering", "")) if cfg.standalone else ()
         operator = h.OperatorProcess(lab, workdir, extra_args=extra)
+        if "--identity" not in usage:  # an operator from before the Lease election
+            operator.identity = None
         operator.start()
         say(f"lab, chart, queue webhook and operator ready in {time.monotonic() - t_start:.0f}s; operator log {operator.log_path}")
 

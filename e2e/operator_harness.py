@@ -53,7 +53,8 @@ class OperatorProcess:
         self.extra_args = tuple(extra_args)  # more `finetune-operator run` flags, e.g. ("--workers", "8")
         # Its name in the leader election: one per replica, kept across restarts of it (as a pod's
         # name is across container restarts), so a restarted replica leads again at once.
-        self.identity = f"operator-{workdir.name}-{id(self):x}"
+        # None leaves the flag out (an operator from before the Lease election, e.g. bench/chaos.py --operator-rev).
+        self.identity: str | None = f"operator-{workdir.name}-{id(self):x}"
         self.workdir = workdir
         self.kubeconfig = lab.service_account_kubeconfig(RELEASE_NAMESPACE, service_account(),
                                                          path=workdir / "operator-sa.kubeconfig")
@@ -75,7 +76,7 @@ class OperatorProcess:
              "--kubeconfig", str(self.kubeconfig),
              "--policy-configmap", f"{RELEASE}-finetune-operator-policy", "--policy-namespace", RELEASE_NAMESPACE,
              "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
-             "--log-format", "plain", "--log-level", "info", "--identity", self.identity, *self.extra_args],
+             "--log-format", "plain", "--log-level", "info", *(("--identity", self.identity) if self.identity else ()), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         wait_for(self._healthy, 60, "the operator's health endpoint")
