@@ -70,12 +70,14 @@ def test_get_ftj_shows_the_printer_columns(lab, ftj_crd, namespace):
     example = _example("llama-8b-lora")
     lab.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(example))
     api = client.ApiextensionsV1Api(lab.api_client())
-    columns = [c.name.upper() for c in api.read_custom_resource_definition("finetunejobs.finetune.dev")
-               .spec.versions[0].additional_printer_columns]
+    printer = api.read_custom_resource_definition("finetunejobs.finetune.dev").spec.versions[0].additional_printer_columns
     header = wait_for(lambda: lab.kubectl("get", "ftj", "-n", namespace).stdout.splitlines()[0], 10, "kubectl get ftj")
+    wide = lab.kubectl("get", "ftj", "-n", namespace, "-o", "wide").stdout.splitlines()[0]
     assert header.split()[0] == "NAME"
-    for column in columns:
-        assert column in header, (column, header)
+    for column in printer:
+        # Priority 0 columns always; priority 1 only with -o wide.
+        assert (column.name.upper() in header) == (not column.priority), (column.name, header)
+        assert column.name.upper() in wide, (column.name, wide)
     row = lab.kubectl("get", "ftj", "-n", namespace).stdout.splitlines()[1]
     assert example["metadata"]["name"] in row and example["spec"]["model"]["name"] in row
 
