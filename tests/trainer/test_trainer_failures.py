@@ -4,9 +4,24 @@ import json
 
 
 from finetune_trainer.checkpointing import CheckpointMeta, clean_staging, list_checkpoints, newest_checkpoint, prune
-from finetune_trainer.contract import EXIT_DATA_ERROR, EXIT_GPU_OOM, FailureReason, FailureReport, Phase
+from finetune_trainer.contract import (
+    EXIT_DATA_ERROR,
+    EXIT_GPU_OOM,
+    EXIT_HOST_OOM,
+    EXIT_UNKNOWN,
+    FailureReason,
+    FailureReport,
+    Phase,
+)
 from finetune_trainer.errors import ConfigError, DataError
-from finetune_trainer.launch import exit_code_for
+from finetune_trainer.launch import (
+    OomCounter,
+    WorkerExit,
+    exit_code_for,
+    memory_cgroup_dir,
+    read_oom_kills,
+    verdict,
+)
 from finetune_trainer.phases import Progress
 from finetune_trainer.reporting import build_report, classify, write_report
 
@@ -79,4 +94,79 @@ def test_launcher_exit_code_follows_the_report(tmp_path):
                                   exit_code=EXIT_DATA_ERROR).to_termination_message())
     assert exit_code_for(1, str(path)) == EXIT_DATA_ERROR
     path.write_text("Traceback: not a report")
-    assert exit_code_for(-9, str(path)) == 137
+    assert exit_code_for(-15, str(path)) == 143  # torchrun itself terminated: the shell's 128+n
+    # torchrun itself SIGKILLed, nothing tells it was memory: Unknown, said in a report.
+    assert exit_code_for(-9, str(path)) == EXIT_UNKNOWN
+
+
+# ------------------------------------------------- the launcher: a worker killed by SIGKILL
+
+V2_EVENTS = "low 0\nhigh 0\nmax 17\noom 2\noom_kill {n}\noom_group_kill 0\n"
+V1_OOM_CONTROL = "oom_kill_disable 0\nunder_oom 0\noom_kill {n}\n"
+
+
+def test_memory_cgroup_is_found_on_v2_and_v1(tmp_path):
+    proc = tmp_path / "cgroup"
+    # v2 in a cgroup namespace: /proc says "/", the container's cgroup is the mount root.
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu memory pids\n")
+    (v2 / "memory.events").write_text(V2_EVENTS.format(n=3))
+    proc.write_text("0::/\n")
+    assert memory_cgroup_dir(str(proc), str(v2)) == v2
+    assert read_oom_kills(v2) == OomCounter(str(v2 / "memory.events"), 3)
+    # v2 without a namespace: the path /proc names, under the mount.
+    (v2 / "kubepods" / "pod1").mkdir(parents=True)
+    (v2 / "kubepods" / "pod1" / "memory.events").write_text(V2_EVENTS.format(n=0))
+    proc.write_text("0::/kubepods/pod1\n")
+    assert memory_cgroup_dir(str(proc), str(v2)) == v2 / "kubepods" / "pod1"
+    # v1: the memory controller's hierarchy; a host path not visible in the container
+    # falls back to the mount root (the container's own cgroup, bind-mounted).
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.oom_control").write_text(V1_OOM_CONTROL.format(n=1))
+    proc.write_text("12:cpu,cpuacct:/kubepods/x\n4:memory:/kubepods/pod9/abc\n0::/\n")
+    assert memory_cgroup_dir(str(proc), str(v1)) == v1 / "memory"
+    assert read_oom_kills(v1 / "memory") == OomCounter(str(v1 / "memory" / "memory.oom_control"), 1)
+    assert memory_cgroup_dir(str(proc), str(tmp_path / "nothing")) is None
+    assert read_oom_kills(None) is None and read_oom_kills(tmp_path / "nothing") is None
+
+
+def _peer_unknown() -> FailureReport:
+    return FailureReport(reason=FailureReason.UNKNOWN, phase=Phase.FORWARD, step=3, exit_code=EXIT_UNKNOWN,
+                         rank=0, world_size=2, message="RuntimeError: Connection closed by peer")
+
+
+def test_a_sigkilled_worker_with_an_oom_kill_counted_is_host_oom():
+    killed = [WorkerExit(rank=1, local_rank=1, pid=4242, exit_code=-9, signal="SIGKILL")]
+    code, report = verdict(1, _peer_unknown(), killed, OomCounter("/c/memory.events", 4),
+                           OomCounter("/c/memory.events", 5))
+    assert code == EXIT_HOST_OOM and report.exit_code == EXIT_HOST_OOM
+    assert report.reason is FailureReason.HOST_OUT_OF_MEMORY
+    assert (report.rank, report.phase, report.step, report.world_size) == (1, Phase.FORWARD, 3, 2)
+    assert "rank 1" in report.message and "pid 4242" in report.message and "SIGKILL" in report.message
+    assert "oom_kill 4 -> 5" in report.message and "/c/memory.events" in report.message
+
+
+def test_a_sigkilled_worker_without_evidence_is_unknown_and_says_so():
+    killed = [WorkerExit(rank=1, local_rank=1, pid=4242, exit_code=-9, signal="SIGKILL")]
+    counter = OomCounter("/c/memory.oom_control", 7)
+    code, report = verdict(1, _peer_unknown(), killed, counter, counter)
+    assert code == EXIT_UNKNOWN and report.reason is FailureReason.UNKNOWN and report.rank == 1
+    assert "SIGKILL" in report.message and "no OOM kill" in report.message
+    assert "Connection closed by peer" in report.message  # the peer's consequence is kept as context
+    # No counter to read: still Unknown, and the message says why.
+    code, report = verdict(1, None, killed, None, None)
+    assert code == EXIT_UNKNOWN and "could not be read" in report.message
+    assert (report.phase, report.step) == (Phase.SETUP, 0)
+
+
+def test_a_workers_specific_report_wins_over_a_sigkill():
+    gpu_oom = FailureReport(reason=FailureReason.GPU_OUT_OF_MEMORY, phase=Phase.BACKWARD, step=2,
+                            exit_code=EXIT_GPU_OOM)
+    killed = [WorkerExit(rank=1, local_rank=1, pid=1, exit_code=-9, signal="SIGKILL")]
+    assert verdict(1, gpu_oom, killed, OomCounter("x", 0), OomCounter("x", 1)) == (EXIT_GPU_OOM, None)
+    # A worker that failed otherwise (exit 1, its own Unknown report): nothing to add.
+    crashed = [WorkerExit(rank=0, local_rank=0, pid=2, exit_code=1)]
+    assert verdict(1, _peer_unknown(), crashed, OomCounter("x", 0), OomCounter("x", 1)) == (EXIT_UNKNOWN, None)
+    assert verdict(0, None, killed, OomCounter("x", 0), OomCounter("x", 1)) == (0, None)
