@@ -29,6 +29,10 @@ CASES = [
     ("pending-no-fit", _status("Pending", VALID, ("Planned", "False", "NoFit")), "NoFit"),
     ("pending-cannot-render", _status("Pending", VALID, ("Planned", "False", "CannotRender")), "CannotRender"),
     ("pending-new", _status("Pending"), None),
+    ("pending-waiting-for-configmap", _status("Pending", ("Validated", "Unknown", "WaitingForConfigMap"),
+                                              ("Planned", "False", "NoFit")), "WaitingForConfigMap"),
+    ("running-while-waiting", _status("Running", ("Validated", "Unknown", "WaitingForConfigMap"), PLANNED,
+                                      ("Running", "True", "Running")), None),
     # Failed: the Failed condition's reason, whatever else is set
     ("failed-invalid", _status("Failed", ("Validated", "False", "Invalid"), ("Failed", "True", "Invalid")), "Invalid"),
     ("failed-oom", _status("Failed", VALID, PLANNED, ("Running", "False", "Failed"),

@@ -16,7 +16,8 @@ _BY_PHASE: dict[str, tuple[tuple[str, str], ...]] = {
     "Suspended": ((api.COND_SUSPENDED, "True"),),
     "Queued": ((api.COND_QUEUED, "True"),),
     "Recovering": ((api.COND_RECOVERING, "True"),),
-    "Pending": ((api.COND_PLANNED, "False"), (api.COND_VALIDATED, "False")),
+    # Validated=Unknown: waiting for an object the job refers to (WaitingForConfigMap), before any plan.
+    "Pending": ((api.COND_VALIDATED, "Unknown"), (api.COND_PLANNED, "False"), (api.COND_VALIDATED, "False")),
     "Launching": ((api.COND_RUNNING, "False"),),
     "Running": (),
 }
@@ -27,6 +28,7 @@ _ANY_PHASE: tuple[tuple[str, str], ...] = (
     (api.COND_PLANNED, "False"),
     (api.COND_RUNNING, "False"),
     (api.COND_VALIDATED, "False"),
+    (api.COND_VALIDATED, "Unknown"),
 )
 
 
@@ -34,8 +36,8 @@ def status_reason(status: api.FineTuneJobStatus) -> str | None:
     """The reason of the condition that matters now, or None when the phase says it all.
 
     Blocked=True wins in every phase (the operator waits for a person). Otherwise the condition
-    that explains the phase: Failed's for Failed, Queued's for Queued, Planned=False's (NoFit) or
-    Validated=False's for Pending, Running=False's (Unschedulable, NotStarting) for Launching,
+    that explains the phase: Failed's for Failed, Queued's for Queued, Validated=Unknown's
+    (WaitingForConfigMap), Planned=False's (NoFit) or Validated=False's for Pending, Running=False's (Unschedulable, NotStarting) for Launching,
     Recovering's (GPUOutOfMemory, ...) for Recovering, Suspended's for Suspended; nothing for
     Running and Succeeded. A reason that only repeats the phase is left out."""
     by_type = {c.type: c for c in status.conditions}
