@@ -29,6 +29,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from . import api, lifecycle, metrics
+from .summary import status_reason
 from .children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of_pytorch_job, controlled_by
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
@@ -95,7 +96,8 @@ class Cluster:
         meta = body["metadata"]
         self.custom.patch_namespaced_custom_object_status(
             api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"],
-            {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": {"conditions": conditions}})
+            {"metadata": {"resourceVersion": meta.get("resourceVersion")},
+             "status": {"conditions": conditions, "reason": "StatusUnreadable"}})
 
     # -- the attempt's objects ---------------------------------------------
     def get_pytorch_job(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -464,7 +466,10 @@ def read_status(raw: Any) -> tuple[api.FineTuneJobStatus | None, str | None]:
 
 
 def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:
-    return status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    """The status as written: every write goes through here, so the one-word reason that
+    `kubectl get` shows (summary.status_reason, derived from the conditions) is never stale."""
+    return status.model_copy(update={"reason": status_reason(status)}).model_dump(
+        mode="json", by_alias=True, exclude_none=True)
 
 
 def _api_message(error: ApiException) -> str:

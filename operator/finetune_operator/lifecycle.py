@@ -216,6 +216,7 @@ def invalid(status: api.FineTuneJobStatus, problems: list[api.FieldProblem], now
     set_condition(status, api.COND_FAILED, "True", "Invalid", message, now, generation)
     status.phase = "Failed"
     status.completion_time = now
+    status.observed_generation = generation
     decision.events.append(Event("Warning", "Invalid", message))
     return decision
 

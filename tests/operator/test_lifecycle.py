@@ -250,7 +250,7 @@ def test_suspend_and_resume():
 def test_invalid_job_fails_with_the_field_named():
     status = api.FineTuneJobStatus()
     decision = lifecycle.invalid(status, [api.FieldProblem(path="spec.model.architecture.configMapRef", message="no such ConfigMap")], T0, 1)
-    assert decision.status.phase == "Failed"
+    assert decision.status.phase == "Failed" and decision.status.observed_generation == 1
     validated = next(c for c in decision.status.conditions if c.type == "Validated")
     assert validated.status == "False" and validated.reason == "Invalid"
     assert "spec.model.architecture.configMapRef" in validated.message

@@ -25,6 +25,7 @@ def test_a_foreign_configmap_is_neither_adopted_nor_deleted_and_the_job_says_so(
     assert world.ours("PyTorchJob") == []  # the ConfigMap goes first; nothing runs without it
     blocked = world.conditions()["Blocked"]
     assert blocked["status"] == "True" and blocked["reason"] == "NameConflict" and "support-bot-a1" in blocked["message"]
+    assert world.status["reason"] == "NameConflict"  # what `kubectl get ftj` shows
     for _ in range(3):
         world.reconcile()
     assert world.kube.get("ConfigMap", NAMESPACE, "support-bot-a1") == foreign
@@ -60,6 +61,7 @@ def test_a_status_it_cannot_read_gets_a_condition_and_nothing_else():
     assert [w.verb for w in writes] == ["status-patch"]
     blocked = world.conditions()["Blocked"]
     assert blocked["reason"] == "StatusUnreadable" and "status.attempts" in blocked["message"]
+    assert world.status["reason"] == "StatusUnreadable"
     assert world.status["attempts"] == "garbage"
     world.reconcile()  # the same problem: no second write, no event storm
     assert len(world.kube.writes) == before + 1
