@@ -1,0 +1,245 @@
+"""Failover of the operator on the lab (issue 17 item 4): replicas elect one leader through the
+coordination Lease of the release namespace (operator/finetune_operator/leadership.py), only the
+leader reconciles, and when it dies (SIGKILL, no cleanup) the standby takes over and acts within
+5 seconds, without ever giving a FineTuneJob a second live PyTorchJob. A single replica killed and
+restarted with its identity (a container restart keeps the pod's name) leads again at once, not
+after the Lease expires.
+
+Both scenarios run the operator as the chart's ServiceAccount (e2e/operator_harness.py), so the
+chart's lease RBAC is exercised too. No other operator may run against the lab meanwhile: the
+fixture fails early when the Lease is held by a replica that is not this module's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from kubernetes import client, watch
+from kubernetes.client.rest import ApiException
+
+from e2e import operator_harness as h
+from e2e.lab.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+LEASE = "finetune-operator"  # the chart's default leaderElection.leaseName, the operator's default --lease
+TAKEOVER_LIMIT_S = 5.0
+RESTART_LIMIT_S = 2.0
+EXAMPLE = "llama-8b-lora.yaml"
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+_CLIENTS: dict[int, client.CoordinationV1Api] = {}
+
+
+def _lease(lab) -> client.V1Lease | None:
+    api = _CLIENTS.get(id(lab)) or _CLIENTS.setdefault(id(lab), client.CoordinationV1Api(lab.api_client()))
+    try:
+        return api.read_namespaced_lease(LEASE, h.RELEASE_NAMESPACE)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def _holder(lab) -> str | None:
+    lease = _lease(lab)
+    return lease.spec.holder_identity if lease is not None and lease.spec is not None else None
+
+
+def _lease_is_free_of_strangers(lab, ours: set[str]) -> None:
+    """Fail early when a replica that is not this module's holds the Lease and renews it (another
+    operator on the lab would reconcile the same jobs and make the timings meaningless)."""
+    lease = _lease(lab)
+    if lease is None or lease.spec.holder_identity in ours or not lease.spec.holder_identity:
+        return
+    first = lease.spec.renew_time
+    time.sleep(lease.spec.lease_duration_seconds or 3)
+    again = _lease(lab)
+    if again is not None and again.spec.renew_time != first and again.spec.holder_identity not in ours:
+        pytest.fail(f"another operator ({again.spec.holder_identity}) leads the lab's Lease "
+                    f"{h.RELEASE_NAMESPACE}/{LEASE}: run the failover scenarios on their own, or before "
+                    "e2e/test_operator.py (whose operator lives for the whole session)", pytrace=False)
+
+
+def _job(namespace: str, name: str, run: str) -> dict[str, Any]:
+    job = h.job_from_example(EXAMPLE, name, namespace, rule={"true-peak-factor": "1.0", "run-duration": run})
+    job["spec"]["recovery"] = {"maxAttempts": 2, "backoff": {"initialSeconds": 1, "maxSeconds": 2}}
+    return job
+
+
+def _apply(lab, job: dict[str, Any]) -> None:
+    lab.kubectl("apply", "-f", "-", input=json.dumps(job))
+
+
+def _reconciles(operator: h.OperatorProcess) -> float:
+    """How many reconciles the replica ran (its finetune_reconcile_seconds histogram's count)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in operator.metrics().splitlines()
+               if line.startswith("finetune_reconcile_seconds_count"))
+
+
+def _reconciled(operator: h.OperatorProcess, namespace: str, name: str) -> bool:
+    """The operator's log shows it acted on the job (it logs each Event it posts: "ns/name Reason: ...")."""
+    return f"{namespace}/{name} Planned:" in operator.logs()
+
+
+class ChildWatch:
+    """Watches the namespace's PyTorchJobs from before the scenario to its end and records, for every
+    FineTuneJob, the most PyTorchJobs it ever had alive at once (created, not yet being deleted)."""
+
+    def __init__(self, lab, namespace: str) -> None:
+        self.api = client.CustomObjectsApi(lab.api_client())
+        self.namespace = namespace
+        self.live: dict[str, set[str]] = defaultdict(set)
+        self.most: dict[str, int] = defaultdict(int)
+        self.errors: list[str] = []
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "ChildWatch":
+        self._thread.start()
+        assert self._ready.wait(10), "the PyTorchJob watch did not start"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=10)
+        assert not self.errors, f"the PyTorchJob watch broke, so it may have missed a child: {self.errors}"
+
+    def _run(self) -> None:
+        listed = self.api.list_namespaced_custom_object("kubeflow.org", "v1", self.namespace, "pytorchjobs")
+        for item in listed["items"]:
+            self._see("ADDED", item)
+        version = listed["metadata"]["resourceVersion"]
+        self._ready.set()
+        # Short watches (the server ends each after a second), resumed where the last one stopped,
+        # so that stopping never has to cut a stream.
+        while not self._stopping.is_set():
+            try:
+                for event in watch.Watch().stream(self.api.list_namespaced_custom_object, "kubeflow.org", "v1",
+                                                  self.namespace, "pytorchjobs", resource_version=version,
+                                                  timeout_seconds=1):
+                    if event["type"] == "ERROR":
+                        raise RuntimeError(event["object"])
+                    self._see(event["type"], event["object"])
+                    version = event["object"]["metadata"]["resourceVersion"]
+            except Exception as error:  # noqa: BLE001 - reported by __exit__
+                self.errors.append(repr(error))
+                return
+
+    def _see(self, kind: str, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        owner = (meta.get("labels") or {}).get("finetune.dev/job", "?")
+        if kind == "DELETED" or meta.get("deletionTimestamp"):
+            self.live[owner].discard(meta["name"])
+        else:
+            self.live[owner].add(meta["name"])
+        self.most[owner] = max(self.most[owner], len(self.live[owner]))
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chart(lab, ftj_crd):
+    h.install_chart(lab)
+
+
+@pytest.fixture
+def replicas(lab, chart, tmp_path):
+    started: list[h.OperatorProcess] = []
+
+    def start(count: int) -> list[h.OperatorProcess]:
+        made = []
+        for i in range(count):
+            (tmp_path / f"replica-{i}").mkdir()
+            made.append(h.OperatorProcess(lab, tmp_path / f"replica-{i}"))
+        _lease_is_free_of_strangers(lab, {o.identity for o in made})
+        for operator in made:
+            started.append(operator)
+            operator.start()
+        return made
+
+    yield start
+    for operator in started:
+        operator.stop()
+        print(f"operator log ({operator.identity}): {operator.log_path}")
+
+
+# ---- scenarios -----------------------------------------------------------------------------------
+
+
+def test_standby_takes_over_within_seconds_of_the_leaders_death(lab, replicas, namespace):
+    a, b = replicas(2)
+    by_identity = {a.identity: a, b.identity: b}
+    holder = wait_for(lambda: _holder(lab) if _holder(lab) in by_identity else None, 30,
+                      "one of the two replicas to hold the Lease")
+    leader, standby = by_identity[holder], (b if holder == a.identity else a)
+    h.volumes(lab, namespace, h.claims_of(_job(namespace, "x", "1s")))
+
+    with ChildWatch(lab, namespace) as children:
+        # A job that runs through the failover.
+        _apply(lab, _job(namespace, "through", "120s"))
+        h.wait_phase(lab, namespace, "through", ("Running",), timeout=60)
+        (before,) = h.pytorch_jobs(lab, namespace, "through")
+        # Only the leader reconciles; the standby watches and waits.
+        assert _reconciled(leader, namespace, "through")
+        assert not _reconciled(standby, namespace, "through"), standby.logs()[-3000:]
+        assert _reconciles(leader) > 0 and _reconciles(standby) == 0, (_reconciles(leader), _reconciles(standby))
+        assert f"{standby.identity} leads" not in standby.logs()
+
+        killed = time.monotonic()
+        leader.kill()
+        _apply(lab, _job(namespace, "after-kill", "120s"))
+        wait_for(lambda: _holder(lab) == standby.identity, 15, "the standby to take the Lease", interval=0.05)
+        took_over = time.monotonic() - killed
+        wait_for(lambda: h.pytorch_jobs(lab, namespace, "after-kill"), 15,
+                 "the PyTorchJob of the job applied after the kill", interval=0.05)
+        acted = time.monotonic() - killed
+        print(f"failover: Lease taken by the standby {took_over:.2f} s after SIGKILL of the leader; "
+              f"PyTorchJob of a job applied right after the kill {acted:.2f} s after it")
+        assert acted < TAKEOVER_LIMIT_S, f"the standby acted {acted:.2f} s after the leader's death"
+        assert f"{standby.identity} leads" in standby.logs()
+
+        # The new leader adopts the running attempt: the same PyTorchJob, no second one.
+        h.wait_phase(lab, namespace, "after-kill", ("Launching", "Running"), timeout=30)
+        time.sleep(1.5)  # let the new leader go over the job that was running
+        assert [p["metadata"]["name"] for p in h.pytorch_jobs(lab, namespace, "through")] == [before["metadata"]["name"]]
+        assert h.get_job(lab, namespace, "through")["status"]["phase"] == "Running"
+    assert children.most["through"] == 1 and children.most["after-kill"] == 1, dict(children.most)
+    assert all(count <= 1 for count in children.most.values()), dict(children.most)
+
+
+def test_a_restarted_replica_leads_again_at_once(lab, replicas, namespace):
+    """SIGKILL and restart with the same identity (as a container restart keeps the pod's name): the
+    Lease names it still, so it leads on its first try instead of waiting the Lease out (a replica
+    with another identity would wait a whole lease duration after it first sees the Lease)."""
+    (operator,) = replicas(1)
+    wait_for(lambda: _holder(lab) == operator.identity, 30, "the replica to hold the Lease")
+    acquired = _lease(lab).spec.acquire_time
+    h.volumes(lab, namespace, h.claims_of(_job(namespace, "x", "1s")))
+    _apply(lab, _job(namespace, "first", "60s"))
+    wait_for(lambda: h.pytorch_jobs(lab, namespace, "first"), 30, "the first job's PyTorchJob")
+
+    operator.kill()
+    operator.start()  # returns once /healthz answers
+    up = time.monotonic()
+    _apply(lab, _job(namespace, "after-restart", "60s"))
+    wait_for(lambda: h.pytorch_jobs(lab, namespace, "after-restart"), 15,
+             "the PyTorchJob of the job applied after the restart", interval=0.05)
+    acted = time.monotonic() - up
+    print(f"restart: PyTorchJob of a job applied when the restarted replica was up {acted:.2f} s later")
+    lease = _lease(lab)
+    assert lease.spec.holder_identity == operator.identity
+    # It renewed its own Lease: the same acquisition, no transition to another holder.
+    assert lease.spec.acquire_time == acquired, (acquired, lease.spec.acquire_time)
+    assert acted < RESTART_LIMIT_S, f"the restarted replica acted {acted:.2f} s after it was up"
+    assert len(h.pytorch_jobs(lab, namespace, "first")) == 1
