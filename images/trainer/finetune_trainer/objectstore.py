@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import posixpath
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -326,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     if launch_args[:1] == ["--"]:
         launch_args = launch_args[1:]
     code = launch.main(launch_args)
+    # The launcher forwarded SIGTERM to torchrun, which has exited: a pod deleted during the upload
+    # must stop now, not after its grace period.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if code != 0 or not is_master_pod():
         return code
     try:
