@@ -77,3 +77,49 @@ def test_deepspeed_batch_numbers_must_match_the_attempt():
     check_deepspeed_batch(config(strategy="zero2", deepspeed=ds), 4)
     with pytest.raises(ConfigError, match="deepspeed.train_batch_size is 32 but this attempt runs 16"):
         check_deepspeed_batch(config(strategy="zero2", deepspeed=ds), 2)
+
+
+@pytest.mark.parametrize(
+    "recorded, running, restores",
+    [
+        ("adamw", "adamw", True),
+        (None, "adamw", True),  # written before optimizers were recorded: taken as adamw
+        ("adamw", "adamw-8bit", False),  # AdamW's fp32 moments must not feed an 8-bit optimizer
+        ("adamw-8bit", "adamw", False),
+        (None, "paged-adamw-8bit", False),
+        ("adamw-8bit", "paged-adamw-8bit", False),
+        ("paged-adamw-8bit", "paged-adamw-8bit", True),
+    ],
+)
+def test_optimizer_state_of_another_optimizer_is_not_restored(recorded, running, restores):
+    plan = plan_run(config(optimizer=running), 100, 2, checkpoint(4, 64, optimizer=recorded))
+    assert plan.restore_optimizer is restores
+    if restores:
+        assert plan.optimizer_not_restored is None
+    else:
+        assert plan.optimizer_not_restored == (
+            f"the checkpoint holds {recorded or 'adamw'} optimizer state and this attempt runs {running}")
+    # Weights, step and data position carry over either way.
+    assert (plan.start_step, plan.start_samples, plan.resume_from.meta.step) == (4, 64, 4)
+
+
+def test_meta_json_without_optimizer_or_with_unknown_keys_still_reads(tmp_path):
+    import json
+
+    from finetune_trainer.checkpointing import newest_checkpoint
+
+    meta = json.loads(checkpoint(4, 64).meta.to_json())
+    assert meta["optimizer"] is None
+    del meta["optimizer"]  # as written before optimizers were recorded
+    folder = tmp_path / "step-00000004"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps(meta))
+    old = newest_checkpoint(tmp_path)
+    assert old.meta.step == 4 and old.meta.optimizer is None and old.meta.optimizer_or_legacy == "adamw"
+    # A newer trainer's extra field must not hide the checkpoint (the job would start over).
+    meta.update(optimizer="adamw-8bit", somethingNew={"x": 1})
+    folder = tmp_path / "step-00000008"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps(dict(meta, step=8)))
+    newer = newest_checkpoint(tmp_path)
+    assert newer.meta.step == 8 and newer.meta.optimizer == "adamw-8bit"

@@ -15,6 +15,9 @@ ranks under DDP or FSDP, optimizer state included (for LoRA only the adapters an
 their optimizer state are stored). A DeepSpeed checkpoint resumes fully on the same
 ZeRO stage and world size; anywhere else the weights are recovered with DeepSpeed's
 zero_to_fp32 and the optimizer starts fresh (logged as ``optimizerRestored: false``).
+``meta.json`` records the optimizer too: state of another optimizer (AdamW moments into
+an 8-bit optimizer, or the reverse) is never loaded; the weights, LR schedule, step and
+data position still are, and the resume says why the optimizer starts fresh.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .reporting import log_json
@@ -32,6 +35,12 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 DCP_DIR = "dcp"
 DS_DIR = "deepspeed"
 DS_TAG = "state"
+
+
+# What a checkpoint written before optimizers were recorded was trained with: the
+# contract's default, the only optimizer those trainers could have run on CPU or without
+# an 8-bit rung.
+LEGACY_OPTIMIZER = "adamw"
 
 
 @dataclass
@@ -45,13 +54,26 @@ class CheckpointMeta:
     micro_batch_size: int
     gradient_accumulation: int
     attempt: int
+    # The optimizer whose state the checkpoint holds (TrainerConfig.optimizer). None in
+    # checkpoints written before it was recorded: read as LEGACY_OPTIMIZER.
+    optimizer: str | None = None
+
+    @property
+    def optimizer_or_legacy(self) -> str:
+        return self.optimizer or LEGACY_OPTIMIZER
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "CheckpointMeta":
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("meta.json is not an object")
+        # Keys this trainer does not know (a newer trainer's) are ignored, not fatal:
+        # an unreadable meta.json hides the checkpoint and the job would start over.
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
 
 
 @dataclass
@@ -182,11 +204,32 @@ def save_checkpoint(
     return final
 
 
-def can_restore_optimizer(checkpoint: Checkpoint, strategy: str, world_size: int) -> bool:
+def optimizer_restore(checkpoint: Checkpoint, strategy: str, world_size: int,
+                      optimizer: str = LEGACY_OPTIMIZER) -> tuple[bool, str | None]:
+    """Whether this attempt can load the checkpoint's optimizer state, and if not, why.
+
+    The state must be of the same optimizer (AdamW's fp32 moments are not an 8-bit
+    optimizer's quantised ones, nor the reverse) and in a layout this attempt can read:
+    a torch.distributed.checkpoint (ddp/fsdp) reshards into ddp/fsdp on any world size;
+    DeepSpeed's own checkpoint loads only into the same ZeRO stage and world size.
+    """
     meta = checkpoint.meta
+    if meta.optimizer_or_legacy != optimizer:
+        return False, (f"the checkpoint holds {meta.optimizer_or_legacy} optimizer state and this attempt runs "
+                       f"{optimizer}")
     if meta.format == "dcp":
-        return strategy in ("ddp", "fsdp")
-    return meta.strategy == strategy and meta.world_size == world_size
+        if strategy not in ("ddp", "fsdp"):
+            return False, f"a {meta.strategy} checkpoint's optimizer state does not load into {strategy}"
+        return True, None
+    if meta.strategy != strategy or meta.world_size != world_size:
+        return False, (f"DeepSpeed optimizer state of {meta.strategy} on {meta.world_size} ranks loads only into "
+                       f"the same (this attempt: {strategy} on {world_size})")
+    return True, None
+
+
+def can_restore_optimizer(checkpoint: Checkpoint, strategy: str, world_size: int,
+                          optimizer: str = LEGACY_OPTIMIZER) -> bool:
+    return optimizer_restore(checkpoint, strategy, world_size, optimizer)[0]
 
 
 def load_full_state(checkpoint: Checkpoint, *, model, optimizer, deepspeed_engine, lora: bool) -> None:

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan_run(cfg: TrainerConfig, num_examples: int, world: int, checkpoint) -> "RunPlan":
-    from .checkpointing import can_restore_optimizer
+    from .checkpointing import optimizer_restore
     from .data import total_samples
     from .training import RunPlan
 
@@ -62,6 +62,7 @@ def plan_run(cfg: TrainerConfig, num_examples: int, world: int, checkpoint) -> "
     else:
         remaining = max(0, total_samples(num_examples, cfg.epochs) - start_samples)
         max_steps = start_step + math.ceil(remaining / global_batch)
+    restore, why_not = optimizer_restore(checkpoint, cfg.strategy, world, cfg.optimizer) if checkpoint else (False, None)
     return RunPlan(
         start_step=start_step,
         start_samples=start_samples,
@@ -69,7 +70,8 @@ def plan_run(cfg: TrainerConfig, num_examples: int, world: int, checkpoint) -> "
         global_batch=global_batch,
         world_size=world,
         resume_from=checkpoint,
-        restore_optimizer=bool(checkpoint) and can_restore_optimizer(checkpoint, cfg.strategy, world),
+        restore_optimizer=restore,
+        optimizer_not_restored=why_not,
     )
 
 
@@ -81,6 +83,9 @@ def usable_checkpoint(cfg: TrainerConfig):
     checkpoint = checkpointing.newest_checkpoint(cfg.checkpoint.directory)
     if checkpoint is None:
         return None
+    if checkpoint.meta.optimizer is None:
+        log_json("info", message=f"checkpoint {checkpoint.path} records no optimizer (written before optimizers "
+                                 f"were recorded): taken as {checkpointing.LEGACY_OPTIMIZER}")
     adapters = {"lora", "qlora"}
     if checkpoint.meta.method != cfg.method and not {checkpoint.meta.method, cfg.method} <= adapters:
         log_json("warning", message=f"checkpoint {checkpoint.path} is from method {checkpoint.meta.method}, "

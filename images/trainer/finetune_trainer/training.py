@@ -31,6 +31,8 @@ class RunPlan:
     world_size: int
     resume_from: Checkpoint | None
     restore_optimizer: bool
+    # Why the checkpoint's optimizer state is not loaded (None when it is, or on a fresh start).
+    optimizer_not_restored: str | None = None
 
 
 class FineTuneTrainer(Trainer):
@@ -93,6 +95,11 @@ class ResumeCallback(TrainerCallback):
         if self.plan.restore_optimizer:
             checkpointing.load_full_state(checkpoint, model=trainer.model, optimizer=trainer.optimizer,
                                           deepspeed_engine=engine, lora=self.lora)
+        else:
+            # The one line that says so (the weights were loaded before the Trainer wrapped the model).
+            log_json("warning", message=f"resuming from {checkpoint.path} without its optimizer state: "
+                                        f"{self.plan.optimizer_not_restored}; the optimizer starts fresh, the "
+                                        f"weights, LR schedule, step and data position carry over")
         checkpointing.load_scheduler(checkpoint, trainer.lr_scheduler, trainer.optimizer)
         state.global_step = checkpoint.meta.step
         # Loss averaging and throughput count from here, not from step 0.
@@ -100,6 +107,8 @@ class ResumeCallback(TrainerCallback):
         trainer._initial_global_step = state.global_step
         log_json("resume", step=checkpoint.meta.step, path=str(checkpoint.path),
                  samplesConsumed=checkpoint.meta.samples_consumed, optimizerRestored=self.plan.restore_optimizer,
+                 optimizerNotRestored=self.plan.optimizer_not_restored,
+                 fromOptimizer=checkpoint.meta.optimizer_or_legacy,
                  fromStrategy=checkpoint.meta.strategy, fromWorldSize=checkpoint.meta.world_size,
                  fromMicroBatchSize=checkpoint.meta.micro_batch_size,
                  fromGradientAccumulation=checkpoint.meta.gradient_accumulation)
@@ -132,6 +141,7 @@ class CheckpointCallback(TrainerCallback):
             micro_batch_size=self.cfg.micro_batch_size,
             gradient_accumulation=self.cfg.gradient_accumulation,
             attempt=self.cfg.attempt,
+            optimizer=self.cfg.optimizer,
         )
         checkpointing.save_checkpoint(
             root=Path(ckpt.directory), meta=meta, model=trainer.model, optimizer=trainer.optimizer,
