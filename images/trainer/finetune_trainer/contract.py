@@ -20,8 +20,10 @@ code  reason              meaning
 0     -                   training finished
 1     Unknown             anything unclassified (a retry may help)
 65    DataError           the dataset cannot be read or parsed (retry cannot fix)
-71    HostOutOfMemory     Python raised MemoryError (host RAM); the kernel OOM
-                          killer shows as 137 with ``reason: OOMKilled`` instead
+71    HostOutOfMemory     Python raised MemoryError (host RAM), or the launcher saw
+                          a worker killed by SIGKILL while the container's memory
+                          cgroup counted an OOM kill; the kernel OOM killer taking
+                          the whole container shows as 137 with ``reason: OOMKilled``
 75    GPUOutOfMemory      ``torch.OutOfMemoryError`` (retry with less memory)
 78    ConfigError         the config is invalid or cannot run here (no retry)
 ====  ==================  =====================================================
