@@ -49,8 +49,8 @@ def _table(lab, namespace: str, *args: str) -> tuple[list[str], list[str]]:
 PLAN = {
     "nodePool": "h100-berlin", "region": "eu-de-berlin", "gpuType": "H100-80GB", "nodes": 1, "gpusPerNode": 2,
     "gpus": 2, "method": "lora", "strategy": "fsdp", "offload": "none", "optimizer": "adamw", "microBatchSize": 2,
-    "gradientAccumulation": 16, "gradientCheckpointing": True, "predictedPeakGiB": 61.3, "requiredGiB": 66.1,
-    "gpuMemoryGiB": 79.6, "hostMemoryGiB": 128.0,
+    "gradientAccumulation": 16, "gradientCheckpointing": True, "predictedPeak": "61.3Gi", "required": "66.1Gi",
+    "gpuMemory": "79.6Gi", "hostMemory": "128Gi",
 }
 
 
@@ -82,9 +82,9 @@ def test_get_says_why_and_wide_shows_the_plan(lab, ftj_crd, namespace):
     current["status"] = running.model_dump(mode="json", by_alias=True, exclude_none=True)
     lab.kubectl("replace", "--subresource=status", "-f", "-", input=json.dumps(current))
     out = lab.kubectl("get", "ftj", "-n", namespace, "-o", "wide").stdout.splitlines()
-    assert "STRATEGY" in out[0] and "PREDICTED GIB" in out[0] and "GPU GIB" in out[0], out[0]
+    assert "STRATEGY" in out[0] and "PREDICTED" in out[0] and "GPU MEMORY" in out[0], out[0]
     columns = _columns(out)
-    assert columns["STRATEGY"] == "fsdp" and columns["PREDICTED GIB"] == "61.3" and columns["GPU GIB"] == "79.6", out
+    assert columns["STRATEGY"] == "fsdp" and columns["PREDICTED"] == "61.3Gi" and columns["GPU MEMORY"] == "79.6Gi", out
     assert columns["PHASE"] == "Running" and columns["REASON"] in ("", "<none>"), out
 
     # Failed: the Failed condition's reason, even with Running=False beside it.

@@ -10,6 +10,8 @@ import time
 import pytest
 import yaml
 
+from finetune_operator import api
+
 from e2e import operator_harness as h
 from e2e.lab.waiting import wait_for
 
@@ -183,7 +185,7 @@ def test_configmap_architecture_is_read(lab, operator, namespace):
     lab.kubectl("wait", "--for=condition=Succeeded", "ftj/from-configmap", "-n", namespace, "--timeout=120s", timeout=130)
     plan = h.get_job(lab, namespace, "from-configmap")["status"]["plan"]
     # bf16 weights of a 1.2B model (about 2.3 GiB), not those of the 8B preset (15 GiB).
-    assert 2.0 < plan["breakdown"]["weights"] < 3.0, plan["breakdown"]
+    assert 2.0 < api.PlanStatus.model_validate(plan).breakdown["weights"] < 3.0, plan["breakdown"]
     print(f"scenario configMapRef architecture: {h.elapsed(start)}")
 
 

@@ -13,11 +13,15 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal, Union
 
+from kubernetes.utils import parse_quantity
 from pydantic import (
     AfterValidator,
+    AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -860,6 +864,36 @@ COND_QUEUED = "Queued"
 COND_BLOCKED = "Blocked"
 
 
+def _gib_from(value: Any) -> Any:
+    """A GiB figure from a Kubernetes quantity ('61.3Gi', '80G') or, as statuses written by
+    earlier operator versions hold it, a plain number of GiB."""
+    if isinstance(value, str):
+        try:
+            return float(parse_quantity(value)) / 2**30
+        except ValueError:
+            raise ValueError(f"not a quantity: {value!r}") from None
+    return value
+
+
+def _gib_text(value: float) -> str:
+    """GiB as a quantity a person reads: 61.3Gi, 80Gi."""
+    return f"{round(value, 2):.2f}".rstrip("0").rstrip(".") + "Gi"
+
+
+GiBQuantity = Annotated[
+    float,
+    BeforeValidator(_gib_from),
+    PlainSerializer(_gib_text, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?Gi$"}),
+]
+
+
+def _gib_field(name: str, **kwargs: Any) -> Any:
+    """A GiB figure written as `name` (a quantity); read from `name` or from the `<name>GiB`
+    number that operator versions before quantities wrote, so their statuses stay readable."""
+    return Field(validation_alias=AliasChoices(name, f"{name}GiB"), serialization_alias=name, **kwargs)
+
+
 class StatusModel(ApiModel):
     """Status comes back from the API server as JSON: timestamps are strings there.
 
@@ -916,18 +950,19 @@ class PlanStatus(StatusModel):
     """Micro-batches per optimizer step."""
     gradient_checkpointing: bool
     """Activation recomputation."""
-    predicted_peak_gi_b: float = Field(alias="predictedPeakGiB")
-    """Predicted peak allocated GPU memory per GPU, GiB."""
-    required_gi_b: float = Field(alias="requiredGiB")
-    """Predicted GPU memory needed, with fragmentation and reserve, GiB."""
-    gpu_memory_gi_b: float = Field(alias="gpuMemoryGiB")
-    """GPU memory per GPU, GiB."""
-    host_memory_gi_b: float = Field(alias="hostMemoryGiB")
-    """Host memory requested per pod, GiB."""
-    breakdown: dict[str, float] = {}
-    """Predicted per-GPU memory by term, GiB."""
-    peak_phase: str = ""
-    """Training phase where the peak falls."""
+    predicted_peak_gi_b: GiBQuantity = _gib_field("predictedPeak")
+    """Predicted peak allocated GPU memory per GPU (a quantity, e.g. 61.3Gi)."""
+    required_gi_b: GiBQuantity = _gib_field("required")
+    """Predicted GPU memory needed per GPU, with fragmentation and reserve (a quantity)."""
+    gpu_memory_gi_b: GiBQuantity = _gib_field("gpuMemory")
+    """GPU memory per GPU (a quantity, e.g. 80Gi)."""
+    host_memory_gi_b: GiBQuantity = _gib_field("hostMemory")
+    """Host memory requested per pod (a quantity)."""
+    breakdown: dict[str, GiBQuantity] | None = None
+    """Predicted per-GPU memory by term (weights, gradients, optimizerStates, activations, ...);
+    only on the current plan, not on each attempt's record."""
+    peak_phase: str | None = None
+    """Training phase where the peak falls (current plan only)."""
     calibration: float = 1.0
     """Factor applied to the estimate, learned from out-of-memory failures of earlier attempts."""
     estimated_hours: float | None = None
@@ -936,8 +971,13 @@ class PlanStatus(StatusModel):
     """Predicted cost to finish, in the catalog's currency."""
     needs_scale_up: bool = False
     """True when the pool has too few free GPUs now and must scale up."""
-    reason: str = ""
-    """Why this plan won."""
+    reason: str | None = None
+    """Why this plan won (current plan only)."""
+
+    def compact(self) -> "PlanStatus":
+        """The plan as an attempt's record keeps it: what ran, without the story of why."""
+        return self.model_copy(update={"breakdown": None, "peak_phase": None, "reason": None,
+                                       "estimated_hours": None, "estimated_cost": None})
 
 
 class PodFailure(StatusModel):
@@ -996,10 +1036,10 @@ class AttemptStatus(StatusModel):
     moved or given up."""
     message: str = ""
     """What was observed (phase, step, peak) and, for a retry, what the next attempt changes."""
-    observed_peak_gi_b: float | None = Field(default=None, alias="observedPeakGiB")
-    """Peak allocated GPU memory the trainer reported, GiB."""
-    predicted_peak_gi_b: float | None = Field(default=None, alias="predictedPeakGiB")
-    """Peak the estimate predicted for this attempt, GiB."""
+    observed_peak_gi_b: GiBQuantity | None = _gib_field("observedPeak", default=None)
+    """Peak allocated GPU memory the trainer reported (a quantity)."""
+    predicted_peak_gi_b: GiBQuantity | None = _gib_field("predictedPeak", default=None)
+    """Peak the estimate predicted for this attempt (a quantity)."""
     start_time: datetime | None = None
     """When the attempt's PyTorchJob was created."""
     end_time: datetime | None = None

@@ -462,7 +462,32 @@ def read_status(raw: Any) -> tuple[api.FineTuneJobStatus | None, str | None]:
         return api.FineTuneJobStatus.model_validate(raw), None
     except ValidationError as error:
         first = error.errors(include_url=False)[:3]
-        return None, "; ".join(f"status.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in first)
+        problem = "; ".join(f"status.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in first)
+    # Plans are the one part that can be rebuilt (each child carries its plan): read the rest
+    # without the plans that cannot be understood (e.g. written in another operator version's shape).
+    salvaged = dict(raw)
+    if not _readable_plan(salvaged.get("plan")):
+        salvaged.pop("plan", None)
+    if isinstance(salvaged.get("attempts"), list):
+        salvaged["attempts"] = [
+            {k: v for k, v in a.items() if k != "plan"} if isinstance(a, dict) and not _readable_plan(a.get("plan")) else a
+            for a in salvaged["attempts"]]
+    try:
+        status = api.FineTuneJobStatus.model_validate(salvaged)
+    except ValidationError:
+        return None, problem
+    log.warning("status read without the plans it could not understand (%s); they are rebuilt from the children", problem)
+    return status, None
+
+
+def _readable_plan(plan: Any) -> bool:
+    if plan is None:
+        return True
+    try:
+        api.PlanStatus.model_validate(plan)
+    except ValidationError:
+        return False
+    return True
 
 
 def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:

@@ -31,10 +31,10 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.currentAttempt", "description": "Current attempt"},
     {"name": "Strategy", "type": "string", "jsonPath": ".status.plan.strategy", "priority": 1,
      "description": "Strategy of the current plan: ddp, fsdp, zero1, zero2 or zero3"},
-    {"name": "Predicted GiB", "type": "number", "jsonPath": ".status.plan.predictedPeakGiB", "priority": 1,
-     "description": "Predicted peak GPU memory per GPU of the current plan, GiB"},
-    {"name": "GPU GiB", "type": "number", "jsonPath": ".status.plan.gpuMemoryGiB", "priority": 1,
-     "description": "GPU memory per GPU of the plan's GPU type, GiB"},
+    {"name": "Predicted", "type": "string", "jsonPath": ".status.plan.predictedPeak", "priority": 1,
+     "description": "Predicted peak GPU memory per GPU of the current plan"},
+    {"name": "GPU Memory", "type": "string", "jsonPath": ".status.plan.gpuMemory", "priority": 1,
+     "description": "GPU memory per GPU of the plan's GPU type"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -245,6 +245,8 @@ def _reconcile_with_children(decision: Decision, observed: Observed) -> None:
         _adopt_child_as_current(decision, observed, newest_child, said=said)
     elif current is None and status.attempts:
         _continue_after_history(decision, said)
+    elif newest_child is not None and newest_child.attempt == current and status.plan is None:
+        status.plan = newest_child.plan  # a plan the status lost (or could not read), from its child
     for child in children:
         if child.attempt != status.current_attempt:
             decision.delete += _attempt_refs(child.name)
@@ -276,7 +278,7 @@ def _adopt_child_as_current(decision: Decision, observed: Observed, child: Child
         status.attempts = sorted(
             status.attempts + [api.AttemptStatus(
                 attempt=child.attempt, pytorch_job=child.name,
-                plan_summary=_plan_summary(plan), plan=plan, outcome="Running",
+                plan_summary=_plan_summary(plan), plan=plan.compact() if plan is not None else None, outcome="Running",
                 message="rebuilt from the cluster: the status had lost this attempt",
                 predicted_peak_gi_b=plan.predicted_peak_gi_b if plan is not None else None,
                 start_time=observed.now)],
@@ -364,7 +366,7 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
             attempt=attempt,
             pytorch_job=name,
             plan_summary=plan.summary(),
-            plan=plan_status,
+            plan=plan_status.compact(),
             outcome="Running",
             predicted_peak_gi_b=round(plan.predicted_peak_bytes / GiB, 2),
             start_time=now,
@@ -698,7 +700,7 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
             attempt=attempt + 1,
             pytorch_job=attempt_name(job.metadata.name, attempt + 1),
             plan_summary=nxt.plan.summary(),
-            plan=status.plan,
+            plan=status.plan.compact(),
             outcome="Running",
             message=f"waiting {backoff:.0f} s before starting",
             predicted_peak_gi_b=round(nxt.plan.predicted_peak_bytes / GiB, 2),

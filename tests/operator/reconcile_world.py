@@ -12,6 +12,7 @@ from unittest import mock
 
 import yaml
 
+from finetune_operator import api
 from finetune_operator.children import PLAN_STATUS_ANNOTATION, SUSPENDED_BY_ANNOTATION
 from finetune_operator.controller import Cluster, PolicyHolder, Reconciler
 from finetune_operator.planning.policy import load_policy
@@ -110,12 +111,12 @@ class ReconcileWorld:
         self._set_state(pj, "Succeeded")
 
     def gpu_oom(self, pj: dict[str, Any]) -> None:
-        plan = json.loads(pj["metadata"]["annotations"][PLAN_STATUS_ANNOTATION])
-        capacity = int(plan["gpuMemoryGiB"] * GiB)
+        plan = api.PlanStatus.model_validate(json.loads(pj["metadata"]["annotations"][PLAN_STATUS_ANNOTATION]))
+        capacity = int(plan.gpu_memory_gi_b * GiB)
         report = contract.FailureReport(
             reason="GPUOutOfMemory", phase="backward", step=3, exit_code=75,
             peak_allocated_bytes=int(capacity * 0.99), device_total_bytes=capacity,
-            micro_batch_size=plan["microBatchSize"])
+            micro_batch_size=plan.micro_batch_size)
         self._pod(pj, {"phase": "Failed", "containerStatuses": [{"name": "pytorch", "state": {"terminated": {
             "exitCode": 75, "message": report.to_termination_message()}}}]})
         self._set_state(pj, "Failed")

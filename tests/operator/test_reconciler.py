@@ -351,3 +351,26 @@ def test_a_configmap_architecture_that_arrives_later_is_waited_for():
     world.kube.get("ConfigMap", NAMESPACE, "cfg")["data"]["config.json"] = __import__("json").dumps(config)
     world.reconcile()
     assert world.conditions()["Validated"]["status"] == "True" and len(world.ours("PyTorchJob")) == 1
+
+
+def test_statuses_of_earlier_versions_stay_readable_and_a_lost_plan_comes_back_from_the_child():
+    from finetune_operator.controller import read_status
+
+    world = ReconcileWorld(job_document())
+    world.reconcile()
+    world.run(world.newest_child())
+    world.reconcile()
+    status = world.job["status"]
+    plan = status["plan"]
+    # Before quantities, GiB figures were numbers under <name>GiB keys.
+    old = dict(plan, predictedPeakGiB=61.3, requiredGiB=66.0, gpuMemoryGiB=79.6, hostMemoryGiB=128.0)
+    for key in ("predictedPeak", "required", "gpuMemory", "hostMemory"):
+        del old[key]
+    parsed, problem = read_status(dict(status, plan=old))
+    assert problem is None and parsed.plan.gpu_memory_gi_b == 79.6
+    # A plan in a shape this version cannot read is dropped, not fatal; the child brings it back.
+    status["plan"] = {"nodePool": plan["nodePool"], "shape": "from the future"}
+    world.kube.touch(world.job)
+    world.reconcile()
+    assert world.status["plan"] == plan and world.status["phase"] == "Running"
+    assert "Blocked" not in world.conditions()

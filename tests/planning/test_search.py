@@ -359,9 +359,9 @@ def test_to_status_round_trips_through_the_api_model():
     result = plan(spec(), [pool("h100")])
     status = result.to_status()
     assert isinstance(status, api.PlanStatus)
-    dumped = status.model_dump(by_alias=True)
+    dumped = status.model_dump(mode="json", by_alias=True)
     assert dumped["nodePool"] == "h100" and dumped["gpus"] == result.gpus
-    assert dumped["requiredGiB"] == pytest.approx(result.required_bytes / GiB, abs=0.01)
+    assert dumped["required"] == f"{round(result.required_bytes / GiB, 2):.2f}".rstrip("0").rstrip(".") + "Gi"
     assert api.PlanStatus.model_validate(dumped) == status
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Literal, NamedTuple, Union
 
+from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from .. import api
@@ -147,11 +148,12 @@ class Plan(BaseModel):
                 "microBatchSize": self.micro_batch_size,
                 "gradientAccumulation": self.gradient_accumulation,
                 "gradientCheckpointing": self.gradient_checkpointing,
-                "predictedPeakGiB": round(self.predicted_peak_bytes / GiB, 2),
-                "requiredGiB": round(self.required_bytes / GiB, 2),
-                "gpuMemoryGiB": round(self.pool.gpu_memory_bytes / GiB, 2),
-                "hostMemoryGiB": round(self.host_memory_bytes / GiB, 2),
-                "breakdown": {k: round(v / GiB, 3) for k, v in self.breakdown_bytes.items()},
+                "predictedPeak": round(self.predicted_peak_bytes / GiB, 2),
+                "required": round(self.required_bytes / GiB, 2),
+                "gpuMemory": round(self.pool.gpu_memory_bytes / GiB, 2),
+                "hostMemory": round(self.host_memory_bytes / GiB, 2),
+                # One naming style in the status: camelCase terms, like every other key.
+                "breakdown": {to_camel(k): round(v / GiB, 2) for k, v in self.breakdown_bytes.items()},
                 "peakPhase": self.peak_phase,
                 "calibration": round(self.calibration, 4),
                 "estimatedHours": None if self.estimated_hours is None else round(self.estimated_hours, 3),
