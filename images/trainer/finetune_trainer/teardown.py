@@ -99,11 +99,13 @@ def exit_process(code: int) -> None:
     if not backend_threads():
         sys.exit(0)  # nothing can race with finalization: the normal exit
     # What a normal exit does before finalizing, which is safe with those threads
-    # alive (the interpreter is still whole): join non-daemon threads, run atexit
-    # handlers (logging's flush among them), flush the streams.
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # alive (the interpreter is still whole): threading's shutdown (its exit hooks, which
+    # stop idle executor workers, then joining non-daemon threads), the atexit handlers
+    # (logging's flush among them), flushing the streams. The interpreter calls the
+    # first two itself; they are private, hence the getattr.
+    shutdown_threads = getattr(threading, "_shutdown", None)
+    if shutdown_threads is not None:
+        shutdown_threads()
     atexit._run_exitfuncs()
     _flush()
     os._exit(0)
