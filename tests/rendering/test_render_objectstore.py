@@ -148,6 +148,24 @@ def test_a_key_that_looks_like_an_option_stays_a_value(lora_job):
     assert [a for a in fetch_data["command"] if a.startswith("--dest")] == ["--dest=/mnt/data"]
 
 
+def test_a_key_with_a_line_break_is_refused(lora_job):
+    with pytest.raises(api.JobValidationError) as error:
+        s3_job(lora_job, data_key="x\n  - --dest=/etc\n")
+    assert [p.path for p in error.value.problems] == ["spec.dataset.source.s3.key"]
+
+
+@pytest.mark.parametrize("key", ['a"], "command": ["sh", "-c', "{{ 7*7 }}/", "$(id)`id`;/", "--dest=/etc/"])
+def test_a_hostile_key_is_one_argument_and_nothing_else(lora_job, key):
+    job = s3_job(lora_job, data_key=key)
+    rendered = render_attempt(job, plan_for(job), 1, storage_policy())
+    (_, fetch_data) = master(rendered)["initContainers"]
+    assert [a for a in fetch_data["command"] if a.startswith("--key=")] == [f"--key={key}"]
+    assert len(fetch_data["command"]) == 10 and fetch_data["command"][-2:] == ["--dest=/mnt/data", "--phase=data"]
+    assert set(master(rendered)) == {"enableServiceLinks", "securityContext", "affinity", "tolerations",
+                                     "initContainers", "containers", "volumes"}
+    assert attempt_errors(rendered.config_map, rendered.pytorch_job) == []
+
+
 def test_an_endpoint_the_policy_does_not_list_is_named(lora_job):
     job = s3_job(lora_job, model=False, output=False, endpoint="https://s3.elsewhere.example")
     with pytest.raises(RenderError) as error:
