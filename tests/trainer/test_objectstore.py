@@ -129,7 +129,7 @@ def test_missing_credentials_are_a_config_error(s3, tmp_path):
     assert objectstore.SECRET_KEY_ENV in _report(report_path).message
 
 
-def test_an_unreachable_endpoint_is_unknown_so_the_operator_may_retry(s3, tmp_path):
+def test_an_unreachable_endpoint_is_unknown_not_a_data_error(s3, tmp_path):
     from e2e.lab.processes import free_port
 
     report_path = tmp_path / "termination-log"

@@ -23,7 +23,8 @@ support everywhere), SigV4, and botocore's standard retry mode (transient errors
 5xx). A failure that a retry cannot fix (no such bucket or object, access denied, bad
 credentials) is written as a ``DataError`` failure report to the termination message and
 exits 65, so the operator gives up with that reason; a connection that still fails after the
-retries is ``Unknown`` (exit 1), which the operator may retry.
+retries is ``Unknown`` (exit 1): not a verdict on the data, though the operator does not retry it
+either (recovery retries only memory failures and disruptions).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
 
 
 class ObjectStoreError(TrainerFailure):
-    """A transfer that failed for a reason a retry may fix (the endpoint unreachable after retries)."""
+    """A transfer that failed for a reason that says nothing about the data (the endpoint unreachable
+    after the retries, a server error): Unknown, not DataError."""
 
     reason = FailureReason.UNKNOWN
 
