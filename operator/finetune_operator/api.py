@@ -998,12 +998,12 @@ class PodFailure(StatusModel):
     """Training phase of a GPU out-of-memory failure (forward, backward, optimizer, ...)."""
     step: int | None = None
     """Optimizer step the trainer was at."""
-    peak_allocated_bytes: int | None = None
-    """Peak allocated GPU memory the trainer or the CUDA error reported, bytes."""
-    capacity_bytes: int | None = None
-    """GPU memory the process could see, bytes."""
-    tried_to_allocate_bytes: int | None = None
-    """Size of the allocation that failed, bytes."""
+    peak_allocated_gi_b: GiBQuantity | None = _gib_field("peakAllocated", default=None)
+    """Peak allocated GPU memory the trainer or the CUDA error reported (a quantity)."""
+    capacity_gi_b: GiBQuantity | None = _gib_field("capacity", default=None)
+    """GPU memory the process could see (a quantity)."""
+    tried_to_allocate_gi_b: GiBQuantity | None = _gib_field("triedToAllocate", default=None)
+    """Size of the allocation that failed (a quantity)."""
     micro_batch_size: int | None = None
     """Micro-batch size the trainer ran with."""
 

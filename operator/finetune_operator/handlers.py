@@ -174,6 +174,10 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.cleanup()
 def shutdown(**_: Any) -> None:
     RUNTIME.stop.set()
+    if RUNTIME.queue is not None:
+        # Let running reconciles end before the Lease goes to a standby.
+        RUNTIME.queue.set_active(False)
+        RUNTIME.queue.wait_idle(timeout=10)
     if RUNTIME.leadership is not None:
         RUNTIME.leadership.stop()
     if RUNTIME.queue is not None:

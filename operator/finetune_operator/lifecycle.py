@@ -637,9 +637,18 @@ def _pod_failure_record(failure: Failure) -> api.PodFailure:
     return api.PodFailure(
         pod=failure.pod or "", kind=failure.kind.value, source=failure.source,
         message=redact(failure.message)[:MAX_EVIDENCE_MESSAGE], exit_code=failure.exit_code,
-        phase=failure.phase, step=failure.step, peak_allocated_bytes=failure.peak_allocated_bytes,
-        capacity_bytes=failure.capacity_bytes, tried_to_allocate_bytes=failure.tried_to_allocate_bytes,
+        phase=failure.phase, step=failure.step, peak_allocated_gi_b=_gib(failure.peak_allocated_bytes),
+        capacity_gi_b=_gib(failure.capacity_bytes), tried_to_allocate_gi_b=_gib(failure.tried_to_allocate_bytes),
         micro_batch_size=failure.micro_batch_size)
+
+
+def _gib(value: int | None) -> float | None:
+    # Two decimals, as the status shows it: the record must read back the same after a restart.
+    return None if value is None else round(value / GiB, 2)
+
+
+def _bytes(value: float | None) -> int | None:
+    return None if value is None else int(round(value * GiB))
 
 
 def _failure_of_record(record: api.PodFailure) -> Failure:
@@ -648,8 +657,8 @@ def _failure_of_record(record: api.PodFailure) -> Failure:
     except ValueError:
         kind = FailureKind.UNKNOWN
     return Failure(kind, record.message, record.source, pod=record.pod, exit_code=record.exit_code,
-                   phase=record.phase, step=record.step, peak_allocated_bytes=record.peak_allocated_bytes,
-                   capacity_bytes=record.capacity_bytes, tried_to_allocate_bytes=record.tried_to_allocate_bytes,
+                   phase=record.phase, step=record.step, peak_allocated_bytes=_bytes(record.peak_allocated_gi_b),
+                   capacity_bytes=_bytes(record.capacity_gi_b), tried_to_allocate_bytes=_bytes(record.tried_to_allocate_gi_b),
                    micro_batch_size=record.micro_batch_size)
 
 
