@@ -189,6 +189,9 @@ S3_ENDPOINT = r"^https?://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?/
 # S3 bucket names (the rules AWS and S3-compatible servers share): 3-63 lower-case letters,
 # digits, '.' and '-', starting and ending with a letter or digit.
 S3_BUCKET = r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"
+# An object key or prefix as a job may name it: relative (no leading '/'), no control characters
+# (a key reaches logs, events and `kubectl describe` in messages).
+S3_KEY = r"^([^/\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*)?$"
 UNSUPPORTED_URI_MESSAGE = (
     "uri sources and outputs are not supported yet (gs://, https://, and s3:// without an endpoint);"
     " for S3-compatible object storage use s3 (endpoint, bucket, key, credentialsSecretRef), or a pvc"
@@ -220,9 +223,10 @@ class S3Location(ApiModel):
     `https://s3.eu-de-berlin.example`. Its region comes from the cluster policy, never from the job."""
     bucket: Annotated[str, Field(min_length=3, max_length=63, pattern=S3_BUCKET)]
     """Bucket name."""
-    key: Annotated[str, Field(max_length=MAX_TEXT, pattern=r"^([^/].*)?$")] = ""
+    key: Annotated[str, Field(max_length=MAX_TEXT, json_schema_extra={"pattern": S3_KEY})] = ""
     """Object key, or a key prefix ending in `/` for a folder (everything under it); empty for the
-    whole bucket. A model and an output are always folders (a `/` is added)."""
+    whole bucket. A model and an output are always folders (a `/` is added). Not starting with `/`;
+    no control characters (line breaks, tabs, escapes)."""
     credentials_secret_ref: S3CredentialsRef
     """Secret with the access key pair."""
     signing_region: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][-a-z0-9]*$")] = "us-east-1"
@@ -231,6 +235,8 @@ class S3Location(ApiModel):
     @field_validator("key")
     @classmethod
     def _no_parent(cls, value: str) -> str:
+        if not re.fullmatch(S3_KEY, value):
+            raise ValueError("must not start with '/' or hold control characters (line breaks, tabs, escapes)")
         if any(part in ("..", ".") for part in value.split("/")):
             raise ValueError("must not contain '.' or '..' segments")
         return value
