@@ -103,9 +103,8 @@ def exit_process(code: int) -> None:
     # stop idle executor workers, then joining non-daemon threads), the atexit handlers
     # (logging's flush among them), flushing the streams. The interpreter calls the
     # first two itself; they are private, hence the getattr.
-    shutdown_threads = getattr(threading, "_shutdown", None)
-    if shutdown_threads is not None:
-        shutdown_threads()
-    atexit._run_exitfuncs()
+    for step in (getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)):
+        if step is not None:
+            step()
     _flush()
     os._exit(0)
