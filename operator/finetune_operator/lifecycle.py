@@ -158,7 +158,10 @@ def step(observed: Observed) -> Decision:
 
     problems = list(observed.invalid or [])
     try:
-        layout_of(job.spec)  # sources the pods cannot read are the job's fault: say so now, not after planning
+        # Sources the pods cannot read are the job's fault: say so now, not after planning. Object
+        # storage endpoints are checked against the policy before the first attempt only: a policy
+        # reload must not fail a job whose pods run on (later attempts are checked when rendered).
+        layout_of(job.spec, observed.policy if status.current_attempt is None else None)
     except RenderError as error:
         problems.append(api.FieldProblem(path=error.path, message=error.message))
     if not problems and observed.waiting_for is not None:
