@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from . import api, lifecycle, metrics
 from .summary import status_reason
 from .children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of_pytorch_job, controlled_by
+from .planning.capacity import Claim, with_claims
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
 from .rendering.names import attempt_name, label_value
@@ -316,11 +317,13 @@ class Reconciler:
     cluster: Cluster
     policy: PolicyHolder
     clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
+    claims: ClaimBook = field(default_factory=lambda: ClaimBook())
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """One look at one job. Returns seconds until the next look, or None (wait for events)."""
         body = self.cluster.get_job(namespace, name)
         if body is None:
+            self.claims.forget((namespace, name))
             return None
         started = time.monotonic()
         policy = self.policy.get()
@@ -349,12 +352,14 @@ class Reconciler:
             foreign = self.cluster.foreign_objects(namespace, attempt_name(name, status.current_attempt), uid)
         # Planning reads every node (cached); a running attempt does not need it.
         needs_plan = current is None or current.state in ("Failed", "Pending")
-        pools = self.cluster.pools(policy) if needs_plan else []
+        # Free GPUs count what other jobs' attempts already ask for and nodes do not show yet.
+        pools = with_claims(self.cluster.pools(policy), self.claims.others((namespace, name))) if needs_plan else []
         observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
                                       foreign=foreign, invalid=problems, model_config=model_config,
                                       waiting_for=waiting_for)
         decision = lifecycle.step(observed)
         self._apply(body, job=job, decision=decision, policy=policy)
+        self.claims.note((namespace, name), decision, current, pods)
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
         return decision.requeue_after
 
@@ -442,6 +447,48 @@ class Reconciler:
         self.cluster.replace_job_status(stored, _status_json(refused.status))
         refused.events = decision.events + refused.events
         return refused
+
+
+class ClaimBook:
+    """The GPUs each job's current attempt asks for that the nodes may not show yet (planning/
+    capacity.py). Kept from one reconcile of a job to the next, read by the planning of others.
+    After a restart it fills again as every job is reconciled once."""
+
+    def __init__(self) -> None:
+        self._claims: dict[tuple[str, str], tuple[Claim, float | None]] = {}
+        self._lock = threading.Lock()
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._claims.pop(key, None)
+
+    def others(self, key: tuple[str, str]) -> list[Claim]:
+        with self._lock:
+            return [claim for other, (claim, _) in self._claims.items() if other != key]
+
+    def note(self, key: tuple[str, str], decision: lifecycle.Decision, current: Child | None,
+             pods: list[dict[str, Any]]) -> None:
+        """After a reconcile: does the job's attempt still ask for GPUs discovery may not count?"""
+        status, plan = decision.status, decision.status.plan
+        with self._lock:
+            if plan is None or status.phase in ("Succeeded", "Failed", "Suspended", "Queued", "Pending"):
+                self._claims.pop(key, None)  # nothing asks; a queue (Kueue) owns admission
+                return
+            claim = Claim(plan.node_pool, plan.nodes, plan.gpus_per_node)
+            attempt_pods = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL)
+                            == str(status.current_attempt)]
+            bound = sum(1 for p in attempt_pods if (p.get("spec") or {}).get("nodeName"))
+            created_now = bool(decision.create)
+            if created_now or current is None or bound < plan.nodes:
+                self._claims[key] = (claim, None)
+                return
+            # All pods are bound: discovery counts them once its cache is refreshed.
+            previous = self._claims.get(key)
+            since = previous[1] if previous is not None and previous[1] is not None else time.monotonic()
+            if time.monotonic() - since > DISCOVERY_CACHE_SECONDS:
+                self._claims.pop(key, None)
+            else:
+                self._claims[key] = (claim, since)
 
 
 class ForeignObject(Exception):

@@ -223,6 +223,8 @@ def test_policy_configmap_is_the_operators_cluster_policy(render, default_values
     assert policy.unschedulable_timeout_seconds == p["unschedulableTimeoutSeconds"]
     assert policy.start_timeout_seconds == p["startTimeoutSeconds"]
     assert policy.create_retry_seconds == p["createRetrySeconds"]
+    assert policy.placement_preference == p["placementPreference"] == "startTime"
+    assert policy.start_time_cost_margin == p["startTimeCostMargin"]
     assert policy.pool_label_keys == p["poolLabelKeys"]
     assert policy.trainer_image == "registry.eu-de-berlin.internal/finetune-operator/trainer:0.1.0"
     assert [pool.name for pool in policy.catalog] == [pool["name"] for pool in p["catalog"]]

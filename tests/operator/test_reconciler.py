@@ -374,3 +374,26 @@ def test_statuses_of_earlier_versions_stay_readable_and_a_lost_plan_comes_back_f
     world.reconcile()
     assert world.status["plan"] == plan and world.status["phase"] == "Running"
     assert "Blocked" not in world.conditions()
+
+
+def _gpu_node(name: str, pool: str, product: str, gpus: int) -> dict:
+    return {"metadata": {"name": name, "labels": {
+        "karpenter.sh/nodepool": pool, "topology.kubernetes.io/region": "eu-de-berlin",
+        "nvidia.com/gpu.product": product}},
+        "status": {"allocatable": {"nvidia.com/gpu": str(gpus), "memory": "1900Gi", "cpu": "190"},
+                   "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_an_attempt_just_planned_counts_against_the_free_gpus_of_the_next_plan():
+    """Two jobs planned one after the other: the second sees that the first took the free GPU,
+    though no pod of the first is bound yet (the 5 s discovery cache would not show it anyway)."""
+    world = ReconcileWorld(job_document("first"))
+    world.kube.put("Node", _gpu_node("h100-0", "h100-berlin", "NVIDIA-H100-80GB-HBM3", 1))
+    world.kube.put("Node", _gpu_node("a100-0", "a100-berlin", "NVIDIA-A100-SXM4-80GB", 1))
+    world.kube.put("FineTuneJob", job_document("second"))
+    world.reconcile()
+    first = world.status["plan"]
+    assert first["needsScaleUp"] is False
+    world.reconciler.reconcile(NAMESPACE, "second")
+    second = world.kube.get("FineTuneJob", NAMESPACE, "second")["status"]["plan"]
+    assert not (second["nodePool"] == first["nodePool"] and second["needsScaleUp"] is False), (first, second)

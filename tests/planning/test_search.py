@@ -333,7 +333,9 @@ def _random_job(rng: random.Random) -> api.FineTuneJobSpec:
     return spec(**changes)
 
 
-def test_branch_and_bound_matches_exhaustive_search():
+@pytest.mark.parametrize("preference", ["cost", "startTime"])
+def test_branch_and_bound_matches_exhaustive_search(preference):
+    policy = POLICY.model_copy(update={"placement_preference": preference})
     rng = random.Random(7)
     pools = [
         pool("h100-b", freeGpus=8), pool("a100-b", gpu="A100-80GB", price=2.0),
@@ -343,8 +345,8 @@ def test_branch_and_bound_matches_exhaustive_search():
     agreed = infeasible = 0
     for _ in range(60):
         job = _random_job(rng)
-        fast = plan(job, pools)
-        slow = exhaustive_plan(job, pools, POLICY, estimator=simple_estimate)
+        fast = plan(job, pools, policy)
+        slow = exhaustive_plan(job, pools, policy, estimator=simple_estimate)
         assert type(fast) is type(slow)
         if isinstance(fast, Plan):
             assert fast.key == slow.key, (fast.summary(), slow.summary())
@@ -457,3 +459,34 @@ def test_free_gpus_scattered_over_nodes_prefer_a_plan_that_uses_them():
     busy = pool("h100", freeGpus=6, freeGpusPerNode=[3, 3])
     waits = plan(spec(**{"resources.gpus": 8, "resources.strategy": "ddp"}), [busy])
     assert waits.needs_scale_up and "not 1 node(s) with 8 free each" in waits.reason
+
+
+# ---------------------------------------------------------------------------
+# Cost or start time (policy.placementPreference)
+# ---------------------------------------------------------------------------
+
+
+def _busy_and_free_pools(free_price: float) -> list[NodePool]:
+    """A cheap pool with no free GPUs and a dearer one with all its GPUs free."""
+    return [pool("cheap-busy", price=3.0, freeGpus=0, freeGpusPerNode=[0, 0]),
+            pool("dear-free", price=free_price, freeGpus=16, freeGpusPerNode=[8, 8])]
+
+
+def test_start_time_preference_takes_a_pool_that_can_start_now_within_the_margin_and_says_so():
+    result = plan(spec(), _busy_and_free_pools(3.3), POLICY.model_copy(update={"placement_preference": "startTime"}))
+    assert result.pool.name == "dear-free" and result.free_now
+    assert "starts now" in result.reason and "cheap-busy" in result.reason and "10% more" in result.reason
+
+
+def test_beyond_the_margin_or_with_cost_preference_the_cheapest_plan_wins():
+    start_time = POLICY.model_copy(update={"placement_preference": "startTime", "start_time_cost_margin": 0.05})
+    assert plan(spec(), _busy_and_free_pools(3.3), start_time).pool.name == "cheap-busy"
+    cost = POLICY.model_copy(update={"placement_preference": "cost"})
+    result = plan(spec(), _busy_and_free_pools(3.3), cost)
+    assert result.pool.name == "cheap-busy" and "is the cheapest feasible plan" in result.reason
+
+
+def test_when_nothing_can_start_now_the_margin_changes_nothing():
+    pools = [pool("a", price=3.0), pool("b", region="eu-fr-paris", price=3.3)]  # free GPUs unknown
+    for preference in ("cost", "startTime"):
+        assert plan(spec(), pools, POLICY.model_copy(update={"placement_preference": preference})).pool.name == "a"

@@ -7,7 +7,7 @@ of sovereignty: a job's `placement.regions` can only narrow it.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -115,6 +115,13 @@ class ClusterPolicy(BaseModel):
     create_retry_seconds: int = Field(default=600, ge=10, le=7 * 86400)
     """How long the operator retries creating an attempt's objects that the API refuses (an
     admission webhook, a quota) before the job fails with the API's message."""
+    placement_preference: Literal["cost", "startTime"] = "startTime"
+    """How the planner trades cost for starting now: `cost` takes the cheapest plan (costs within 1%
+    count as equal, then a pool with free GPUs now wins); `startTime` takes a plan whose pool has the
+    GPUs free now over a cheaper one that must wait, when it costs at most `startTimeCostMargin` more
+    (the plan's reason says so)."""
+    start_time_cost_margin: float = Field(default=0.25, ge=0, le=1)
+    """With `placementPreference: startTime`, how much more (a fraction) a plan that can start now may cost."""
     pool_label_keys: list[str] = list(DEFAULT_POOL_LABEL_KEYS)
     """Node labels that name a node's pool, tried in order; the catalog's selectors are tried first."""
     catalog: list[NodePool] = []

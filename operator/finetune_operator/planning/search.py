@@ -169,6 +169,9 @@ class _Ask:
     fixed_strategy: bool
     fixed_offload: bool
     fixed_checkpointing: bool
+    # Costs within this fraction of the cheapest count as equal (then: free now first). COST_TIE,
+    # or the policy's start-time margin when the platform prefers starting now to saving a little.
+    cost_window: float = COST_TIE
 
 
 @dataclass(slots=True, eq=False)
@@ -333,7 +336,7 @@ def _plan(spec, pools, policy, exclude, calibration, architecture, estimator, *,
     found, stats = _search(ask, considered, work, estimates, excluded, calibration or 1.0, exhaustive=exhaustive)
     if not found:
         return _infeasible(ask, pools, considered, work, estimates, excluded, calibration or 1.0, stats)
-    winner, others = _choose(found)
+    winner, others = _choose(found, ask.cost_window)
     return _to_plan(ask, winner, others, stats, work, calibration or 1.0, exhaustive)
 
 
@@ -391,6 +394,8 @@ def _ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architectur
         fixed_strategy=r.strategy != "auto",
         fixed_offload=r.offload != "auto",
         fixed_checkpointing=t.gradient_checkpointing is not None,
+        cost_window=(max(COST_TIE, policy.start_time_cost_margin) if policy.placement_preference == "startTime"
+                     else COST_TIE),
     )
 
 
@@ -601,7 +606,7 @@ def _search(
             # the leader, and for the runners-up only if its pool has no candidate yet.
             prefix = (not group.pool.fits_now(group.nodes, group.gpus_per_node), group.world, group.nodes,
                       len(_changes(ask, group)))
-            could_win = bound <= lowest * (1 + COST_TIE) and prefix + (bound,) <= leader.rank_key()[:5]
+            could_win = bound <= lowest * (1 + ask.cost_window) and prefix + (bound,) <= leader.rank_key()[:5]
             could_place = group.pool.name not in pool_best and runner_up_visits < RUNNER_UP_VISITS
             if not could_win and not could_place:
                 stats.groups_skipped += 1
@@ -620,8 +625,8 @@ def _search(
             lowest = min(lowest, c.cost_per_step)
             pool_best[name] = min(pool_best.get(name, math.inf), c.cost_per_step)
             kth = sorted(pool_best.values())[RUNNERS_UP] if len(pool_best) > RUNNERS_UP else math.inf
-            stop_above = max(lowest * (1 + COST_TIE), min(kth, lowest * RUNNER_UP_SPAN))
-        leader = _leader(found)
+            stop_above = max(lowest * (1 + ask.cost_window), min(kth, lowest * RUNNER_UP_SPAN))
+        leader = _leader(found, ask.cost_window)
     return found, stats
 
 
@@ -718,14 +723,21 @@ def _fit_index(ask: _Ask, group: _Group, probe: Callable[[int], Any], calibratio
     return lo, None, first
 
 
-def _leader(found: list[_Candidate]) -> _Candidate:
-    """The choice among candidates: the best tie-break among those within COST_TIE of the cheapest."""
+def _leader(found: list[_Candidate], window: float) -> _Candidate:
+    """The choice among candidates: the best tie-break (free now first) among those within
+    COST_TIE of the cheapest; when that one must wait for its pool and the policy prefers
+    starting now (`window` wider than COST_TIE), the cheapest within `window` that can start now."""
     lowest = min(c.cost_per_step for c in found)
-    return min((c for c in found if c.cost_per_step <= lowest * (1 + COST_TIE)), key=_Candidate.rank_key)
+    best = min((c for c in found if c.cost_per_step <= lowest * (1 + COST_TIE)), key=_Candidate.rank_key)
+    if best.needs_scale_up and window > COST_TIE:
+        now = [c for c in found if not c.needs_scale_up and c.cost_per_step <= lowest * (1 + window)]
+        if now:
+            return min(now, key=lambda c: (c.cost_per_step, c.rank_key()))
+    return best
 
 
-def _choose(found: list[_Candidate]) -> tuple[_Candidate, list[_Candidate]]:
-    winner = _leader(found)
+def _choose(found: list[_Candidate], window: float) -> tuple[_Candidate, list[_Candidate]]:
+    winner = _leader(found, window)
     others = sorted((c for c in found if c is not winner), key=lambda c: (c.cost_per_step, c.rank_key()))
     return winner, others
 
@@ -761,10 +773,24 @@ def _money(ask: _Ask, c: _Candidate) -> str:
     return ""
 
 
+def _choice_words(ask: _Ask, winner: _Candidate, others: list[_Candidate]) -> str:
+    """Why this plan: the cheapest, or a dearer one chosen because it can start now."""
+    cheapest = min(others, key=lambda c: c.cost_per_step, default=None)
+    if cheapest is None or cheapest.cost_per_step >= winner.cost_per_step * (1 - COST_TIE):
+        return "is the cheapest feasible plan"
+    pct = (winner.cost_per_step / cheapest.cost_per_step - 1) * 100
+    return (f"starts now: it costs {pct:.0f}% more than the cheapest plan ({_shape(cheapest.group)} in"
+            f" {cheapest.group.pool.name}), whose pool must scale up or free GPUs first (the policy prefers"
+            f" starting now within {ask.cost_window:.0%} of the cheapest cost)")
+
+
 def _why_lost(ask: _Ask, winner: _Candidate, other: _Candidate) -> str:
     if other.cost_per_step > winner.cost_per_step * (1 + COST_TIE):
         pct = (other.cost_per_step / winner.cost_per_step - 1) * 100
         return f"costs {pct:.0f}% more"
+    if other.cost_per_step < winner.cost_per_step * (1 - COST_TIE) and other.needs_scale_up:
+        pct = (1 - other.cost_per_step / winner.cost_per_step) * 100
+        return f"costs {pct:.0f}% less, but its pool must scale up or free GPUs first"
     if other.needs_scale_up and not winner.needs_scale_up:
         return "as cheap, but its pool must scale up"
     if other.world != winner.world:
@@ -831,7 +857,7 @@ def _to_plan(ask: _Ask, winner: _Candidate, others: list[_Candidate], stats: _St
         f"{_shape(g)} in pool {pool.name} ({pool.region}) with {_setup_words(g)}, micro-batch {winner.micro} x"
         f" accumulation {ask.global_batch_size // (winner.micro * g.world)}: it needs {_gib(required)} per GPU{calib}"
         f" of {_gib(usable)} usable ({pool.gpu_memory_bytes / GiB:.1f} GiB less {ask.headroom:.0%} headroom), peak in"
-        f" {f.peak_phase or 'training'}, and is the cheapest feasible plan ({cost_words}; searched {searched})."
+        f" {f.peak_phase or 'training'}, and {_choice_words(ask, winner, others)} ({cost_words}; searched {searched})."
         f" {free_words[0].upper() + free_words[1:]}."
         + (f" Changes: {', '.join(winner.changes)}." if winner.changes else "")
         + f" Allowed regions: {', '.join(ask.regions)}."
@@ -974,7 +1000,7 @@ def _relaxed_suggestion(ask: _Ask, all_pools: Sequence[NodePool], work: JobWork,
         found, _ = _search(relaxed, pools, work, estimates, excluded, calibration, exhaustive=False)
         if not found:
             continue
-        winner, _ = _choose(found)
+        winner, _ = _choose(found, relaxed.cost_window)
         g = winner.group
         what = f"{_shape(g)} in {g.pool.region} ({g.pool.name}, {_setup_words(g, winner.micro)})"
         if any_region:
