@@ -359,6 +359,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="finetune-chaos-"))
     say(f"{cfg.jobs} jobs, {cfg.kills} operator kills, {cfg.apiserver_restarts} apiserver restarts, seed {cfg.seed}; "
         f"logs in {workdir}")
+    source = operator_source(cfg)  # now: HEAD may move while the benchmark runs
     crd_file = h.REPO_ROOT / "crds" / "finetunejob.yaml"
     if cfg.operator_rev:
         crd_file = use_operator_revision(cfg.operator_rev, workdir)
@@ -523,7 +524,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
                           t_start=t_start, t_faults=t_faults, settled_at=settled_at, ended_at=stop_faults,
                           lab_seconds=t_faults - t_start)
         result["logs"] = {"operator": str(operator.log_path), "workdir": str(workdir)}
-        result["operator_source"] = operator_source(cfg)
+        result["operator_source"] = source
         return result
     finally:
         stop.set()
