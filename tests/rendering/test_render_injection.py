@@ -8,7 +8,9 @@ key set and list length, recursively, the trainer config's JSON included): strin
 ever land in leaves. On top, every pod template keeps exactly the required node affinity
 (the plan's one region, inside the allowed regions, and the plan's GPU product), the key sets of the objects are the expected ones, every string arrives
 verbatim where it belongs, and (every tenth example) the manifests pass the upstream
-PyTorchJob schema and survive the CLI's YAML output unchanged.
+PyTorchJob schema and survive the CLI's YAML output unchanged. The same job rendered as a
+TrainJob (`check_trainjob`) keeps its shape too, and its runtime patch pins the pods exactly
+like the PyTorchJob's (and passes the upstream TrainJob schema every tenth example).
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from manifest_checks import attempt_errors
+from test_render_trainjob import trainjob_errors
 from render_factories import plan_for
-from upstream_crd import pytorchjob_schema
+from upstream_crd import pytorchjob_schema, trainjob_schema
 
 from finetune_operator import api
 from finetune_operator.planning import ClusterPolicy, NodePool
 from finetune_operator.planning.pools import GFD_PRODUCT, GKE_ACCELERATOR, gpu_type_info, label_values_for
-from finetune_operator.rendering import render_attempt
+from finetune_operator.rendering import RenderError, render_attempt, render_trainjob
+from finetune_operator.rendering.trainjob import pod_template_patch
 from finetune_operator.rendering.names import DNS1035_LABEL
 from finetune_operator.rendering.output import manifests_yaml
 
@@ -476,6 +480,52 @@ def check(case: Case, schema: bool) -> None:
         # What `finetune-operator render` prints reads back as exactly the same objects.
         assert list(yaml.safe_load_all(manifests_yaml(rendered.objects))) == rendered.objects
 
+    check_trainjob(case, job, plan, policy, rendered, twin_job, twin_policy, twin_pool, schema)
+
+
+def check_trainjob(case: Case, job, plan, policy, rendered, twin_job, twin_policy, twin_pool, schema: bool) -> None:
+    """The TrainJob backend: the same strings change nothing of its shape either, and its pods are
+    pinned exactly like the PyTorchJob's (the plan's one region inside the allowed ones, its GPU
+    product, its pool), carry the same labels, tolerations and volumes."""
+    if case.hf_model:
+        # A Hub model needs the fetch-model init container, which a runtime patch cannot add.
+        with pytest.raises(RenderError):
+            render_trainjob(job, plan, case.attempt, policy)
+        return
+    image = job.spec.image or policy.trainer_image
+    if len(image) > 500:
+        # The TrainJob CRD bounds spec.trainer.image; the renderer says so instead of the API server.
+        with pytest.raises(RenderError, match="spec.trainer.image"):
+            render_trainjob(job, plan, case.attempt, policy)
+        return
+    tj = render_trainjob(job, plan, case.attempt, policy)
+    twin = render_trainjob(twin_job, plan.model_copy(update={"pool": twin_pool}), case.attempt, twin_policy)
+    assert skeleton(tj) == skeleton(twin)
+    assert tj["metadata"]["name"] == rendered.name
+    assert tj["metadata"]["labels"] == rendered.pytorch_job["metadata"]["labels"]
+    assert tj["spec"]["suspend"] is (case.suspend or case.queue_name is not None)
+    assert tj["spec"]["trainer"]["numNodes"] == case.nodes and tj["spec"]["trainer"]["numProcPerNode"] == case.gpus_per_node
+    patch = pod_template_patch(tj)
+    master = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    assert patch["metadata"] == master["metadata"]
+    for key in ("affinity", "tolerations", "volumes", "securityContext"):
+        assert patch["spec"][key] == master["spec"][key], key
+    # Exactly the plan's region and GPU product, worked out from the case (not from the PyTorchJob).
+    (term,) = patch["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"][:2] == [
+        {"key": case.region_label_key, "operator": "In", "values": [plan_region(case)]},
+        gpu_expression(case),
+    ]
+    on_region = [e for e in term["matchExpressions"] if e["key"] == case.region_label_key]
+    assert all(e["operator"] == "In" and e["values"] == [plan.region] for e in on_region)
+    assert plan.region in set(case.regions) & set(case.policy_regions)
+    trainer = tj["spec"]["trainer"]
+    (container,) = master["spec"]["containers"]
+    assert trainer["image"] == container["image"] and trainer["command"] == container["command"]
+    assert trainer["env"] == container["env"] and trainer["resourcesPerNode"] == container["resources"]
+    if schema:
+        assert trainjob_errors(tj) == []
+
 
 RUNS = {"examples": 0}
 
@@ -494,7 +544,8 @@ def _property(case: Case) -> None:
 
 @pytest.mark.slow
 def test_no_string_changes_the_shape_of_a_rendered_attempt():
-    pytorchjob_schema()  # load the upstream schema once, outside the examples
+    pytorchjob_schema()  # load the upstream schemas once, outside the examples
+    trainjob_schema()
     RUNS["examples"] = 0
     _property()
     print(f"\nrendering property test: {RUNS['examples']} examples")

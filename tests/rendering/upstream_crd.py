@@ -104,3 +104,83 @@ def go_string_constant(path_in_module: str, name: str) -> str:
     if match is None:
         raise UpstreamCrdMissing(f"no string constant {name} in {path_in_module} of {MODULE}")
     return match.group(1)
+
+
+# ---------------------------------------------------------------------------
+# Kubeflow Trainer v2: the TrainJob CRD of the release the lab pins (TRAINER_VERSION)
+# ---------------------------------------------------------------------------
+
+TRAINER_MODULE = "github.com/kubeflow/trainer/v2"
+TRAINJOB_CRD = "trainer.kubeflow.org_trainjobs.yaml"
+TRAINJOB_CRD_IN_MODULE = f"manifests/base/crds/{TRAINJOB_CRD}"
+
+
+def _lab_versions():
+    spec = importlib.util.spec_from_file_location("_lab_versions", VERSIONS_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def trainer_version() -> str:
+    module = _lab_versions()
+    version = module.parse_versions(module.VERSIONS_FILE.read_text()).trainer
+    if not version:
+        raise UpstreamCrdMissing("e2e/lab/versions.env pins no TRAINER_VERSION")
+    return version
+
+
+def _lab_share_trainjob_crd(version: str) -> Path | None:
+    """The CRD the lab build copied into <lab>/v2/<key>/share/trainer-crds/, for this version."""
+    import json
+
+    root = _lab_versions().cache_root()
+    for build_json in sorted(root.glob("*/v2/*/build.json")):
+        try:
+            if json.loads(build_json.read_text())["versions"]["trainer"] != version:
+                continue
+        except (OSError, ValueError, KeyError):
+            continue
+        path = build_json.parent / "share" / "trainer-crds" / TRAINJOB_CRD
+        if path.exists():
+            return path
+    return None
+
+
+@functools.cache
+def trainjob_crd_path() -> Path:
+    version = trainer_version()
+    found = _lab_share_trainjob_crd(version)
+    if found is not None:
+        return found
+    go = shutil.which("go")
+    if go is None:
+        raise UpstreamCrdMissing("no lab build of Kubeflow Trainer and no `go` on PATH to find its module")
+    cache = subprocess.run([go, "env", "GOMODCACHE"], capture_output=True, text=True, check=True).stdout.strip()
+    encoded = re.sub(r"[A-Z]", lambda m: "!" + m.group(0).lower(), TRAINER_MODULE)
+    path = Path(cache) / f"{encoded}@{version}" / TRAINJOB_CRD_IN_MODULE
+    if path.exists():
+        return path
+    with tempfile.TemporaryDirectory() as scratch:
+        result = subprocess.run(["go", "mod", "download", f"{TRAINER_MODULE}@{version}"], cwd=scratch,
+                                capture_output=True, text=True, timeout=600)
+    if not path.exists():
+        raise UpstreamCrdMissing(
+            f"{path} is missing and `go mod download {TRAINER_MODULE}@{version}` did not fetch it"
+            f" (exit {result.returncode}): {result.stderr.strip()[-2000:]}"
+        )
+    return path
+
+
+@functools.cache
+def trainjob_crd() -> dict[str, Any]:
+    return yaml.safe_load(trainjob_crd_path().read_text())
+
+
+@functools.cache
+def trainjob_schema() -> dict[str, Any]:
+    """The v1alpha1 openAPIV3Schema of TrainJob, strict like the PyTorchJob's."""
+    versions = {v["name"]: v for v in trainjob_crd()["spec"]["versions"]}
+    return _strict(copy.deepcopy(versions["v1alpha1"]["schema"]["openAPIV3Schema"]))

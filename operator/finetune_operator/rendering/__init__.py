@@ -1,4 +1,5 @@
-"""Rendering: a job and its plan become a ConfigMap (the trainer's input) and a PyTorchJob.
+"""Rendering: a job and its plan become a ConfigMap (the trainer's input) and a PyTorchJob
+(`render_attempt`) or a Kubeflow Trainer v2 TrainJob (`render_trainjob`).
 
 Pure code. Values reach the manifests as data (see `templating.py`), never as text.
 """
@@ -14,8 +15,10 @@ from .renderer import (
     common_labels,
     is_queued,
     render_attempt,
+    render_config_map,
     starts_suspended,
 )
+from .trainjob import render_trainjob
 
 __all__ = [
     "ATTEMPT_LABEL",
@@ -29,5 +32,7 @@ __all__ = [
     "is_queued",
     "label_value",
     "render_attempt",
+    "render_config_map",
+    "render_trainjob",
     "starts_suspended",
 ]

@@ -98,18 +98,11 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     name = attempt_name(job.metadata.name, attempt)
     layout = layout_of(job.spec, policy)
     region = pod.pinned_region(job, plan, policy)
-    trainer_config = build_trainer_config(job, plan, attempt, layout)
     labels = common_labels(job, attempt)
     owner = owner_reference(job)
     image = job.spec.image or policy.trainer_image
     limits = pod.resources(plan)
-
-    config_map = render_json_template(
-        "configmap.json.j2",
-        config_map_meta=_meta(name, job, labels, owner, {}),
-        config_key=paths.CONFIG_KEY,
-        config_json=trainer_config.to_json(),
-    )
+    config_map, trainer_config = render_config_map(job, plan, attempt, policy)
 
     object_labels = dict(labels)
     if job.spec.queue_name is not None:
@@ -155,6 +148,25 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
         pod=pod_data,
     )
     return RenderedAttempt(name=name, config_map=config_map, pytorch_job=pytorch_job, trainer_config=trainer_config)
+
+
+def render_config_map(
+    job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy
+) -> tuple[dict[str, Any], TrainerConfig]:
+    """The attempt's ConfigMap (the trainer's input, named like the attempt's training job) and the
+    config it holds: the same object whichever backend (PyTorchJob or TrainJob) runs the attempt."""
+    if attempt < 1:
+        raise RenderError("attempt", f"must be at least 1, got {attempt}")
+    name = attempt_name(job.metadata.name, attempt)
+    layout = layout_of(job.spec, policy)
+    trainer_config = build_trainer_config(job, plan, attempt, layout)
+    config_map = render_json_template(
+        "configmap.json.j2",
+        config_map_meta=_meta(name, job, common_labels(job, attempt), owner_reference(job), {}),
+        config_key=paths.CONFIG_KEY,
+        config_json=trainer_config.to_json(),
+    )
+    return config_map, trainer_config
 
 
 def _meta(
