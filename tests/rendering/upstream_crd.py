@@ -112,7 +112,7 @@ def go_string_constant(path_in_module: str, name: str) -> str:
 
 TRAINER_MODULE = "github.com/kubeflow/trainer/v2"
 TRAINJOB_CRD = "trainer.kubeflow.org_trainjobs.yaml"
-TRAINJOB_CRD_IN_MODULE = f"manifests/base/crds/{TRAINJOB_CRD}"
+RUNTIME_CRD = "trainer.kubeflow.org_clustertrainingruntimes.yaml"
 
 
 def _lab_versions():
@@ -132,7 +132,7 @@ def trainer_version() -> str:
     return version
 
 
-def _lab_share_trainjob_crd(version: str) -> Path | None:
+def _lab_share_crd(version: str, file_name: str) -> Path | None:
     """The CRD the lab build copied into <lab>/v2/<key>/share/trainer-crds/, for this version."""
     import json
 
@@ -143,7 +143,7 @@ def _lab_share_trainjob_crd(version: str) -> Path | None:
                 continue
         except (OSError, ValueError, KeyError):
             continue
-        path = build_json.parent / "share" / "trainer-crds" / TRAINJOB_CRD
+        path = build_json.parent / "share" / "trainer-crds" / file_name
         if path.exists():
             return path
     return None
@@ -151,8 +151,14 @@ def _lab_share_trainjob_crd(version: str) -> Path | None:
 
 @functools.cache
 def trainjob_crd_path() -> Path:
+    return trainer_crd_path(TRAINJOB_CRD)
+
+
+@functools.cache
+def trainer_crd_path(file_name: str) -> Path:
+    """A CRD of the pinned Kubeflow Trainer release: from the lab's build, else the Go module cache."""
     version = trainer_version()
-    found = _lab_share_trainjob_crd(version)
+    found = _lab_share_crd(version, file_name)
     if found is not None:
         return found
     go = shutil.which("go")
@@ -160,7 +166,7 @@ def trainjob_crd_path() -> Path:
         raise UpstreamCrdMissing("no lab build of Kubeflow Trainer and no `go` on PATH to find its module")
     cache = subprocess.run([go, "env", "GOMODCACHE"], capture_output=True, text=True, check=True).stdout.strip()
     encoded = re.sub(r"[A-Z]", lambda m: "!" + m.group(0).lower(), TRAINER_MODULE)
-    path = Path(cache) / f"{encoded}@{version}" / TRAINJOB_CRD_IN_MODULE
+    path = Path(cache) / f"{encoded}@{version}" / "manifests" / "base" / "crds" / file_name
     if path.exists():
         return path
     with tempfile.TemporaryDirectory() as scratch:
@@ -183,4 +189,12 @@ def trainjob_crd() -> dict[str, Any]:
 def trainjob_schema() -> dict[str, Any]:
     """The v1alpha1 openAPIV3Schema of TrainJob, strict like the PyTorchJob's."""
     versions = {v["name"]: v for v in trainjob_crd()["spec"]["versions"]}
+    return _strict(copy.deepcopy(versions["v1alpha1"]["schema"]["openAPIV3Schema"]))
+
+
+@functools.cache
+def cluster_training_runtime_schema() -> dict[str, Any]:
+    """The v1alpha1 openAPIV3Schema of ClusterTrainingRuntime, strict like the others."""
+    document = yaml.safe_load(trainer_crd_path(RUNTIME_CRD).read_text())
+    versions = {v["name"]: v for v in document["spec"]["versions"]}
     return _strict(copy.deepcopy(versions["v1alpha1"]["schema"]["openAPIV3Schema"]))
