@@ -160,13 +160,19 @@ class Cluster:
                     for pod_name, p in by_name.items() if pod_name not in present]
         return pods + gone
 
-    def remember_failed_pod(self, pod: dict[str, Any]) -> None:
-        """Keep the last state of a failed training pod until the next reconcile has written it
-        into status: whoever deletes it (an eviction, a cleanup policy, a person) must not take
-        the reason for the failure with it."""
+    def remember_failed_pod(self, pod: dict[str, Any], *, deleted: bool = False) -> None:
+        """Keep the last state of a training pod that failed, was disrupted or was deleted before
+        it ended, until the next reconcile has written it into status: whoever deletes it (an
+        eviction, a cleanup policy, a person) must not take the reason for the failure with it."""
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
-        if not _has_failed_container(pod):
+        phase = (pod.get("status") or {}).get("phase")
+        if deleted and phase not in ("Succeeded", "Failed") and not meta.get("deletionTimestamp"):
+            # A watch's DELETED event of a force-deleted pod may carry no deletionTimestamp.
+            pod = dict(pod, metadata=dict(meta, deletionTimestamp=datetime.now(timezone.utc).isoformat()))
+            meta = pod["metadata"]
+        if not (_has_failed_container(pod) or _disrupted(pod)
+                or (meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed"))):
             return
         key = (meta.get("namespace", ""), labels.get(JOB_LABEL, ""), labels.get(ATTEMPT_LABEL, ""))
         with self._failed_lock:
@@ -553,6 +559,11 @@ def _api_message(error: ApiException) -> str:
 
 def _without_status(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "status"}
+
+
+def _disrupted(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 def _has_failed_container(pod: dict[str, Any]) -> bool:

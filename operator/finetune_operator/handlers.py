@@ -210,10 +210,11 @@ def pytorchjob_event(namespace: str, labels: dict[str, str], annotations: dict[s
 
 
 @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
-def pod_event(namespace: str, labels: dict[str, str], annotations: dict[str, str], body: kopf.Body, **_: Any) -> None:
+def pod_event(event: dict[str, Any], namespace: str, labels: dict[str, str], annotations: dict[str, str],
+              body: kopf.Body, **_: Any) -> None:
     if RUNTIME.reconciler is not None:
-        # Even a DELETED event carries the pod's last state: keep it if it failed.
-        RUNTIME.reconciler.cluster.remember_failed_pod(dict(body))
+        # Even a DELETED event carries the pod's last state: keep it if it failed or was deleted early.
+        RUNTIME.reconciler.cluster.remember_failed_pod(dict(body), deleted=event.get("type") == "DELETED")
     _enqueue(namespace, _job_name(labels, annotations))
 
 

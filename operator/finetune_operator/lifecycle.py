@@ -469,7 +469,7 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
         decision.events.append(Event("Normal", "Succeeded", f"training finished on attempt {attempt}"))
         return decision
     if child.state == "Failed":
-        return _recover(decision, observed, _failure_of_attempt(status, attempt, child))
+        return _recover(decision, observed, _failure_of_attempt(status, attempt, child, observed.pods))
     if child.state == "Running":
         if status.phase != "Running":
             decision.events.append(Event("Normal", "Running", f"attempt {attempt} is running"))
@@ -665,13 +665,20 @@ def _failure_of_record(record: api.PodFailure) -> Failure:
                    micro_batch_size=record.micro_batch_size)
 
 
-def _failure_of_attempt(status: api.FineTuneJobStatus, attempt: int, child: Child) -> Failure:
+def _failure_of_attempt(status: api.FineTuneJobStatus, attempt: int, child: Child,
+                        pods: Sequence[dict[str, Any]]) -> Failure:
     """The verdict on the failed attempt, from every failed pod seen (present or gone) and the job."""
     record = _attempt_record(status, attempt)
     verdicts = [_failure_of_record(p) for p in (record.failed_pods if record is not None else [])]
     if verdicts:
         return most_specific(verdicts)
-    return classify_attempt([], child.body)
+    if not pods:
+        # Failed, and its pods are gone without a trace (deleted before the operator saw them end,
+        # e.g. while it restarted): nothing says the plan was at fault, so it runs again (bounded
+        # by maxAttempts), as after an eviction.
+        return Failure(FailureKind.EVICTED, "the attempt failed and its pods are gone without a trace "
+                       "(deleted or evicted while the operator was not looking)", "job")
+    return classify_attempt(list(pods), child.body)
 
 
 def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decision:

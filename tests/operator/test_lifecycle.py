@@ -517,3 +517,30 @@ def test_a_refused_create_blocks_then_fails_after_the_bound():
     decision = lifecycle.create_refused(world.job, decision.status, POLICY, later, "PyTorchJob", "support-bot-a1", "exceeded quota")
     assert decision.status.phase == "Failed"
     assert next(c for c in decision.status.conditions if c.type == "Failed").reason == "CreateRejected"
+
+
+def test_an_attempt_whose_pods_vanished_without_a_trace_runs_again():
+    world = World(example("llama-8b-lora.yaml", recovery={"backoff": {"initialSeconds": 0}}))
+    world.step()
+    world.set_condition("Running")
+    world.step()
+    world.pods = []  # deleted (a drain, a person) while the operator was restarting: no evidence
+    world.set_condition("Failed")
+    world.step()
+    status = world.job.status
+    assert status.phase == "Recovering" and status.attempts[0].outcome == "Evicted"
+    assert status.plan.node_pool == status.attempts[0].plan.node_pool  # the same plan: it was not at fault
+
+
+def test_a_pod_deleted_while_running_is_an_eviction():
+    world = World(example("llama-8b-lora.yaml", recovery={"backoff": {"initialSeconds": 0}}))
+    world.step()
+    world.set_condition("Running")
+    deleted = world.pod({"phase": "Running"})
+    deleted["metadata"]["deletionTimestamp"] = "2026-11-30T10:00:05Z"
+    world.pods = [deleted]
+    world.step()
+    assert world.job.status.attempts[0].failed_pods[0].kind == "Evicted"
+    world.set_condition("Failed")
+    world.step()
+    assert world.job.status.phase == "Recovering" and world.job.status.attempts[0].outcome == "Evicted"

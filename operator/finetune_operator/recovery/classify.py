@@ -226,6 +226,11 @@ def classify_pod(pod: dict[str, Any]) -> Failure | None:
         return own
     if status.get("phase") == "Failed":
         return Failure(FailureKind.UNKNOWN, status.get("message") or "pod failed", "pod", pod=name)
+    if (pod.get("metadata") or {}).get("deletionTimestamp") and status.get("phase") in ("Pending", "Running", None):
+        # Deleted before it ended, with nothing of its own to say: pushed off (a drain, an
+        # eviction, a person), not a fault of the plan; the same plan may run again.
+        return Failure(FailureKind.EVICTED, "the pod was deleted while it ran (a drain, an eviction or a person)",
+                       "pod", pod=name)
     return None
 
 
