@@ -1,7 +1,9 @@
 """python -m e2e.lab build|up|down|status|sync-tools|versions
 
     build        build the binaries for versions.env, or reuse the cached ones
-    up           start a lab in a temporary directory (prints the KUBECONFIG to use)
+    up           start a lab in a temporary directory (prints the KUBECONFIG to use);
+                 --with trainer-v2,kueue adds JobSet + Kubeflow Trainer v2 and Kueue,
+                 --without-pytorchjob leaves out the PyTorchJob CRD and the training operator
     down         stop the lab that `up` started (or --workdir DIR), by pid
     status       which processes of that lab are alive
     sync-tools   regenerate tools/go.mod and go.sum from versions.env (needs the Go proxy)
@@ -47,7 +49,8 @@ def cmd_up(args) -> int:
 
     if args.build:
         lab_build.build()
-    lab = up(Path(args.workdir) if args.workdir else None)
+    lab = up(Path(args.workdir) if args.workdir else None, components=args.with_components,
+             pytorchjob=not args.without_pytorchjob)
     if not args.workdir:
         # Recorded so that `status` and `down` find it; a lab with an explicit --workdir is
         # addressed by that directory instead (and leaves a developer's current lab alone).
@@ -145,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("up", help="start a lab")
     u.add_argument("--workdir")
     u.add_argument("--build", action="store_true", help="build first if needed")
+    u.add_argument("--with", dest="with_components", default=os.environ.get("FINETUNE_LAB_WITH"),
+                   help="optional components, comma-separated: trainer-v2 (JobSet + Kubeflow Trainer v2), kueue"
+                        " (default: $FINETUNE_LAB_WITH)")
+    u.add_argument("--without-pytorchjob", action="store_true",
+                   help="no PyTorchJob CRD and no training operator (a cluster with only TrainJob)")
     u.set_defaults(fn=cmd_up)
     d = sub.add_parser("down", help="stop a lab")
     d.add_argument("--workdir")

@@ -239,10 +239,12 @@ def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, fl
 
 def build(force: bool = False, say=None) -> Installation:
     """Build every lab binary for the pinned versions unless a complete build is cached, then the
-    S3-compatible server (its own cache directory inside the lab's)."""
+    S3-compatible server and JobSet + Trainer v2 + Kueue (each in its own cache directory inside
+    the lab's)."""
     say = say or (lambda msg: print(f"[lab build] {msg}", file=sys.stderr, flush=True))
     installation = _build_kubernetes_lab(force, say)
     build_s3_server(force=force, say=say)
+    build_v2(force=force, say=say)
     return installation
 
 
@@ -378,3 +380,144 @@ def build_s3_server(force: bool = False, say=None) -> Path | None:
                 shutil.rmtree(staging, ignore_errors=True)
         say(f"built the S3 server in {seconds:.0f}s: {home / 'bin' / S3_BINARY}")
         return home / "bin" / S3_BINARY
+
+
+# ---------------------------------------------------------------------------
+# Optional components: JobSet, Kubeflow Trainer v2 and Kueue (`up --with trainer-v2,kueue`)
+# ---------------------------------------------------------------------------
+
+JOBSET_MODULE_DIR = Path(__file__).resolve().parent / "jobset"
+JOBSET_MODULE = "sigs.k8s.io/jobset"
+TRAINER_MODULE = "github.com/kubeflow/trainer/v2"
+KUEUE_MODULE = "sigs.k8s.io/kueue"
+V2_BINARIES = ("jobset", "trainer-controller-manager", "kueue")
+V2_RECIPE = 2
+# Upstream files copied from the Go module cache into <v2 home>/share/ (never into the repository):
+# (module, path in the module, name under share/); a path ending in "/" copies its *.yaml files.
+V2_SHARE = (
+    (JOBSET_MODULE, "config/components/crd/bases/", "jobset-crds"),
+    (JOBSET_MODULE, "config/components/webhook/manifests.yaml", "jobset-webhooks.yaml"),
+    (JOBSET_MODULE, "config/components/webhook/patches/", "jobset-webhook-patches"),
+    (TRAINER_MODULE, "manifests/base/crds/", "trainer-crds"),
+    (TRAINER_MODULE, "manifests/base/webhook/manifests.yaml", "trainer-webhooks.yaml"),
+    (KUEUE_MODULE, "config/components/crd/bases/", "kueue-crds"),
+    (KUEUE_MODULE, "config/components/webhook/manifests.yaml", "kueue-webhooks.yaml"),
+)
+
+
+def check_jobset_module(v: Versions) -> None:
+    """jobset/go.mod must require the JobSet that versions.env pins."""
+    import re
+
+    go_mod = (JOBSET_MODULE_DIR / "go.mod").read_text()
+    m = re.search(rf"^\s*{re.escape(JOBSET_MODULE)} (v\S+)", go_mod, re.MULTILINE)
+    declared = m.group(1) if m else None
+    if declared != v.jobset:
+        raise BuildError(
+            f"e2e/lab/jobset/go.mod requires jobset {declared} but versions.env says JOBSET_VERSION={v.jobset};"
+            f" run `go get -tool {JOBSET_MODULE}@{v.jobset} && go mod tidy` in e2e/lab/jobset, commit go.mod and go.sum"
+        )
+
+
+def v2_home(v: Versions | None = None) -> Path:
+    """<lab home>/v2/<key>: keyed by the three versions, the JobSet tools module and the Go version."""
+    import hashlib
+
+    v = v or load_versions()
+    h = hashlib.sha256(f"jobset={v.jobset}|trainer={v.trainer}|kueue={v.kueue}|{go_version()}|recipe={V2_RECIPE}".encode())
+    for name in ("go.mod", "go.sum"):
+        h.update((JOBSET_MODULE_DIR / name).read_bytes())
+    return lab_home(v) / "v2" / h.hexdigest()[:16]
+
+
+def find_v2(v: Versions | None = None) -> Installation | None:
+    """The built JobSet, Trainer v2 and Kueue (bin/, share/), or None when not built (or not pinned)."""
+    v = v or load_versions()
+    if not (v.jobset and v.trainer and v.kueue):
+        return None
+    inst = Installation(v2_home(v))
+    if not (inst.home / "build.json").is_file() or any(not (inst.bin / b).is_file() for b in V2_BINARIES):
+        return None
+    return inst
+
+
+def build_v2(force: bool = False, say=None) -> Installation | None:
+    """Build (or reuse) JobSet, Kubeflow Trainer v2 and Kueue; None when versions.env pins them not."""
+    say = say or (lambda msg: print(f"[lab build] {msg}", file=sys.stderr, flush=True))
+    v = load_versions()
+    if not (v.jobset and v.trainer and v.kueue):
+        say("versions.env pins no JOBSET/TRAINER/KUEUE_VERSION: no Trainer v2 or Kueue")
+        return None
+    existing = find_v2(v)
+    if existing and not force:
+        say(f"reusing {existing.home}")
+        return existing
+    check_jobset_module(v)
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    home = v2_home(v)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        existing = find_v2(v)
+        if existing and not force:
+            return existing
+        home.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{home.name}.partial-", dir=home.parent))
+        log_path = home.parent / f"{home.name}.build.log"
+        say(f"building JobSet {v.jobset}, Trainer {v.trainer}, Kueue {v.kueue} into {home} (log: {log_path})")
+        t0 = time.monotonic()
+        env = dict(os.environ)
+        timings: dict[str, float] = {}
+        try:
+            bindir = staging / "bin"
+            bindir.mkdir()
+            with open(log_path, "w") as log:
+                def timed(name: str, fn) -> None:
+                    say(f"building {name} ...")
+                    s = time.monotonic()
+                    fn()
+                    timings[name] = round(time.monotonic() - s, 1)
+                    say(f"built {name} in {timings[name]:.0f}s")
+
+                # JobSet's module answers no version list through the proxy here, so
+                # `go install sigs.k8s.io/jobset@vX` fails; the tools module requires it instead.
+                timed("jobset", lambda: _run(
+                    ["go", "build", "-trimpath", "-buildvcs=false",
+                     f"-ldflags=-s -w -X {JOBSET_MODULE}/pkg/version.GitVersion={v.jobset}",
+                     "-o", str(bindir / "jobset"), JOBSET_MODULE],
+                    JOBSET_MODULE_DIR, env, log))
+                installs = {
+                    "trainer-controller-manager": (f"{TRAINER_MODULE}/cmd/trainer-controller-manager@{v.trainer}", "-s -w"),
+                    "kueue": (f"{KUEUE_MODULE}/cmd/kueue@{v.kueue}",
+                              f"-s -w -X {KUEUE_MODULE}/pkg/version.GitVersion={v.kueue}"),
+                }
+                for name, (spec, ldflags) in installs.items():
+                    def install(spec=spec, ldflags=ldflags) -> None:
+                        with tempfile.TemporaryDirectory() as cwd:
+                            _run(["go", "install", "-trimpath", f"-ldflags={ldflags}", spec], Path(cwd),
+                                 {**env, "GOBIN": str(bindir)}, log)
+                    timed(name, install)
+            share = staging / "share"
+            share.mkdir()
+            versions_of = {JOBSET_MODULE: v.jobset, TRAINER_MODULE: v.trainer, KUEUE_MODULE: v.kueue}
+            for module, rel, target in V2_SHARE:
+                src = module_dir(module, versions_of[module], env) / rel
+                if rel.endswith("/"):
+                    (share / target).mkdir()
+                    for f in sorted(src.glob("*.yaml")):
+                        if f.name != "kustomization.yaml":  # kustomize's, not a manifest
+                            shutil.copyfile(f, share / target / f.name)
+                else:
+                    shutil.copyfile(src, share / target)
+            manifest = {"versions": {"jobset": v.jobset, "trainer": v.trainer, "kueue": v.kueue}, "go": go_version(),
+                        "seconds": timings, "total_seconds": round(time.monotonic() - t0, 1),
+                        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            (staging / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            if home.exists():
+                shutil.rmtree(home)
+            staging.rename(home)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        say(f"JobSet, Trainer v2 and Kueue ready in {manifest['total_seconds']:.0f}s: {home}")
+        return Installation(home)

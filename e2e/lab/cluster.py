@@ -53,6 +53,10 @@ CONTROLLERS = (
     "persistentvolume-binder-controller",
 )
 
+# With the optional components (JobSet, Trainer v2, Kueue): the Job controller, which turns a JobSet's
+# (and a queued batch Job's) Jobs into pods.
+JOB_CONTROLLERS = ("job-controller",)
+
 
 class LabNotBuilt(RuntimeError):
     pass
@@ -91,6 +95,11 @@ class Lab:
     procs: list[Proc] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     die_with_parent: bool = False  # processes get PR_SET_PDEATHSIG (labs owned by a test session)
+    # Optional components started (components.COMPONENTS), and whether the PyTorchJob CRD and the
+    # training operator are there.
+    components: tuple[str, ...] = ()
+    pytorchjob: bool = True
+    v2_home: Path | None = None  # the cached JobSet/Trainer v2/Kueue build, when components are started
 
     # ---- persistence -------------------------------------------------------------------
     @property
@@ -122,6 +131,9 @@ class Lab:
             "procs": [p.to_json() for p in self.procs],
             "started_at": self.started_at,
             "kubeconfig": str(self.kubeconfig),
+            "components": list(self.components),
+            "pytorchjob": self.pytorchjob,
+            "v2_home": str(self.v2_home) if self.v2_home else None,
         }
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -137,10 +149,15 @@ class Lab:
             ports={k: int(v) for k, v in data["ports"].items()},
             procs=[Proc(**p) for p in data["procs"]],
             started_at=data["started_at"],
+            components=tuple(data.get("components", ())),
+            pytorchjob=data.get("pytorchjob", True),
+            v2_home=Path(data["v2_home"]) if data.get("v2_home") else None,
         )
 
     # ---- using the lab -----------------------------------------------------------------
     def binary(self, name: str) -> str:
+        if self.v2_home is not None and (self.v2_home / "bin" / name).is_file():
+            return Installation(self.v2_home).binary(name)
         return self.installation.binary(name)
 
     def env(self) -> dict[str, str]:
@@ -322,12 +339,25 @@ def up(
     die_with_parent: bool = False,
     say=None,
     start_fake_gpu: bool = True,
+    components: tuple[str, ...] | str | None = None,
+    pytorchjob: bool = True,
 ) -> Lab:
-    """Start a lab. On any failure everything started so far is stopped again."""
+    """Start a lab. On any failure everything started so far is stopped again.
+
+    `components`: optional components to start too, e.g. ("trainer-v2", "kueue") (see
+    e2e/lab/components.py); `pytorchjob=False` leaves out the PyTorchJob CRD and the training
+    operator (a cluster with only TrainJob)."""
+    from . import components as lab_components
+    from .build import find_v2
+
     say = say or (lambda msg: print(f"[lab] {msg}", file=sys.stderr, flush=True))
+    components = lab_components.parse_components(components)
     inst = find_installation()
     if inst is None:
         raise LabNotBuilt("the lab's binaries are not built: run `python -m e2e.lab build` (or e2e/lab/build.sh)")
+    v2 = find_v2() if components else None
+    if components and v2 is None:
+        raise LabNotBuilt(f"{', '.join(components)} not built: run `python -m e2e.lab build` (or e2e/lab/build.sh)")
     t0 = time.monotonic()
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="finetune-lab-"))
     # Ports are picked free and released before the components bind them; another lab
@@ -335,6 +365,8 @@ def up(
     # use" and is worth one more try on fresh ports; anything else is a real failure.
     for attempt in (1, 2):
         lab = _prepare(workdir, inst, die_with_parent)
+        lab.components, lab.pytorchjob, lab.v2_home = components, pytorchjob, (v2.home if v2 else None)
+        lab.save()
         try:
             _bring_up(lab, inst, say, start_fake_gpu)
             break
@@ -355,10 +387,12 @@ def up(
 
 
 def _prepare(workdir: Path, inst: Installation, die_with_parent: bool) -> Lab:
+    from . import components as lab_components
+
     workdir.mkdir(parents=True, exist_ok=True)
     ports = free_ports(
         ["etcd", "etcd-peer", "apiserver", "scheduler", "controller-manager", "kwok",
-         "to-metrics", "to-health", "to-webhook"]
+         "to-metrics", "to-health", "to-webhook", *lab_components.PORTS]
     )
     lab = Lab(workdir=workdir, home=inst.home, server=f"https://127.0.0.1:{ports['apiserver']}", ports=ports,
               die_with_parent=die_with_parent)
@@ -423,7 +457,7 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         "--bind-address=127.0.0.1",
         f"--secure-port={p['controller-manager']}",
         "--leader-elect=false",
-        f"--controllers={','.join(CONTROLLERS)}",
+        f"--controllers={','.join(CONTROLLERS + (JOB_CONTROLLERS if lab.components else ()))}",
         f"--root-ca-file={pki.ca.cert}",
         "--use-service-account-credentials=false",
         "--cluster-name=finetune-lab",
@@ -454,8 +488,51 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
     for manifest in lab_nodes.all_node_manifests():
         core.create_node(manifest)
 
-    # The training operator: its PyTorchJob CRD, namespace, webhook cert Secret and webhook
-    # configuration, then the process itself (see e2e/README.md, "Webhooks").
+    if lab.pytorchjob:
+        training_operator = _start_training_operator(lab, inst, pki, kubeconfigs, core, api, launch)
+
+    if start_fake_gpu:
+        launch("fake-gpu", [sys.executable, "-m", "e2e.lab.fakegpu", f"--kubeconfig={kubeconfigs['fake-gpu']}"],
+               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
+
+    def nodes_ready() -> bool:
+        items = core.list_node().items
+        ready = [
+            n for n in items
+            if any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
+            and not any(t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))
+        ]
+        return len(ready) == len(items) > 0
+
+    wait_until("all fake nodes Ready (kwok) and untainted (node lifecycle controller)", nodes_ready, lab.procs[[q.name for q in lab.procs].index("kwok")], 60)
+    say("nodes ready")
+    if lab.pytorchjob:
+        _wait_training_operator(lab, pki, api, training_operator)
+    if lab.components:
+        from . import components as lab_components
+
+        lab_components.start(lab, Installation(lab.v2_home), pki, kubeconfigs, lab.components, launch, say)
+    wait_until(
+        "scheduler /healthz",
+        lambda: http_ok(f"https://127.0.0.1:{p['scheduler']}/healthz", _insecure_context()),
+        lab.procs[[q.name for q in lab.procs].index("kube-scheduler")], 60,
+    )
+    wait_until(
+        "ServiceAccount default/default (controller-manager)",
+        lambda: bool(core.read_namespaced_service_account("default", "default")),
+        lab.procs[[q.name for q in lab.procs].index("kube-controller-manager")], 60,
+    )
+    for proc in lab.procs:
+        if not is_alive(proc):
+            raise LabStartError(f"{proc.name} died during start-up:\n{tail(proc.log)}")
+
+
+def _start_training_operator(lab: Lab, inst: Installation, pki, kubeconfigs, core, api, launch) -> Proc:
+    """The training operator: its PyTorchJob CRD, namespace, webhook cert Secret and webhook
+    configuration, then the process itself (see e2e/README.md, "Webhooks")."""
+    from kubernetes import client
+
+    p = lab.ports
     lab.kubectl("apply", "--server-side", "-f", str(lab.home / "share" / "pytorchjob-crd.yaml"))
     core.create_namespace({"metadata": {"name": TRAINING_OPERATOR_NAMESPACE}})
     core.create_namespaced_secret(TRAINING_OPERATOR_NAMESPACE, {
@@ -487,22 +564,13 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         "--leader-elect=false",
         f"--kubeconfig={kubeconfigs['training-operator']}",
     ], env={**os.environ, "MY_POD_NAMESPACE": TRAINING_OPERATOR_NAMESPACE, "TMPDIR": str(to_tmp)})
+    return training_operator
 
-    if start_fake_gpu:
-        launch("fake-gpu", [sys.executable, "-m", "e2e.lab.fakegpu", f"--kubeconfig={kubeconfigs['fake-gpu']}"],
-               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
 
-    def nodes_ready() -> bool:
-        items = core.list_node().items
-        ready = [
-            n for n in items
-            if any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
-            and not any(t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))
-        ]
-        return len(ready) == len(items) > 0
+def _wait_training_operator(lab: Lab, pki, api, training_operator: Proc) -> None:
+    from kubernetes import client
 
-    wait_until("all fake nodes Ready (kwok) and untainted (node lifecycle controller)", nodes_ready, lab.procs[[q.name for q in lab.procs].index("kwok")], 60)
-    say("nodes ready")
+    p = lab.ports
     wait_until(
         "training operator /readyz (webhook certs and server)",
         lambda: http_ok(f"http://127.0.0.1:{p['to-health']}/readyz"),
@@ -517,19 +585,6 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
             "the training operator replaced the lab's webhook CA (its cert rotator found the lab's cert unfit); "
             f"see {lab.log_dir / 'training-operator.log'}"
         )
-    wait_until(
-        "scheduler /healthz",
-        lambda: http_ok(f"https://127.0.0.1:{p['scheduler']}/healthz", _insecure_context()),
-        lab.procs[[q.name for q in lab.procs].index("kube-scheduler")], 60,
-    )
-    wait_until(
-        "ServiceAccount default/default (controller-manager)",
-        lambda: bool(core.read_namespaced_service_account("default", "default")),
-        lab.procs[[q.name for q in lab.procs].index("kube-controller-manager")], 60,
-    )
-    for proc in lab.procs:
-        if not is_alive(proc):
-            raise LabStartError(f"{proc.name} died during start-up:\n{tail(proc.log)}")
 
 
 # The cert rotator the training operator embeds checks, before it reports ready, that a file

@@ -55,8 +55,12 @@ CONTROLLER_MANAGER = ClientIdentity("controller-manager", "system:kube-controlle
 KWOK = ClientIdentity("kwok", "lab-kwok", ("system:masters",))
 TRAINING_OPERATOR = ClientIdentity("training-operator", "lab-training-operator", ("system:masters",))
 FAKE_GPU = ClientIdentity("fake-gpu", "lab-fake-gpu", ("system:masters",))
+# The optional components (`up --with trainer-v2,kueue`): cluster-wide controllers like the training operator.
+JOBSET = ClientIdentity("jobset", "lab-jobset", ("system:masters",))
+TRAINER = ClientIdentity("trainer", "lab-trainer", ("system:masters",))
+KUEUE = ClientIdentity("kueue", "lab-kueue", ("system:masters",))
 
-CLIENTS = (ADMIN, SCHEDULER, CONTROLLER_MANAGER, KWOK, TRAINING_OPERATOR, FAKE_GPU)
+CLIENTS = (ADMIN, SCHEDULER, CONTROLLER_MANAGER, KWOK, TRAINING_OPERATOR, FAKE_GPU, JOBSET, TRAINER, KUEUE)
 
 # The training operator's cert rotator checks the CA against this name (its CAName) and the
 # serving cert against "<webhook-service-name>.<namespace>.svc".

@@ -30,6 +30,11 @@ class Versions:
     # part of cache_key: it is built into its own directory under the lab's (build.s3_server_home),
     # so pinning or bumping it never rebuilds the Kubernetes binaries.
     rclone: str | None = None
+    # Optional: JobSet, Kubeflow Trainer v2 and Kueue, started by `up --with trainer-v2,kueue`; built
+    # into a cache directory of their own (build.v2_home), so they are not part of cache_key either.
+    jobset: str | None = None
+    trainer: str | None = None
+    kueue: str | None = None
 
     @property
     def staging(self) -> str:
@@ -63,7 +68,12 @@ _KEYS = {
     "HELM_VERSION": "helm",
 }
 # Keys a versions.env may leave out; their components are built into a cache of their own.
-_OPTIONAL_KEYS = {"RCLONE_VERSION": "rclone"}
+_OPTIONAL_KEYS = {
+    "RCLONE_VERSION": "rclone",
+    "JOBSET_VERSION": "jobset",
+    "TRAINER_VERSION": "trainer",
+    "KUEUE_VERSION": "kueue",
+}
 _OWN_CACHE = set(_OPTIONAL_KEYS.values())
 
 

@@ -1,0 +1,240 @@
+"""Smoke scenarios for the lab's optional components: Kubeflow Trainer v2 + JobSet, and Kueue.
+
+One lab of this module's own, started with `up(components=("trainer-v2", "kueue"), pytorchjob=False)`:
+a cluster with only TrainJob (no PyTorchJob CRD, no training operator), where
+
+- the chart's ClusterTrainingRuntime (`trainJobRuntime.enabled=true`) and a TrainJob rendered by
+  `render_trainjob` (admitted by Trainer's own webhooks) become a JobSet and pods that the real
+  scheduler places on the kwok GPU nodes of the plan's region and GPU product; the fake GPU ends them
+  and the TrainJob is Complete;
+- with a ResourceFlavor per region, a ClusterQueue of 8 GPUs and a LocalQueue, two queued 8-GPU
+  TrainJobs (created suspended, as rendered): Kueue admits the first (un-suspends it) and holds the
+  second suspended until the first has finished, then admits it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.lab.waiting import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO / "tests" / "rendering"))
+
+pytestmark = pytest.mark.e2e
+
+REGION_LABEL = "topology.kubernetes.io/region"
+H100 = "NVIDIA-H100-80GB-HBM3"
+
+
+def _required() -> bool:
+    return os.environ.get("FINETUNE_LAB_REQUIRED", "") not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="module")
+def v2lab():
+    from e2e.lab.build import find_installation, find_v2
+    from e2e.lab.cluster import up
+
+    if find_installation() is None or find_v2() is None:
+        msg = "the lab's JobSet, Trainer v2 and Kueue are not built: run `e2e/lab/build.sh`"
+        if _required():
+            pytest.fail(f"FINETUNE_LAB_REQUIRED=1 but {msg}", pytrace=False)
+        pytest.skip(msg)
+    t0 = time.monotonic()
+    lab = up(die_with_parent=True, components=("trainer-v2", "kueue"), pytorchjob=False)
+    print(f"\nlab with trainer-v2,kueue and no PyTorchJob up in {time.monotonic() - t0:.1f}s")
+    try:
+        yield lab
+    finally:
+        lab.down(keep_workdir=bool(os.environ.get("FINETUNE_LAB_KEEP")))
+
+
+@pytest.fixture(scope="module")
+def runtime(v2lab):
+    """The chart's ClusterTrainingRuntime, rendered by the lab's helm and applied (Trainer's webhook validates it)."""
+    from finetune_operator.rendering.trainjob import DEFAULT_RUNTIME
+
+    out = subprocess.run(
+        [v2lab.binary("helm"), "template", "finetune-operator", str(REPO / "charts" / "finetune-operator"),
+         "--namespace", "finetune-system", "--set", "trainJobRuntime.enabled=true",
+         "--show-only", "templates/trainjob-runtime.yaml"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout
+    v2lab.kubectl("apply", "-f", "-", input=out)
+    return DEFAULT_RUNTIME
+
+
+@pytest.fixture
+def ns(v2lab, request):
+    from kubernetes import client
+
+    name = f"tk-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(v2lab.api_client())
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: core.read_namespaced_service_account("default", name), 30, f"ServiceAccount {name}/default")
+    yield name
+    v2lab.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def _job(name: str, namespace: str, **spec):
+    from finetune_operator import api
+
+    document = {
+        "apiVersion": api.API_VERSION, "kind": api.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "architecture": {"preset": "llama-3.1-8b"},
+                      "source": {"pvc": {"claimName": "models", "path": "llama"}}},
+            "dataset": {"source": {"pvc": {"claimName": "data", "path": "train.jsonl"}}},
+            "method": "lora", "lora": {"rank": 16},
+            "training": {"sequenceLength": 2048, "globalBatchSize": 32, "maxSteps": 100},
+            "placement": {"regions": ["eu-de-berlin"]},
+            **spec,
+        },
+    }
+    return api.parse_job(document)
+
+
+def _create_attempt(lab, namespace: str, name: str, *, nodes: int, gpus: int, run_duration: str, **spec) -> dict:
+    """Render attempt 1 of a FineTuneJob as ConfigMap + TrainJob (H100 Berlin) and create both."""
+    from render_factories import plan_for, policy, pool
+
+    from e2e.operator_harness import volumes
+    from finetune_operator.rendering import render_config_map, render_trainjob
+
+    job = _job(name, namespace, **spec)
+    plan = plan_for(job, pool(taints=[]), nodes=nodes, gpus_per_node=gpus)
+    lab_policy = policy()
+    config_map, _ = render_config_map(job, plan, 1, lab_policy)
+    train_job = render_trainjob(job, plan, 1, lab_policy)
+    volumes(lab, namespace, ["models", "data"])
+    lab.kubectl("apply", "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "finetune-lab", "namespace": namespace},
+        "data": {"outcome": "succeed", "run-duration": run_duration}}))
+    lab.kubectl("create", "-f", "-", input=yaml.safe_dump_all([config_map, train_job]))
+    return train_job
+
+
+def _get(lab, kind: str, namespace: str | None, name: str) -> dict:
+    where = ("-n", namespace) if namespace else ()
+    return yaml.safe_load(lab.kubectl("get", kind, name, *where, "-o", "yaml").stdout)
+
+
+def _condition(obj: dict, ctype: str) -> dict | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
+
+
+def _is_true(lab, kind: str, namespace: str | None, name: str, ctype: str) -> bool:
+    cond = _condition(_get(lab, kind, namespace, name), ctype)
+    return bool(cond and cond["status"] == "True")
+
+
+def _pods(lab, namespace: str, jobset: str) -> list[dict]:
+    out = lab.kubectl("get", "pods", "-n", namespace, "-l", f"jobset.sigs.k8s.io/jobset-name={jobset}", "-o", "yaml")
+    return yaml.safe_load(out.stdout)["items"]
+
+
+def _nodes(lab) -> dict[str, dict]:
+    items = yaml.safe_load(lab.kubectl("get", "nodes", "-o", "yaml").stdout)["items"]
+    return {n["metadata"]["name"]: n["metadata"]["labels"] for n in items}
+
+
+def test_lab_has_trainjob_and_no_pytorchjob(v2lab):
+    resources = v2lab.kubectl("api-resources", "-o", "name").stdout.split()
+    assert "trainjobs.trainer.kubeflow.org" in resources
+    assert "clustertrainingruntimes.trainer.kubeflow.org" in resources
+    assert "jobsets.jobset.x-k8s.io" in resources
+    assert "workloads.kueue.x-k8s.io" in resources
+    assert "pytorchjobs.kubeflow.org" not in resources
+
+
+def test_trainjob_becomes_a_jobset_and_pods_on_the_plans_gpu_nodes(v2lab, runtime, ns):
+    t0 = time.monotonic()
+    train_job = _create_attempt(v2lab, ns, "smoke", nodes=2, gpus=8, run_duration="3s")
+    name = train_job["metadata"]["name"]
+    jobset = wait_for(lambda: _get(v2lab, "jobset", ns, name), 60, f"JobSet {ns}/{name}")
+    owner = jobset["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("TrainJob", name)
+
+    def placed() -> list[dict]:
+        pods = _pods(v2lab, ns, name)
+        return pods if len(pods) == 2 and all(p["spec"].get("nodeName") for p in pods) else []
+
+    pods = wait_for(placed, 90, f"2 pods of JobSet {name} scheduled")
+    nodes = _nodes(v2lab)
+    for p in pods:
+        labels = nodes[p["spec"]["nodeName"]]
+        assert labels[REGION_LABEL] == "eu-de-berlin" and labels["nvidia.com/gpu.product"] == H100, p["spec"]["nodeName"]
+        assert p["metadata"]["labels"]["finetune.dev/job"] == "smoke"
+        assert p["metadata"]["labels"]["finetune.dev/attempt"] == "1"
+        assert "finetune.dev/predicted-peak-bytes" in p["metadata"]["annotations"]
+        (container,) = p["spec"]["containers"]
+        assert container["name"] == "node"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert container["command"] == train_job["spec"]["trainer"]["command"]
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        assert {"name": "config", "mountPath": "/etc/finetune", "readOnly": True} in container["volumeMounts"]
+        assert p["spec"]["restartPolicy"] == "Never"
+    wait_for(lambda: _is_true(v2lab, "trainjob", ns, name, "Complete"), 90, f"TrainJob {name} Complete")
+    print(f"\nTrainJob -> JobSet -> 2 pods on H100 Berlin -> Complete in {time.monotonic() - t0:.1f}s")
+
+
+def test_kueue_admits_one_8_gpu_trainjob_at_a_time(v2lab, runtime, ns):
+    flavors = []
+    for region in ("eu-de-berlin", "eu-fr-paris"):
+        flavors.append({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
+                        "metadata": {"name": f"{ns}-{region}"}, "spec": {"nodeLabels": {REGION_LABEL: region}}})
+    # 8 GPUs in all (Berlin's flavor; Paris's has none), CPU and memory plentiful.
+    quotas = {"eu-de-berlin": "8", "eu-fr-paris": "0"}
+    cluster_queue = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": ns},
+        "spec": {"namespaceSelector": {}, "resourceGroups": [{
+            "coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
+            "flavors": [{"name": f"{ns}-{region}", "resources": [
+                {"name": "cpu", "nominalQuota": "1000"}, {"name": "memory", "nominalQuota": "100Ti"},
+                {"name": "nvidia.com/gpu", "nominalQuota": quotas[region]}]} for region in quotas],
+        }]},
+    }
+    local_queue = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+                   "metadata": {"name": "gpus", "namespace": ns}, "spec": {"clusterQueue": ns}}
+    v2lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([*flavors, cluster_queue, local_queue]))
+    wait_for(lambda: _is_true(v2lab, "clusterqueue", None, ns, "Active"), 30, f"ClusterQueue {ns} Active")
+
+    t0 = time.monotonic()
+    first = _create_attempt(v2lab, ns, "first", nodes=1, gpus=8, run_duration="8s", queueName="gpus")["metadata"]["name"]
+    wait_for(lambda: _get(v2lab, "trainjob", ns, first)["spec"]["suspend"] is False, 60, "Kueue admits the first TrainJob")
+    admitted_first = time.monotonic() - t0
+    second = _create_attempt(v2lab, ns, "second", nodes=1, gpus=8, run_duration="2s", queueName="gpus")["metadata"]["name"]
+
+    # While the first runs, the second stays suspended: its Workload waits for quota.
+    def second_workload() -> dict | None:
+        items = yaml.safe_load(v2lab.kubectl("get", "workloads", "-n", ns, "-o", "yaml").stdout)["items"]
+        return next((w for w in items if w["metadata"]["ownerReferences"][0]["name"] == second), None)
+
+    workload = wait_for(second_workload, 30, "the second TrainJob's Workload")
+    pending = wait_for(lambda: _condition(second_workload() or {}, "QuotaReserved"), 30, "the second Workload's QuotaReserved condition")
+    assert pending["status"] == "False", pending
+    assert workload["spec"]["podSets"][0]["count"] == 1
+    while not _is_true(v2lab, "trainjob", ns, first, "Complete"):
+        assert _get(v2lab, "trainjob", ns, second)["spec"]["suspend"] is True, "admitted while the first still holds the quota"
+        assert time.monotonic() - t0 < 120, "the first TrainJob did not complete"
+        time.sleep(0.5)
+    first_done = time.monotonic() - t0
+    wait_for(lambda: _get(v2lab, "trainjob", ns, second)["spec"]["suspend"] is False, 60,
+             "Kueue admits the second TrainJob once the first has finished")
+    admitted_second = time.monotonic() - t0
+    # Admission put the pods in the flavor's region (our affinity already required it).
+    pods = wait_for(lambda: [p for p in _pods(v2lab, ns, second) if p["spec"].get("nodeName")], 60, "second's pod scheduled")
+    assert _nodes(v2lab)[pods[0]["spec"]["nodeName"]][REGION_LABEL] == "eu-de-berlin"
+    wait_for(lambda: _is_true(v2lab, "trainjob", ns, second, "Complete"), 90, f"TrainJob {second} Complete")
+    print(f"\nKueue: first admitted {admitted_first:.1f}s, first Complete {first_done:.1f}s,"
+          f" second admitted {admitted_second:.1f}s, second Complete {time.monotonic() - t0:.1f}s")
