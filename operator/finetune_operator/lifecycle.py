@@ -672,13 +672,15 @@ def _failure_of_attempt(status: api.FineTuneJobStatus, attempt: int, child: Chil
     verdicts = [_failure_of_record(p) for p in (record.failed_pods if record is not None else [])]
     if verdicts:
         return most_specific(verdicts)
-    if not pods:
-        # Failed, and its pods are gone without a trace (deleted before the operator saw them end,
-        # e.g. while it restarted): nothing says the plan was at fault, so it runs again (bounded
-        # by maxAttempts), as after an eviction.
-        return Failure(FailureKind.EVICTED, "the attempt failed and its pods are gone without a trace "
-                       "(deleted or evicted while the operator was not looking)", "job")
-    return classify_attempt(list(pods), child.body)
+    verdict = classify_attempt(list(pods), child.body)
+    if verdict.source == "job":
+        # The training job failed but no pod, present or remembered, shows a failure: the one that
+        # failed is gone without a trace (deleted or evicted while the operator was not looking,
+        # e.g. restarting; the training operator may already have made a new pod in its place).
+        # Nothing says the plan was at fault: it runs again, bounded by maxAttempts, as after an eviction.
+        return Failure(FailureKind.EVICTED, f"no pod shows why the attempt failed ({verdict.message}); its failed pod "
+                       "is gone (deleted or evicted while the operator was not looking)", "job")
+    return verdict
 
 
 def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decision:

@@ -544,3 +544,16 @@ def test_a_pod_deleted_while_running_is_an_eviction():
     world.set_condition("Failed")
     world.step()
     assert world.job.status.phase == "Recovering" and world.job.status.attempts[0].outcome == "Evicted"
+
+
+def test_a_failed_attempt_whose_only_pod_shows_no_failure_runs_again():
+    """The failed pod was evicted and deleted while the operator restarted; the training operator
+    already made a new pod in its place, which shows nothing: an eviction, not Unknown."""
+    world = World(example("llama-8b-lora.yaml", recovery={"backoff": {"initialSeconds": 0}}))
+    world.step()
+    world.pods = [world.pod({"phase": "Pending"})]
+    world.current().setdefault("status", {})["conditions"] = [
+        {"type": "Failed", "status": "True", "message": "PyTorchJob x is failed because 1 Master replica(s) failed."}]
+    world.step()
+    assert world.job.status.phase == "Recovering" and world.job.status.attempts[0].outcome == "Evicted"
+    assert "1 Master replica(s) failed" in world.job.status.attempts[0].message
