@@ -1035,11 +1035,13 @@ class AttemptStatus(StatusModel):
         "DataError",
         "ConfigError",
         "Unschedulable",
+        "Hung",
         "Failed",
         "Unknown",
     ] = "Running"
     """How it ended. Unschedulable: its pods found no node within the policy's bound, so it was
-    moved or given up."""
+    moved or given up. Hung: it ran far longer than predicted (policy hungAfterFactor) and was
+    restarted from its last checkpoint."""
     message: str = ""
     """What was observed (phase, step, peak) and, for a retry, what the next attempt changes."""
     observed_peak_gi_b: GiBQuantity | None = _gib_field("observedPeak", default=None)

@@ -64,6 +64,7 @@ _OUTCOME_OF: dict[FailureKind, str] = {
     FailureKind.HOST_OUT_OF_MEMORY: "HostOutOfMemory",
     FailureKind.EVICTED: "Evicted",
     FailureKind.NODE_LOST: "NodeLost",
+    FailureKind.HUNG: "Hung",
     FailureKind.DATA_ERROR: "DataError",
     FailureKind.CONFIG_ERROR: "ConfigError",
     FailureKind.UNKNOWN: "Failed",
@@ -471,6 +472,9 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
     if child.state == "Failed":
         return _recover(decision, observed, _failure_of_attempt(status, attempt, child, observed.pods))
     if child.state == "Running":
+        hung = _hung(status, attempt, observed.policy, now)
+        if hung is not None:
+            return _recover(decision, observed, hung)
         if status.phase != "Running":
             decision.events.append(Event("Normal", "Running", f"attempt {attempt} is running"))
         status.phase = "Running"
@@ -479,6 +483,23 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
         return decision
     status.phase = "Launching"
     return _waiting_to_start(decision, observed, child, queued_job)
+
+
+def _hung(status: api.FineTuneJobStatus, attempt: int, policy: ClusterPolicy, now: datetime) -> Failure | None:
+    """A running attempt far past its predicted time is taken as hung: without progress reports
+    from the trainer this is the bound on a run that makes no progress (an NCCL collective
+    waiting for a dead peer never ends by itself)."""
+    record = _attempt_record(status, attempt)
+    if (policy.hung_after_factor <= 0 or record is None or record.start_time is None or status.plan is None
+            or not status.plan.estimated_hours):
+        return None
+    bound = max(policy.hung_min_seconds, policy.hung_after_factor * status.plan.estimated_hours * 3600)
+    running = (now - record.start_time).total_seconds()
+    if running < bound:
+        return None
+    return Failure(FailureKind.HUNG, f"still running after {running / 3600:.1f} h, {policy.hung_after_factor:g} x the"
+                   f" predicted {status.plan.estimated_hours:.2f} h: taken as hung; restarting from the last checkpoint",
+                   "job")
 
 
 def _suspend(decision: Decision, observed: Observed, child: Child, queued_job: bool) -> Decision:

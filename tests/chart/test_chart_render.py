@@ -223,6 +223,7 @@ def test_policy_configmap_is_the_operators_cluster_policy(render, default_values
     assert policy.unschedulable_timeout_seconds == p["unschedulableTimeoutSeconds"]
     assert policy.start_timeout_seconds == p["startTimeoutSeconds"]
     assert policy.create_retry_seconds == p["createRetrySeconds"]
+    assert (policy.hung_after_factor, policy.hung_min_seconds) == (p["hungAfterFactor"], p["hungMinSeconds"])
     assert policy.placement_preference == p["placementPreference"] == "startTime"
     assert policy.start_time_cost_margin == p["startTimeCostMargin"]
     assert policy.pool_label_keys == p["poolLabelKeys"]

@@ -557,3 +557,21 @@ def test_a_failed_attempt_whose_only_pod_shows_no_failure_runs_again():
     world.step()
     assert world.job.status.phase == "Recovering" and world.job.status.attempts[0].outcome == "Evicted"
     assert "1 Master replica(s) failed" in world.job.status.attempts[0].message
+
+
+def test_an_attempt_running_far_past_its_predicted_time_is_restarted_as_hung():
+    world = World(example("llama-8b-lora.yaml", recovery={"backoff": {"initialSeconds": 0}}))
+    world.step()
+    world.set_condition("Running")
+    world.step()
+    predicted = world.job.status.plan.estimated_hours * 3600
+    bound = max(POLICY.hung_min_seconds, POLICY.hung_after_factor * predicted)
+    world.now += timedelta(seconds=bound - 60)
+    world.step()
+    assert world.job.status.phase == "Running"
+    world.now += timedelta(seconds=120)
+    world.step()
+    status = world.job.status
+    assert status.phase == "Recovering" and status.attempts[0].outcome == "Hung"
+    assert "taken as hung" in status.attempts[0].message
+    assert status.plan.node_pool == status.attempts[0].plan.node_pool and status.current_attempt == 2

@@ -78,6 +78,8 @@ renders it with toYaml, so values reach the operator as data, never as text spli
   "unschedulableTimeoutSeconds" $p.unschedulableTimeoutSeconds
   "startTimeoutSeconds" $p.startTimeoutSeconds
   "createRetrySeconds" $p.createRetrySeconds
+  "hungAfterFactor" $p.hungAfterFactor
+  "hungMinSeconds" $p.hungMinSeconds
   "placementPreference" $p.placementPreference
   "startTimeCostMargin" $p.startTimeCostMargin
   "trainerImage" (include "finetune-operator.trainerImage" .)

@@ -115,6 +115,13 @@ class ClusterPolicy(BaseModel):
     create_retry_seconds: int = Field(default=600, ge=10, le=7 * 86400)
     """How long the operator retries creating an attempt's objects that the API refuses (an
     admission webhook, a quota) before the job fails with the API's message."""
+    hung_after_factor: float = Field(default=4.0, ge=0, le=100)
+    """An attempt still running after this many times its predicted time to finish (and at least
+    `hungMinSeconds`) is taken as hung (a collective that never returns) and restarted from its
+    last checkpoint with the same plan, within maxAttempts. 0 turns it off. Jobs that run by epochs
+    of unknown size have no predicted time and no such bound."""
+    hung_min_seconds: int = Field(default=3600, ge=60, le=30 * 86400)
+    """The least running time before an attempt can be taken as hung."""
     placement_preference: Literal["cost", "startTime"] = "startTime"
     """How the planner trades cost for starting now: `cost` takes the cheapest plan (costs within 1%
     count as equal, then a pool with free GPUs now wins); `startTime` takes a plan whose pool has the

@@ -44,6 +44,7 @@ class FailureKind(str, Enum):
     HOST_OUT_OF_MEMORY = "HostOutOfMemory"
     EVICTED = "Evicted"
     NODE_LOST = "NodeLost"
+    HUNG = "Hung"  # ran far past its predicted time: taken as hung (e.g. a collective that never returns)
     DATA_ERROR = "DataError"
     CONFIG_ERROR = "ConfigError"
     UNKNOWN = "Unknown"
@@ -62,6 +63,7 @@ REMEDY: dict[FailureKind, Remedy] = {
     FailureKind.HOST_OUT_OF_MEMORY: Remedy.ADJUST,
     FailureKind.EVICTED: Remedy.RETRY_SAME,
     FailureKind.NODE_LOST: Remedy.RETRY_SAME,
+    FailureKind.HUNG: Remedy.RETRY_SAME,
     FailureKind.DATA_ERROR: Remedy.GIVE_UP,
     FailureKind.CONFIG_ERROR: Remedy.GIVE_UP,
     FailureKind.UNKNOWN: Remedy.GIVE_UP,
@@ -75,6 +77,7 @@ _SPECIFICITY: dict[FailureKind, int] = {
     FailureKind.CONFIG_ERROR: 40,
     FailureKind.NODE_LOST: 30,
     FailureKind.EVICTED: 30,
+    FailureKind.HUNG: 20,
     FailureKind.UNKNOWN: 0,
 }
 _SOURCE_TRUST = {"report": 3, "log": 2, "kubelet": 2, "pod": 1, "exit-code": 1, "job": 0}
