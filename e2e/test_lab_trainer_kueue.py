@@ -104,7 +104,8 @@ def _job(name: str, namespace: str, **spec):
     return api.parse_job(document)
 
 
-def _create_attempt(lab, namespace: str, name: str, *, nodes: int, gpus: int, run_duration: str, **spec) -> dict:
+def _create_attempt(lab, namespace: str, name: str, *, nodes: int, gpus: int, run_duration: str,
+                    outcome: str = "succeed", **spec) -> dict:
     """Render attempt 1 of a FineTuneJob as ConfigMap + TrainJob (H100 Berlin) and create both."""
     from render_factories import plan_for, policy, pool
 
@@ -119,7 +120,7 @@ def _create_attempt(lab, namespace: str, name: str, *, nodes: int, gpus: int, ru
     volumes(lab, namespace, ["models", "data"])
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump({
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "finetune-lab", "namespace": namespace},
-        "data": {"outcome": "succeed", "run-duration": run_duration}}))
+        "data": {"outcome": outcome, "run-duration": run_duration}}))
     lab.kubectl("create", "-f", "-", input=yaml.safe_dump_all([config_map, train_job]))
     return train_job
 
@@ -238,3 +239,53 @@ def test_kueue_admits_one_8_gpu_trainjob_at_a_time(v2lab, runtime, ns):
     wait_for(lambda: _is_true(v2lab, "trainjob", ns, second, "Complete"), 90, f"TrainJob {second} Complete")
     print(f"\nKueue: first admitted {admitted_first:.1f}s, first Complete {first_done:.1f}s,"
           f" second admitted {admitted_second:.1f}s, second Complete {time.monotonic() - t0:.1f}s")
+
+
+def test_kueue_suspends_a_queued_trainjob_created_running_and_says_when_its_queue_is_missing(v2lab, runtime, ns):
+    """Kueue's own webhook suspends a TrainJob that carries the queue label but was created running (the
+    renderer creates it suspended anyway); with no such LocalQueue its Workload says so and it stays
+    suspended."""
+    from render_factories import plan_for, policy, pool
+
+    from finetune_operator.rendering import render_trainjob
+
+    job = _job("unqueued", ns, queueName="nowhere")
+    train_job = render_trainjob(job, plan_for(job, pool(taints=[]), gpus_per_node=8), 1, policy())
+    train_job["spec"]["suspend"] = False
+    v2lab.kubectl("create", "-f", "-", input=yaml.safe_dump(train_job))
+    name = train_job["metadata"]["name"]
+    assert _get(v2lab, "trainjob", ns, name)["spec"]["suspend"] is True
+
+    def workload_condition() -> dict | None:
+        items = yaml.safe_load(v2lab.kubectl("get", "workloads", "-n", ns, "-o", "yaml").stdout)["items"]
+        return next((_condition(w, "QuotaReserved") for w in items if _condition(w, "QuotaReserved")), None)
+
+    cond = wait_for(workload_condition, 30, "the Workload's QuotaReserved condition")
+    assert cond["status"] == "False" and "nowhere" in cond["message"], cond
+    print(f"\nno such LocalQueue: Workload QuotaReserved=False reason={cond['reason']!r} message={cond['message']!r}")
+    time.sleep(2)
+    assert _get(v2lab, "trainjob", ns, name)["spec"]["suspend"] is True
+    assert _pods(v2lab, ns, name) == []
+
+
+def test_a_gpu_oom_fails_the_trainjob_and_its_pod_keeps_the_report(v2lab, runtime, ns):
+    """What the operator's TrainJob backend will read: the TrainJob's Failed condition, and the
+    failure report in the terminated pod of the JobSet (our runtime: no Job or JobSet retries)."""
+    from finetune_trainer.contract import EXIT_GPU_OOM, FailureReport
+
+    t0 = time.monotonic()
+    name = _create_attempt(v2lab, ns, "oom", nodes=2, gpus=8, run_duration="2s", outcome="gpu-oom")["metadata"]["name"]
+    wait_for(lambda: _is_true(v2lab, "trainjob", ns, name, "Failed"), 90, f"TrainJob {name} Failed")
+    failed = _condition(_get(v2lab, "trainjob", ns, name), "Failed")
+    assert _condition(_get(v2lab, "trainjob", ns, name), "Complete") is None
+    terminated = [
+        c["state"]["terminated"]
+        for p in _pods(v2lab, ns, name)
+        for c in (p.get("status") or {}).get("containerStatuses") or []
+        if c["name"] == "node" and "terminated" in (c.get("state") or {})
+    ]
+    assert any(t["exitCode"] == EXIT_GPU_OOM for t in terminated), terminated
+    report = FailureReport.model_validate_json(next(t["message"] for t in terminated if t["exitCode"] == EXIT_GPU_OOM))
+    assert report.reason == "GPUOutOfMemory"
+    print(f"\nGPU OOM: TrainJob Failed reason={failed['reason']!r} message={failed['message']!r}"
+          f" after {time.monotonic() - t0:.1f}s; {len(terminated)} terminated pod(s) kept")

@@ -135,6 +135,10 @@ def cmd_versions(args) -> int:
         "go": lab_build.go_version(),
         "cache": str(lab_build.lab_home(v)),
         "built": inst is not None,
+        "v2 (jobset, trainer, kueue)": {
+            "cache": str(lab_build.v2_home(v)) if v.jobset and v.trainer and v.kueue else None,
+            "built": lab_build.find_v2(v) is not None,
+        },
     }, indent=2))
     return 0
 
