@@ -289,3 +289,52 @@ def test_a_gpu_oom_fails_the_trainjob_and_its_pod_keeps_the_report(v2lab, runtim
     assert report.reason == "GPUOutOfMemory"
     print(f"\nGPU OOM: TrainJob Failed reason={failed['reason']!r} message={failed['message']!r}"
           f" after {time.monotonic() - t0:.1f}s; {len(terminated)} terminated pod(s) kept")
+
+
+def test_kueue_never_admits_a_paris_pinned_trainjob_into_berlins_quota(v2lab, runtime, ns):
+    """Sovereign pinning and Kueue flavors compose: a TrainJob whose pods must run in Paris (our required
+    region affinity) is not admitted into Berlin's flavor although Berlin has free GPUs; Paris's flavor
+    has none, so it waits, suspended."""
+    from render_factories import plan_for, policy, pool
+
+    from e2e.operator_harness import volumes
+    from finetune_operator.rendering import render_config_map, render_trainjob
+
+    flavors = [{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": f"{ns}-{r}"},
+                "spec": {"nodeLabels": {REGION_LABEL: r}}} for r in ("eu-de-berlin", "eu-fr-paris")]
+    quotas = {"eu-de-berlin": "8", "eu-fr-paris": "0"}
+    cluster_queue = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": ns},
+        "spec": {"namespaceSelector": {}, "resourceGroups": [{
+            "coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
+            "flavors": [{"name": f"{ns}-{r}", "resources": [
+                {"name": "cpu", "nominalQuota": "1000"}, {"name": "memory", "nominalQuota": "100Ti"},
+                {"name": "nvidia.com/gpu", "nominalQuota": q}]} for r, q in quotas.items()],
+        }]},
+    }
+    local_queue = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+                   "metadata": {"name": "gpus", "namespace": ns}, "spec": {"clusterQueue": ns}}
+    v2lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([*flavors, cluster_queue, local_queue]))
+    wait_for(lambda: _is_true(v2lab, "clusterqueue", None, ns, "Active"), 30, f"ClusterQueue {ns} Active")
+
+    job = _job("paris", ns, queueName="gpus", placement={"regions": ["eu-fr-paris"]})
+    paris = pool(name="a100-paris", region="eu-fr-paris", zones=["eu-fr-paris-1a"], gpu_type="A100-40GB",
+                 gpu_memory_bytes=40960 * 1024**2, cpus=96, selector={"karpenter.sh/nodepool": "a100-paris"}, taints=[])
+    plan = plan_for(job, paris, gpus_per_node=8)
+    config_map, _ = render_config_map(job, plan, 1, policy())
+    train_job = render_trainjob(job, plan, 1, policy())
+    volumes(v2lab, ns, ["models", "data"])
+    v2lab.kubectl("create", "-f", "-", input=yaml.safe_dump_all([config_map, train_job]))
+    name = train_job["metadata"]["name"]
+
+    def reserved() -> dict | None:
+        items = yaml.safe_load(v2lab.kubectl("get", "workloads", "-n", ns, "-o", "yaml").stdout)["items"]
+        return next((_condition(w, "QuotaReserved") for w in items if _condition(w, "QuotaReserved")), None)
+
+    cond = wait_for(reserved, 30, "the Workload's QuotaReserved condition")
+    time.sleep(3)  # several scheduling cycles of Kueue
+    cond = reserved()
+    assert cond["status"] == "False", cond
+    assert _get(v2lab, "trainjob", ns, name)["spec"]["suspend"] is True
+    assert _pods(v2lab, ns, name) == []
+    print(f"\nParis-pinned, Berlin has quota: Workload QuotaReserved=False reason={cond['reason']!r} message={cond['message']!r}")
