@@ -619,3 +619,14 @@ def test_describe_change_names_a_new_split():
     old = first_plan(spec)
     new = replan_pinned(spec, old.model_copy(update={"nodes": 4, "gpus_per_node": 4}), POOLS, POLICY)
     assert describe_change(old, new) == f"nodes {old.nodes} x {old.gpus_per_node} GPUs -> 4 x 4 GPUs"
+
+
+def test_a_host_oom_whose_plan_no_longer_fits_its_pool_says_so_not_the_node_limit():
+    """The node had room for more pod memory, but the plan can no longer be placed there (here:
+    the pool scaled to zero nodes): the answer names that, not the node's memory limit (chaos)."""
+    spec = spec_of(LORA, recovery={"allowedAdjustments": ["hostMemory"]})
+    failed = first_plan(spec)
+    shrunk = [p.model_copy(update={"max_nodes": 0}) if p.name == failed.node_pool else p for p in POOLS]
+    step = decide_next(spec, HOST_OOM, failed, attempts_made=1, failed_keys=[], pools=shrunk, policy=POLICY)
+    assert not step.retry and "node's limit" not in step.why
+    assert "can no longer be placed" in step.why or "no longer fits its pool" in step.why, step.why

@@ -442,8 +442,13 @@ def _after_host_oom(
     pool = next((p for p in pools if p.name == failed.node_pool), None)
     current = _host_bytes(failed)
     node_limit = int(pool.host_memory_bytes * HOST_MEMORY_NODE_SHARE) if pool is not None else 0
+    raise_failed = ""  # why raising pod memory did not work, when it was tried and the node had room
     if pool is not None and "hostMemory" in allowed and current < node_limit:
         same = replan_pinned(spec, failed, pools, policy, architecture, calibration=floor)
+        if not isinstance(same, Plan):
+            raise_failed = f"; the plan can no longer be placed with more pod memory: {same.message}"
+        elif same.pool.name != failed.node_pool:
+            raise_failed = f"; the plan no longer fits its pool {failed.node_pool}"
         if isinstance(same, Plan) and same.pool.name == failed.node_pool:
             bigger = min(node_limit, int(current * HOST_MEMORY_GROWTH))
             plan = same.model_copy(update={"host_memory_bytes": max(bigger, same.host_memory_bytes)})
@@ -469,6 +474,9 @@ def _after_host_oom(
         return NextStep(False, None, "", f"{what}; node pool {failed.node_pool} is gone{tried}")
     if "hostMemory" not in allowed:
         return NextStep(False, None, "", f"{what}; raising pod memory is not allowed{tried}")
+    if raise_failed:
+        # The node had room: say what really stopped it, not the node's limit.
+        return NextStep(False, None, "", f"{what}{raise_failed}{tried}")
     return NextStep(False, None, "", f"{what}; pod memory is at the node's limit ({node_limit / GiB:.0f} GiB){tried}")
 
 
