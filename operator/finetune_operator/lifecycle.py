@@ -265,6 +265,8 @@ def _continue_after_history(decision: Decision, said: int | None) -> None:
         status.current_attempt, status.plan = last.attempt, last.plan  # it never ran or was deleted: create it
     else:
         status.current_attempt, status.plan = None, None  # it ended: the next attempt is planned afresh
+        if said is None:
+            return  # the normal state of a job waiting to plan its next attempt: nothing was lost
     decision.events.append(Event(
         "Warning", "StatusRebuilt",
         f"the status named attempt {said if said is not None else 'none'}; continuing after its history "
