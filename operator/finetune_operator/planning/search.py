@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from .. import api
 from ..sizing import ModelArchitecture, SizingError, TrainingSetup
@@ -53,6 +53,7 @@ from .pools import GiB, NodePool, same_gpu_type
 from .throughput import JobWork, combine, compute_and_communication, job_work, offload_costs
 
 COST_TIE = 0.01
+T = TypeVar("T")
 RUNNERS_UP = 3
 # Runners-up are looked for among plans costing at most this much more than the cheapest: beyond it
 # they say little and would cost the search most of its pruning.
@@ -394,8 +395,7 @@ def _ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architectur
         fixed_strategy=r.strategy != "auto",
         fixed_offload=r.offload != "auto",
         fixed_checkpointing=t.gradient_checkpointing is not None,
-        cost_window=(max(COST_TIE, policy.start_time_cost_margin) if policy.placement_preference == "startTime"
-                     else COST_TIE),
+        cost_window=cost_window_of(policy),
     )
 
 
@@ -723,17 +723,29 @@ def _fit_index(ask: _Ask, group: _Group, probe: Callable[[int], Any], calibratio
     return lo, None, first
 
 
-def _leader(found: list[_Candidate], window: float) -> _Candidate:
-    """The choice among candidates: the best tie-break (free now first) among those within
-    COST_TIE of the cheapest; when that one must wait for its pool and the policy prefers
-    starting now (`window` wider than COST_TIE), the cheapest within `window` that can start now."""
-    lowest = min(c.cost_per_step for c in found)
-    best = min((c for c in found if c.cost_per_step <= lowest * (1 + COST_TIE)), key=_Candidate.rank_key)
-    if best.needs_scale_up and window > COST_TIE:
-        now = [c for c in found if not c.needs_scale_up and c.cost_per_step <= lowest * (1 + window)]
+def choose_cheapest_or_startable(items: Sequence[T], *, cost: Callable[[T], float], startable: Callable[[T], bool],
+                                 tie_break: Callable[[T], Any], window: float) -> T:
+    """The planner's choice rule, for its own candidates and for recovery's finished plans:
+    the best `tie_break` among items within COST_TIE of the cheapest; when that one must wait
+    for its pool and the policy prefers starting now (`window` wider than COST_TIE, see
+    `cost_window_of`), the cheapest within `window` that can start now."""
+    lowest = min(cost(i) for i in items)
+    best = min((i for i in items if cost(i) <= lowest * (1 + COST_TIE)), key=tie_break)
+    if not startable(best) and window > COST_TIE:
+        now = [i for i in items if startable(i) and cost(i) <= lowest * (1 + window)]
         if now:
-            return min(now, key=lambda c: (c.cost_per_step, c.rank_key()))
+            return min(now, key=lambda i: (cost(i), tie_break(i)))
     return best
+
+
+def cost_window_of(policy: ClusterPolicy) -> float:
+    """Costs within this fraction of the cheapest are weighed against starting now."""
+    return max(COST_TIE, policy.start_time_cost_margin) if policy.placement_preference == "startTime" else COST_TIE
+
+
+def _leader(found: list[_Candidate], window: float) -> _Candidate:
+    return choose_cheapest_or_startable(found, cost=lambda c: c.cost_per_step, startable=lambda c: not c.needs_scale_up,
+                                        tie_break=_Candidate.rank_key, window=window)
 
 
 def _choose(found: list[_Candidate], window: float) -> tuple[_Candidate, list[_Candidate]]:

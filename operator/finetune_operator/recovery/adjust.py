@@ -69,7 +69,7 @@ from .. import api
 from ..planning.plan import Infeasible, Plan, PlanKey, plan_key_of
 from ..planning.policy import ClusterPolicy
 from ..planning.pools import GiB, NodePool
-from ..planning.search import COST_TIE, plan_job
+from ..planning.search import choose_cheapest_or_startable, cost_window_of, plan_job
 from ..sizing import ModelArchitecture
 from .classify import Failure, FailureKind, Remedy
 
@@ -410,22 +410,21 @@ def _best_of_optimizers(planner: _Planner, spec: api.FineTuneJobSpec, failed: ap
     if not found:
         assert last is not None
         return last
-    return _preferred(found)
+    return _preferred(found, planner.policy)
 
 
-def _preferred(found: list[tuple[Plan, int]]) -> Plan:
-    """The planner's own choice rule over finished plans (`search._leader`): within COST_TIE
-    of the cheapest, pools free now first, then fewer GPUs, fewer nodes, fewer changes
-    (`extra` counts the changes the planner did not see, such as the optimizer), then cost.
-    On a full tie the earlier plan wins: the one that keeps the optimizer."""
+def _preferred(found: list[tuple[Plan, int]], policy: ClusterPolicy) -> Plan:
+    """The planner's own choice rule over finished plans (cost, then starting now, then fewer
+    GPUs, nodes and changes, where `extra` counts the changes the planner did not see, such as
+    the optimizer). On a full tie the earlier plan wins: the one that keeps the optimizer."""
 
-    def cost(plan: Plan) -> float:
-        return plan.cost_per_step if plan.cost_per_step is not None else math.inf
+    def cost(pe: tuple[Plan, int]) -> float:
+        return pe[0].cost_per_step if pe[0].cost_per_step is not None else math.inf
 
-    lowest = min(cost(p) for p, _ in found)
-    tied = [(p, extra) for p, extra in found if cost(p) <= lowest * (1 + COST_TIE)]
-    return min(tied, key=lambda pe: (pe[0].needs_scale_up, pe[0].gpus, pe[0].nodes, len(pe[0].changes) + pe[1],
-                                     cost(pe[0])))[0]
+    return choose_cheapest_or_startable(
+        found, cost=cost, startable=lambda pe: not pe[0].needs_scale_up,
+        tie_break=lambda pe: (pe[0].needs_scale_up, pe[0].gpus, pe[0].nodes, len(pe[0].changes) + pe[1], cost(pe)),
+        window=cost_window_of(policy))[0]
 
 
 def _after_host_oom(
