@@ -144,6 +144,9 @@ class LoraSettings(_Contract):
     alpha: float = Field(32, gt=0)
     dropout: float = Field(0.05, ge=0, lt=1)
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    # Also adapt the fused 3-D expert weights of mixture-of-experts layers (peft
+    # `target_parameters`), which are parameters, not Linear modules.
+    target_experts: bool = False
 
     @field_validator("target_modules")
     @classmethod
@@ -206,7 +209,28 @@ class TrainerConfig(_Contract):
     lora: LoraSettings = Field(default_factory=LoraSettings)
 
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # Where the optimizer's copy of the weights lives. "fp32": fp32 parameters (the
+    # master copy), gradients and AdamW states, computing under autocast in
+    # `precision`. "bf16": parameters, gradients and optimizer states all in bf16, as
+    # torchtune and lit-gpt run full fine-tuning (no fp32 copy); `update_rounding` then
+    # says how the bf16 update is rounded. LoRA/QLoRA adapters always train in fp32.
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    # Only with master_weights "bf16": "nearest" (plain bf16 arithmetic), "stochastic"
+    # (stochastic rounding of the updated weight, no extra memory) or "kahan" (a bf16
+    # compensation buffer per parameter, 2 bytes each).
+    update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
     optimizer: Literal["adamw", "adamw-8bit", "paged-adamw-8bit"] = "adamw"
+    # Run the optimizer step for each parameter inside backward, as soon as its gradient
+    # is ready, and free that gradient at once (torchtune's optimizer_in_bwd). Needs
+    # gradient_accumulation 1 and strategy ddp or fsdp; gradient clipping by global norm
+    # is not possible then.
+    optimizer_in_backward: bool = False
+    # Cross-entropy over this many sequence chunks, so the full fp32 logits never exist
+    # at once (1: one piece, the plain loss).
+    loss_chunks: int = Field(1, ge=1, le=64)
+    # Move checkpointed activations to host memory during forward and bring them back
+    # in backward (needs gradient_checkpointing).
+    activation_offloading: bool = False
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
