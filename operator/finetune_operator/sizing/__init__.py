@@ -1,7 +1,7 @@
 """Per-GPU memory sizing of fine-tuning setups. Pure code: no torch at import time."""
 
 from .architecture import FAMILIES, MODULE_KINDS, ModelArchitecture
-from .errors import SizingError
+from .errors import SizingError, UnknownArchitecture
 from .memory import MemoryEstimate, estimate_memory
 from .presets import PRESETS
 from .setup import TrainingSetup
@@ -14,5 +14,6 @@ __all__ = [
     "PRESETS",
     "SizingError",
     "TrainingSetup",
+    "UnknownArchitecture",
     "estimate_memory",
 ]

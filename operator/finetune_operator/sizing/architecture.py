@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import Any, Mapping
 
-from .errors import SizingError
+from .errors import SizingError, UnknownArchitecture
 
 # Names of the linear layers of a decoder block that LoRA may target, per family.
 _DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -90,7 +90,7 @@ class ModelArchitecture:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise SizingError("family", f"unsupported model family {self.family!r}; known: {', '.join(sorted(FAMILIES))}")
+            raise UnknownArchitecture(self.family, tuple(sorted(FAMILIES)), field="family")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
@@ -268,7 +268,7 @@ class ModelArchitecture:
             raise SizingError("config", f"must be a mapping (a parsed config.json), got {type(config).__name__}")
         family = config.get("model_type")
         if family not in FAMILIES:
-            raise SizingError("model_type", f"unsupported model_type {family!r}; known: {', '.join(sorted(FAMILIES))}")
+            raise UnknownArchitecture(family, tuple(sorted(FAMILIES)))
 
         def need(key: str) -> Any:
             if key not in config or config[key] is None:
