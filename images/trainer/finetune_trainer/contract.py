@@ -455,3 +455,85 @@ def parse_failure_report(text: str | None) -> FailureReport | None:
         return FailureReport.model_validate(data)
     except ValidationError:
         return None
+
+
+# ------------------------------------------------------------------------ progress
+
+# The marker key and value of a progress line: {"event": "progress", ...}.
+PROGRESS_EVENT = "progress"
+# A reader looks at most this many characters of one line (a progress line is ~400).
+PROGRESS_LINE_LIMIT = 4096
+
+
+class ProgressReport(_Contract):
+    """One line of the trainer's stdout (the pod log) per logging step, written by rank 0:
+    a JSON object whose ``event`` is ``progress``. The operator reads the last one from the
+    master pod's log (``pods/log``) into ``status.progress``.
+
+    Read tolerantly: keys this model does not know (from a newer trainer) are ignored, so a
+    trainer and an operator of different versions still understand each other."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    event: Literal["progress"] = PROGRESS_EVENT
+    time: float = Field(gt=0)
+    """When the line was written (Unix seconds)."""
+    rank: int = Field(0, ge=0)
+    attempt: int | None = Field(None, ge=1)
+    """The attempt (TrainerConfig.attempt) this process belongs to."""
+    step: int = Field(ge=0)
+    """Optimizer steps done, counted over all attempts (a resumed attempt continues the count)."""
+    max_steps: int = Field(ge=1)
+    """The step training ends at; for a run by epochs, what the trainer computed from the data."""
+    start_step: int | None = Field(None, ge=0)
+    """The step this attempt resumed from (0 on a fresh start)."""
+    elapsed_seconds: float | None = Field(None, ge=0)
+    """Seconds since this attempt's training loop began (loading not counted)."""
+    loss: float | None = None
+    """Training loss of the last logging interval (may be NaN or inf when training diverges)."""
+    learning_rate: float | None = None
+    grad_norm: float | None = None
+    tokens_per_second: float | None = Field(None, ge=0)
+    """Tokens (all ranks) per second over the last logging interval."""
+    samples_consumed: int | None = Field(None, ge=0)
+    peak_allocated_bytes: int | None = Field(None, ge=0)
+    peak_reserved_bytes: int | None = Field(None, ge=0)
+    host_peak_rss_bytes: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _steps_consistent(self) -> "ProgressReport":
+        if self.start_step is not None and self.start_step > self.step:
+            raise ValueError("startStep is after step")
+        return self
+
+    def to_log_line(self) -> str:
+        """The line as the trainer writes it (one JSON object, no newline; NaN stays NaN)."""
+        return json.dumps(self.model_dump(by_alias=True, exclude_none=True))
+
+
+def parse_progress_line(line: str) -> ProgressReport | None:
+    """The progress report in one log line, or None. A prefix before the JSON object (a
+    launcher's ``[rank0]:``, a timestamp) is skipped; anything that is not a complete, valid
+    progress object (a partial line, another event, garbage) gives None."""
+    start = line.find("{")
+    if start < 0 or len(line) - start > PROGRESS_LINE_LIMIT or '"progress"' not in line:
+        return None
+    try:
+        data = json.loads(line[start:])
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("event") != PROGRESS_EVENT:
+        return None
+    try:
+        return ProgressReport.model_validate(data)
+    except ValidationError:
+        return None
+
+
+def last_progress(text: str) -> ProgressReport | None:
+    """The last valid progress report in a log tail (lines may be cut, mixed with other output)."""
+    for line in reversed(text.splitlines()):
+        report = parse_progress_line(line)
+        if report is not None:
+            return report
+    return None

@@ -194,7 +194,7 @@ def train(cfg: TrainerConfig) -> None:
                               data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
                               faults=faults)
     trainer.remove_callback(PrinterCallback)
-    progress = ProgressCallback(trainer, plan)
+    progress = ProgressCallback(trainer, plan, attempt=cfg.attempt)
     for callback in (PhaseCallback(faults), ResumeCallback(trainer, plan, cfg.method != "full"),
                      CheckpointCallback(trainer, cfg, plan, faults), progress):
         trainer.add_callback(callback)

@@ -4,6 +4,7 @@ fault injection, our own checkpoints and resume, and JSON progress lines."""
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,10 @@ from transformers import Trainer, TrainerCallback
 
 from . import checkpointing
 from .checkpointing import Checkpoint, CheckpointMeta
-from .contract import Phase, TrainerConfig
+from .contract import Phase, ProgressReport, TrainerConfig
 from .faults import FaultInjector
 from .phases import PROGRESS
-from .reporting import log_json
+from .reporting import log_json, rank
 
 
 @dataclass
@@ -166,17 +167,19 @@ def memory_fields() -> dict:
 class ProgressCallback(TrainerCallback):
     """One JSON line per logging step (rank 0), and a summary at the end."""
 
-    def __init__(self, trainer: FineTuneTrainer, plan: RunPlan):
+    def __init__(self, trainer: FineTuneTrainer, plan: RunPlan, attempt: int | None = None):
         self.trainer = trainer
         self.plan = plan
+        self.attempt = attempt
         self.last_time = time.time()
         self.last_tokens = 0
         self.start_time = time.time()
+        self.train_begin = time.time()
         self.last_loss: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        # Throughput counts training, not loading.
-        self.last_time = time.time()
+        # Throughput and elapsed time count training, not loading.
+        self.last_time = self.train_begin = time.time()
 
     def global_tokens(self) -> int:
         import torch.distributed as dist
@@ -198,10 +201,15 @@ class ProgressCallback(TrainerCallback):
         self.last_time, self.last_tokens = now, tokens
         self.last_loss = float(logs["loss"])
         if state.is_world_process_zero:
-            log_json(
-                "progress",
+            # The line's format is the contract's (the operator parses it from the pod log).
+            report = ProgressReport(
+                time=round(now, 3),
+                rank=rank(),
+                attempt=self.attempt,
                 step=state.global_step,
                 maxSteps=self.plan.max_steps,
+                startStep=self.plan.start_step,
+                elapsedSeconds=round(now - self.train_begin, 3),
                 loss=round(float(logs["loss"]), 6),
                 learningRate=logs.get("learning_rate"),
                 gradNorm=None if logs.get("grad_norm") is None else round(float(logs["grad_norm"]), 6),
@@ -210,3 +218,5 @@ class ProgressCallback(TrainerCallback):
                 + (state.global_step - self.plan.start_step) * self.plan.global_batch,
                 **memory_fields(),
             )
+            sys.stdout.write(report.to_log_line() + "\n")
+            sys.stdout.flush()
