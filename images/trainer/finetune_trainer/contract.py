@@ -537,3 +537,143 @@ def last_progress(text: str) -> ProgressReport | None:
         if report is not None:
             return report
     return None
+
+
+# ------------------------------------------------------------- success summary
+
+
+class SuccessReport(_Contract):
+    """What the trainer writes to the termination message when training finished.
+
+    The operator compares the measured peaks with the plan's prediction and learns a
+    correction per (GPU product, model family, method, strategy) from it
+    (finetune_operator.calibration). Memory fields are None without CUDA.
+    """
+
+    outcome: Literal["Succeeded"] = "Succeeded"
+    steps: int = Field(ge=0)
+    peak_allocated_bytes: int | None = Field(None, ge=0)
+    peak_reserved_bytes: int | None = Field(None, ge=0)
+    device_total_bytes: int | None = Field(None, ge=0)
+    rank: int = Field(0, ge=0)
+    world_size: int | None = Field(None, ge=1)
+    attempt: int | None = Field(None, ge=1)
+
+    def to_termination_message(self) -> str:
+        return self.model_dump_json(by_alias=True, exclude_none=True)
+
+
+def parse_success_report(text: str | None) -> SuccessReport | None:
+    """The success summary in a termination message, or None when it holds anything else."""
+    data = _json_object(text)
+    if data is None or data.get("outcome") != "Succeeded":
+        return None
+    try:
+        return SuccessReport.model_validate(data)
+    except ValidationError:
+        return None
+
+
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    if not text or not text.strip().startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# --------------------------------------------------------- pre-flight profile
+#
+# The operator runs `python -m finetune_trainer.profile` in a CPU-only pod for a model whose
+# family the analytic memory model does not know. The request goes in as the environment
+# variable PROFILE_REQUEST_ENV (compact JSON); the report comes out in the termination message.
+
+PROFILE_REQUEST_ENV = "FINETUNE_PROFILE_REQUEST"
+PROFILE_PHASES = ("forward", "backward", "optimizer")
+
+
+class ProfileSetup(_Contract):
+    """One training setup the profile traces: what the trainer would run on `worldSize` GPUs."""
+
+    method: Literal["full", "lora"]
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(32, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_targets: Literal["all-linear"] | list[str] = "all-linear"
+    precision: Literal["bf16", "fp32"] = "bf16"
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    sequence_length: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    gradient_checkpointing: bool
+    strategy: Literal["ddp", "fsdp"]
+    world_size: int = Field(ge=1)
+
+    @property
+    def key(self) -> str:
+        """Stable and short: the cache key of this setup (with the config's hash)."""
+        targets = self.lora_targets if isinstance(self.lora_targets, str) else "+".join(self.lora_targets)
+        lora = f"r{self.lora_rank}a{self.lora_alpha:g}d{self.lora_dropout:g}t{targets}" if self.method == "lora" else ""
+        return (f"{self.method}{lora}.{self.precision}.{self.attention}.s{self.sequence_length}"
+                f".b{self.micro_batch_size}.gc{int(self.gradient_checkpointing)}.{self.strategy}{self.world_size}")
+
+
+class ProfileRequest(_Contract):
+    config: dict[str, Any] = Field(description="The model's config.json, as the job gives it")
+    model_path: str | None = Field(None, description="The model's directory (only to import its code)")
+    trust_remote_code: bool = False
+    setups: list[ProfileSetup] = Field(min_length=1)
+
+
+class ProfileMeasurement(_Contract):
+    key: str  # ProfileSetup.key
+    peaks: dict[str, int]  # per phase (PROFILE_PHASES), peak allocated bytes of the second step
+    trainable_params: int = Field(ge=0)
+    ddp_bucket_bytes: int = Field(0, ge=0)  # what DDP's reducer adds on more than one rank
+    seconds: float = Field(0.0, ge=0)
+
+
+class ProfileShape(_Contract):
+    """The numbers transformers' config gives (under its standard attribute names)."""
+
+    model_type: str
+    hidden_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    tie_word_embeddings: bool = False
+
+
+class ProfileReport(_Contract):
+    """What the profile pod writes to its termination message: measured peaks per setup, or why not."""
+
+    ok: bool
+    error: str = ""  # why the model could not be built or traced (ok false)
+    error_field: str = ""  # the job field to blame, when one is (e.g. spec.lora.targetModules)
+    shape: ProfileShape | None = None
+    params: dict[str, int] = Field(default_factory=dict)  # total, embedding, lmHead (0 when tied), trainable
+    measurements: list[ProfileMeasurement] = Field(default_factory=list)
+
+    def to_termination_message(self, limit: int = TERMINATION_MESSAGE_LIMIT) -> str:
+        text = self.model_dump_json(by_alias=True, exclude_none=True)
+        if len(text.encode()) <= limit:
+            return text
+        if not self.ok:
+            return self.model_copy(update={"error": self.error[: max(0, limit - 400)] + " …[truncated]"}) \
+                .model_dump_json(by_alias=True, exclude_none=True)
+        raise ValueError(f"profile report of {len(self.measurements)} setups does not fit {limit} bytes; "
+                         "profile fewer setups per pod")
+
+
+def parse_profile_report(text: str | None) -> ProfileReport | None:
+    data = _json_object(text)
+    if data is None or "ok" not in data:
+        return None
+    try:
+        return ProfileReport.model_validate(data)
+    except ValidationError:
+        return None
