@@ -29,6 +29,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from finetune_trainer.combinations import Choices, cel_rules, first_violation
+
 GROUP = "finetune.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -101,6 +103,10 @@ AutoOrPositiveInt = Annotated[
 AutoOrMicroBatch = Annotated[
     Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]],
     _auto_or_int(1, 4096, "micro-batch size"),
+]
+AutoOrLossChunks = Annotated[
+    Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]],
+    _auto_or_int(1, 64, "number of loss chunks"),
 ]
 
 def _text_matching(pattern: str, message: str, max_length: int) -> Any:
@@ -503,6 +509,10 @@ class LoraSpec(ApiModel):
     target_modules: Annotated[list[LoraAdjustableModule], Field(min_length=1, max_length=64)] = ["all-linear"]
     """Modules that get adapters: `[all-linear]` (every linear layer of the blocks, not the output head),
     or module names such as `[q_proj, v_proj]`."""
+    target_experts: bool = False
+    """Also adapt the fused 3-D expert weights of mixture-of-experts layers (peft `target_parameters`),
+    which `targetModules` cannot name because they are parameters, not linear layers. Needs a
+    mixture-of-experts model (Mixtral, Qwen-MoE)."""
 
     @field_validator("target_modules")
     @classmethod
@@ -517,6 +527,8 @@ class LoraSpec(ApiModel):
 Precision = Literal["bf16", "fp16", "fp32"]
 Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
 Attention = Literal["sdpa", "flash", "eager"]
+MasterWeights = Literal["auto", "fp32", "bf16"]
+UpdateRounding = Literal["auto", "nearest", "stochastic", "kahan"]
 
 
 class TrainingSpec(ApiModel):
@@ -559,6 +571,28 @@ class TrainingSpec(ApiModel):
     """`adamw` (fused torch AdamW), `adamw-8bit` or `paged-adamw-8bit` (bitsandbytes, CUDA only)."""
     gradient_checkpointing: bool | None = None
     """Recompute activations in backward to save memory: true or false; omit to let the planner decide."""
+    master_weights: MasterWeights = "auto"
+    """Full fine-tuning: the dtype of the weights the optimizer updates. `fp32`: fp32 weights, gradients and
+    AdamW states, computing in `precision` under autocast (16 bytes per parameter, plus the compute copies).
+    `bf16`: weights, gradients and optimizer states all in bf16, as torchtune and lit-gpt run it (8 bytes per
+    parameter with AdamW, no autocast copies); needs precision bf16 and strategy ddp or fsdp. `auto`: the
+    planner chooses, fp32 unless only bf16 makes the plan cheaper. LoRA adapters always train in fp32."""
+    update_rounding: UpdateRounding = "auto"
+    """With bf16 master weights, how each update is rounded into the weight: `nearest` (plain bf16),
+    `stochastic` (stochastic rounding, no extra memory) or `kahan` (Kahan summation with a bf16 compensation
+    buffer, 2 bytes per parameter). `auto`: stochastic. Not allowed with fp32 master weights."""
+    optimizer_in_backward: bool | None = None
+    """Run each parameter's optimizer step inside backward, as soon as its gradient exists, and free that
+    gradient at once: the full set of gradients never exists. Needs gradient accumulation 1 (globalBatchSize =
+    microBatchSize x GPUs), strategy ddp or fsdp and no offload; gradient clipping is off then. Omit to let the
+    planner decide."""
+    loss_chunks: AutoOrLossChunks = "auto"
+    """Compute the cross-entropy over this many sequence chunks, so the fp32 logits of the whole micro-batch
+    never exist at once (the loss is the same); 1: the plain loss. `auto`: 8, as torchtune."""
+    activation_offloading: bool | None = None
+    """Move the checkpointed activations (each block's input) to host memory during forward and back in
+    backward: GPU memory for host memory, which the pod's memory request includes. Needs gradient
+    checkpointing. Omit to let the planner decide."""
     attention: Attention = "sdpa"
     """Attention kernel: `sdpa` (PyTorch), `flash` (flash-attention 2), `eager` (keeps the s x s scores)."""
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 42
@@ -596,21 +630,6 @@ class ResourcesSpec(ApiModel):
                     "message": "maxGPUs must be at least gpus",
                     "fieldPath": ".maxGPUs",
                 },
-                {
-                    "rule": "!(self.strategy == 'ddp' && (self.offload == 'optimizer' || self.offload == 'optimizer+params'))",
-                    "message": "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies on every GPU",
-                    "fieldPath": ".offload",
-                },
-                {
-                    "rule": "!(self.offload == 'optimizer+params' && (self.strategy == 'zero1' || self.strategy == 'zero2'))",
-                    "message": "offloading parameters needs fsdp or zero3",
-                    "fieldPath": ".offload",
-                },
-                {
-                    "rule": "!(self.strategy == 'fsdp' && self.offload == 'optimizer')",
-                    "message": "fsdp offloads parameters together with the optimizer: use optimizer+params",
-                    "fieldPath": ".offload",
-                },
             ]
         }
     )
@@ -634,12 +653,6 @@ class ResourcesSpec(ApiModel):
     def _consistent(self) -> "ResourcesSpec":
         if isinstance(self.gpus, int) and self.max_gpus < self.gpus:
             raise _field_error("maxGPUs", f"must be at least gpus ({self.gpus}); got {self.max_gpus}")
-        if self.strategy == "ddp" and self.offload in ("optimizer", "optimizer+params"):
-            raise _field_error("offload", "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies on every GPU")
-        if self.offload == "optimizer+params" and self.strategy in ("zero1", "zero2"):
-            raise _field_error("offload", "offloading parameters needs fsdp or zero3")
-        if self.strategy == "fsdp" and self.offload == "optimizer":
-            raise _field_error("offload", "fsdp offloads parameters together with the optimizer: use optimizer+params")
         return self
 
 
@@ -764,6 +777,49 @@ IMMUTABLE_FIELDS: list[tuple[str, bool]] = [
 ]
 
 
+# Where each choice of combinations.Choices lives in the spec (below `spec`), for CEL and error paths.
+CHOICE_PATHS: dict[str, str] = {
+    "method": "method",
+    "strategy": "resources.strategy",
+    "offload": "resources.offload",
+    "optimizer": "training.optimizer",
+    "precision": "training.precision",
+    "master_weights": "training.masterWeights",
+    "update_rounding": "training.updateRounding",
+    "optimizer_in_backward": "training.optimizerInBackward",
+    "gradient_checkpointing": "training.gradientCheckpointing",
+    "activation_offloading": "training.activationOffloading",
+    "target_experts": "lora.targetExperts",
+}
+
+
+def _fixed(value: Any) -> Any:
+    return None if value == "auto" else value
+
+
+def spec_choices(spec: "FineTuneJobSpec") -> Choices:
+    """The choices a spec fixes (`auto` and unset ones are None: the planner decides them)."""
+    training, resources = spec.training, spec.resources
+    micro, gpus = training.micro_batch_size, resources.gpus
+    accumulation = None
+    if isinstance(micro, int) and isinstance(gpus, int) and training.global_batch_size % (micro * gpus) == 0:
+        accumulation = training.global_batch_size // (micro * gpus)
+    return Choices(
+        method=spec.method,
+        strategy=_fixed(resources.strategy),
+        offload=_fixed(resources.offload),
+        optimizer=training.optimizer,
+        precision=training.precision,
+        master_weights=_fixed(training.master_weights),
+        update_rounding=_fixed(training.update_rounding),
+        optimizer_in_backward=training.optimizer_in_backward,
+        gradient_accumulation=accumulation,
+        gradient_checkpointing=training.gradient_checkpointing,
+        activation_offloading=training.activation_offloading,
+        target_experts=spec.lora.target_experts if spec.lora is not None else None,
+    )
+
+
 class FineTuneJobSpec(ApiModel):
     """What to fine-tune, on what data, how, and where it may run."""
 
@@ -777,17 +833,6 @@ class FineTuneJobSpec(ApiModel):
                     "fieldPath": ".lora",
                 },
                 {
-                    "rule": "self.method != 'qlora' || !has(self.resources) || !has(self.resources.strategy) || "
-                    "self.resources.strategy == 'auto' || self.resources.strategy == 'ddp'",
-                    "message": "qlora runs with strategy ddp (or auto): the 4-bit base is replicated, only adapters train",
-                    "fieldPath": ".resources.strategy",
-                },
-                {
-                    "rule": "self.method != 'qlora' || !has(self.training) || self.training.precision != 'fp32'",
-                    "message": "qlora computes in bf16 or fp16; fp32 is not allowed",
-                    "fieldPath": ".training.precision",
-                },
-                {
                     "rule": "!has(self.training) || !has(self.training.microBatchSize) || "
                     "type(self.training.microBatchSize) == string || !has(self.resources) || "
                     "!has(self.resources.gpus) || type(self.resources.gpus) == string || "
@@ -796,6 +841,9 @@ class FineTuneJobSpec(ApiModel):
                     "fieldPath": ".training.globalBatchSize",
                 },
             ]
+            # What combines with what (strategy, offload, optimizer, precision, the levers): generated
+            # from the one table the validators below, the planner and the trainer also read.
+            + cel_rules(CHOICE_PATHS)
         }
     )
 
@@ -832,13 +880,9 @@ class FineTuneJobSpec(ApiModel):
             raise _field_error("lora", "not allowed with method full (remove it, or use method lora)")
         if self.method in ("lora", "qlora") and self.lora is None:
             raise _field_error("lora", f"required for method {self.method} (e.g. lora: {{rank: 16}})")
-        if self.method == "qlora" and self.resources.strategy not in ("auto", "ddp"):
-            raise _field_error(
-                "resources.strategy",
-                "qlora runs with strategy ddp (or auto): the 4-bit base is replicated, only adapters train",
-            )
-        if self.method == "qlora" and self.training.precision == "fp32":
-            raise _field_error("training.precision", "qlora computes in bf16 or fp16; fp32 is not allowed")
+        problem = first_violation(spec_choices(self))
+        if problem is not None:
+            raise _field_error(CHOICE_PATHS[problem.field], problem.message)
         micro, gpus = self.training.micro_batch_size, self.resources.gpus
         if isinstance(micro, int) and isinstance(gpus, int) and self.training.global_batch_size % (micro * gpus):
             raise _field_error(

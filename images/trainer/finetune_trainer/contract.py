@@ -46,6 +46,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from .combinations import Choices, describe, violations
+
 DEFAULT_CONFIG_PATH = "/etc/finetune/config.json"
 DEFAULT_REPORT_PATH = "/dev/termination-log"
 # The kubelet truncates the termination message at 4096 bytes; stay within it so the
@@ -277,21 +279,23 @@ class TrainerConfig(_Contract):
             if self.deepspeed is None:
                 raise ValueError(f"strategy {self.strategy!r} needs a deepspeed config")
             _check_deepspeed(self.deepspeed, stage, self.offload)
-        if self.offload != "none" and self.strategy == "ddp":
-            raise ValueError("offload needs strategy fsdp or zero1/2/3, not ddp")
-        if self.strategy == "fsdp" and self.offload == "optimizer":
-            raise ValueError(
-                "FSDP offloads parameters and optimizer together: use offload 'optimizer+params'"
-            )
-        if self.offload == "optimizer+params" and self.strategy in ("zero1", "zero2"):
-            raise ValueError("parameter offload needs ZeRO-3 (strategy zero3)")
-        if self.method == "qlora" and self.strategy != "ddp":
-            raise ValueError("qlora runs under strategy ddp only")
-        if self.strategy == "fsdp" and self.precision == "fp16":
-            raise ValueError("strategy fsdp computes in bf16 (or fp32), not fp16")
-        if self.method == "qlora" and self.precision == "fp32":
-            raise ValueError("qlora computes in bf16 or fp16, not fp32")
+        # What combines with what lives in one place (combinations.py), asked by the API,
+        # the memory model and the planner as well.
+        problems = violations(self.choices())
+        if problems:
+            raise ValueError(describe(problems))
         return self
+
+    def choices(self) -> Choices:
+        """This config's training choices, as combinations.py reads them."""
+        return Choices(
+            method=self.method, strategy=self.strategy, offload=self.offload, optimizer=self.optimizer,
+            precision=self.precision, master_weights=self.master_weights, update_rounding=self.update_rounding,
+            optimizer_in_backward=self.optimizer_in_backward, gradient_accumulation=self.gradient_accumulation,
+            gradient_clipping=self.max_grad_norm > 0, gradient_checkpointing=self.gradient_checkpointing,
+            activation_offloading=self.activation_offloading,
+            target_experts=self.lora.target_experts if self.method != "full" else None,
+        )
 
     @property
     def zero_stage(self) -> int | None:
@@ -330,6 +334,19 @@ def _offload_device(block: Any) -> str:
     return str(block.get("device", "none"))
 
 
+# DeepSpeed ZeRO bucket sizes (elements), set in every config deepspeed_config writes.
+# 5e7 elements is 100 MB in bf16 per bucket: large enough for full-bandwidth collectives
+# (DeepSpeed's docs tune between 5e7 and 5e8), small enough that the two reduce buckets
+# overlap_comm keeps cost 0.2 GB per GPU, not DeepSpeed's default 2 GB.
+ZERO_REDUCE_BUCKET_ELEMENTS = 50_000_000
+ZERO_ALLGATHER_BUCKET_ELEMENTS = 50_000_000
+ZERO3_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+# Parameters smaller than this stay gathered on every rank (norms, biases): DeepSpeed's default.
+ZERO3_PARAM_PERSISTENCE_THRESHOLD = 100_000
+# Gathered parameters alive at once, and how far ahead one is kept for reuse: DeepSpeed's default.
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+
+
 def deepspeed_config(stage: int, offload: str = "none") -> dict[str, Any]:
     """A complete DeepSpeed config for ZeRO ``stage`` that the trainer accepts.
 
@@ -343,7 +360,17 @@ def deepspeed_config(stage: int, offload: str = "none") -> dict[str, Any]:
         "stage": stage,
         "overlap_comm": True,
         "contiguous_gradients": True,
+        # Set explicitly: transformers fills only keys spelled "auto", and DeepSpeed's own
+        # defaults (5e8-element buckets, doubled by overlap_comm) would hold gigabytes per
+        # GPU that the memory model (sizing/constants.py reads these names) must agree with.
+        "reduce_bucket_size": ZERO_REDUCE_BUCKET_ELEMENTS,
+        "allgather_bucket_size": ZERO_ALLGATHER_BUCKET_ELEMENTS,
     }
+    if stage == 3:
+        zero["stage3_prefetch_bucket_size"] = ZERO3_PREFETCH_BUCKET_ELEMENTS
+        zero["stage3_param_persistence_threshold"] = ZERO3_PARAM_PERSISTENCE_THRESHOLD
+        zero["stage3_max_live_parameters"] = ZERO3_MAX_LIVE_PARAMETERS
+        zero["stage3_max_reuse_distance"] = ZERO3_MAX_LIVE_PARAMETERS
     if offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload == "optimizer+params":

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune_trainer.combinations import (
+    ATTENTIONS,
+    MASTER_WEIGHTS,
+    METHODS,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    UPDATE_ROUNDINGS,
+    Choices,
+    first_violation,
+)
+
 from .architecture import ModelArchitecture
 from .errors import SizingError
 
-METHODS = ("full", "lora", "qlora")
-PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
-ATTENTIONS = ("sdpa", "flash", "eager")
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-OFFLOADS = ("none", "optimizer", "optimizer+params")
+# The levers of a lean trainer (issue 13), by the field of TrainingSetup that turns each on.
+LEVER_FIELDS = ("master_weights", "optimizer_in_backward", "loss_chunks", "activation_offloading")
 
 
 def _choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -43,6 +52,14 @@ class TrainingSetup:
     strategy: str = "ddp"
     world_size: int = 1
     offload: str = "none"
+    gradient_accumulation: int = 1
+    # The levers (combinations.py says what each combines with):
+    master_weights: str = "fp32"  # "bf16": weights, gradients and optimizer states in bf16 (full FT)
+    update_rounding: str = "nearest"  # with bf16 master weights: "stochastic" or "kahan" (+2 bytes/param)
+    optimizer_in_backward: bool = False  # each parameter's step in backward; its gradient freed at once
+    loss_chunks: int = 1  # cross-entropy over this many sequence chunks
+    activation_offloading: bool = False  # checkpointed block inputs kept in host memory
+    lora_target_experts: bool = False  # adapters on the fused 3-D expert weights too
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, ModelArchitecture):
@@ -63,19 +80,29 @@ class TrainingSetup:
             if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
                 raise SizingError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout!r}")
             self.architecture.resolve_lora_targets(self.lora_targets)  # raises on unknown names
-        if self.method == "qlora" and self.precision == "fp32":
-            raise SizingError("precision", "qlora computes in bf16 or fp16, not fp32")
-        # The same rules as the FineTuneJob API (api.ResourcesSpec / FineTuneJobSpec).
-        if self.offload != "none" and self.strategy == "ddp":
-            raise SizingError("offload", "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies")
-        if self.offload == "optimizer+params" and self.strategy in ("zero1", "zero2"):
-            raise SizingError("offload", "offloading parameters needs fsdp or zero3")
-        if self.offload == "optimizer" and self.strategy == "fsdp":
-            raise SizingError("offload", "fsdp offloads parameters together with the optimizer: use optimizer+params")
-        if self.method == "qlora" and self.strategy != "ddp":
-            raise SizingError("strategy", "qlora runs with strategy ddp: the 4-bit base is replicated")
-        if self.optimizer != "adamw" and self.strategy.startswith("zero"):
-            raise SizingError("optimizer", "bitsandbytes 8-bit optimizers do not run under DeepSpeed ZeRO; use adamw")
+        _choice("master_weights", self.master_weights, MASTER_WEIGHTS)
+        _choice("update_rounding", self.update_rounding, UPDATE_ROUNDINGS)
+        _positive("gradient_accumulation", self.gradient_accumulation)
+        _positive("loss_chunks", self.loss_chunks)
+        for name in ("optimizer_in_backward", "activation_offloading", "lora_target_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise SizingError(name, f"must be true or false, got {getattr(self, name)!r}")
+        # What combines with what: the one table the API, the trainer and the planner share.
+        problem = first_violation(self.choices())
+        if problem is not None:
+            raise SizingError(problem.field, problem.message)
+
+    def choices(self) -> Choices:
+        """This setup's choices, as combinations.py reads them."""
+        return Choices(
+            method=self.method, strategy=self.strategy, offload=self.offload, optimizer=self.optimizer,
+            precision=self.precision, master_weights=self.master_weights, update_rounding=self.update_rounding,
+            optimizer_in_backward=self.optimizer_in_backward, gradient_accumulation=self.gradient_accumulation,
+            gradient_checkpointing=self.gradient_checkpointing,
+            activation_offloading=self.activation_offloading,
+            target_experts=self.lora_target_experts if self.method != "full" else None,
+            moe=self.architecture.is_moe,
+        )
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -1,0 +1,225 @@
+"""What combines with what: the one home of the rules between training choices.
+
+Every part that decides or checks a training setup asks this module: the FineTuneJob
+API (its pydantic validators, and the CEL rules of the CRD generated from `RULES`), the
+memory model's `TrainingSetup`, the trainer's `TrainerConfig`, the planner (which
+enumerates only what `allows` accepts) and the recovery ladder (which asks the planner).
+Pure Python, no pydantic, no torch: the trainer and the operator both import it.
+
+A rule names a combination that cannot run: it is broken when *every* field it reads
+has a value in the rule's set. A field that is not decided yet (`None`: `auto` in the
+API, a value the planner will choose) breaks nothing; the planner checks again once it
+has chosen. Each rule blames one field (the one to change) and says why in words a user
+reads; the API prefixes the field's path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterable, Mapping
+
+METHODS = ("full", "lora", "qlora")
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+ATTENTIONS = ("sdpa", "flash", "eager")
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+MASTER_WEIGHTS = ("fp32", "bf16")
+UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
+
+ZERO = frozenset({"zero1", "zero2", "zero3"})
+BNB_OPTIMIZERS = frozenset({"adamw-8bit", "paged-adamw-8bit"})
+OFFLOADING = frozenset({"optimizer", "optimizer+params"})
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The choices of one training setup; `None` means not decided yet (`auto`)."""
+
+    method: str | None = None
+    strategy: str | None = None
+    offload: str | None = None
+    optimizer: str | None = None
+    precision: str | None = None
+    master_weights: str | None = None
+    update_rounding: str | None = None
+    optimizer_in_backward: bool | None = None
+    gradient_accumulation: int | None = None
+    gradient_clipping: bool | None = None  # clipping by global norm (max_grad_norm > 0)
+    gradient_checkpointing: bool | None = None
+    activation_offloading: bool | None = None
+    target_experts: bool | None = None  # LoRA on the fused 3-D expert weights
+    moe: bool | None = None  # whether the model has mixture-of-experts layers
+
+    def but(self, **changes: Any) -> "Choices":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class AtLeast:
+    """A condition on a number: broken from `minimum` on."""
+
+    minimum: int
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination that cannot run: every field of `when` has a value in its set."""
+
+    name: str
+    when: Mapping[str, frozenset | AtLeast]
+    blame: str  # the field to change
+    message: str
+
+    def broken_by(self, choices: Choices) -> bool:
+        for name, values in self.when.items():
+            value = getattr(choices, name)
+            if value is None or value not in values:
+                return False
+        return True
+
+
+def _set(*values: Any) -> frozenset:
+    return frozenset(values)
+
+
+RULES: tuple[Rule, ...] = (
+    # ---- strategy x offload -----------------------------------------------------------
+    Rule("ddp-offload", {"strategy": _set("ddp"), "offload": OFFLOADING}, "offload",
+         "offload needs a sharded strategy (fsdp, zero1-3); ddp keeps full copies on every GPU"),
+    Rule("zero12-param-offload", {"offload": _set("optimizer+params"), "strategy": _set("zero1", "zero2")}, "offload",
+         "offloading parameters needs fsdp or zero3"),
+    Rule("fsdp-optimizer-offload", {"strategy": _set("fsdp"), "offload": _set("optimizer")}, "offload",
+         "fsdp offloads parameters together with the optimizer: use optimizer+params"),
+    # ---- method -------------------------------------------------------------------------
+    Rule("qlora-zero", {"method": _set("qlora"), "strategy": ZERO}, "strategy",
+         "qlora runs with ddp or fsdp (fsdp shards the 4-bit base, as fsdp_qlora does); DeepSpeed ZeRO"
+         " cannot partition bitsandbytes 4-bit weights"),
+    Rule("qlora-fp32", {"method": _set("qlora"), "precision": _set("fp32")}, "precision",
+         "qlora computes in bf16 or fp16; fp32 is not allowed"),
+    # ---- precision / optimizer x strategy ---------------------------------------------
+    Rule("fsdp-fp16", {"strategy": _set("fsdp"), "precision": _set("fp16")}, "precision",
+         "strategy fsdp computes in bf16 (or fp32), not fp16"),
+    Rule("bnb-zero", {"optimizer": BNB_OPTIMIZERS, "strategy": ZERO}, "optimizer",
+         "bitsandbytes 8-bit optimizers do not run under DeepSpeed ZeRO; use adamw (or ddp/fsdp)"),
+    # ---- master weights and update rounding ------------------------------------------
+    Rule("bf16-master-adapters", {"master_weights": _set("bf16"), "method": _set("lora", "qlora")}, "master_weights",
+         "bf16 master weights apply to full fine-tuning; LoRA adapters always train in fp32"),
+    Rule("bf16-master-precision", {"master_weights": _set("bf16"), "precision": _set("fp16", "fp32")},
+         "master_weights", "bf16 master weights need precision bf16"),
+    Rule("bf16-master-zero", {"master_weights": _set("bf16"), "strategy": ZERO}, "master_weights",
+         "DeepSpeed ZeRO keeps fp32 master weights; bf16 master weights need ddp or fsdp"),
+    Rule("rounding-fp32-master", {"update_rounding": _set("stochastic", "kahan"), "master_weights": _set("fp32")},
+         "update_rounding", "stochastic and kahan rounding compensate bf16 updates: they need bf16 master weights"),
+    # ---- optimizer step in backward ------------------------------------------------------
+    Rule("oib-zero", {"optimizer_in_backward": _set(True), "strategy": ZERO}, "optimizer_in_backward",
+         "the optimizer step in backward needs ddp or fsdp; DeepSpeed ZeRO runs its own optimizer step"),
+    Rule("oib-accumulation", {"optimizer_in_backward": _set(True), "gradient_accumulation": AtLeast(2)},
+         "optimizer_in_backward",
+         "the optimizer step in backward needs gradient accumulation 1 (each gradient is applied and freed as"
+         " soon as it exists): globalBatchSize must equal microBatchSize x GPUs"),
+    Rule("oib-offload", {"optimizer_in_backward": _set(True), "offload": OFFLOADING}, "optimizer_in_backward",
+         "the optimizer step in backward runs on the GPU; it cannot be combined with offload"),
+    Rule("oib-clipping", {"optimizer_in_backward": _set(True), "gradient_clipping": _set(True)},
+         "optimizer_in_backward",
+         "the optimizer step in backward cannot clip by global norm (no moment holds all gradients): set"
+         " maxGradNorm 0"),
+    # ---- activation offloading -----------------------------------------------------------
+    Rule("activation-offload-checkpointing", {"activation_offloading": _set(True), "gradient_checkpointing": _set(False)},
+         "activation_offloading", "activation offloading moves checkpointed activations: it needs gradient checkpointing"),
+    # ---- LoRA on experts -----------------------------------------------------------------------
+    Rule("experts-full", {"target_experts": _set(True), "method": _set("full")}, "target_experts",
+         "targetExperts adds adapters: it needs method lora or qlora"),
+    Rule("experts-dense", {"target_experts": _set(True), "moe": _set(False)}, "target_experts",
+         "the model has no mixture-of-experts layers to adapt"),
+)
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    field: str
+    message: str
+
+
+def violations(choices: Choices) -> list[Violation]:
+    """The rules `choices` breaks (empty: it can run, as far as what is decided goes)."""
+    return [Violation(r.name, r.blame, r.message) for r in RULES if r.broken_by(choices)]
+
+
+def allows(choices: Choices) -> bool:
+    return not any(r.broken_by(choices) for r in RULES)
+
+
+def first_violation(choices: Choices) -> Violation | None:
+    for r in RULES:
+        if r.broken_by(choices):
+            return Violation(r.name, r.blame, r.message)
+    return None
+
+
+# ---- what a planner may enumerate ------------------------------------------------------------
+
+
+def offloads_for(strategy: str, method: str | None = None) -> tuple[str, ...]:
+    """The offload settings `strategy` can run with (the planner's enumeration)."""
+    return tuple(o for o in OFFLOADS if allows(Choices(strategy=strategy, offload=o, method=method)))
+
+
+def strategies_for(method: str, precision: str | None = None, optimizer: str | None = None) -> tuple[str, ...]:
+    """The strategies a method can run with, given the precision and optimizer when known."""
+    return tuple(s for s in STRATEGIES
+                 if allows(Choices(method=method, strategy=s, precision=precision, optimizer=optimizer)))
+
+
+# ---- CEL, for the CRD ------------------------------------------------------------------------------
+
+
+def _cel_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return "'" + str(value).replace("'", "\\'") + "'"
+
+
+def cel_rules(paths: Mapping[str, str], *, spelled: Mapping[str, Mapping[Any, Any]] | None = None) -> list[dict[str, str]]:
+    """The rules as CRD `x-kubernetes-validations` of the object whose fields `paths` names.
+
+    `paths` maps a Choices field to its dotted path below `self` (e.g. "resources.offload").
+    Rules that read a field the object does not have (gradient accumulation, which the API
+    derives) or a numeric condition are left to the pydantic validator. `spelled` maps
+    a field's values to the API's spelling where they differ.
+    """
+    spelled = spelled or {}
+    rules: list[dict[str, str]] = []
+    for rule in RULES:
+        if any(name not in paths or isinstance(values, AtLeast) for name, values in rule.when.items()):
+            continue
+        terms = []
+        for name, values in rule.when.items():
+            path = paths[name]
+            guards = []
+            parts = path.split(".")
+            for i in range(len(parts)):
+                guards.append(f"has(self.{'.'.join(parts[:i + 1])})")
+            spell = spelled.get(name, {})
+            literals = ", ".join(_cel_literal(spell.get(v, v)) for v in sorted(values, key=str))
+            terms.append("(" + " && ".join(guards) + f" && self.{path} in [{literals}])")
+        rules.append({
+            "rule": "!(" + " && ".join(terms) + ")",
+            "message": rule.message,
+            "fieldPath": "." + paths[rule.blame],
+        })
+    return rules
+
+
+def choice_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Choices))
+
+
+def describe(violations_: Iterable[Violation]) -> str:
+    return "; ".join(f"{v.field}: {v.message}" for v in violations_)
