@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from pydantic import ValidationError
 
 from . import api
+from .rendering.backend import PYTORCH_JOB, Backend
+from .rendering.backend import pytorch_job_state as pytorch_job_state  # noqa: F401  (the name tests import)
 from .rendering.renderer import ATTEMPT_LABEL, QUEUE_LABEL
 
 log = logging.getLogger("finetune_operator.children")
@@ -33,8 +35,21 @@ SUSPENDED_BY_US = "finetune-operator"
 
 
 @dataclass(frozen=True)
+class Admission:
+    """What Kueue says of a queued child, read from its Workload (owned by the child) and LocalQueue."""
+
+    admitted: bool
+    reason: str  # Kueue's condition reason (Pending, Inadmissible, QuotaReserved, Admitted, Preempted, ...)
+    message: str  # Kueue's message: which quota or flavor is short
+    workload: str | None = None  # None: Kueue has made no Workload for it yet
+    cluster_queue: str | None = None
+    flavors: tuple[str, ...] = ()  # the ResourceFlavors admission assigned (one per region in the lab)
+    queue_missing: bool = False  # the LocalQueue the child names does not exist
+
+
+@dataclass(frozen=True)
 class Child:
-    """One attempt's training job as the cluster shows it."""
+    """One attempt's training job as the cluster shows it (a PyTorchJob or a TrainJob)."""
 
     attempt: int
     name: str
@@ -44,6 +59,9 @@ class Child:
     queue: str | None  # the queue label, when a queueing system admits it
     plan: api.PlanStatus | None  # from the annotation; None when missing or unreadable
     body: dict[str, Any]
+    api_version: str = PYTORCH_JOB.api_version
+    kind: str = PYTORCH_JOB.kind
+    admission: Admission | None = None  # Kueue's word on a queued child, when the shell could read it
 
     @property
     def live(self) -> bool:
@@ -59,17 +77,13 @@ def controlled_by(obj: dict[str, Any], owner_uid: str | None) -> bool:
     return any(r.get("uid") == owner_uid and r.get("controller") for r in refs)
 
 
-def pytorch_job_state(pj: dict[str, Any]) -> str:
-    """Succeeded, Failed, Running or Pending, from the PyTorchJob's conditions."""
-    conditions = {c.get("type"): c.get("status") for c in ((pj.get("status") or {}).get("conditions") or [])}
-    for state in ("Succeeded", "Failed", "Running"):
-        if conditions.get(state) == "True":
-            return state
-    return "Pending"
-
-
 def child_of_pytorch_job(pj: dict[str, Any]) -> Child | None:
     """The Child a PyTorchJob stands for; None when it carries no readable attempt label."""
+    return child_of(pj, PYTORCH_JOB)
+
+
+def child_of(pj: dict[str, Any], backend: Backend) -> Child | None:
+    """The Child a training job of `backend`'s kind stands for; None when it carries no readable attempt label."""
     meta = pj.get("metadata") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
@@ -86,18 +100,58 @@ def child_of_pytorch_job(pj: dict[str, Any]) -> Child | None:
             plan = api.PlanStatus.model_validate(json.loads(text))
         except (ValueError, ValidationError) as error:
             log.warning("%s: unreadable %s annotation: %s", meta.get("name"), PLAN_STATUS_ANNOTATION, error)
-    run_policy = (pj.get("spec") or {}).get("runPolicy") or {}
     return Child(
         attempt=attempt,
         name=meta.get("name", ""),
-        state=pytorch_job_state(pj),
-        suspended=bool(run_policy.get("suspend")),
+        state=backend.state(pj),
+        suspended=backend.suspended(pj),
         suspended_by_us=annotations.get(SUSPENDED_BY_ANNOTATION) == SUSPENDED_BY_US,
         queue=labels.get(QUEUE_LABEL),
         plan=plan,
         body=pj,
+        api_version=backend.api_version,
+        kind=backend.kind,
     )
 
 
 def plan_annotation(plan: api.PlanStatus) -> str:
     return json.dumps(plan.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":"), sort_keys=True)
+
+
+def _conditions(obj: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c.get("type"): c for c in ((obj.get("status") or {}).get("conditions") or []) if isinstance(c, dict)}
+
+
+def owned_workload(workloads: list[dict[str, Any]], child_uid: str | None) -> dict[str, Any] | None:
+    """Kueue's Workload for a child: the one whose controller owner is the child (by uid)."""
+    return next((w for w in workloads if controlled_by(w, child_uid)), None)
+
+
+def admission_of(workload: Mapping[str, Any] | None, *, queue_missing: bool = False) -> Admission:
+    """Kueue's word on a queued child, read-only: admitted or not, and Kueue's reason and message (the
+    quota or flavor that is short), from the Workload's QuotaReserved / Admitted / Evicted conditions."""
+    if workload is None:
+        reason = "LocalQueueNotFound" if queue_missing else "NoWorkload"
+        message = "the LocalQueue does not exist" if queue_missing else "Kueue has not made a Workload for it yet"
+        return Admission(admitted=False, reason=reason, message=message, queue_missing=queue_missing)
+    conditions = _conditions(workload)
+    status = workload.get("status") or {}
+    admission = status.get("admission") or {}
+    flavors = sorted({f for a in admission.get("podSetAssignments") or [] for f in (a.get("flavors") or {}).values()})
+    common = dict(workload=(workload.get("metadata") or {}).get("name"), cluster_queue=admission.get("clusterQueue"),
+                  flavors=tuple(flavors), queue_missing=queue_missing)
+    admitted = conditions.get("Admitted") or {}
+    if admitted.get("status") == "True":
+        return Admission(admitted=True, reason="Admitted", message=str(admitted.get("message") or ""), **common)
+    evicted = conditions.get("Evicted") or {}
+    if evicted.get("status") == "True":
+        return Admission(admitted=False, reason=str(evicted.get("reason") or "Evicted"),
+                         message=str(evicted.get("message") or ""), **common)
+    reserved = conditions.get("QuotaReserved") or {}
+    if reserved.get("status") == "True":
+        return Admission(admitted=False, reason="QuotaReserved",
+                         message=str(reserved.get("message") or "quota reserved; waiting for admission checks"), **common)
+    if reserved:
+        return Admission(admitted=False, reason=str(reserved.get("reason") or "Pending"),
+                         message=str(reserved.get("message") or ""), **common)
+    return Admission(admitted=False, reason="Pending", message="Kueue has not looked at its Workload yet", **common)

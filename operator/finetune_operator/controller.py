@@ -12,6 +12,7 @@ create is answered AlreadyExists and the existing object is adopted), then event
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import logging
@@ -28,18 +29,26 @@ from kubernetes.client.rest import ApiException
 
 from pydantic import ValidationError
 
-from . import api, lifecycle, metrics
+from . import api, lifecycle, metrics, progress
+from .progress_poller import ProgressPoller
 from .summary import status_reason
-from .children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of_pytorch_job, controlled_by
+from .children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Child, admission_of, child_of,
+                       controlled_by, owned_workload)
 from .planning.capacity import Claim, with_claims
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
 from .rendering.names import attempt_name, label_value
+from .rendering.backend import BACKENDS, PYTORCH_JOB, Backend, backend_of_kind
 from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
 
 log = logging.getLogger("finetune_operator.controller")
 
-PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = PYTORCH_JOB.group, PYTORCH_JOB.version, PYTORCH_JOB.plural
+# Kueue's API (read only: a queued child's Workload and its LocalQueue).
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
+# Which training-job kinds the API server serves, looked up again after this long (and at once when a
+# CRD changes: handlers.py calls forget_served_backends).
+BACKEND_DISCOVERY_SECONDS = 30.0
 # Discovery lists every node and running pod; several jobs planning at once share one look.
 DISCOVERY_CACHE_SECONDS = 5.0
 # Attempts whose failed pods are remembered (oldest forgotten first).
@@ -71,6 +80,34 @@ class Cluster:
         self._failed_lock = threading.Lock()
         self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
         self._events_lock = threading.Lock()
+        self._served: tuple[float, tuple[Backend, ...]] | None = None
+        self._served_lock = threading.Lock()
+
+    # -- which backends the cluster serves -----------------------------------
+    def served_backends(self) -> tuple[Backend, ...]:
+        """The training-job kinds the API server serves now (API discovery, cached a little)."""
+        with self._served_lock:
+            now = time.monotonic()
+            if self._served is None or now - self._served[0] > BACKEND_DISCOVERY_SECONDS:
+                served = tuple(b for b in BACKENDS if self._serves(b))
+                if self._served is None or served != self._served[1]:
+                    log.info("training backends served: %s", ", ".join(b.resource for b in served) or "none")
+                self._served = (now, served)
+            return self._served[1]
+
+    def forget_served_backends(self) -> None:
+        """A CRD changed: look again on the next reconcile."""
+        with self._served_lock:
+            self._served = None
+
+    def _serves(self, backend: Backend) -> bool:
+        try:
+            resources = _json(self.custom.get_api_resources(backend.group, backend.version, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return any(r.get("name") == backend.plural for r in resources.get("resources") or [])
 
     # -- FineTuneJobs -------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -118,33 +155,52 @@ class Cluster:
                 return None
             raise
 
+    def get_training_job(self, backend: Backend, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _json(self.custom.get_namespaced_custom_object(
+                backend.group, backend.version, namespace, backend.plural, name, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def _get(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
-        if kind == "PyTorchJob":
-            return self.get_pytorch_job(namespace, name)
         if kind == "ConfigMap":
             return self.get_config_map(namespace, name)
-        raise ValueError(f"the operator does not manage {kind} objects")
+        backend = backend_of_kind(kind)
+        if backend is None:
+            raise ValueError(f"the operator does not manage {kind} objects")
+        return self.get_training_job(backend, namespace, name)
 
-    def list_children(self, namespace: str, job: str, owner_uid: str | None) -> list[Child]:
-        """The training jobs of every attempt that this FineTuneJob controls (by uid)."""
+    def list_children(self, namespace: str, job: str, owner_uid: str | None,
+                      backends: tuple[Backend, ...] | list[Backend] = (PYTORCH_JOB,)) -> list[Child]:
+        """The training jobs of every attempt that this FineTuneJob controls (by uid), of each kind in
+        `backends` (those the cluster serves: a job may have children of both after a policy change)."""
         selector = f"{JOB_LABEL}={label_value(job)}"
-        items = _json(self.custom.list_namespaced_custom_object(
-            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, label_selector=selector,
-            _preload_content=False))["items"]
         children = []
-        for item in items:
-            if not controlled_by(item, owner_uid):
-                continue  # carries our label but is not ours: never read as ours
-            child = child_of_pytorch_job(item)
-            if child is not None:
-                children.append(child)
+        for backend in backends:
+            try:
+                items = _json(self.custom.list_namespaced_custom_object(
+                    backend.group, backend.version, namespace, backend.plural, label_selector=selector,
+                    _preload_content=False))["items"]
+            except ApiException as error:
+                if error.status == 404:  # the CRD went away since discovery
+                    continue
+                raise
+            for item in items:
+                if not controlled_by(item, owner_uid):
+                    continue  # carries our label but is not ours: never read as ours
+                child = child_of(item, backend)
+                if child is not None:
+                    children.append(child)
         return children
 
-    def foreign_objects(self, namespace: str, name: str, owner_uid: str | None) -> list[lifecycle.ObjectRef]:
+    def foreign_objects(self, namespace: str, name: str, owner_uid: str | None,
+                        backends: tuple[Backend, ...] | list[Backend] = (PYTORCH_JOB,)) -> list[lifecycle.ObjectRef]:
         """The objects that hold `name` (an attempt's ConfigMap and training job) without being ours."""
         foreign = []
         for ref in (lifecycle.ObjectRef("v1", "ConfigMap", name),
-                    lifecycle.ObjectRef(lifecycle.TRAINING_JOB_API_VERSION, lifecycle.TRAINING_JOB_KIND, name)):
+                    *(lifecycle.ObjectRef(b.api_version, b.kind, name) for b in backends)):
             existing = self._get(namespace, ref.kind, ref.name)
             if existing is not None and not controlled_by(existing, owner_uid):
                 foreign.append(ref)
@@ -187,9 +243,10 @@ class Cluster:
         try:
             if kind == "ConfigMap":
                 return _json(self.core.create_namespaced_config_map(namespace, obj, _preload_content=False))
-            if kind == "PyTorchJob":
+            backend = backend_of_kind(kind)
+            if backend is not None:
                 return _json(self.custom.create_namespaced_custom_object(
-                    PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, obj, _preload_content=False))
+                    backend.group, backend.version, namespace, backend.plural, obj, _preload_content=False))
         except ApiException as error:
             if error.status != 409:
                 raise
@@ -218,21 +275,55 @@ class Cluster:
             if ref.kind == "ConfigMap":
                 self.core.delete_namespaced_config_map(ref.name, namespace, body=options)
             else:
+                backend = backend_of_kind(ref.kind)
+                assert backend is not None  # _get refused other kinds
                 self.custom.delete_namespaced_custom_object(
-                    PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, ref.name, body=options)
+                    backend.group, backend.version, namespace, backend.plural, ref.name, body=options)
         except ApiException as error:
             if error.status in (404, 409):  # gone, or replaced by another object since the read
                 return False
             raise
         return True
 
-    def set_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+    def set_suspend(self, namespace: str, name: str, suspend: bool, kind: str = PYTORCH_JOB.kind) -> None:
         """Suspend or resume the training job for spec.suspend, marking it as suspended by us
         (the mark is what allows resuming it; a child suspended by a queue has none)."""
+        backend = backend_of_kind(kind)
+        if backend is None:
+            raise ValueError(f"the operator does not manage {kind} objects")
         mark = SUSPENDED_BY_US if suspend else None
         self.custom.patch_namespaced_custom_object(
-            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, name,
-            {"metadata": {"annotations": {SUSPENDED_BY_ANNOTATION: mark}}, "spec": {"runPolicy": {"suspend": suspend}}})
+            backend.group, backend.version, namespace, backend.plural, name,
+            {"metadata": {"annotations": {SUSPENDED_BY_ANNOTATION: mark}}, **backend.suspend_patch(suspend)})
+
+    # -- Kueue (read only) --------------------------------------------------
+    def admission(self, namespace: str, child: Child) -> Admission | None:
+        """Kueue's word on a queued child: its Workload (controller-owned by the child) and whether its
+        LocalQueue exists. None when Kueue's API cannot be read (not installed, or the chart's
+        `kueue.enabled` RBAC is off): the job then says only that the queue holds it."""
+        uid = (child.body.get("metadata") or {}).get("uid")
+        try:
+            workloads = _json(self.custom.list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", _preload_content=False))["items"]
+            workload = owned_workload(workloads, uid)
+            missing = False
+            if child.queue and (workload is None or not admission_of(workload).admitted):
+                missing = not self.local_queue_exists(namespace, child.queue)
+        except ApiException as error:
+            if error.status in (403, 404):
+                return None
+            raise
+        return admission_of(workload, queue_missing=missing)
+
+    def local_queue_exists(self, namespace: str, name: str) -> bool:
+        try:
+            self.custom.get_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, "localqueues", name,
+                                                     _preload_content=False)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
 
     def read_config_map_key(self, namespace: str, name: str, key: str) -> str | None:
         try:
@@ -324,12 +415,16 @@ class Reconciler:
     policy: PolicyHolder
     clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
     claims: ClaimBook = field(default_factory=lambda: ClaimBook())
+    # Reads training progress from pod logs off the reconcile path (progress_poller.py); None: off.
+    progress: ProgressPoller | None = None
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """One look at one job. Returns seconds until the next look, or None (wait for events)."""
         body = self.cluster.get_job(namespace, name)
         if body is None:
             self.claims.forget((namespace, name))
+            if self.progress is not None:
+                self.progress.forget((namespace, name))
             return None
         started = time.monotonic()
         policy = self.policy.get()
@@ -350,22 +445,39 @@ class Reconciler:
             metrics.observe_reconcile(decision, time.monotonic() - started, planned=False)
             return None
         uid = body["metadata"].get("uid")
-        children = self.cluster.list_children(namespace, name, uid)
+        backends = self.cluster.served_backends()
+        children = self.cluster.list_children(namespace, name, uid, backends)
         pods = self.cluster.list_job_pods(namespace, name)
         current = next((c for c in children if c.attempt == status.current_attempt), None)
+        if current is not None and current.queue and current.live:
+            # Kueue's Workload says why a queued child waits (quota, flavor, a missing LocalQueue).
+            admitted = self.cluster.admission(namespace, current)
+            if admitted is not None:
+                current = dataclasses.replace(current, admission=admitted)
+                children = [current if c.attempt == current.attempt else c for c in children]
         foreign: list[lifecycle.ObjectRef] = []
         if status.current_attempt is not None and current is None:
-            foreign = self.cluster.foreign_objects(namespace, attempt_name(name, status.current_attempt), uid)
+            foreign = self.cluster.foreign_objects(namespace, attempt_name(name, status.current_attempt), uid, backends)
         # Planning reads every node (cached); a running attempt does not need it.
         needs_plan = current is None or current.state in ("Failed", "Pending")
         # Free GPUs count what other jobs' attempts already ask for and nodes do not show yet.
         pools = with_claims(self.cluster.pools(policy), self.claims.others((namespace, name))) if needs_plan else []
+        default_queue = None
+        if needs_plan and job.spec.queue_name is None and policy.default_queue_name is not None:
+            try:
+                if self.cluster.local_queue_exists(namespace, policy.default_queue_name):
+                    default_queue = policy.default_queue_name
+            except ApiException as error:
+                if error.status not in (403, 404):  # Kueue not installed (or not readable): run unqueued
+                    raise
         observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
                                       foreign=foreign, invalid=problems, model_config=model_config,
-                                      waiting_for=waiting_for)
+                                      waiting_for=waiting_for, backends=backends, default_queue=default_queue)
         decision = lifecycle.step(observed)
-        self._apply(body, job=job, decision=decision, policy=policy)
+        self._apply(body, job=job, decision=decision, policy=policy, current=current)
         self.claims.note((namespace, name), decision, current, pods)
+        if self.progress is not None:  # memory only: which log to follow now
+            self.progress.track((namespace, name), progress.target_of(namespace, name, decision.status, pods))
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
         return decision.requeue_after
 
@@ -412,7 +524,7 @@ class Reconciler:
         return config, [], None
 
     def _apply(self, body: dict[str, Any], *, job: api.FineTuneJob | None, decision: lifecycle.Decision,
-               policy: ClusterPolicy) -> None:
+               policy: ClusterPolicy, current: Child | None = None) -> None:
         """Status first (it names the attempt and its plan), then deletes, creates and the
         suspend switch, then events: a kill between any two leaves a state the next reconcile
         reads correctly (see children.py)."""
@@ -435,7 +547,10 @@ class Reconciler:
             decision = self._after_refused_create(stored, job, decision, policy, obj["kind"], obj["metadata"]["name"],
                                                   _api_message(error), foreign=False)
         if decision.set_suspend is not None and decision.status.current_attempt is not None:
-            self.cluster.set_suspend(namespace, attempt_name(name, decision.status.current_attempt), decision.set_suspend)
+            kind = current.kind if current is not None and current.attempt == decision.status.current_attempt \
+                else PYTORCH_JOB.kind
+            self.cluster.set_suspend(namespace, attempt_name(name, decision.status.current_attempt), decision.set_suspend,
+                                     kind)
         for event in decision.events:
             self.cluster.post_event(body, event)
             log.info("%s/%s %s: %s", namespace, name, event.reason, event.message)
@@ -546,7 +661,7 @@ def _readable_plan(plan: Any) -> bool:
 def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:
     """The status as written: every write goes through here, so the one-word reason that
     `kubectl get` shows (summary.status_reason, derived from the conditions) is never stale."""
-    return status.model_copy(update={"reason": status_reason(status)}).model_dump(
+    return status.model_copy(update={"reason": status_reason(status), "progress": progress.for_status(status)}).model_dump(
         mode="json", by_alias=True, exclude_none=True)
 
 

@@ -42,7 +42,8 @@ from .recovery.redact import redact
 from .rendering.errors import RenderError
 from .rendering.layout import layout_of
 from .rendering.names import attempt_name
-from .rendering.renderer import ATTEMPT_LABEL, render_attempt
+from .rendering.backend import DEFAULT_SERVED, Backend, NoBackend, select_backend
+from .rendering.renderer import ATTEMPT_LABEL
 from .sizing import ModelArchitecture, SizingError
 from .sizing.from_job import architecture_of
 
@@ -52,12 +53,12 @@ REPLAN_AFTER_SECONDS = 60.0
 RESYNC_SECONDS = 30.0
 # How often to look again for an object the job refers to that does not exist yet.
 WAITING_RETRY_SECONDS = 5.0
+# How often to look again at a queued job whose Workload has not said yet why it waits.
+QUEUE_RETRY_SECONDS = 3.0
 # How often to look again at a job that something only a person can fix blocks.
 BLOCKED_RETRY_SECONDS = 10.0
 # Longest message of a failed pod kept in status.
 MAX_EVIDENCE_MESSAGE = 512
-# The training job kind the lifecycle creates (one backend for now; the shell maps it to the API).
-TRAINING_JOB_API_VERSION, TRAINING_JOB_KIND = "kubeflow.org/v1", "PyTorchJob"
 
 _OUTCOME_OF: dict[FailureKind, str] = {
     FailureKind.GPU_OUT_OF_MEMORY: "GPUOutOfMemory",
@@ -93,6 +94,11 @@ class Observed:
     model_config: dict[str, Any] | None = None  # the config.json a configMapRef architecture points at
     waiting_for: str | None = None  # something the job refers to that does not exist yet (its configMapRef)
     architecture: ModelArchitecture | None = None  # resolved by `step`, not by the shell
+    # The training-job kinds the API server serves (rendering/backend.py); a new attempt's kind is
+    # chosen among them by the policy's trainingBackend. The lifecycle never names one.
+    backends: Sequence[Backend] = DEFAULT_SERVED
+    # The policy's defaultQueueName, when the job's namespace has that LocalQueue (the shell checks).
+    default_queue: str | None = None
 
 
 @dataclass(frozen=True)
@@ -253,7 +259,7 @@ def _reconcile_with_children(decision: Decision, observed: Observed) -> None:
         status.plan = newest_child.plan  # a plan the status lost (or could not read), from its child
     for child in children:
         if child.attempt != status.current_attempt:
-            decision.delete += _attempt_refs(child.name)
+            decision.delete += _child_refs(child)
 
 
 def _continue_after_history(decision: Decision, said: int | None) -> None:
@@ -303,8 +309,16 @@ def _plan_summary(plan: api.PlanStatus | None) -> str:
     return f"{plan.gpus} x {plan.gpu_type} on {plan.node_pool} ({plan.region}), {plan.strategy}"
 
 
-def _attempt_refs(name: str) -> list[ObjectRef]:
-    return [ObjectRef(TRAINING_JOB_API_VERSION, TRAINING_JOB_KIND, name), ObjectRef("v1", "ConfigMap", name)]
+def _child_refs(child: Child) -> list[ObjectRef]:
+    return [ObjectRef(child.api_version, child.kind, child.name), ObjectRef("v1", "ConfigMap", child.name)]
+
+
+def _attempt_refs(observed: Observed, name: str) -> list[ObjectRef]:
+    """The objects of the attempt named `name`: its training job, of the kind it was created as (of
+    every served kind when no child of that name is seen), and its ConfigMap."""
+    kinds = {(c.api_version, c.kind) for c in observed.children if c.name == name}
+    kinds = kinds or {(b.api_version, b.kind) for b in observed.backends}
+    return [ObjectRef(version, kind, name) for version, kind in sorted(kinds)] + [ObjectRef("v1", "ConfigMap", name)]
 
 
 # ---------------------------------------------------------------------------
@@ -344,7 +358,26 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
     job, status, now = observed.job, decision.status, observed.now
     generation = job.metadata.generation
     try:
-        rendered = render_attempt(job, plan, attempt, observed.policy)
+        backend = select_backend(job, observed.policy, observed.backends)
+    except NoBackend as missing:
+        if missing.path is not None:
+            return invalid(status, [api.FieldProblem(path=missing.path, message=missing.message)], now, generation)
+        # The platform's to fix (install a CRD, change the policy): say so and look again; a CRD that
+        # appears wakes every job at once (the shell watches CRDs).
+        status.phase = "Pending"
+        message = f"attempt {attempt} cannot be created: {missing.message}"
+        previous = condition(status, api.COND_PLANNED)
+        set_condition(status, api.COND_PLANNED, "False", "NoTrainingBackend", message, now, generation)
+        if previous is None or previous.message != message:
+            decision.events.append(Event("Warning", "NoTrainingBackend", message))
+        decision.requeue_after = REPLAN_AFTER_SECONDS
+        return decision
+    queued = job
+    if job.spec.queue_name is None and observed.default_queue is not None:
+        # The policy's default LocalQueue (it exists in the namespace): the child carries its label.
+        queued = job.model_copy(update={"spec": job.spec.model_copy(update={"queue_name": observed.default_queue})})
+    try:
+        rendered = backend.render(queued, plan, attempt, observed.policy)
     except RenderError as error:
         if error.path.startswith("spec."):
             return invalid(status, [api.FieldProblem(path=error.path, message=error.message)], now, generation)
@@ -357,8 +390,8 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
         return decision
     plan_status = plan.to_status()
     # The child carries its whole plan, so a lost status can be rebuilt from it (children.py).
-    rendered.pytorch_job["metadata"].setdefault("annotations", {})[PLAN_STATUS_ANNOTATION] = plan_annotation(plan_status)
-    name = rendered.pytorch_job["metadata"]["name"]
+    rendered.training_job["metadata"].setdefault("annotations", {})[PLAN_STATUS_ANNOTATION] = plan_annotation(plan_status)
+    name = rendered.name
     existing = _attempt_record(status, attempt)
     relaunch = existing is not None and existing.outcome == "Running" and existing.plan is not None
     status.plan = plan_status
@@ -382,10 +415,10 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
     status.attempts.sort(key=lambda a: a.attempt)
     set_condition(status, api.COND_PLANNED, "True", "Planned", plan.reason or plan.summary(), now, generation)
     set_condition(status, api.COND_RUNNING, "False", "Launching", f"attempt {attempt}: creating {name}", now, generation)
-    decision.create = [rendered.config_map, rendered.pytorch_job]
+    decision.create = rendered.objects
     if attempt > 1:
         # Normally gone already; after a crash between the status write and the delete it is not.
-        decision.delete += _attempt_refs(attempt_name(job.metadata.name, attempt - 1))
+        decision.delete += _attempt_refs(observed, attempt_name(job.metadata.name, attempt - 1))
     blocked = condition(status, api.COND_BLOCKED)
     if not (relaunch and blocked is not None and blocked.status == "True"):
         # A create the API keeps refusing is retried quietly: the Blocked condition says why.
@@ -459,7 +492,7 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
         return _queued(decision, observed, child)
     queued = condition(status, api.COND_QUEUED)
     if queued is not None and queued.status == "True":
-        set_condition(status, api.COND_QUEUED, "False", "Admitted", f"{child.name} was admitted", now, generation)
+        set_condition(status, api.COND_QUEUED, "False", "Admitted", _admitted_message(child), now, generation)
 
     if child.state == "Succeeded":
         status.phase = "Succeeded"
@@ -513,7 +546,7 @@ def _suspend(decision: Decision, observed: Observed, child: Child, queued_job: b
     if queued_job:
         # A queueing system re-admits (un-suspends) a suspended job it has admitted, so a queued
         # attempt is suspended by deleting its training job; resuming creates it again, queued.
-        decision.delete += _attempt_refs(child.name)
+        decision.delete += _child_refs(child)
         message = f"spec.suspend is true; {child.name} was deleted and is created again (queued) on resume"
     else:
         if not child.suspended:
@@ -531,12 +564,38 @@ def _queued(decision: Decision, observed: Observed, child: Child) -> Decision:
     queue = child.queue or observed.job.spec.queue_name
     by = f"queue {queue}" if queue else "a queueing system (the operator did not suspend it)"
     message = f"{child.name} is suspended by {by}; it starts when admitted"
-    if status.phase != "Queued":
-        decision.events.append(Event("Normal", "Queued", f"attempt {child.attempt}: waiting for admission by {by}"))
+    reason = "WaitingForAdmission"
+    admission = child.admission
+    if admission is not None and admission.queue_missing:
+        reason = "LocalQueueNotFound"
+        message = (f"LocalQueue {observed.job.metadata.namespace}/{queue} does not exist, so Kueue admits nothing from it: "
+                   f"{child.name} stays suspended until the platform team creates it")
+    elif admission is not None and admission.workload is not None:
+        # Kueue's own words: which quota or flavor is short (read-only from its Workload).
+        message += f"; Kueue ({admission.reason}): {redact(admission.message)[:MAX_EVIDENCE_MESSAGE]}"
+        if admission.admitted:
+            reason = "Admitted"
+    previous = condition(status, api.COND_QUEUED)
+    if status.phase != "Queued" or (reason == "LocalQueueNotFound" and (previous is None or previous.reason != reason)):
+        decision.events.append(Event("Warning" if reason == "LocalQueueNotFound" else "Normal", "Queued",
+                                     f"attempt {child.attempt}: " + (message if reason == "LocalQueueNotFound"
+                                                                     else f"waiting for admission by {by}")))
     status.phase = "Queued"
-    set_condition(status, api.COND_QUEUED, "True", "WaitingForAdmission", message, now, generation)
-    decision.requeue_after = RESYNC_SECONDS
+    set_condition(status, api.COND_QUEUED, "True", reason, message, now, generation)
+    # Kueue's answer (a Workload, its reason) comes within seconds of the create: look again soon until it has said.
+    said = admission is not None and admission.workload is not None and admission.reason not in ("Pending", "NoWorkload") \
+        or (admission is not None and admission.queue_missing)
+    decision.requeue_after = RESYNC_SECONDS if said or admission is None else QUEUE_RETRY_SECONDS
     return decision
+
+
+def _admitted_message(child: Child) -> str:
+    admission = child.admission
+    if admission is None or not admission.admitted:
+        return f"{child.name} was admitted"
+    where = f" by ClusterQueue {admission.cluster_queue}" if admission.cluster_queue else ""
+    flavors = f" (flavor {', '.join(admission.flavors)})" if admission.flavors else ""
+    return f"{child.name} was admitted{where}{flavors}"
 
 
 def _waiting_to_start(decision: Decision, observed: Observed, child: Child, queued_job: bool) -> Decision:
@@ -566,7 +625,7 @@ def _waiting_to_start(decision: Decision, observed: Observed, child: Child, queu
         set_condition(status, api.COND_RUNNING, "False", "NotStarting",
                       f"attempt {attempt}: pods are not starting after {waited:.0f} s: {stuck}", now, generation)
         if waited >= bound:
-            decision.delete += _attempt_refs(child.name)
+            decision.delete += _child_refs(child)
             _update_record(status, attempt, outcome="ConfigError", end_time=now,
                            message=f"pods did not start within {bound} s: {stuck}")
             return _give_up(decision, observed, "ConfigError",
@@ -581,7 +640,7 @@ def _move_unschedulable(decision: Decision, observed: Observed, child: Child, me
     attempt = child.attempt
     pool = status.plan.node_pool if status.plan is not None else None
     what = f"attempt {attempt}: pods unschedulable for {waited:.0f} s on pool {pool}: {message}"
-    decision.delete += _attempt_refs(child.name)
+    decision.delete += _child_refs(child)
     _update_record(status, attempt, outcome="Unschedulable", end_time=now, message=what)
     if not _attempts_left(job, observed.policy, attempt + 1):
         return _give_up(decision, observed, "Unschedulable", f"{what}; all {_max_attempts(job, observed.policy)} attempts are used")
@@ -730,7 +789,7 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
         # are cleaned by the training operator); the ownerReference removes them with the job.
         return _give_up(decision, observed, outcome, f"attempt {attempt}: {why}")
 
-    decision.delete += _attempt_refs(attempt_name(job.metadata.name, attempt))
+    decision.delete += _attempt_refs(observed, attempt_name(job.metadata.name, attempt))
     message = f"attempt {attempt + 1}: {why}; {nxt.changes}"
     _update_record(status, attempt, outcome=outcome, end_time=now, message=f"{why}; next: {nxt.changes}", observed_peak_gi_b=observed_peak)
     backoff = _backoff_seconds(job.spec.recovery.backoff, attempt)

@@ -94,6 +94,14 @@ class FakeKube:
     fail_after_writes: int | None = None
     fail_with: Exception | None = None
     refuse_create: dict[str, ApiException] = field(default_factory=dict)
+    # Container logs, as the kubelet keeps them: (namespace, pod, container) -> [(unix time, line)];
+    # `log_clock` is "now" for sinceSeconds. `log_reads` records every pods/log request.
+    logs: dict[tuple[str, str, str], list[tuple[float, str]]] = field(default_factory=dict)
+    log_clock: Any = None
+    log_reads: list[dict[str, Any]] = field(default_factory=list)
+    # The custom resources the API server serves (API discovery); 404 for the others, as a real
+    # API server answers for a kind whose CRD is not installed.
+    served: set[str] = field(default_factory=lambda: {"pytorchjobs", "finetunejobs"})
     _rv: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -155,11 +163,45 @@ class FakeKube:
             raise _error(409, "Conflict", f"precondition failed: uid {wanted} != {obj['metadata']['uid']}")
         self._write(Write("delete", kind, namespace, name))
         del self.objects[(kind, namespace, name)]
-        if kind == "PyTorchJob":  # the garbage collector takes its pods
+        if kind in ("PyTorchJob", "TrainJob"):  # the garbage collector takes its pods
             for key, pod in list(self.objects.items()):
                 if key[0] == "Pod" and any(r.get("uid") == obj["metadata"]["uid"]
                                            for r in pod["metadata"].get("ownerReferences") or []):
                     del self.objects[key]
+
+    def _json_patch(self, kind: str, namespace: str, name: str, ops: list[dict[str, Any]], *, status: bool) -> Response:
+        """JSON patch (RFC 6902) as the API server applies it: all or nothing; a failed `test` is 422.
+        On the status subresource only /status may change."""
+        obj = self._must_get(kind, namespace, name)
+        patched = copy.deepcopy(obj)
+        for op in ops:
+            *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in op["path"].split("/")[1:]]
+            if status and (not parents and last != "status" or parents and parents[0] != "status"):
+                raise _error(422, "Invalid", f"only status may be patched here, not {op['path']}")
+            target = patched
+            for part in parents:
+                if not isinstance(target, dict) or part not in target:
+                    raise _error(422, "Invalid", f"path {op['path']} does not exist")
+                target = target[part]
+            if op["op"] == "test":
+                if not isinstance(target, dict) or target.get(last, object()) != op["value"]:
+                    raise _error(422, "Invalid", f"testing value {op['path']} failed")
+            elif op["op"] in ("add", "replace"):
+                if op["op"] == "replace" and last not in target:
+                    raise _error(422, "Invalid", f"replace of missing {op['path']}")
+                target[last] = copy.deepcopy(op["value"])
+            elif op["op"] == "remove":
+                if last not in target:
+                    raise _error(422, "Invalid", f"remove of missing {op['path']}")
+                del target[last]
+            else:
+                raise _error(422, "Invalid", f"unsupported JSON patch op {op['op']!r}")
+        self._write(Write("status-patch" if status else "patch", kind, namespace, name, copy.deepcopy(ops),
+                          before=copy.deepcopy(obj)))
+        obj.clear()
+        obj.update(patched)
+        self.touch(obj)
+        return _response(obj)
 
     def _patch(self, kind: str, namespace: str, name: str, body: dict[str, Any], *, status: bool) -> Response:
         obj = self._must_get(kind, namespace, name)
@@ -179,21 +221,39 @@ class FakeKube:
         return _response(obj)
 
 
-_PLURALS = {"pytorchjobs": "PyTorchJob", "finetunejobs": "FineTuneJob"}
+_PLURALS = {"pytorchjobs": "PyTorchJob", "finetunejobs": "FineTuneJob", "trainjobs": "TrainJob",
+            "workloads": "Workload", "localqueues": "LocalQueue"}
+_GROUPS = {"pytorchjobs": ("kubeflow.org", "v1"), "finetunejobs": ("finetune.dev", "v1alpha1"),
+           "trainjobs": ("trainer.kubeflow.org", "v1alpha1"), "workloads": ("kueue.x-k8s.io", "v1beta2"),
+           "localqueues": ("kueue.x-k8s.io", "v1beta2")}
 
 
 class _Custom:
     def __init__(self, kube: FakeKube) -> None:
         self.kube = kube
 
+    def _served(self, group, version, plural) -> None:
+        if plural not in self.kube.served or _GROUPS[plural] != (group, version):
+            raise _error(404, "NotFound", f"the server could not find the requested resource ({plural}.{group})")
+
+    def get_api_resources(self, group, version, **_):
+        names = [p for p in sorted(self.kube.served) if _GROUPS[p] == (group, version)]
+        if not names:
+            raise _error(404, "NotFound", f"the server could not find the requested resource ({group}/{version})")
+        return _response({"kind": "APIResourceList", "groupVersion": f"{group}/{version}",
+                          "resources": [{"name": p, "kind": _PLURALS[p], "namespaced": True} for p in names]})
+
     def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+        self._served(group, version, plural)
         return _response(self.kube._must_get(_PLURALS[plural], namespace, name))
 
     def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
+        self._served(group, version, plural)
         items = [o for o in self.kube.of_kind(_PLURALS[plural], namespace) if _matches(o, label_selector)]
         return _response({"items": items})
 
     def create_namespaced_custom_object(self, group, version, namespace, plural, body, **_):
+        self._served(group, version, plural)
         return self.kube._create(_PLURALS[plural], namespace, body)
 
     def delete_namespaced_custom_object(self, group, version, namespace, plural, name, body=None, **_):
@@ -202,7 +262,12 @@ class _Custom:
     def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body, **_):
         return self.kube._patch(_PLURALS[plural], namespace, name, body, status=False)
 
-    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body, **_):
+    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body, _content_type=None, **_):
+        if isinstance(body, list):
+            # The client sends a merge patch unless told otherwise; a list is not a merge patch.
+            if _content_type != "application/json-patch+json":
+                raise _error(400, "BadRequest", "a JSON patch (a list) needs _content_type application/json-patch+json")
+            return self.kube._json_patch(_PLURALS[plural], namespace, name, body, status=True)
         return self.kube._patch(_PLURALS[plural], namespace, name, body, status=True)
 
     def replace_namespaced_custom_object_status(self, group, version, namespace, plural, name, body, **_):
@@ -229,6 +294,37 @@ class _Core:
 
     def list_node(self, **_):
         return _response({"items": self.kube.of_kind("Node")})
+
+    def read_namespaced_pod_log(self, name, namespace, container=None, tail_lines=None, limit_bytes=None,
+                                since_seconds=None, _preload_content=True, **_):
+        """pods/log like the API server and kubelet: 404 for a missing pod, 400 without a container
+        name on a pod of several, for a container the pod does not have, or one not started yet;
+        then sinceSeconds, tailLines, limitBytes in that order."""
+        pod = self.kube._must_get("Pod", namespace, name)
+        self.kube.log_reads.append({"pod": name, "container": container, "tailLines": tail_lines,
+                                    "limitBytes": limit_bytes, "sinceSeconds": since_seconds})
+        names = [c["name"] for c in (pod.get("spec") or {}).get("containers") or []]
+        if container is None:
+            if len(names) != 1:
+                raise _error(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: {names}")
+            container = names[0]
+        if container not in names:
+            raise _error(400, "BadRequest", f"container {container} is not valid for pod {name}")
+        if (pod.get("status") or {}).get("phase") in (None, "Pending"):
+            raise _error(400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating')
+        lines = list(self.kube.logs.get((namespace, name, container), []))
+        if since_seconds is not None:
+            import time as _time
+            now = (self.kube.log_clock or _time.time)()
+            lines = [(t, line) for t, line in lines if t >= now - since_seconds]
+        if tail_lines is not None:
+            lines = lines[-tail_lines:] if tail_lines > 0 else []
+        data = "".join(line + "\n" for _, line in lines).encode()
+        if limit_bytes is not None:
+            data = data[:limit_bytes]
+        if _preload_content:
+            return data.decode()
+        return Response(data)
 
     def read_namespaced_config_map(self, name, namespace, **_):
         return _response(self.kube._must_get("ConfigMap", namespace, name))

@@ -136,6 +136,17 @@ class ClusterPolicy(BaseModel):
     object_storage: list[ObjectStorageEndpoint] = []
     """S3-compatible endpoints jobs may use for models, data and outputs, each with the region its data
     lives in. An endpoint not listed here is refused (the job is Invalid, naming the field)."""
+    training_backend: Literal["auto", "pytorchjob", "trainjob"] = "auto"
+    """The kind of training job each attempt is: `pytorchjob` (Kubeflow training operator v1), `trainjob`
+    (Kubeflow Trainer v2), or `auto`: TrainJob when the API server serves both, else whichever it serves
+    (a job that fetches its model or data through an init container takes the PyTorchJob when served).
+    A job whose backend the cluster does not serve waits with Planned=False, reason NoTrainingBackend."""
+    train_job_runtime: str = Field(default="finetune-torch", min_length=1, max_length=253)
+    """The ClusterTrainingRuntime the TrainJobs refer to (the chart's `trainJobRuntime.name`)."""
+    default_queue_name: str | None = Field(default=None, min_length=1, max_length=63,
+                                           pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    """A Kueue LocalQueue for jobs without `spec.queueName`: used in each namespace that has a LocalQueue
+    of this name (like Kueue's own `default` LocalQueue defaulting); jobs elsewhere run unqueued."""
 
     @field_validator("allowed_regions")
     @classmethod
