@@ -90,8 +90,10 @@ _REPORT_KIND = {
     contract.FailureReason.UNKNOWN: FailureKind.UNKNOWN,
 }
 
-# The container that runs training in a PyTorchJob replica is always called "pytorch".
+# The container that runs training: "pytorch" in a PyTorchJob replica, "node" in a TrainJob's pods
+# (the name Kubeflow Trainer v2's torch runtime gives its trainer container).
 TRAINING_CONTAINER = "pytorch"
+TRAINING_CONTAINERS = (TRAINING_CONTAINER, "node")
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ def parse_cuda_oom(log_tail: str) -> dict[str, int | None] | None:
 def _terminated_states(pod: dict[str, Any]) -> Iterable[dict[str, Any]]:
     status = pod.get("status") or {}
     for cs in status.get("containerStatuses") or []:
-        if cs.get("name") != TRAINING_CONTAINER and len(status.get("containerStatuses") or []) > 1:
+        if cs.get("name") not in TRAINING_CONTAINERS and len(status.get("containerStatuses") or []) > 1:
             continue
         for key in ("state", "lastState"):
             terminated = ((cs.get(key) or {}).get("terminated")) or None
