@@ -110,6 +110,13 @@ CASES = [
     Case("zero2-offload-params", _both(_set("spec.resources.strategy", "zero2"), _set("spec.resources.offload", "optimizer+params")), "spec.resources.offload", "fsdp or zero3", False),
     Case("fsdp-offload-optimizer-only", _both(_set("spec.resources.strategy", "fsdp"), _set("spec.resources.offload", "optimizer")), "spec.resources.offload", "optimizer+params", False),
     Case("qlora-with-zero3", _both(_set("spec.method", "qlora"), _set("spec.resources.strategy", "zero3")), "spec.resources.strategy", "ddp", False),
+    # the lean-trainer levers (combinations.py)
+    Case("bf16-master-with-lora", _set("spec.training.masterWeights", "bf16"), "spec.training.masterWeights", "adapters always train in fp32", False),
+    Case("kahan-with-fp32-master", _both(_set("spec.method", "full"), _delete("spec.lora"), _set("spec.training.masterWeights", "fp32"), _set("spec.training.updateRounding", "kahan")), "spec.training.updateRounding", "need bf16 master weights", False),
+    Case("optimizer-in-backward-with-accumulation", _both(_set("spec.training.optimizerInBackward", True), _set("spec.training.microBatchSize", 1), _set("spec.resources.gpus", 1)), "spec.training.optimizerInBackward", "gradient accumulation 1", False),
+    Case("optimizer-in-backward-with-zero", _both(_set("spec.training.optimizerInBackward", True), _set("spec.resources.strategy", "zero2")), "spec.training.optimizerInBackward", "ddp or fsdp", False),
+    Case("activation-offloading-without-checkpointing", _both(_set("spec.training.activationOffloading", True), _set("spec.training.gradientCheckpointing", False)), "spec.training.activationOffloading", "needs gradient checkpointing", False),
+    Case("loss-chunks-zero", _set("spec.training.lossChunks", 0), "spec.training.lossChunks", "auto", False),
     Case("two-model-sources", _set("spec.model.source.s3", {"endpoint": "https://s3.example", "bucket": "models", "credentialsSecretRef": {"name": "s3"}}), "spec.model.source", "exactly one of pvc, s3, hf", False),
     Case("two-data-sources", _set("spec.dataset.source.s3", {"endpoint": "https://s3.example", "bucket": "data", "credentialsSecretRef": {"name": "s3"}}), "spec.dataset.source", "exactly one of pvc, s3", False),
     Case("two-architectures", _set("spec.model.architecture.configMapRef", {"name": "cfg"}), "spec.model.architecture", "exactly one of preset, inline, configMapRef", False),
