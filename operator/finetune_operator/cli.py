@@ -128,6 +128,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         lease=args.lease or None,
         identity=args.identity,
         clusterwide=not args.namespace,
+        namespaces=tuple(args.namespace),
         kubeconfig=args.kubeconfig,
     )
     kopf.run(

@@ -95,6 +95,15 @@ class Cluster:
                 self._served = (now, served)
             return self._served[1]
 
+    def may(self, verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
+        """Whether this ServiceAccount may `verb` the resource (a SelfSubjectAccessReview, which every
+        authenticated user may create); in `namespace`, or in all namespaces."""
+        review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(
+            resource_attributes=client.V1ResourceAttributes(verb=verb, group=group, resource=resource,
+                                                            namespace=namespace)))
+        answer = client.AuthorizationV1Api(self.api_client).create_self_subject_access_review(review)
+        return bool(answer.status and answer.status.allowed)
+
     def forget_served_backends(self) -> None:
         """A CRD changed: look again on the next reconcile."""
         with self._served_lock:

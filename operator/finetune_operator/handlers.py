@@ -28,6 +28,7 @@ from . import api, metrics
 from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
+from .rendering.backend import BACKENDS
 from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator")
@@ -48,6 +49,7 @@ class Options:
     lease: str | None = "finetune-operator"  # the Lease of the leader election; None: act alone, no election
     identity: str | None = None  # this replica's name in the election (default: $POD_NAME, else the host name)
     clusterwide: bool = True
+    namespaces: tuple[str, ...] = ()  # the watched namespaces when not clusterwide
     kubeconfig: str | None = None
 
 
@@ -113,6 +115,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
     cluster = Cluster(kube_api_client(options))
     RUNTIME.policy.set(_read_policy(cluster, options))
+    watch_training_jobs(cluster, options)
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy)
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
     if options.lease:
@@ -204,9 +207,41 @@ def _job_name(labels: dict[str, str], annotations: dict[str, str]) -> str | None
     return annotations.get(JOB_NAME_ANNOTATION) or labels.get(JOB_LABEL)
 
 
-@kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={JOB_LABEL: kopf.PRESENT})
-def pytorchjob_event(namespace: str, labels: dict[str, str], annotations: dict[str, str], **_: Any) -> None:
+def training_job_event(namespace: str, labels: dict[str, str], annotations: dict[str, str], **_: Any) -> None:
+    """A PyTorchJob or TrainJob of ours changed: look at its FineTuneJob."""
     _enqueue(namespace, _job_name(labels, annotations))
+
+
+def watch_training_jobs(cluster: Cluster, options: Options) -> list[str]:
+    """Watch the training-job kinds the operator may list and watch (the chart grants each backend's RBAC
+    only when the policy can use it): a watch kopf is forbidden would retry and log forever. Registered
+    at startup, before kopf starts its watchers. Kinds whose CRD is installed later are picked up by
+    kopf's CRD scan; the served kinds themselves are looked up by the reconciler (API discovery)."""
+    watched = []
+    for backend in BACKENDS:
+        namespaces = [None] if options.clusterwide else list(options.namespaces)
+        if namespaces and all(cluster.may(verb, backend.group, backend.plural, ns)
+                              for ns in namespaces for verb in ("list", "watch")):
+            kopf.on.event(backend.group, backend.version, backend.plural, id=f"{backend.plural}-event",
+                          labels={JOB_LABEL: kopf.PRESENT})(training_job_event)
+            watched.append(backend.resource)
+        else:
+            log.info("not watching %s: this ServiceAccount may not list and watch them", backend.resource)
+    return watched
+
+
+@kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions",
+               when=lambda name, **_: name in {b.resource for b in BACKENDS})
+def training_crd_event(name: str, **_: Any) -> None:
+    """A training-job CRD was installed, changed or removed: look up the served kinds again and look at
+    every job (one waiting with NoTrainingBackend starts now)."""
+    if RUNTIME.reconciler is None:
+        return
+    RUNTIME.reconciler.cluster.forget_served_backends()
+    log.info("CRD %s changed: looking up the training backends again", name)
+    if RUNTIME.queue is not None:
+        for key in list(RUNTIME.known):
+            RUNTIME.queue.add(key)
 
 
 @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
