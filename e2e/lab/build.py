@@ -46,6 +46,10 @@ KWOK_STAGES = (
     "kustomize/stage/pod/fast/pod-ready.yaml",
     "kustomize/stage/pod/fast/pod-delete.yaml",
 )
+# kwok's Logs CRD: the process runner (podrunner.py) tells kwok, per pod, which file holds a
+# container's log, so `kubectl logs` and pods/log work for pods that run real processes.
+KWOK_LOGS_CRD = "kustomize/crd/bases/kwok.x-k8s.io_logs.yaml"
+KWOK_LOGS_CRD_SHARE = "kwok-logs-crd.yaml"
 PYTORCHJOB_CRD = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
 TRAINING_WEBHOOKS = "manifests/base/webhook/manifests.yaml"
 
@@ -97,6 +101,18 @@ class Installation:
 
     def manifest(self) -> dict:
         return json.loads((self.home / "build.json").read_text())
+
+
+def ensure_kwok_logs_crd(inst: Installation) -> Path:
+    """share/kwok-logs-crd.yaml, copied from the Go module cache into an installation built before
+    the lab needed it (the binaries do not change, so this needs no rebuild)."""
+    target = inst.share / KWOK_LOGS_CRD_SHARE
+    if not target.is_file():
+        kwok_dir = module_dir("sigs.k8s.io/kwok", load_versions().kwok, dict(os.environ))
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        shutil.copyfile(kwok_dir / KWOK_LOGS_CRD, tmp)
+        tmp.replace(target)
+    return target
 
 
 def find_installation(versions: Versions | None = None) -> Installation | None:
@@ -231,6 +247,7 @@ def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, fl
     stages.mkdir()
     for rel in KWOK_STAGES:
         shutil.copyfile(kwok_dir / rel, stages / Path(rel).name)
+    shutil.copyfile(kwok_dir / KWOK_LOGS_CRD, share / KWOK_LOGS_CRD_SHARE)
     to_dir = module_dir("github.com/kubeflow/training-operator", v.training_operator, env)
     shutil.copyfile(to_dir / PYTORCHJOB_CRD, share / "pytorchjob-crd.yaml")
     shutil.copyfile(to_dir / TRAINING_WEBHOOKS, share / "training-operator-webhooks.yaml")
@@ -253,6 +270,7 @@ def _build_kubernetes_lab(force: bool, say) -> Installation:
     existing = find_installation(v)
     if existing and not force:
         say(f"reusing {existing.home}")
+        ensure_kwok_logs_crd(existing)
         return existing
     check_tools_module(v)
     root = cache_root()

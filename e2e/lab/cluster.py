@@ -304,10 +304,17 @@ def _component_kubeconfigs(lab: Lab) -> dict[str, Path]:
 
 
 def _kwok_config(lab: Lab) -> Path:
+    """kwok's stages: its own (node heartbeat, pod ready, pod delete) and the fake GPU's. Pods on the
+    process runner's nodes are left out of every pod stage: the runner (podrunner.py) reports their
+    status and deletes them, as a kubelet does, and kwok must not race it."""
+    runner_nodes = lab_nodes.load_pools().runner_nodes()
     docs = []
-    for f in sorted((lab.home / "share" / "kwok-stages").glob("*.yaml")):
-        docs.append(f.read_text().strip())
-    docs.append(LAB_STAGES.read_text().strip())
+    for text in [f.read_text() for f in sorted((lab.home / "share" / "kwok-stages").glob("*.yaml"))] + [LAB_STAGES.read_text()]:
+        stage = yaml.safe_load(text)
+        if runner_nodes and stage["spec"]["resourceRef"]["kind"] == "Pod":
+            stage["spec"].setdefault("selector", {}).setdefault("matchExpressions", []).append(
+                {"key": ".spec.nodeName", "operator": "NotIn", "values": runner_nodes})
+        docs.append(yaml.safe_dump(stage, sort_keys=False).strip())
     path = lab.workdir / "kwok.yaml"
     path.write_text("\n---\n".join(docs) + "\n")
     return path
@@ -446,6 +453,9 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         "--allow-privileged=true",
         "--profiling=false",
         "--event-ttl=2h",
+        # kwok's nodes report 127.0.0.1 and kwok's port (below): pods/log reaches kwok there.
+        # No --kubelet-certificate-authority: kwok serves a self-signed certificate.
+        "--kubelet-preferred-address-types=InternalIP",
     ])
     ctx = _tls_context(lab)
     wait_until("kube-apiserver /readyz", lambda: http_ok(f"{lab.server}/readyz", ctx), apiserver, 120)
@@ -469,6 +479,11 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         f"--secure-port={p['scheduler']}",
         "--leader-elect=false",
     ])
+    # kwok's Logs CRD: the process runner names each of its pods' log files in a Logs object.
+    from .build import ensure_kwok_logs_crd
+
+    lab.kubectl("apply", "--server-side", "-f", str(ensure_kwok_logs_crd(inst)))
+    lab.kubectl("wait", "--for=condition=Established", "crd/logs.kwok.x-k8s.io", "--timeout=60s")
     launch("kwok", [
         inst.binary("kwok"),
         f"--kubeconfig={kubeconfigs['kwok']}",
@@ -477,6 +492,11 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         f"--manage-nodes-with-annotation-selector={lab_nodes.KWOK_ANNOTATION}={lab_nodes.KWOK_ANNOTATION_VALUE}",
         f"--server-address=127.0.0.1:{p['kwok']}",
         "--node-lease-duration-seconds=40",
+        # Every fake node's kubelet endpoint is this kwok (pods/log, `kubectl logs`), and kwok reads
+        # the log files of the process runner's pods from Logs objects.
+        "--node-ip=127.0.0.1",
+        f"--node-port={p['kwok']}",
+        "--enable-crds=Logs",
         # Fake pod IPs (data only, nothing routes to them); a /16 so a long run cannot exhaust it.
         "--cidr=10.244.0.1/16",
     ])
@@ -490,6 +510,12 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
 
     if lab.pytorchjob:
         training_operator = _start_training_operator(lab, inst, pki, kubeconfigs, core, api, launch)
+
+    if lab_nodes.load_pools().runner_nodes():
+        # The process runner: real trainer processes for pods on the runner pool's nodes (podrunner.py).
+        launch("pod-runner", [sys.executable, "-m", "e2e.lab.podrunner", f"--kubeconfig={lab.kubeconfig}",
+                              f"--workdir={lab.workdir / 'pod-runner'}"],
+               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
 
     if start_fake_gpu:
         launch("fake-gpu", [sys.executable, "-m", "e2e.lab.fakegpu", f"--kubeconfig={kubeconfigs['fake-gpu']}"],

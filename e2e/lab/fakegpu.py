@@ -20,6 +20,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from . import fate
+from .nodes import RUNNER_LABEL, RUNNER_PROCESS
 
 log = logging.getLogger("fake-gpu")
 
@@ -88,6 +89,8 @@ class FakeGPU:
     def handle(self, pod) -> None:
         if not self.needs_verdict(pod):
             return
+        if self.node_labels(pod.spec.node_name).get(RUNNER_LABEL) == RUNNER_PROCESS:
+            return  # real processes run this pod (podrunner.py); they end it themselves
         verdict = self.verdict_for(pod)
         meta = pod.metadata
         body = {"metadata": {"annotations": verdict.annotations(), "resourceVersion": meta.resource_version}}

@@ -39,7 +39,7 @@ from finetune_trainer.contract import (
 
 PREFIX = "lab.finetune.dev/"
 RULE_KEYS = ("outcome", "true-peak-factor", "fail-message", "fail-exit-code", "run-duration", "oom-phase",
-             "outcome-by-attempt")
+             "outcome-by-attempt", "oom-step", "host-memory-scale")
 OUTCOMES = ("auto", "succeed", "gpu-oom", "host-oom", "evicted", "fail")
 RULES_CONFIGMAP = "finetune-lab"
 
@@ -88,6 +88,11 @@ class Rule:
     run_duration: str = "2s"
     oom_phase: Phase = Phase.BACKWARD
     outcome_by_attempt: tuple[str, ...] = ()
+    # Process-runner pods only (podrunner.py): the global step at which the real trainer raises
+    # the lab GPU's OOM (None: the attempt's first step), and the share of the pod's memory
+    # limit its cgroup gets (this machine is far smaller than the nodes the lab plays).
+    oom_step: int | None = None
+    host_memory_scale: float = 1.0
 
     def outcome_for(self, attempt: int | None) -> str:
         """The outcome for attempt `attempt` (from 1): `outcome-by-attempt` when set, else `outcome`."""
@@ -146,6 +151,22 @@ def resolve_rule(sources: list[RuleSource]) -> Rule:
             kwargs["oom_phase"] = Phase(chosen["oom-phase"][0].strip())
         except ValueError:
             raise bad("oom-phase", f"must be one of {', '.join(p.value for p in Phase)}") from None
+    if "oom-step" in chosen:
+        try:
+            step = int(chosen["oom-step"][0])
+        except ValueError:
+            raise bad("oom-step", "must be an integer step >= 1") from None
+        if step < 1:
+            raise bad("oom-step", "must be an integer step >= 1")
+        kwargs["oom_step"] = step
+    if "host-memory-scale" in chosen:
+        try:
+            scale = float(chosen["host-memory-scale"][0])
+        except ValueError:
+            raise bad("host-memory-scale", "must be a number in (0, 1]") from None
+        if not (0 < scale <= 1) or math.isnan(scale):
+            raise bad("host-memory-scale", "must be a number in (0, 1]")
+        kwargs["host_memory_scale"] = scale
     if "outcome-by-attempt" in chosen:
         values = tuple(v.strip() for v in chosen["outcome-by-attempt"][0].split(","))
         if not values or any(v not in OUTCOMES for v in values):
@@ -295,3 +316,41 @@ def attempt_of(labels: Mapping[str, str] | None) -> int | None:
         return int((labels or {}).get(ATTEMPT_LABEL, ""))
     except ValueError:
         return None
+
+
+# ---- the process runner's GPU (podrunner.py) --------------------------------------------------
+# The environment finetune_trainer.faults reads (its LAB_* names): the node's GPU memory and the
+# peak this pod's plan truly reaches there; the trainer raises the OOM itself when it does not fit.
+LAB_GPU_MEMORY_ENV = "FINETUNE_LAB_GPU_MEMORY_BYTES"
+LAB_PEAK_ENV = "FINETUNE_LAB_PEAK_BYTES"
+LAB_OOM_STEP_ENV = "FINETUNE_LAB_OOM_STEP"
+LAB_OOM_PHASE_ENV = "FINETUNE_LAB_OOM_PHASE"
+PROCESS_OUTCOMES = ("auto", "gpu-oom")
+PROCESS_OOM_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+
+
+def lab_gpu_environment(pod: TrainingPod, rule: Rule) -> dict[str, str]:
+    """What the process runner puts in a real trainer's environment: the same rule as decide()
+    (true peak = predicted x true-peak-factor, or forced over the GPU's memory by gpu-oom),
+    applied by the trainer at a real step. Outcomes the fake GPU fakes (host-oom, evicted, fail,
+    succeed) are real events for real processes and are refused here (RuleError)."""
+    outcome = rule.outcome_for(pod.attempt)
+    if outcome not in PROCESS_OUTCOMES:
+        raise RuleError(f"lab rule outcome {outcome!r} for pod {pod.name}: a pod run by the process runner "
+                        f"takes only {', '.join(PROCESS_OUTCOMES)} (its host OOMs, evictions and failures are real)")
+    if rule.oom_phase not in PROCESS_OOM_PHASES:
+        raise RuleError(f"lab rule oom-phase {rule.oom_phase.value!r} for pod {pod.name}: the real trainer raises "
+                        f"the lab GPU's OOM in {', '.join(p.value for p in PROCESS_OOM_PHASES)}")
+    if pod.gpu_memory_mib is None:
+        raise RuleError(f"pod {pod.name} landed on a node without the {GPU_MEMORY_LABEL} label")
+    device_total = pod.gpu_memory_mib * MIB
+    if pod.predicted_peak_bytes is None and outcome == "auto":
+        raise RuleError(f"pod {pod.name} has no {PREDICTED_PEAK_ANNOTATION} annotation to judge it by")
+    true_peak = int((pod.predicted_peak_bytes or device_total) * rule.true_peak_factor)
+    if outcome == "gpu-oom":
+        true_peak = max(true_peak, device_total + 1)
+    env = {LAB_GPU_MEMORY_ENV: str(device_total), LAB_PEAK_ENV: str(true_peak),
+           LAB_OOM_PHASE_ENV: rule.oom_phase.value}
+    if rule.oom_step is not None:
+        env[LAB_OOM_STEP_ENV] = str(rule.oom_step)
+    return env

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +16,10 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 GPU_RESOURCE = "nvidia.com/gpu"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_ANNOTATION_VALUE = "fake"
+# Nodes of a pool with `runner: process`: the lab's process runner (podrunner.py) runs the pods
+# bound to them as real local processes instead of the fake GPU deciding how they end.
+RUNNER_LABEL = "lab.finetune.dev/runner"
+RUNNER_PROCESS = "process"
 # The policy the chart ships by default (issue 9); the lab's scenarios check placement against it.
 DEFAULT_ALLOWED_REGIONS = ("eu-de-berlin", "eu-fr-paris")
 
@@ -36,6 +41,8 @@ class Pool(BaseModel):
     gpu: GPU | None
     cpu: str
     memory: str
+    # "process": the lab's process runner runs this pool's pods as real local processes.
+    runner: Literal["process"] | None = None
 
     def node_names(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.nodes)]
@@ -53,6 +60,9 @@ class PoolCatalog(BaseModel):
 
     def gpu_pools(self) -> list[Pool]:
         return [p for p in self.pools if p.gpu]
+
+    def runner_nodes(self) -> list[str]:
+        return [n for p in self.pools if p.runner == RUNNER_PROCESS for n in p.node_names()]
 
 
 def load_pools(path: Path = POOLS_FILE) -> PoolCatalog:
@@ -73,6 +83,8 @@ def node_manifest(pool: Pool, index: int) -> dict:
         "karpenter.sh/capacity-type": "on-demand",
         "type": "kwok",
     }
+    if pool.runner == RUNNER_PROCESS:
+        labels[RUNNER_LABEL] = RUNNER_PROCESS
     capacity = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110", "ephemeral-storage": "3Ti"}
     taints = []
     if pool.gpu:

@@ -159,6 +159,7 @@ def train(cfg: TrainerConfig) -> None:
                               cfg.sequence_length, cfg.dataset.packing)
     checkpoint = usable_checkpoint(cfg)
     plan = plan_run(cfg, len(examples), world, checkpoint)
+    faults.arm_lab_gpu(plan.start_step)  # the lab's GPU only (faults.py); nothing else sets it
     log_json("start", job=cfg.job_name, attempt=cfg.attempt, method=cfg.method, strategy=cfg.strategy,
              worldSize=world, examples=len(examples), microBatchSize=cfg.micro_batch_size,
              gradientAccumulation=cfg.gradient_accumulation, globalBatch=plan.global_batch,
