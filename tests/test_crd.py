@@ -44,9 +44,9 @@ def test_identity_of_the_crd():
     assert version["name"] == "v1alpha1" and version["storage"] and version["served"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == ["Phase", "Reason", "Model", "Method", "GPUs", "Pool", "Region", "Attempt", "Age"]
+    assert columns == ["Phase", "Reason", "Model", "Method", "GPUs", "Pool", "Region", "Attempt", "Progress", "Age"]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
-    assert wide == ["Strategy", "Predicted", "GPU Memory"]
+    assert wide == ["Strategy", "Predicted", "GPU Memory", "Loss", "ETA"]
 
 
 def test_printer_columns_read_fields_the_status_has():

@@ -1100,6 +1100,33 @@ class AttemptStatus(StatusModel):
     """Failed pods of this attempt as the operator saw them (the classification reads these too)."""
 
 
+class ProgressStatus(StatusModel):
+    """How far the current attempt's training is, from the trainer's last progress line in its
+    rank-0 pod's log (read through the API's pods/log, about every 20 seconds)."""
+
+    attempt: Annotated[int, Field(ge=1)]
+    """The attempt the figures belong to (a new attempt starts without progress)."""
+    step: Annotated[int, Field(ge=0)]
+    """Optimizer steps done, counted over all attempts (a resumed attempt continues the count)."""
+    total_steps: Annotated[int, Field(ge=1)]
+    """The step training ends at (spec.training.maxSteps, or what the trainer computed from epochs)."""
+    summary: str = ""
+    """step/totalSteps and the percentage, e.g. 120/2000 (6%): the PROGRESS column of kubectl get."""
+    loss: float | None = None
+    """Training loss at that step (absent when it is not a finite number, see lossNotFinite)."""
+    loss_not_finite: bool | None = None
+    """True when the trainer logged a NaN or infinite loss (training diverged)."""
+    tokens_per_second: float | None = None
+    """Tokens per second over all GPUs, over the trainer's last logging interval."""
+    steps_per_second: float | None = None
+    """Optimizer steps per second, smoothed over the attempt: what the ETA is computed from."""
+    eta: datetime | None = None
+    """When training should reach totalSteps at the smoothed rate; absent until the attempt has been
+    seen doing at least two steps."""
+    updated_at: datetime
+    """When the trainer wrote the line these figures come from."""
+
+
 class FineTuneJobStatus(StatusModel):
     """Observed state, written by the operator."""
 
@@ -1128,6 +1155,10 @@ class FineTuneJobStatus(StatusModel):
     """When the job succeeded or finally failed."""
     next_attempt_time: datetime | None = None
     """When the next attempt starts (recovery backoff)."""
+    progress: ProgressStatus | None = None
+    """How far the current attempt's training is (step, loss, tokens per second, ETA), read from the
+    trainer's log; kept after the attempt ends (a finished job keeps its last figures), removed when
+    another attempt becomes current."""
 
 
 class ObjectMeta(BaseModel):

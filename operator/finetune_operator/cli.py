@@ -100,6 +100,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="Lease (in the policy namespace) that elects the one active replica ('' for a single replica, no election)")
     p.add_argument("--identity", default=None, help="this replica's name in the election (default: $POD_NAME, else the host name)")
     p.add_argument("--workers", type=int, default=4, help="jobs reconciled in parallel")
+    p.add_argument("--progress-interval", type=float, default=20.0,
+                   help="seconds between two reads of a running job's rank-0 pod log for status.progress (0: off)")
     p.add_argument("--log-format", choices=["json", "plain"], default="json")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_run_operator)
@@ -130,6 +132,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=tuple(args.namespace),
         kubeconfig=args.kubeconfig,
+        progress_interval=max(args.progress_interval, 0.0),
     )
     kopf.run(
         standalone=True,  # one active replica through our Lease, not kopf peering

@@ -29,12 +29,19 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Pool", "type": "string", "jsonPath": ".status.plan.nodePool", "description": "Node pool of the current plan"},
     {"name": "Region", "type": "string", "jsonPath": ".status.plan.region", "description": "Region of the current plan"},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.currentAttempt", "description": "Current attempt"},
+    # status.progress.summary is "step/totalSteps (percent%)", written with the figures (a column cannot compute).
+    {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary",
+     "description": "Optimizer steps done of the current attempt's total, from the trainer's log"},
     {"name": "Strategy", "type": "string", "jsonPath": ".status.plan.strategy", "priority": 1,
      "description": "Strategy of the current plan: ddp, fsdp, zero1, zero2 or zero3"},
     {"name": "Predicted", "type": "string", "jsonPath": ".status.plan.predictedPeak", "priority": 1,
      "description": "Predicted peak GPU memory per GPU of the current plan"},
     {"name": "GPU Memory", "type": "string", "jsonPath": ".status.plan.gpuMemory", "priority": 1,
      "description": "GPU memory per GPU of the plan's GPU type"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1,
+     "description": "Training loss at the last step read from the trainer's log"},
+    {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta", "priority": 1,
+     "description": "When training should reach its last step at the current rate"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

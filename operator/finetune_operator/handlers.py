@@ -25,9 +25,12 @@ import yaml
 from kubernetes import client, config
 
 from . import api, metrics
+from .profiling_shell import ProfileShell
 from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
+from .progress_poller import (DEFAULT_INTERVAL_SECONDS, PollerSettings, ProgressOnlyChanges, ProgressPoller,
+                              patch_progress, read_pod_log)
 from .rendering.backend import BACKENDS
 from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
 
@@ -51,6 +54,7 @@ class Options:
     clusterwide: bool = True
     namespaces: tuple[str, ...] = ()  # the watched namespaces when not clusterwide
     kubeconfig: str | None = None
+    progress_interval: float = DEFAULT_INTERVAL_SECONDS  # seconds between reads of a job's log; 0: off
 
 
 @dataclass
@@ -62,6 +66,8 @@ class Runtime:
     known: set[tuple[str, str]] = field(default_factory=set)
     stop: threading.Event = field(default_factory=threading.Event)
     leadership: Leadership | None = None
+    progress: ProgressPoller | None = None
+    progress_only: ProgressOnlyChanges = field(default_factory=ProgressOnlyChanges)
 
 
 RUNTIME = Runtime()
@@ -116,7 +122,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     cluster = Cluster(kube_api_client(options))
     RUNTIME.policy.set(_read_policy(cluster, options))
     watch_training_jobs(cluster, options)
-    RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy)
+    if options.progress_interval > 0:
+        RUNTIME.progress = ProgressPoller(read_pod_log(cluster.core), patch_progress(cluster.custom),
+                                          PollerSettings(interval=options.progress_interval))
+        RUNTIME.progress.start()
+    RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress,
+                                    profiles=ProfileShell(cluster, options.policy_namespace))
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
     if options.lease:
         RUNTIME.queue.set_active(False)  # until this replica leads
@@ -147,6 +158,8 @@ def _follow() -> None:
     if RUNTIME.queue is None:
         return
     RUNTIME.queue.set_active(False)
+    if RUNTIME.progress is not None:
+        RUNTIME.progress.clear()  # the next leader writes progress
     if not RUNTIME.queue.wait_idle(timeout=LEASE_DURATION_SECONDS):
         log.warning("a reconcile still runs after losing the lease; its writes stay guarded by resourceVersion and uid")
 
@@ -185,6 +198,8 @@ def shutdown(**_: Any) -> None:
         RUNTIME.leadership.stop()
     if RUNTIME.queue is not None:
         RUNTIME.queue.stop()
+    if RUNTIME.progress is not None:
+        RUNTIME.progress.stop()
 
 
 def _enqueue(namespace: str | None, name: str | None) -> None:
@@ -197,9 +212,14 @@ def _enqueue(namespace: str | None, name: str | None) -> None:
 def finetunejob_event(event: dict[str, Any], namespace: str, name: str, status: dict[str, Any], **_: Any) -> None:
     if event.get("type") == "DELETED":
         RUNTIME.known.discard((namespace, name))
+        RUNTIME.progress_only.forget((namespace, name))
         metrics.track_phase(namespace, name, None)
         return
     metrics.track_phase(namespace, name, (status or {}).get("phase") or "Pending", status=status)
+    # A progress write (progress_poller.py) changes only status.progress: nothing to reconcile.
+    if RUNTIME.progress_only.only_progress((namespace, name), event.get("object") or {}):
+        RUNTIME.known.add((namespace, name))
+        return
     _enqueue(namespace, name)
 
 
