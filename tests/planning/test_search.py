@@ -357,6 +357,38 @@ def test_branch_and_bound_matches_exhaustive_search(preference):
     assert agreed >= 30
 
 
+def test_branch_and_bound_matches_exhaustive_whatever_is_free_now():
+    """Free GPUs and the start-time margin decide between plans of different shapes: the pruning must
+    never skip a group that can start now and costs less than the current choice (it once compared
+    tie-break prefixes against the start-now choice and chose a plan with fewer GPUs that cost more)."""
+    rng = random.Random(23)
+    kinds = [("H100-80GB", 3.3), ("A100-80GB", 2.0), ("A100-40GB", 1.45), ("L40S-48GB", 1.05), ("H200-141GB", 4.3)]
+    checked = 0
+    for _ in range(30):
+        pools = []
+        for i, region in enumerate(["eu-de-berlin", "eu-fr-paris"]):
+            for gpu, price in rng.sample(kinds, 3):
+                per_node = 8 if gpu != "L40S-48GB" else 4
+                nodes = rng.choice([1, 2, 4])
+                free = rng.choice([None, 0, per_node // 2, per_node, per_node * nodes])
+                extra: dict[str, Any] = {"maxNodes": nodes, "freeGpus": free}
+                if free is not None and nodes > 1 and rng.random() < 0.5:
+                    extra["freeGpusPerNode"] = [min(per_node, max(0, free - k * per_node)) for k in range(nodes)]
+                pools.append(pool(f"{gpu.lower()}-{i}", gpu=gpu, region=region,
+                                  price=rng.choice([None, round(price * rng.uniform(0.9, 1.1), 2)]), **extra))
+        policy = POLICY.model_copy(update={"placement_preference": rng.choice(["cost", "startTime"]),
+                                           "start_time_cost_margin": rng.choice([0.05, 0.25, 0.6, 1.0])})
+        for _ in range(4):
+            job = _random_job(rng)
+            fast = plan(job, pools, policy)
+            slow = exhaustive_plan(job, pools, policy, estimator=simple_estimate)
+            assert type(fast) is type(slow)
+            if isinstance(fast, Plan):
+                assert fast.key == slow.key, (fast.summary(), slow.summary())
+                checked += 1
+    assert checked >= 60
+
+
 def test_to_status_round_trips_through_the_api_model():
     result = plan(spec(), [pool("h100")])
     status = result.to_status()
@@ -413,7 +445,7 @@ def test_a_plan_survives_a_dump_and_reload():
 def test_weights_floor_never_exceeds_the_memory_model():
     """The search rejects setups whose weights alone do not fit before sizing them: that floor must
     stay under what the sizing model says, for every preset, method, precision, strategy and offload."""
-    from finetune_operator.planning.search import _Ask, _Group, _weights_floor
+    from finetune_operator.planning.space import Ask as _Ask, Group as _Group, weights_floor as _weights_floor
     from finetune_operator.sizing import PRESETS, SizingError, TrainingSetup, estimate_memory
 
     h100 = pool("h100")

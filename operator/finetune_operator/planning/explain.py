@@ -1,0 +1,164 @@
+"""Explaining a plan: the reason it carries (why this pool and setup, what it costs, what it
+changes) and the runners-up (the best plan of other pools, and why each lost)."""
+
+from __future__ import annotations
+
+from .choice import COST_TIE
+from .plan import Plan
+from .pools import GiB
+from .space import Ask, Candidate, Group, Stats
+
+# Runners-up named in the plan: the best plan of other pools, then another setup in the winner's pool.
+RUNNERS_UP = 3
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def shape(group: Group) -> str:
+    if group.nodes == 1:
+        return f"{group.world} x {group.pool.gpu_type}"
+    return f"{group.nodes} nodes x {group.gpus_per_node} x {group.pool.gpu_type}"
+
+
+def setup_words(group: Group, micro: int | None = None) -> str:
+    parts = [group.strategy]
+    if group.offload != "none":
+        parts.append(f"offload {group.offload}")
+    parts.append("checkpointing" if group.checkpointing else "no checkpointing")
+    if micro is not None:
+        parts.append(f"micro-batch {micro}")
+    return ", ".join(parts)
+
+
+def choice_words(ask: Ask, winner: Candidate, others: list[Candidate]) -> str:
+    """Why this plan: the cheapest, or a dearer one chosen because it can start now."""
+    cheapest = min(others, key=lambda c: c.cost_per_step, default=None)
+    if cheapest is None or cheapest.cost_per_step >= winner.cost_per_step * (1 - COST_TIE):
+        return "is the cheapest feasible plan"
+    pct = (winner.cost_per_step / cheapest.cost_per_step - 1) * 100
+    return (f"starts now: it costs {pct:.0f}% more than the cheapest plan ({shape(cheapest.group)} in"
+            f" {cheapest.group.pool.name}), whose pool must scale up or free GPUs first (the policy prefers"
+            f" starting now within {ask.cost_window:.0%} of the cheapest cost)")
+
+
+def why_lost(ask: Ask, winner: Candidate, other: Candidate) -> str:
+    if other.cost_per_step > winner.cost_per_step * (1 + COST_TIE):
+        pct = (other.cost_per_step / winner.cost_per_step - 1) * 100
+        return f"costs {pct:.0f}% more"
+    if other.cost_per_step < winner.cost_per_step * (1 - COST_TIE) and other.needs_scale_up:
+        pct = (1 - other.cost_per_step / winner.cost_per_step) * 100
+        return f"costs {pct:.0f}% less, but its pool must scale up or free GPUs first"
+    if other.needs_scale_up and not winner.needs_scale_up:
+        return "as cheap, but its pool must scale up"
+    if other.world != winner.world:
+        return f"as cheap, but uses {other.world} GPUs instead of {winner.world}"
+    if other.group.nodes != winner.group.nodes:
+        return f"as cheap, but spans {other.group.nodes} nodes"
+    if len(other.changes) > len(winner.changes):
+        return "as cheap, but changes more of what the job asked (" + ", ".join(other.changes) + ")"
+    return "as cheap; lost the final tie-break on exact cost"
+
+
+def runner_up_line(ask: Ask, winner: Candidate, other: Candidate) -> str:
+    g = other.group
+    return (
+        f"{shape(g)} in {g.pool.name} ({g.pool.region}), {setup_words(g, other.micro)}: "
+        f"{gib(other.facts.required_bytes)} per GPU; {why_lost(ask, winner, other)}"
+    )
+
+
+def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, calibration: float,
+            exhaustive: bool) -> Plan:
+    """The plan of the winning candidate, with its reason and runners-up."""
+    g, f = winner.group, winner.facts
+    pool = g.pool
+    hours = winner.seconds_per_step * ask.steps / 3600 if ask.steps is not None else None
+    cost = None
+    if hours is not None and pool.price_per_gpu_hour is not None:
+        cost = hours * g.world * pool.price_per_gpu_hour
+    usable = int(pool.gpu_memory_bytes * (1 - ask.headroom))
+    required = int(f.required_bytes * calibration)
+    runners: list[str] = []
+    # The best plan of each other pool, then the best other setup in the winner's pool.
+    seen_pools = {pool.name}
+    for other in others:
+        if other.group.pool.name not in seen_pools and len(runners) < RUNNERS_UP - 1:
+            seen_pools.add(other.group.pool.name)
+            runners.append(runner_up_line(ask, winner, other))
+    same_pool = [o for o in others if o.group.pool.name == pool.name]
+    # One that costs as much and lost on the tie-break (it must wait, uses more GPUs...) says why
+    # this shape; then other setups (strategy, offload, checkpointing) say why this setup.
+    tied = [o for o in same_pool if o.cost_per_step <= winner.cost_per_step * (1 + COST_TIE)][:1]
+    differs = [o for o in same_pool if (o.group.strategy, o.group.offload, o.group.checkpointing)
+               != (g.strategy, g.offload, g.checkpointing) and o not in tied]
+    for other in (tied + (differs or [o for o in same_pool if o not in tied]))[:RUNNERS_UP - len(runners)]:
+        runners.append(runner_up_line(ask, winner, other))
+    # The cheaper setup that came closest to fitting says the most about why the winner costs what it does.
+    cheaper = sorted((m for m in stats.gpu_misses if m[0] < winner.cost_per_step), key=lambda m: m[2] / m[3])
+    if cheaper:
+        cost_m, group_m, required_m, usable_m = cheaper[0]
+        runners.append(
+            f"{shape(group_m)} in {group_m.pool.name} ({group_m.pool.region}), {setup_words(group_m)}: would cost"
+            f" {(1 - cost_m / winner.cost_per_step) * 100:.0f}% less but needs {gib(required_m)} per GPU,"
+            f" {gib(usable_m)} usable"
+        )
+    free_words = (
+        f"the pool has {pool.free_gpus} GPUs free now"
+        if not winner.needs_scale_up
+        else "the pool must scale up first (" + (
+            "free GPUs unknown" if pool.free_gpus is None
+            else f"{pool.free_gpus} free now, not {g.nodes} node(s) with {g.gpus_per_node} free each") + ")"
+    )
+    cost_words = f"{hours * g.world:,.1f} GPU-hours" if hours is not None else "cost per step"
+    if cost is not None:
+        cost_words += f", {cost:,.2f} at {pool.price_per_gpu_hour:g} per GPU-hour"
+    calib = f" (estimate x {calibration:g} from an observed out-of-memory failure)" if calibration != 1.0 else ""
+    searched = "every candidate" if exhaustive else f"{stats.groups_visited} of {stats.groups} setups"
+    reason = (
+        f"{shape(g)} in pool {pool.name} ({pool.region}) with {setup_words(g)}, micro-batch {winner.micro} x"
+        f" accumulation {ask.global_batch_size // (winner.micro * g.world)}: it needs {gib(required)} per GPU{calib}"
+        f" of {gib(usable)} usable ({pool.gpu_memory_bytes / GiB:.1f} GiB less {ask.headroom:.0%} headroom), peak in"
+        f" {f.peak_phase or 'training'}, and {choice_words(ask, winner, others)} ({cost_words}; searched {searched})."
+        f" {free_words[0].upper() + free_words[1:]}."
+        + (f" Changes: {', '.join(winner.changes)}." if winner.changes else "")
+        + f" Allowed regions: {', '.join(ask.regions)}."
+    )
+    return Plan(
+        pool=pool,
+        region=pool.region,
+        gpu_type=pool.gpu_type,
+        nodes=g.nodes,
+        gpus_per_node=g.gpus_per_node,
+        method=ask.method,
+        strategy=g.strategy,
+        offload=g.offload,
+        optimizer=ask.optimizer,
+        micro_batch_size=winner.micro,
+        gradient_accumulation=ask.global_batch_size // (winner.micro * g.world),
+        gradient_checkpointing=g.checkpointing,
+        attention=ask.attention,
+        precision=ask.precision,
+        sequence_length=ask.sequence_length,
+        global_batch_size=ask.global_batch_size,
+        estimate=f.document,
+        predicted_peak_bytes=f.peak_bytes,
+        required_bytes=required,
+        breakdown_bytes=f.breakdown,
+        peak_phase=f.peak_phase,
+        host_memory_bytes=f.host_bytes_per_rank * g.gpus_per_node,
+        calibration=calibration,
+        memory_headroom=ask.headroom,
+        estimated_hours=hours,
+        estimated_cost=cost,
+        cost_per_step=winner.cost_per_step,
+        seconds_per_step=winner.seconds_per_step,
+        needs_scale_up=winner.needs_scale_up,
+        free_now=not winner.needs_scale_up,
+        allowed_regions=list(ask.regions),
+        changes=list(winner.changes),
+        reason=reason,
+        runners_up=runners,
+    )
+

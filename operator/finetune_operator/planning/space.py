@@ -1,0 +1,356 @@
+"""The search space of one job: what it fixes, what is `auto`, and the groups of setups to size.
+
+  pool (in the allowed regions, of an allowed GPU type, or the one the job names)
+  x GPUs W (divides globalBatchSize, at most maxGPUs and the pool's ceiling; or the fixed
+    count), split evenly over nodes (nodes x GPUs per node, within the pool's ceiling and
+    node size: more nodes add cross-node traffic but spread the per-pod host memory and can
+    use free GPUs scattered over nodes)
+  x strategy (ddp, fsdp, zero1-3) x offload (none, optimizer, optimizer+params, where the
+    strategy can) x gradient checkpointing (off, on) x micro-batch (divisors of
+    globalBatchSize / W, so that micro x accumulation x W = globalBatchSize exactly).
+  Fields the job fixes are not searched.
+
+A `Group` is one (pool, W, nodes, strategy, offload, checkpointing); the micro-batch is searched
+inside it. A `Candidate` is a group at one micro-batch that fits, with its cost.
+Feasible: required bytes (the sizing estimate, times the calibration factor) <= GPU memory x
+(1 - headroom), and the pod's host memory (per-rank host bytes x ranks per node) fits the
+node's allocatable memory (when the pool says what that is).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .. import api
+from ..sizing import ModelArchitecture, SizingError
+from ..sizing.from_job import architecture_of
+from .choice import COST_TIE, cost_window_of
+from .estimates import EstimateFacts
+from .plan import Infeasible, PlanKey
+from .policy import ClusterPolicy
+from .pools import NodePool, same_gpu_type
+from .storage import StorageError, storage_regions
+
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+# Offload each strategy can do, as the API allows it: DeepSpeed ZeRO-1/2 offload optimizer states
+# only, FSDP's CPUOffload moves parameters and optimizer together, DDP none.
+STRATEGY_OFFLOADS = {
+    "ddp": ("none",),
+    "zero1": ("none", "optimizer"),
+    "zero2": ("none", "optimizer"),
+    "fsdp": ("none", "optimizer+params"),
+    "zero3": OFFLOADS,
+}
+# QLoRA replicates its 4-bit base (the API accepts only ddp for it): only adapters train.
+METHOD_STRATEGIES = {"qlora": ("ddp",)}
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A job's fixed settings and the ranges of its `auto` ones."""
+
+    arch: ModelArchitecture
+    method: str
+    lora_rank: int
+    lora_targets: str | tuple[str, ...]
+    precision: str
+    optimizer: str
+    attention: str
+    sequence_length: int
+    global_batch_size: int
+    steps: int | None
+    gpus: int | None  # fixed total, or None (auto)
+    max_gpus: int
+    strategies: tuple[str, ...]
+    offloads: tuple[str, ...]
+    checkpointing: tuple[bool, ...]
+    micro_batch_size: int | None  # fixed, or None (auto)
+    headroom: float
+    node_pool: str | None
+    gpu_types: tuple[str, ...]
+    regions: tuple[str, ...]
+    fixed_strategy: bool
+    fixed_offload: bool
+    fixed_checkpointing: bool
+    # Costs within this fraction of the cheapest count as equal (then: free now first). COST_TIE,
+    # or the policy's start-time margin when the platform prefers starting now to saving a little.
+    cost_window: float = COST_TIE
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """A (pool, W, strategy, offload, checkpointing) group; the micro-batch is searched inside it.
+
+    Thousands are made per plan, so it is a plain slotted class (treat it as read-only).
+    """
+
+    pool: NodePool
+    world: int
+    nodes: int
+    gpus_per_node: int
+    strategy: str
+    offload: str
+    checkpointing: bool
+    micros: tuple[int, ...]  # valid micro-batch sizes, ascending
+    price: float  # ranking price per GPU-hour
+    order: int  # enumeration order, for determinism
+    usable: int  # GPU memory the plan may fill (after headroom)
+    tflops: float  # the pool's GPU peak
+
+    def fit_key(self) -> tuple:
+        """What decides which micro-batches fit: the setup and the memory it must fit in, not the pool's name."""
+        return (self.world, self.strategy, self.offload, self.checkpointing, self.micros, self.usable,
+                self.pool.host_memory_bytes, self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    group: Group
+    micro: int
+    facts: EstimateFacts
+    seconds_per_step: float
+    cost_per_step: float  # ranking cost (GPU-hours x ranking price)
+    needs_scale_up: bool
+    changes: tuple[str, ...]
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def rank_key(self) -> tuple:
+        g = self.group
+        return (self.needs_scale_up, g.world, g.nodes, len(self.changes), self.cost_per_step, g.order, self.micro)
+
+    def key(self, ask: Ask) -> PlanKey:
+        g = self.group
+        return PlanKey(g.pool.name, g.nodes, g.gpus_per_node, ask.method, g.strategy, g.offload, ask.optimizer,
+                       self.micro, g.checkpointing)
+
+
+
+@dataclass
+class Stats:
+    """What the search saw, for the reason and the infeasible message."""
+
+    rejected: dict[str, int] = field(default_factory=dict)
+    closest: tuple[float, Group, int, int, int] | None = None  # (ratio, group, micro, required, usable)
+    closest_host: tuple[float, Group, int, int] | None = None  # (ratio, group, host needed, host there)
+    closest_floor: tuple[float, Group] | None = None  # (weights floor / usable, group): not sized
+    # Setups that do not fit in GPU memory: (their cost at the largest micro-batch, group, required, usable).
+    gpu_misses: list[tuple[float, Group, int, int]] = field(default_factory=list)
+    groups: int = 0
+    groups_visited: int = 0
+    groups_skipped: int = 0  # by the branch and bound: unable to win or to name a runner-up pool
+
+    def reject(self, why: str) -> None:
+        self.rejected[why] = self.rejected.get(why, 0) + 1
+
+
+def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture: ModelArchitecture | None) -> Ask | Infeasible:
+    try:
+        arch = architecture or architecture_of(spec)
+    except SizingError as error:
+        return Infeasible(message=f"spec.model.architecture: {error}")
+    lora_rank, lora_targets = 16, "all-linear"
+    if spec.lora is not None:
+        lora_rank = spec.lora.rank
+        targets = spec.lora.target_modules
+        lora_targets = "all-linear" if targets == ["all-linear"] else tuple(targets)
+        if spec.method != "full":
+            try:
+                arch.resolve_lora_targets(lora_targets)
+            except SizingError as error:
+                return Infeasible(message=f"spec.lora.targetModules: {error}")
+    t, r = spec.training, spec.resources
+    regions = tuple(reg for reg in spec.placement.regions if reg in set(policy.allowed_regions))
+    try:
+        # Object storage narrows further: data is trained on only where its endpoint may be read.
+        reachable = storage_regions(spec, policy)
+    except StorageError:
+        reachable = None  # an endpoint the policy refuses: the job is Invalid (layout_of, render_attempt say so)
+    if reachable is not None:
+        regions = tuple(reg for reg in regions if reg in reachable)
+    headroom = r.memory_headroom if r.memory_headroom is not None else policy.default_memory_headroom
+    return Ask(
+        arch=arch,
+        method=spec.method,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        attention=t.attention,
+        sequence_length=t.sequence_length,
+        global_batch_size=t.global_batch_size,
+        steps=t.max_steps,
+        gpus=r.gpus if isinstance(r.gpus, int) else None,
+        max_gpus=r.gpus if isinstance(r.gpus, int) else r.max_gpus,
+        strategies=METHOD_STRATEGIES.get(spec.method, STRATEGIES) if r.strategy == "auto" else (r.strategy,),
+        offloads=OFFLOADS if r.offload == "auto" else (r.offload,),
+        checkpointing=(False, True) if t.gradient_checkpointing is None else (t.gradient_checkpointing,),
+        micro_batch_size=t.micro_batch_size if isinstance(t.micro_batch_size, int) else None,
+        headroom=headroom,
+        node_pool=None if r.node_pool == "auto" else r.node_pool,
+        gpu_types=tuple(r.gpu_types),
+        regions=regions,
+        fixed_strategy=r.strategy != "auto",
+        fixed_offload=r.offload != "auto",
+        fixed_checkpointing=t.gradient_checkpointing is not None,
+        cost_window=cost_window_of(policy),
+    )
+
+
+def pools_for(ask: Ask, pools: Sequence[NodePool]) -> tuple[list[NodePool], Infeasible | None]:
+    """The pools the job may use, or an Infeasible that says which constraint left none."""
+    if not ask.regions:
+        return [], Infeasible(
+            message="no region is allowed: spec.placement.regions and the cluster policy's allowed regions have no"
+            " region in common",
+            allowed_regions=[],
+        )
+    regions = list(ask.regions)
+    in_region = [p for p in pools if p.region in ask.regions and p.max_nodes > 0]
+    if not in_region:
+        empty = sorted(p.name for p in pools if p.region in ask.regions)
+        where = sorted({p.region for p in pools})
+        message = (
+            f"the node pools in the allowed regions {regions} cannot scale to any node (maxNodes 0): {', '.join(empty)}"
+            if empty else f"no node pool in the allowed regions {regions}; pools exist in {where}"
+        )
+        return [], Infeasible(message=message, allowed_regions=regions)
+    if ask.node_pool is not None:
+        named = [p for p in pools if p.name == ask.node_pool]
+        if not named:
+            return [], Infeasible(
+                message=f"spec.resources.nodePool: no pool named {ask.node_pool!r}; pools in the allowed regions:"
+                f" {', '.join(sorted(p.name for p in in_region))}",
+                allowed_regions=regions,
+            )
+        in_region = [p for p in in_region if p.name == ask.node_pool]
+        if not in_region:
+            return [], Infeasible(
+                message=f"spec.resources.nodePool: pool {ask.node_pool!r} is in {named[0].region}, outside the allowed"
+                f" regions {regions}",
+                allowed_regions=regions,
+            )
+    if ask.gpu_types:
+        typed = [p for p in in_region if any(same_gpu_type(p.gpu_type, t) for t in ask.gpu_types)]
+        if not typed:
+            offered = sorted({p.gpu_type for p in in_region})
+            return [], Infeasible(
+                message=f"spec.resources.gpuTypes: no pool in the allowed regions {regions} offers"
+                f" {', '.join(ask.gpu_types)}; they offer {', '.join(offered)}",
+                allowed_regions=regions,
+            )
+        in_region = typed
+    return in_region, None
+
+
+# ---------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------
+
+
+def splits(world: int, pool: NodePool) -> list[tuple[int, int]]:
+    """Every even way to place `world` GPUs on the pool's nodes, fewest nodes first: (nodes, GPUs per node).
+
+    More nodes than needed cost cross-node traffic, but they spread the per-pod host memory
+    (every rank loads the model) and free GPUs scattered over nodes; the search weighs that.
+    """
+    return [
+        (nodes, world // nodes)
+        for nodes in range(max(1, -(-world // pool.gpus_per_node)), min(world, pool.max_nodes) + 1)
+        if world % nodes == 0
+    ]
+
+
+def divisors(n: int) -> list[int]:
+    small, large = [], []
+    for d in range(1, int(math.isqrt(n)) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def groups(ask: Ask, pools: Sequence[NodePool], stats: Stats) -> list[Group]:
+    priced = [p.price_per_gpu_hour for p in pools if p.price_per_gpu_hour is not None]
+    unknown_price = max(priced) if priced else 1.0
+    found: list[Group] = []
+    order = 0
+    for pool in pools:
+        price = pool.price_per_gpu_hour if pool.price_per_gpu_hour is not None else unknown_price
+        usable = int(pool.gpu_memory_bytes * (1 - ask.headroom))
+        tflops = pool.tflops
+        ceiling = min(ask.max_gpus, pool.max_gpus)
+        worlds = [ask.gpus] if ask.gpus is not None else divisors(ask.global_batch_size)
+        for world in worlds:
+            if world > ceiling:
+                stats.reject("more GPUs than maxGPUs or the pool's ceiling")
+                continue
+            per_rank = ask.global_batch_size // world
+            if ask.global_batch_size % world:
+                stats.reject("globalBatchSize not divisible by the GPU count")
+                continue
+            if ask.micro_batch_size is not None:
+                micros = (ask.micro_batch_size,) if per_rank % ask.micro_batch_size == 0 else ()
+            else:
+                micros = tuple(divisors(per_rank))
+            if not micros:
+                stats.reject("micro-batch does not divide globalBatchSize / GPUs")
+                continue
+            ways = splits(world, pool)
+            if not ways:
+                stats.reject("GPU count does not split evenly over the pool's nodes")
+                continue
+            for nodes, per_node in ways:
+                for strategy in ask.strategies:
+                    for offload in STRATEGY_OFFLOADS[strategy]:
+                        if offload not in ask.offloads:
+                            continue
+                        for ckpt in ask.checkpointing:
+                            found.append(Group(pool, world, nodes, per_node, strategy, offload, ckpt, micros, price,
+                                              order, usable, tflops))
+                            order += 1
+    stats.groups = len(found)
+    return found
+
+
+def changes(ask: Ask, group: Group) -> tuple[str, ...]:
+    """Departures from the plain setup: things the user did not ask for that the plan turns on."""
+    turned_on = []
+    if group.checkpointing and not ask.fixed_checkpointing:
+        turned_on.append("gradient checkpointing on")
+    if group.offload != "none" and not ask.fixed_offload:
+        turned_on.append(f"offload {group.offload}")
+    if group.strategy != "ddp" and not ask.fixed_strategy:
+        turned_on.append(f"strategy {group.strategy}")
+    return tuple(turned_on)
+
+
+def fits(ask: Ask, group: Group, facts: EstimateFacts, calibration: float) -> str | None:
+    """None when the setup fits the pool; else which memory does not."""
+    if facts.required_bytes * calibration > group.usable:
+        return "gpu"
+    host = facts.host_bytes_per_rank * group.gpus_per_node
+    if group.pool.host_memory_bytes and host > group.pool.host_memory_bytes:
+        return "host"
+    return None
+
+
+def weights_floor(ask: Ask, group: Group) -> float:
+    """Bytes of weights every GPU holds whatever else it holds: a floor under any estimate.
+
+    Checking it first saves sizing setups whose weights alone do not fit (most of a 70B model's
+    setups on small GPUs). tests/planning/test_search.py checks it stays under the sizing model
+    for every preset, method, strategy and offload.
+    """
+    per_param = 0.5 if ask.method == "qlora" else (4 if ask.precision == "fp32" else 2)
+    floor = per_param * ask.arch.total_params
+    if group.strategy in ("fsdp", "zero3"):
+        return 0.0 if group.offload == "optimizer+params" else floor / group.world
+    return floor
+
