@@ -37,6 +37,10 @@
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+# status.progress: the trainer's progress line is read from the rank-0 pod's log (logs only: no exec, no attach).
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
 # kopf and the operator explain what they do with Events on the FineTuneJob.
 - apiGroups: [""]
   resources: [events]
