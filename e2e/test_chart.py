@@ -111,6 +111,9 @@ def expected_access(lease: str) -> list[tuple[str, str, str | None, str]]:
     scope "lease" is asked in the release namespace."""
     out = []
     for need in ACCESS["needs"]:
+        when = need.get("when") or {}
+        if "auto" not in when.get("backends", ["auto"]):
+            continue  # the `installed` release runs trainingBackend auto (both backends) with kueue.enabled
         arg, sub = _resource_arg(need["group"], need["resource"])
         if need.get("resourceName") == "LEASE":
             arg = f"{arg}/{lease}"
@@ -155,7 +158,7 @@ def installed(lab, helm, tmp_path_factory):
     release = f"fto-{uuid.uuid4().hex[:5]}"
     lease = f"chart-e2e-{uuid.uuid4().hex[:5]}"
     proc = helm("install", release, str(CHART), "--namespace", ns, "--set", f"leaderElection.leaseName={lease}",
-                "--set", "trainingOperator.requireCRD=true")
+                "--set", "trainingOperator.requireCRD=true", "--set", "kueue.enabled=true")
     info = {"namespace": ns, "release": release, "lease": lease, "notes": proc.stdout, "tmp": tmp,
             "fullname": f"{release}-finetune-operator", "sa": f"{ns}:{release}-finetune-operator"}
     yield info

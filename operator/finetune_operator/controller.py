@@ -38,7 +38,7 @@ from .planning.capacity import Claim, with_claims
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
 from .rendering.names import attempt_name, label_value
-from .rendering.backend import BACKENDS, PYTORCH_JOB, Backend, backend_of_kind
+from .rendering.backend import BACKENDS, PYTORCH_JOB, PYTORCHJOB, TRAIN_JOB, Backend, backend_of_kind, missing_runtime
 from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
 
 log = logging.getLogger("finetune_operator.controller")
@@ -81,6 +81,7 @@ class Cluster:
         self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
         self._events_lock = threading.Lock()
         self._served: tuple[float, tuple[Backend, ...]] | None = None
+        self._runtimes: dict[str, tuple[float, bool]] = {}
         self._served_lock = threading.Lock()
 
     # -- which backends the cluster serves -----------------------------------
@@ -108,6 +109,27 @@ class Cluster:
         """A CRD changed: look again on the next reconcile."""
         with self._served_lock:
             self._served = None
+            self._runtimes.clear()
+
+    def runtime_exists(self, name: str) -> bool:
+        """Whether the ClusterTrainingRuntime `name` exists (cached like the served kinds). A read RBAC does
+        not allow counts as existing: Trainer's webhook then refuses the TrainJob, and the job says so."""
+        with self._served_lock:
+            seen = self._runtimes.get(name)
+            now = time.monotonic()
+            if seen is not None and now - seen[0] <= BACKEND_DISCOVERY_SECONDS:
+                return seen[1]
+        try:
+            self.custom.get_cluster_custom_object(TRAIN_JOB.group, TRAIN_JOB.version, "clustertrainingruntimes", name,
+                                                  _preload_content=False)
+            exists = True
+        except ApiException as error:
+            if error.status not in (403, 404):
+                raise
+            exists = error.status == 403
+        with self._served_lock:
+            self._runtimes[name] = (time.monotonic(), exists)
+        return exists
 
     def _serves(self, backend: Backend) -> bool:
         try:
@@ -471,6 +493,10 @@ class Reconciler:
         needs_plan = current is None or current.state in ("Failed", "Pending")
         # Free GPUs count what other jobs' attempts already ask for and nodes do not show yet.
         pools = with_claims(self.cluster.pools(policy), self.claims.others((namespace, name))) if needs_plan else []
+        unusable: dict[str, str] = {}
+        if needs_plan and TRAIN_JOB in backends and policy.training_backend != PYTORCHJOB \
+                and not self.cluster.runtime_exists(policy.train_job_runtime):
+            unusable[TRAIN_JOB.name] = missing_runtime(policy)
         default_queue = None
         if needs_plan and job.spec.queue_name is None and policy.default_queue_name is not None:
             try:
@@ -481,7 +507,8 @@ class Reconciler:
                     raise
         observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
                                       foreign=foreign, invalid=problems, model_config=model_config,
-                                      waiting_for=waiting_for, backends=backends, default_queue=default_queue)
+                                      waiting_for=waiting_for, backends=backends, default_queue=default_queue,
+                                      unusable=unusable)
         decision = lifecycle.step(observed)
         self._apply(body, job=job, decision=decision, policy=policy, current=current)
         self.claims.note((namespace, name), decision, current, pods)

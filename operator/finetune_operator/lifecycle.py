@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from . import api
 from .children import PLAN_STATUS_ANNOTATION, Child, plan_annotation
@@ -99,6 +99,8 @@ class Observed:
     backends: Sequence[Backend] = DEFAULT_SERVED
     # The policy's defaultQueueName, when the job's namespace has that LocalQueue (the shell checks).
     default_queue: str | None = None
+    # Served backends that cannot be used now, and why (the TrainJob's ClusterTrainingRuntime is missing).
+    unusable: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -358,7 +360,7 @@ def _launch(decision: Decision, observed: Observed, plan: Plan, *, attempt: int,
     job, status, now = observed.job, decision.status, observed.now
     generation = job.metadata.generation
     try:
-        backend = select_backend(job, observed.policy, observed.backends)
+        backend = select_backend(job, observed.policy, observed.backends, observed.unusable)
     except NoBackend as missing:
         if missing.path is not None:
             return invalid(status, [api.FieldProblem(path=missing.path, message=missing.message)], now, generation)

@@ -151,11 +151,18 @@ def granted(rules: list[dict[str, Any]]) -> set[Grant]:
     return out
 
 
-def needed(scope: str, lease_name: str = "finetune-operator") -> set[Grant]:
-    """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease)."""
+def applies(need: dict[str, Any], backend: str = "auto", kueue: bool = False) -> bool:
+    """Whether a need of operator_access.yaml is granted under policy.trainingBackend `backend` and kueue.enabled."""
+    when = need.get("when") or {}
+    return backend in when.get("backends", [backend]) and (kueue or not when.get("kueue", False))
+
+
+def needed(scope: str, lease_name: str = "finetune-operator", backend: str = "auto", kueue: bool = False) -> set[Grant]:
+    """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease), under the chart's
+    policy.trainingBackend and kueue.enabled values (the defaults: auto, false)."""
     out: set[Grant] = set()
     for need in operator_access()["needs"]:
-        if need["scope"] != scope:
+        if need["scope"] != scope or not applies(need, backend, kueue):
             continue
         name = lease_name if need.get("resourceName") == "LEASE" else ""
         for verb in need["verbs"]:

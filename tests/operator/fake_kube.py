@@ -222,10 +222,11 @@ class FakeKube:
 
 
 _PLURALS = {"pytorchjobs": "PyTorchJob", "finetunejobs": "FineTuneJob", "trainjobs": "TrainJob",
-            "workloads": "Workload", "localqueues": "LocalQueue"}
+            "workloads": "Workload", "localqueues": "LocalQueue", "clustertrainingruntimes": "ClusterTrainingRuntime"}
 _GROUPS = {"pytorchjobs": ("kubeflow.org", "v1"), "finetunejobs": ("finetune.dev", "v1alpha1"),
            "trainjobs": ("trainer.kubeflow.org", "v1alpha1"), "workloads": ("kueue.x-k8s.io", "v1beta2"),
-           "localqueues": ("kueue.x-k8s.io", "v1beta2")}
+           "localqueues": ("kueue.x-k8s.io", "v1beta2"),
+           "clustertrainingruntimes": ("trainer.kubeflow.org", "v1alpha1")}
 
 
 class _Custom:
@@ -246,6 +247,10 @@ class _Custom:
     def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
         self._served(group, version, plural)
         return _response(self.kube._must_get(_PLURALS[plural], namespace, name))
+
+    def get_cluster_custom_object(self, group, version, plural, name, **_):
+        self._served(group, version, plural)
+        return _response(self.kube._must_get(_PLURALS[plural], "", name))
 
     def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
         self._served(group, version, plural)

@@ -85,7 +85,12 @@ renders it with toYaml, so values reach the operator as data, never as text spli
   "trainerImage" (include "finetune-operator.trainerImage" .)
   "catalog" $p.catalog
   "objectStorage" ($p.objectStorage | default list)
+  "trainingBackend" ($p.trainingBackend | default "auto")
+  "trainJobRuntime" .Values.trainJobRuntime.name
 -}}
+{{- with $p.defaultQueueName }}
+{{- $_ := set $policy "defaultQueueName" . -}}
+{{- end }}
 {{- toYaml $policy -}}
 {{- end -}}
 

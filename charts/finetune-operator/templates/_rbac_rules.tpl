@@ -8,11 +8,17 @@
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
-# kopf scans custom resources at startup and when CRDs change; the operator checks that the
-# PyTorchJob CRD is there before it plans.
+# kopf scans custom resources at startup and when CRDs change; the operator looks again at which
+# training-job CRDs are served when one changes.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
+{{- if has (.Values.policy.trainingBackend | default "auto") (list "auto" "trainjob") }}
+# TrainJobs refer to the ClusterTrainingRuntime trainJobRuntime.name: the operator checks it exists.
+- apiGroups: [trainer.kubeflow.org]
+  resources: [clustertrainingruntimes]
+  verbs: [get]
+{{- end }}
 {{- end -}}
 
 {{/* Rules on namespaced resources, granted cluster-wide or per watched namespace. */}}
@@ -25,10 +31,28 @@
 - apiGroups: [finetune.dev]
   resources: [finetunejobs/status]
   verbs: [get, patch, update]
-# Each attempt is a PyTorchJob the operator creates, watches, and deletes before the next attempt.
+{{- $backend := .Values.policy.trainingBackend | default "auto" }}
+{{- if has $backend (list "auto" "pytorchjob") }}
+# Each attempt is a PyTorchJob the operator creates, watches, suspends (patch) and deletes before the next attempt.
 - apiGroups: [kubeflow.org]
   resources: [pytorchjobs]
   verbs: [get, list, watch, create, delete, patch]
+{{- end }}
+{{- if has $backend (list "auto" "trainjob") }}
+# ... or a TrainJob (Kubeflow Trainer v2), the same way.
+- apiGroups: [trainer.kubeflow.org]
+  resources: [trainjobs]
+  verbs: [get, list, watch, create, delete, patch]
+{{- end }}
+{{- if .Values.kueue.enabled }}
+# Kueue, read only: a queued job's Workload says why it waits; its LocalQueue may not exist.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [list]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [localqueues]
+  verbs: [get]
+{{- end }}
 # The trainer config of each attempt is a ConfigMap mounted into its pods; the policy is one too.
 - apiGroups: [""]
   resources: [configmaps]

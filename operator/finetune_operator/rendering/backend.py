@@ -141,6 +141,12 @@ TRAIN_JOB = Backend(
 BACKENDS: tuple[Backend, ...] = (PYTORCH_JOB, TRAIN_JOB)
 
 
+def missing_runtime(policy: ClusterPolicy) -> str:
+    """Why TrainJobs cannot be created when the policy's ClusterTrainingRuntime does not exist."""
+    return (f"the ClusterTrainingRuntime {policy.train_job_runtime} that TrainJobs refer to does not exist "
+            "(the chart installs it with trainJobRuntime.enabled)")
+
+
 def backend_of_kind(kind: str) -> Backend | None:
     return next((b for b in BACKENDS if b.kind == kind), None)
 
@@ -166,25 +172,33 @@ def needs_init_containers(job: api.FineTuneJob, policy: ClusterPolicy) -> str | 
     return "spec.model.source" if any(c["name"] == pod.FETCH_CONTAINER for c in containers) else "spec.dataset.source"
 
 
-def select_backend(job: api.FineTuneJob, policy: ClusterPolicy, served: Sequence[Backend]) -> Backend:
+def select_backend(job: api.FineTuneJob, policy: ClusterPolicy, served: Sequence[Backend],
+                   unusable: Mapping[str, str] | None = None) -> Backend:
     """The backend of the job's next attempt: the policy's `trainingBackend` among the `served` ones.
+    `unusable` maps a served backend's name to why it cannot be used now (the TrainJob's
+    ClusterTrainingRuntime does not exist).
 
-    Raises NoBackend when the chosen kind is not served (the message names the CRD and what installs
-    it), or when only a TrainJob is possible and the job needs init containers (its `path` is then the
-    spec field)."""
+    Raises NoBackend when the chosen kind is not served or not usable (the message names the CRD or
+    runtime and what installs it), or when only a TrainJob is possible and the job needs init
+    containers (its `path` is then the spec field)."""
     wanted = policy.training_backend
+    unusable = dict(unusable or {})
     served_names = {b.name for b in served}
     if wanted in (PYTORCHJOB, TRAINJOB):
         backend = PYTORCH_JOB if wanted == PYTORCHJOB else TRAIN_JOB
         if backend.name not in served_names:
             raise NoBackend(f"the cluster policy's trainingBackend is {wanted}, but the API server does not serve "
                             f"{backend.resource}: install {backend.product}")
+        if backend.name in unusable:
+            raise NoBackend(f"the cluster policy's trainingBackend is {wanted}, but {unusable[backend.name]}")
         candidates = [backend]
     else:
-        candidates = [b for b in (TRAIN_JOB, PYTORCH_JOB) if b.name in served_names]
+        candidates = [b for b in (TRAIN_JOB, PYTORCH_JOB) if b.name in served_names and b.name not in unusable]
         if not candidates:
+            why = "; ".join(unusable[b.name] for b in BACKENDS if b.name in served_names and b.name in unusable)
             raise NoBackend("the API server serves neither trainjobs.trainer.kubeflow.org nor pytorchjobs.kubeflow.org "
-                            f"(trainingBackend auto): install {TRAIN_JOB.product}, or {PYTORCH_JOB.product}")
+                            f"(trainingBackend auto): install {TRAIN_JOB.product}, or {PYTORCH_JOB.product}" if not why
+                            else f"no training backend is usable (trainingBackend auto): {why}")
     field_ = needs_init_containers(job, policy)
     if field_ is None:
         return candidates[0]
