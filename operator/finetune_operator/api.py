@@ -790,6 +790,7 @@ CHOICE_PATHS: dict[str, str] = {
     "gradient_checkpointing": "training.gradientCheckpointing",
     "activation_offloading": "training.activationOffloading",
     "target_experts": "lora.targetExperts",
+    "chunked_loss": "training.lossChunks",
 }
 
 
@@ -817,6 +818,7 @@ def spec_choices(spec: "FineTuneJobSpec") -> Choices:
         gradient_checkpointing=training.gradient_checkpointing,
         activation_offloading=training.activation_offloading,
         target_experts=spec.lora.target_experts if spec.lora is not None else None,
+        chunked_loss=None if training.loss_chunks == "auto" else training.loss_chunks > 1,
     )
 
 

@@ -21,6 +21,7 @@ from finetune_trainer.contract import TrainerConfig, deepspeed_config
 
 DENSE = ModelArchitecture.from_preset("llama-3.2-1b").with_layers(2)
 MOE = ModelArchitecture.from_preset("mixtral-8x7b").with_layers(2)
+SOFTCAPPED = ModelArchitecture.from_preset("gemma-2-9b").with_layers(2)  # final logit soft-capping
 GLOBAL_BATCH = 8
 
 choices = st.builds(
@@ -39,17 +40,19 @@ choices = st.builds(
     activation_offloading=st.booleans(),
     target_experts=st.booleans(),
     moe=st.booleans(),
-)
+    chunked_loss=st.booleans(),
+    logit_transform=st.booleans(),
+).map(lambda c: c.but(logit_transform=False) if c.moe else c)  # no soft-capped MoE model here
 
 
 def _setup(c: C.Choices) -> TrainingSetup:
     return TrainingSetup(
-        architecture=MOE if c.moe else DENSE, method=c.method, strategy=c.strategy, world_size=2, offload=c.offload,
+        architecture=MOE if c.moe else SOFTCAPPED if c.logit_transform else DENSE, method=c.method, strategy=c.strategy, world_size=2, offload=c.offload,
         optimizer=c.optimizer, precision=c.precision, master_weights=c.master_weights,
         update_rounding=c.update_rounding, optimizer_in_backward=c.optimizer_in_backward,
         gradient_accumulation=c.gradient_accumulation, gradient_checkpointing=c.gradient_checkpointing,
         activation_offloading=c.activation_offloading, lora_target_experts=bool(c.target_experts),
-        lora_dropout=0.0,
+        lora_dropout=0.0, loss_chunks=8 if c.chunked_loss else 1,
     )
 
 
@@ -66,7 +69,7 @@ def _contract(c: C.Choices) -> TrainerConfig:
         "updateRounding": c.update_rounding, "optimizerInBackward": c.optimizer_in_backward,
         "gradientAccumulation": c.gradient_accumulation, "maxGradNorm": 1.0 if c.gradient_clipping else 0.0,
         "gradientCheckpointing": c.gradient_checkpointing, "activationOffloading": c.activation_offloading,
-        "lora": {"targetExperts": bool(c.target_experts)},
+        "lora": {"targetExperts": bool(c.target_experts)}, "lossChunks": 8 if c.chunked_loss else 1,
     })
 
 
@@ -80,7 +83,7 @@ def _spec_document(c: C.Choices) -> dict[str, Any]:
             "maxSteps": 10, "globalBatchSize": GLOBAL_BATCH, "microBatchSize": micro, "precision": c.precision,
             "optimizer": c.optimizer, "masterWeights": c.master_weights, "updateRounding": c.update_rounding,
             "optimizerInBackward": c.optimizer_in_backward, "gradientCheckpointing": c.gradient_checkpointing,
-            "activationOffloading": c.activation_offloading,
+            "activationOffloading": c.activation_offloading, "lossChunks": 8 if c.chunked_loss else 1,
         },
         "resources": {"gpus": 2, "strategy": c.strategy, "offload": c.offload},
         "placement": {"regions": ["eu"]},
@@ -111,7 +114,7 @@ def test_setup_and_contract_agree_with_the_table(c: C.Choices):
             _setup(c)
         assert error.value.field == first.field
     # The contract knows clipping but not the model's experts.
-    for_contract = c.but(moe=None, target_experts=c.target_experts if c.method != "full" else None)
+    for_contract = c.but(moe=None, logit_transform=None, target_experts=c.target_experts if c.method != "full" else None)
     ok, why = _accepted(lambda: _contract(c))
     assert ok == C.allows(for_contract), (for_contract, why)
 
@@ -120,7 +123,7 @@ def test_setup_and_contract_agree_with_the_table(c: C.Choices):
 @given(c=choices)
 def test_api_and_its_cel_rules_agree_with_the_table(c: C.Choices):
     # The API knows neither the model (a preset name only) nor clipping; lora settings exist for adapters only.
-    for_api = c.but(moe=None, gradient_clipping=None, target_experts=c.target_experts if c.method != "full" else None)
+    for_api = c.but(moe=None, logit_transform=None, gradient_clipping=None, target_experts=c.target_experts if c.method != "full" else None)
     document = _spec_document(c)
     ok, why = _accepted(lambda: api.parse_spec(document))
     assert ok == C.allows(for_api), (for_api, why)

@@ -50,6 +50,8 @@ class Choices:
     activation_offloading: bool | None = None
     target_experts: bool | None = None  # LoRA on the fused 3-D expert weights
     moe: bool | None = None  # whether the model has mixture-of-experts layers
+    chunked_loss: bool | None = None  # loss chunks > 1
+    logit_transform: bool | None = None  # the model changes logits after the head (soft-capping, scales)
 
     def but(self, **changes: Any) -> "Choices":
         return replace(self, **changes)
@@ -112,6 +114,10 @@ RULES: tuple[Rule, ...] = (
          "master_weights", "bf16 master weights need precision bf16"),
     Rule("bf16-master-zero", {"master_weights": _set("bf16"), "strategy": ZERO}, "master_weights",
          "DeepSpeed ZeRO keeps fp32 master weights; bf16 master weights need ddp or fsdp"),
+    Rule("rounding-bnb", {"update_rounding": _set("stochastic", "kahan"), "optimizer": BNB_OPTIMIZERS},
+         "update_rounding",
+         "stochastic and kahan rounding are done by the trainer's bf16 AdamW; bitsandbytes 8-bit optimizers round"
+         " their own updates: use nearest (or optimizer adamw)"),
     Rule("rounding-fp32-master", {"update_rounding": _set("stochastic", "kahan"), "master_weights": _set("fp32")},
          "update_rounding", "stochastic and kahan rounding compensate bf16 updates: they need bf16 master weights"),
     # ---- optimizer step in backward ------------------------------------------------------
@@ -130,6 +136,10 @@ RULES: tuple[Rule, ...] = (
     # ---- activation offloading -----------------------------------------------------------
     Rule("activation-offload-checkpointing", {"activation_offloading": _set(True), "gradient_checkpointing": _set(False)},
          "activation_offloading", "activation offloading moves checkpointed activations: it needs gradient checkpointing"),
+    # ---- chunked loss ------------------------------------------------------------------------
+    Rule("chunked-loss-logit-transform", {"chunked_loss": _set(True), "logit_transform": _set(True)}, "chunked_loss",
+         "the model changes its logits after the output projection (soft-capping or a logit scale), which the"
+         " chunked loss would bypass: use lossChunks 1"),
     # ---- LoRA on experts -----------------------------------------------------------------------
     Rule("experts-full", {"target_experts": _set(True), "method": _set("full")}, "target_experts",
          "targetExperts adds adapters: it needs method lora or qlora"),

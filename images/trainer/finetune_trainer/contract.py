@@ -295,6 +295,7 @@ class TrainerConfig(_Contract):
             gradient_clipping=self.max_grad_norm > 0, gradient_checkpointing=self.gradient_checkpointing,
             activation_offloading=self.activation_offloading,
             target_experts=self.lora.target_experts if self.method != "full" else None,
+            chunked_loss=self.loss_chunks > 1,
         )
 
     @property

@@ -6,6 +6,8 @@ The constants below cover what that figure leaves out, and the settings of the
 libraries our trainer uses.
 """
 
+from finetune_trainer import contract as _contract
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -39,10 +41,21 @@ BNB_8BIT_MIN_SIZE = 4096
 # 8-bit absmax per block of 64, one fp32 constant per 256 absmax blocks.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 
-# DeepSpeed ZeRO with transformers' "auto" config values: reduce_bucket_size =
-# hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2 (elements), allgather bucket
-# 5e8 elements (DeepSpeed default) for stages 1 and 2.
-ZERO_ALLGATHER_BUCKET_ELEMENTS = 500_000_000
+# DeepSpeed ZeRO bucket sizes (elements): the values the trainer's DeepSpeed config sets
+# explicitly (contract.deepspeed_config), so the model and the config cannot disagree.
+ZERO_REDUCE_BUCKET_ELEMENTS = _contract.ZERO_REDUCE_BUCKET_ELEMENTS
+ZERO_ALLGATHER_BUCKET_ELEMENTS = _contract.ZERO_ALLGATHER_BUCKET_ELEMENTS
+ZERO3_PREFETCH_BUCKET_ELEMENTS = _contract.ZERO3_PREFETCH_BUCKET_ELEMENTS
+
+# The trainer's bf16 AdamW (bf16_adamw.py) computes one parameter's step in fp32: the
+# gradient, both moments and the old weight (4 x 4 bytes per element), and for the
+# rounding: stochastic adds the random bits, their sum (int32) and the bf16 result; kahan
+# the new weight and the re-read one (fp32). Figures from the trainer's author (H2) and
+# bf16_adamw.py: stochastic rounding's transient int32 bits and fp32 sum, 8 bytes.
+BF16_ADAMW_STEP_TEMP_BYTES = 16
+BF16_ADAMW_ROUNDING_TEMP_BYTES = {"nearest": 0, "stochastic": 8, "kahan": 8}
+# Elements one step handles at once (None: a whole parameter, as bf16_adamw.py does today).
+BF16_ADAMW_STEP_SLICE_ELEMENTS: int | None = None
 
 # ---- host RAM per training process ------------------------------------------------
 # Python + torch + CUDA libraries resident set of one training process.

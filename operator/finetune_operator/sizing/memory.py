@@ -27,12 +27,21 @@ How each part was checked:
   and the tied-embedding gradient accumulation were read off traced timelines.
 * Derived, not traced: DeepSpeed ZeRO (its partitioning runs in its own C++/CUDA
   code; the terms are its documented storage: bf16 weights and grads, fp32 master and
-  Adam states, each divided by the stage's divisor, plus transformers' "auto" buckets),
+  Adam states, each divided by the stage's divisor, plus the buckets the trainer's
+  DeepSpeed config sets explicitly, contract.deepspeed_config),
   QLoRA and 8-bit optimizers (bitsandbytes needs CUDA; the terms are the NF4 and
   blockwise 8-bit storage sizes, with the dtypes peft's prepare_model_for_kbit_training
   leaves), Mixtral (expert routing is data-dependent, which fake tensors cannot follow;
   tokens are assumed evenly routed). tests/sizing/test_memory.py checks these against
   hand-computed values; bench/sizing_gpu.py measures QLoRA and 8-bit Adam on a GPU.
+* The levers of a lean trainer, each a named term: bf16 master weights (`_static`,
+  `_optimizer_bytes_per_param`, `_optimizer_step_temporaries`: 2-byte weights, gradients
+  and moments, Kahan's buffer, the bf16 AdamW's per-parameter fp32 temporaries), the
+  optimizer step in backward (`all_grads`: one gradient at a time), the chunked loss
+  (`_logits_bytes`: one chunk of logits), activation offloading (`offloaded_to_host`:
+  the kept block inputs go to host memory), paged 8-bit AdamW (`unified`: outside the
+  allocator, counted on the host), QLoRA under FSDP (`_static`, `_sharding`: the 4-bit
+  base sharded and gathered per block). `lever_savings` says what each saves.
 * Not modelled: what lies outside the allocator's peak (CUDA context, cuBLAS
   workspaces, NCCL buffers, allocator caching) is the fragmentation factor and reserve
   of constants.py, which bench/sizing_gpu.py calibrates.
@@ -46,6 +55,7 @@ from typing import Mapping
 
 from . import constants as K
 from .architecture import ModelArchitecture
+from .errors import SizingError
 from .setup import TrainingSetup
 
 PHASES = ("forward", "backward", "optimizer")
@@ -60,6 +70,7 @@ TERMS = (
     "lora_activations",
     "logits",
     "buffers",
+    "optimizer_step",
 )
 
 
@@ -76,6 +87,14 @@ class MemoryEstimate:
     phase_peaks: Mapping[str, int] = field(default_factory=dict)
     fragmentation_factor: float = K.FRAGMENTATION_FACTOR
     reserve_bytes: int = 0
+    # Paged 8-bit AdamW states live in CUDA unified memory (cudaMallocManaged): torch's
+    # allocator never sees them, so they are not in the peak above (max_memory_allocated)
+    # nor in required_bytes; the driver keeps them on the GPU while it has room and pages
+    # them to host memory otherwise, so the host figure counts them. Device-level used
+    # memory (nvidia-smi) shows what of them is resident.
+    unified_memory_bytes: int = 0
+    # Bytes the setup keeps in host memory in place of GPU memory (activation offloading).
+    activation_offload_bytes: int = 0
 
     def to_json(self) -> dict:
         """The JSON contract of `finetune-operator estimate -o json`."""
@@ -89,7 +108,9 @@ class MemoryEstimate:
                 "fragmentationFactor": self.fragmentation_factor,
                 "reserveBytes": int(self.reserve_bytes),
             },
-            "host": {"requiredBytes": int(self.host_required_bytes)},
+            "host": {"requiredBytes": int(self.host_required_bytes),
+                     "activationOffloadBytes": int(self.activation_offload_bytes)},
+            "unifiedMemoryBytes": int(self.unified_memory_bytes),
             "notes": list(self.notes),
         }
 
@@ -108,30 +129,35 @@ class _Regime:
     lora: bool
     qlora: bool
     mlp: int  # bytes of the MLP's intermediate tensors
+    master_bf16: bool  # full FT with bf16 weights, gradients and optimizer states (no fp32 copy)
 
 
 def _regime(setup: TrainingSetup) -> _Regime:
     compute = 4 if setup.precision == "fp32" else 2
     full = setup.method == "full"
     qlora = setup.method == "qlora"
+    master_bf16 = full and setup.master_weights == "bf16"
     # Full FT keeps fp32 weights; without FSDP/ZeRO the forward runs them under
-    # autocast, so embeddings (not autocast) and the residual stream stay fp32.
-    # QLoRA: peft's prepare_model_for_kbit_training casts everything not quantised
+    # autocast, so embeddings (not autocast) and the residual stream stay fp32. With bf16
+    # master weights the model simply is bf16: no autocast, no copies.
+    # QLoRA under DDP: peft's prepare_model_for_kbit_training casts everything not quantised
     # (embeddings, norms, head) to fp32, and bitsandbytes returns its outputs in the
-    # input's dtype, so the residual stream and the MLP's tensors are fp32 as well.
-    autocast_fp32 = full and setup.strategy == "ddp" and compute == 2
-    residual = 4 if (autocast_fp32 or compute == 4 or qlora) else compute
-    mlp = 4 if qlora else compute
-    return _Regime(compute, residual, autocast_fp32, full, not full, qlora, mlp)
+    # input's dtype, so the residual stream and the MLP's tensors are fp32 as well. Under
+    # FSDP (fsdp_qlora) the rest stays in the compute dtype: FSDP shards one dtype per group.
+    autocast_fp32 = full and setup.strategy == "ddp" and compute == 2 and not master_bf16
+    qlora_fp32_rest = qlora and setup.strategy != "fsdp"
+    residual = 4 if (autocast_fp32 or compute == 4 or qlora_fp32_rest) else compute
+    mlp = 4 if qlora_fp32_rest else compute
+    return _Regime(compute, residual, autocast_fp32, full, not full, qlora, mlp, master_bf16)
 
 
-def _norm_saved(arch: ModelArchitecture, rg: _Regime) -> float:
+def _norm_saved(arch: ModelArchitecture, regime: _Regime) -> float:
     """Bytes per token one RMSNorm saves: its fp32 input, and the normalised value if the weight trains."""
-    h = arch.hidden_size
-    saved = 4 * h
-    if rg.weights_trainable:
+    hidden = arch.hidden_size
+    saved = 4 * hidden
+    if regime.weights_trainable:
         # Gemma computes the whole norm in fp32; Llama-style norms cast back to the input dtype first.
-        saved += 4 * h if arch.family == "gemma2" else rg.residual * h
+        saved += 4 * hidden if arch.family == "gemma2" else regime.residual * hidden
     return saved
 
 
@@ -142,89 +168,90 @@ _INPUT_OF = {  # which tensor a block linear reads, to find adapters that share 
 }
 
 
-def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> float:
+def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> float:
     """Bytes per token peft's adapters save: the input each lora_A reads, and x A."""
-    if not rg.lora:
+    if not regime.lora:
         return 0.0
-    r = setup.lora_rank
+    rank = setup.lora_rank
     dropout = setup.lora_dropout > 0
     # Under FSDP the adapters are gathered in the compute dtype with the base, so peft's
     # cast of the input to the adapter dtype is a no-op and adapters reading the same
     # tensor save that one tensor; the attention output is saved by attention already.
-    shared_inputs = setup.strategy == "fsdp" and rg.compute == 2
+    shared_inputs = setup.strategy == "fsdp" and regime.compute == 2
     saved = 0.0
     seen: set[str] = set()
     for lin in arch.resolve_lora_targets(setup.lora_targets):
         if lin.name in ("experts.gate_up_proj", "experts.down_proj"):
             # Expert adapters see only their routed tokens: experts_per_token copies in all.
-            saved += arch.experts_per_token * (rg.compute * lin.in_features + 4 * r)
+            saved += arch.experts_per_token * (regime.compute * lin.in_features + 4 * rank)
             continue
-        saved += rg.compute * r  # x A, saved by lora_B
+        saved += regime.compute * rank  # x A, saved by lora_B
         if dropout:
             # Dropout (CUDA's fused kernel) makes a new input per adapter and keeps a bool mask.
-            saved += rg.compute * lin.in_features + lin.in_features
+            saved += regime.compute * lin.in_features + lin.in_features
         elif shared_inputs:
             source = _INPUT_OF.get(lin.name, lin.name)
             if source not in seen and source != "attn_out":
-                saved += rg.compute * lin.in_features
+                saved += regime.compute * lin.in_features
             seen.add(source)
         else:
             # peft casts the input to fp32 (the adapter dtype); autocast casts it back for
             # lora_A, and that per-adapter copy is what lora_A saves.
-            saved += rg.compute * lin.in_features
+            saved += regime.compute * lin.in_features
     return saved
 
 
-def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> tuple[float, float]:
+def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> tuple[float, float]:
     """(base, lora) bytes per token that one decoder block saves for backward.
 
     Attention scores (eager) are per token too: they scale with the sequence length.
     """
-    h, i, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
-    nh, c = arch.num_attention_heads, rg.compute
-    t = arch.traits
-    s = setup.sequence_length
+    hidden, inter, q_width, kv_width = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+    heads, compute = arch.num_attention_heads, regime.compute
+    traits = arch.traits
+    seq = setup.sequence_length
 
-    saved = t.norms_per_layer * _norm_saved(arch, rg)
+    saved = traits.norms_per_layer * _norm_saved(arch, regime)
     # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
     # pre-norms (two per block) feed linears. Only those two feed linears below.
 
     # Inputs the base linears save (only when their weights train).
-    if rg.weights_trainable:
-        if rg.autocast_fp32_weights:
+    if regime.weights_trainable:
+        if regime.autocast_fp32_weights:
             # Autocast casts the fp32 norm output separately for every linear that reads it.
-            attn_reads = 1 if t.fused_qkv else 3
-            mlp_reads = 1 if (t.fused_gate_up or arch.is_moe) else 2
-            saved += (attn_reads + mlp_reads) * 2 * h
+            attn_reads = 1 if traits.fused_qkv else 3
+            mlp_reads = 1 if (traits.fused_gate_up or arch.is_moe) else 2
+            saved += (attn_reads + mlp_reads) * 2 * hidden
         else:
-            saved += 2 * c * h  # one norm output per sub-layer, shared by its linears
+            saved += 2 * compute * hidden  # one norm output per sub-layer, shared by its linears
 
     # Attention.
     if setup.attention == "eager":
-        kv_saved = q if arch.num_key_value_heads < nh else kv  # repeat_kv copies
-        saved += c * (q + 2 * kv_saved) + c * q  # q, repeated k/v, contiguous output
-        saved += (4 + c) * nh * s  # softmax output in fp32, and its cast for probs @ v
+        kv_saved = q_width if arch.num_key_value_heads < heads else kv_width  # repeat_kv copies
+        saved += compute * (q_width + 2 * kv_saved) + compute * q_width  # q, repeated k/v, contiguous output
+        saved += (4 + compute) * heads * seq  # softmax output in fp32, and its cast for probs @ v
         if arch.attn_logit_softcapping:
-            saved += c * nh * s  # tanh output
+            saved += compute * heads * seq  # tanh output
     else:
-        saved += c * (2 * q + 2 * kv) + 4 * nh  # q, k, v, output, logsumexp
-        if t.fused_qkv:
-            saved += c * (q + kv)  # v is a view: the whole fused qkv output stays alive
+        saved += compute * (2 * q_width + 2 * kv_width) + 4 * heads  # q, k, v, output, logsumexp
+        if traits.fused_qkv:
+            saved += compute * (q_width + kv_width)  # v is a view: the whole fused qkv output stays alive
         if _sdpa_needs_mask(arch, setup):
             # With a mask sdpa runs the memory-efficient kernel, which converts the boolean
             # mask to the compute dtype and saves it for backward: one b x s x s per block.
-            saved += c * s
+            saved += compute * seq
 
     # MLP.
     if arch.is_moe:
-        k = arch.experts_per_token
+        top_k = arch.experts_per_token
         saved += 4 * arch.num_experts  # router logits/probabilities (fp32)
-        saved += k * (c * h + c * 2 * i + c * i + c * i + c * h)  # gathered in, gate_up, act, product, down out
+        # gathered in, gate_up, act, product, down out
+        saved += top_k * (compute * hidden + compute * 2 * inter + compute * inter + compute * inter + compute * hidden)
     else:
-        saved += 3 * rg.mlp * i  # gate (act input), act output, up
-        if rg.weights_trainable:
-            saved += c * i  # down's input
-    return saved, _lora_saved(arch, setup, rg)
+        saved += 3 * regime.mlp * inter  # gate (act input), act output, up
+        if regime.weights_trainable:
+            saved += compute * inter  # down's input
+    return saved, _lora_saved(arch, setup, regime)
 
 
 def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
@@ -232,7 +259,7 @@ def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
     return setup.attention == "sdpa" and arch.sliding_window is not None and setup.sequence_length > arch.sliding_window
 
 
-def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) -> tuple[float, float]:
+def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> tuple[float, float]:
     """(forward, backward) high points of the head and loss, bytes per token.
 
     Forward (mixed precision): logits in bf16, the fp32 upcast for the loss, log_softmax's
@@ -240,20 +267,29 @@ def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, rg: _Regime) ->
     logits to fp32: 2 + 4 + 4 = 10 bytes x vocab either way.
     Backward starts with log_softmax's saved output, nll_loss's gradient and the
     log_softmax gradient, all fp32: 12 bytes x vocab.
+
+    Chunked loss (the trainer's chunked_loss.py): the head and the loss run per sequence
+    chunk under checkpointing, so forward keeps only each chunk's summed loss and backward
+    recomputes one chunk's logits at a time: one chunk's worth of the above, plus the
+    recomputed bf16 logits of that chunk in backward.
     """
-    v = arch.vocab_size
-    if rg.compute == 4:
-        fwd = 8 * v  # logits, log_softmax output
+    vocab = arch.vocab_size
+    if setup.loss_chunks > 1:
+        per_chunk_fwd = (8 if regime.compute == 4 else 10) * vocab
+        per_chunk_bwd = 12 * vocab + regime.compute * vocab
+        return per_chunk_fwd / setup.loss_chunks, per_chunk_bwd / setup.loss_chunks
+    if regime.compute == 4:
+        fwd = 8 * vocab  # logits, log_softmax output
     else:
-        fwd = 10 * v
-    bwd = 12 * v
+        fwd = 10 * vocab
+    bwd = 12 * vocab
     if arch.final_logit_softcapping:
-        fwd += rg.compute * v * 2  # tanh output saved, capped logits
-        bwd += rg.compute * v
+        fwd += regime.compute * vocab * 2  # tanh output saved, capped logits
+        bwd += regime.compute * vocab
     return fwd, bwd
 
 
-# ---- static terms ---------------------------------------------------------------
+# ---- state that lives through the whole step -------------------------------------
 
 
 @dataclass(frozen=True)
@@ -264,85 +300,130 @@ class _Static:
     master_weights: float
     buffers_step: float  # buffers alive through the whole step (DDP buckets, ZeRO buckets)
     host_offloaded: float
+    unified: float = 0.0  # paged optimizer states (CUDA unified memory, outside torch's allocator)
+    largest_gradient: float = 0.0  # the largest single parameter's gradient (shard), bytes
 
 
-def _linear_params(arch: ModelArchitecture) -> int:
-    return arch.linear_params
+def _optimizer_bytes_per_param(setup: TrainingSetup, regime: _Regime) -> float:
+    """Optimizer state per trainable parameter.
+
+    AdamW keeps two moments in the dtype of what it trains: fp32 (8 bytes) for fp32 master
+    weights and for adapters, bf16 (4 bytes) with bf16 master weights, plus Kahan's bf16
+    compensation buffer (2 bytes) when the update rounding is kahan. bitsandbytes' 8-bit
+    AdamW: blockwise uint8 moments with fp32 absmax, whatever the weights' dtype.
+    """
+    if setup.optimizer != "adamw":
+        return K.BNB_8BIT_STATE_BYTES_PER_PARAM
+    if regime.master_bf16:
+        return 4.0 + (2.0 if setup.update_rounding == "kahan" else 0.0)
+    return 8.0
 
 
-def _optimizer_bytes_per_param(setup: TrainingSetup) -> float:
-    if setup.optimizer == "adamw":
-        return 8.0
-    return K.BNB_8BIT_STATE_BYTES_PER_PARAM
+def _largest_trainable(setup: TrainingSetup) -> int:
+    """Elements of the largest trainable parameter (what a per-parameter step handles at once)."""
+    arch = setup.architecture
+    if setup.method == "full":
+        # Fused 3-D expert weights are one parameter each.
+        return max(arch.vocab_size * arch.hidden_size, max(lin.params for lin in arch.block_linears()))
+    rank = setup.lora_rank
+    return max(rank * max(lin.in_features, lin.out_features) * (lin.experts if lin.name.startswith("experts.") else 1)
+               for lin in arch.resolve_lora_targets(setup.lora_targets))
 
 
-def _static(setup: TrainingSetup, rg: _Regime) -> _Static:
-    arch, n = setup.architecture, setup.world_size
-    p = arch.total_params
-    strat = setup.strategy
-    opt_pp = _optimizer_bytes_per_param(setup)
-    offload_opt = setup.offload in ("optimizer", "optimizer+params")
+def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
+    arch, world = setup.architecture, setup.world_size
+    params = arch.total_params
+    strategy = setup.strategy
+    optimizer_pp = _optimizer_bytes_per_param(setup, regime)
+    offload_optimizer = setup.offload in ("optimizer", "optimizer+params")
     offload_params = setup.offload == "optimizer+params"
     host = 0.0
+    largest = _largest_trainable(setup)
 
     if setup.method == "full":
-        trainable = p
-        if strat in ("zero1", "zero2", "zero3"):
-            # DeepSpeed bf16: 2-byte model weights and grads, fp32 master + Adam in the optimizer.
-            w_b = rg.compute
-            master_pp = 4 if rg.compute == 2 else 0
-            weights = w_b * p / (n if strat == "zero3" else 1)
-            grads = w_b * p / (n if strat in ("zero2", "zero3") else 1)
-            master = master_pp * p / n
-            opt = opt_pp * p / n
-            h2 = arch.hidden_size ** 2
-            if strat == "zero3":
-                buffers = w_b * 0.9 * h2 + w_b * h2  # prefetch bucket + reduce bucket
-            else:
-                buffers = w_b * h2 + w_b * min(K.ZERO_ALLGATHER_BUCKET_ELEMENTS, p / n)
-            if offload_opt:
+        if strategy in ("zero1", "zero2", "zero3"):
+            # DeepSpeed keeps the compute-dtype weights and gradients, and an fp32 master
+            # copy beside fp32 Adam states, each divided by the stage's divisor.
+            weight_bytes = float(regime.compute)
+            master_pp = 4 if regime.compute == 2 else 0
+            weights = weight_bytes * params / (world if strategy == "zero3" else 1)
+            grad_shards = world if strategy in ("zero2", "zero3") else 1
+            grads = weight_bytes * params / grad_shards
+            master = master_pp * params / world
+            opt = optimizer_pp * params / world
+            buffers = _zero_buckets(strategy, weight_bytes, params, world)
+            if offload_optimizer:
                 host += master + opt
                 master, opt = 0.0, 0.0
-            if offload_params and strat == "zero3":
+            if offload_params and strategy == "zero3":
                 host += weights
                 weights = 0.0
-            return _Static(weights, grads, opt, master, buffers, host)
-        w_b = 4.0  # fp32 master weights are the weights (full FT, DDP / FSDP)
-        div = n if strat == "fsdp" else 1
-        weights = w_b * p / div
-        grads = 4.0 * p / div
-        opt = opt_pp * p / div
-        buffers = 4.0 * p if (strat == "ddp" and n > 1 and K.DDP_BUCKETS_COPY_GRADIENTS) else 0.0
-        if offload_opt:
+            return _Static(weights, grads, opt, master, buffers, host,
+                           largest_gradient=weight_bytes * largest / grad_shards)
+        # DDP / FSDP: the weights the optimizer updates are the model's weights (fp32, or bf16
+        # with bf16 master weights), gradients in the same dtype.
+        weight_bytes = 2.0 if regime.master_bf16 else 4.0
+        shards = world if strategy == "fsdp" else 1
+        weights = weight_bytes * params / shards
+        grads = weight_bytes * params / shards
+        opt = optimizer_pp * params / shards
+        buffers = weight_bytes * params if (strategy == "ddp" and world > 1 and K.DDP_BUCKETS_COPY_GRADIENTS) else 0.0
+        unified = 0.0
+        if setup.optimizer == "paged-adamw-8bit":
+            unified, opt = opt, 0.0
+        if offload_optimizer:
             host += opt
             opt = 0.0
         if offload_params:
             host += weights + grads
             weights, grads = 0.0, 0.0
-        return _Static(weights, grads, opt, 0.0, buffers, host)
+        return _Static(weights, grads, opt, 0.0, buffers, host, unified, weight_bytes * largest / shards)
 
     # LoRA / QLoRA: frozen base, fp32 adapters with their own grads and states.
     trainable = arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
-    base_b = 4 if rg.compute == 4 else 2
+    base_bytes = 4 if regime.compute == 4 else 2
     if setup.method == "qlora":
-        lin = _linear_params(arch)
-        base = K.NF4_BYTES_PER_PARAM * lin + 4 * (p - lin)  # the rest cast to fp32 (see _regime)
+        linear = arch.linear_params
+        # The rest: fp32 under DDP (prepare_model_for_kbit_training), the compute dtype under FSDP.
+        rest_bytes = regime.residual if strategy != "fsdp" else regime.compute
+        base = K.NF4_BYTES_PER_PARAM * linear + rest_bytes * (params - linear)
     else:
-        base = base_b * p
-    div = n if strat in ("fsdp", "zero3") else 1
-    weights = (base + 4 * trainable) / div
-    grad_div = n if strat in ("fsdp", "zero2", "zero3") else 1
-    grads = 4.0 * trainable / grad_div
-    opt_div = 1 if strat == "ddp" else n
-    opt = opt_pp * trainable / opt_div
-    buffers = 4.0 * trainable if (strat == "ddp" and n > 1) else 0.0
-    if offload_opt:
+        base = base_bytes * params
+    shards = world if strategy in ("fsdp", "zero3") else 1
+    weights = (base + 4 * trainable) / shards
+    grad_shards = world if strategy in ("fsdp", "zero2", "zero3") else 1
+    grads = 4.0 * trainable / grad_shards
+    opt_shards = 1 if strategy == "ddp" else world
+    opt = optimizer_pp * trainable / opt_shards
+    if strategy.startswith("zero"):
+        buffers = _zero_buckets(strategy, 4.0, trainable, world)
+    else:
+        buffers = 4.0 * trainable if (strategy == "ddp" and world > 1) else 0.0
+    unified = 0.0
+    if setup.optimizer == "paged-adamw-8bit":
+        unified, opt = opt, 0.0
+    if offload_optimizer:
         host += opt
         opt = 0.0
     if offload_params:  # fsdp / zero3: the sharded base and adapters live on the host
         host += weights
         weights = 0.0
-    return _Static(weights, grads, opt, 0.0, buffers, host)
+    return _Static(weights, grads, opt, 0.0, buffers, host, unified, 4.0 * largest / grad_shards)
+
+
+def _zero_buckets(strategy: str, grad_bytes: float, trainable: float, world: int) -> float:
+    """DeepSpeed ZeRO's buffers alive through the step, with the bucket sizes the trainer's
+    config sets (contract.deepspeed_config; overlap_comm and contiguous_gradients on).
+
+    Stages 1/2: overlap_comm double-buffers the gradient reduction (two reduce buckets) and
+    the updated weights are all-gathered in buckets of allgather_bucket_size. Stage 3: the
+    reduce bucket, and parameters prefetched ahead of the module that runs (prefetch bucket).
+    A bucket never holds more than there is to hold.
+    """
+    reduce = min(K.ZERO_REDUCE_BUCKET_ELEMENTS, trainable)
+    if strategy == "zero3":
+        return grad_bytes * (2 * reduce + min(K.ZERO3_PREFETCH_BUCKET_ELEMENTS, trainable))
+    return grad_bytes * (2 * reduce + min(K.ZERO_ALLGATHER_BUCKET_ELEMENTS, trainable / world))
 
 
 # ---- the estimate ---------------------------------------------------------------------
@@ -360,8 +441,14 @@ def _notes(setup: TrainingSetup) -> list[str]:
         notes.append("transformers' sdpa rejects attention soft-capping (Gemma 2); estimated as eager")
     if setup.method == "qlora" or setup.optimizer != "adamw":
         notes.append("bitsandbytes (qlora / 8-bit optimizers) needs CUDA; derived from storage sizes, not traced")
+    if setup.optimizer == "paged-adamw-8bit":
+        notes.append("paged 8-bit AdamW states live in CUDA unified memory: not in the allocator's peak (the figure"
+                     " torch.cuda.max_memory_allocated reports) nor in the required GPU memory; the driver pages"
+                     " them to host memory when the GPU is full, and host memory counts them")
     if setup.strategy.startswith("zero"):
-        notes.append("DeepSpeed ZeRO terms use transformers' 'auto' bucket sizes; derived, not traced")
+        notes.append("DeepSpeed ZeRO terms use the bucket sizes the trainer's DeepSpeed config sets; derived, not traced")
+    if setup.activation_offloading:
+        notes.append("activation offloading keeps each checkpointed block input in host memory; host memory counts it")
     if arch.is_moe:
         notes.append("mixture-of-experts activations assume evenly routed tokens; derived, not traced")
         if setup.method != "full" and setup.lora_dropout > 0:
@@ -383,12 +470,12 @@ class _Sharding:
     optimizer: float
 
 
-def _sharding(setup: TrainingSetup, rg: _Regime, st: _Static) -> _Sharding:
-    arch, n = setup.architecture, setup.world_size
+def _sharding(setup: TrainingSetup, regime: _Regime, static: _Static) -> _Sharding:
+    arch, world = setup.architecture, setup.world_size
     block = arch.block_params
     embed = arch.vocab_size * arch.hidden_size
     tied = arch.tie_word_embeddings
-    gb = rg.compute  # FSDP/ZeRO-3 gather in the compute dtype (param_dtype)
+    gathered_bytes = regime.compute  # FSDP/ZeRO-3 gather in the compute dtype (param_dtype)
     if setup.strategy == "fsdp":
         # transformers' FSDP plan: the embedding and each block are groups resharded after
         # forward; the final norm and the head are one group kept gathered until its backward
@@ -398,74 +485,106 @@ def _sharding(setup: TrainingSetup, rg: _Regime, st: _Static) -> _Sharding:
         # Measured on the trace: the embedding group stays gathered until the root's forward
         # returns.
         grad_frac = 1.0 if setup.method == "full" else 0.0  # a frozen base has no gradients
-        tail = gb * (embed + arch.hidden_size)
-        tail_grad = gb * grad_frac * embed
-        reduce = (gb + 4) * grad_frac
+        block_gathered = gathered_bytes * block
+        if regime.qlora:
+            # fsdp_qlora gathers the 4-bit storage; bitsandbytes dequantises per matmul.
+            linear = sum(lin.params for lin in arch.block_linears())
+            block_gathered = K.NF4_BYTES_PER_PARAM * linear + gathered_bytes * (block - linear)
+        tail = gathered_bytes * (embed + arch.hidden_size)
+        tail_grad = gathered_bytes * grad_frac * embed
+        reduce = (gathered_bytes + 4) * grad_frac
         tied_extra = tail + tail_grad if tied else 0.0
         return _Sharding(
-            forward=tail + (0.0 if tied else gb * embed),
+            forward=tail + (0.0 if tied else gathered_bytes * embed),
             backward_start=tail,
-            head_reduce=(tail + tail_grad + gb * block) if tied else (gb * block + reduce * (embed + arch.hidden_size)),
-            backward_mid=2 * gb * block + gb * grad_frac * block + tied_extra,
-            block_reduce=gb * block + reduce * block + tied_extra,
+            head_reduce=(tail + tail_grad + block_gathered) if tied
+            else (block_gathered + reduce * (embed + arch.hidden_size)),
+            backward_mid=2 * block_gathered + gathered_bytes * grad_frac * block + tied_extra,
+            block_reduce=block_gathered + reduce * block + tied_extra,
             backward_end=reduce * (embed + (arch.hidden_size if tied else 0)),
-            end_grads_missing=4 * grad_frac * embed / n,
+            end_grads_missing=4 * grad_frac * embed / world,
             optimizer=0.0,
         )
     if setup.strategy == "zero3":
-        gathered = st.buffers_step + 2 * gb * block + gb * (embed + (0 if tied else embed))
-        return _Sharding(gathered, gathered, gathered, gathered, gathered, gathered, 0.0, st.buffers_step)
-    b = st.buffers_step
-    return _Sharding(b, b, b, b, b, b, 0.0, b)
+        gathered = static.buffers_step + 2 * gathered_bytes * block + gathered_bytes * (embed + (0 if tied else embed))
+        return _Sharding(gathered, gathered, gathered, gathered, gathered, gathered, 0.0, static.buffers_step)
+    buffers = static.buffers_step
+    return _Sharding(buffers, buffers, buffers, buffers, buffers, buffers, 0.0, buffers)
+
+
+def _optimizer_step_temporaries(setup: TrainingSetup, regime: _Regime, static: _Static) -> float:
+    """Transient bytes of one optimizer step. Fused torch AdamW and bitsandbytes' kernels
+    update in place; the trainer's bf16 AdamW (bf16_adamw.py) computes one parameter at a
+    time in fp32 (gradient, both moments, the old weight, and for stochastic rounding the
+    random bits and the rounded value): bytes per element of the largest parameter's shard."""
+    if not regime.master_bf16 or setup.optimizer != "adamw":
+        return 0.0
+    elements = static.largest_gradient / 2.0  # bf16 gradients: 2 bytes per element
+    if K.BF16_ADAMW_STEP_SLICE_ELEMENTS:
+        elements = min(elements, K.BF16_ADAMW_STEP_SLICE_ELEMENTS)
+    per_element = K.BF16_ADAMW_STEP_TEMP_BYTES + K.BF16_ADAMW_ROUNDING_TEMP_BYTES[setup.update_rounding]
+    return per_element * elements
 
 
 def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
-    """Per-GPU peak allocated bytes of one training step, with the terms at the peak."""
+    """Per-GPU peak allocated bytes of one training step, with the terms at the peak.
+
+    Read it as the recipe of a step: the state that lives throughout (weights, gradients,
+    optimizer states), then forward, backward and the optimizer step, each with the
+    tensors alive at its high point; a lever changes the terms it names.
+    """
     arch = setup.architecture
     notes = _notes(setup)
     if arch.attn_logit_softcapping and setup.attention == "sdpa":
         setup = replace(setup, attention="eager")
-    rg = _regime(setup)
+    regime = _regime(setup)
     tokens = setup.micro_batch_size * setup.sequence_length
-    n = setup.world_size
-    st = _static(setup, rg)
-    sh = _sharding(setup, rg, st)
-    L = arch.num_layers
-    h = arch.hidden_size
-    embed = arch.vocab_size * h
+    world = setup.world_size
+    static = _static(setup, regime)
+    sharding = _sharding(setup, regime, static)
+    layers = arch.num_layers
+    hidden = arch.hidden_size
+    embed = arch.vocab_size * hidden
     head = 0 if arch.tie_word_embeddings else embed
 
     # ---- activations ----
-    base_pt, lora_pt = _block_saved_bytes_per_token(arch, setup, rg)
+    block_per_token, lora_per_token = _block_saved_bytes_per_token(arch, setup, regime)
     # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
-    shared = 2 * rg.compute * arch.dim_per_head * tokens
+    shared = 2 * regime.compute * arch.dim_per_head * tokens
     if setup.attention == "eager":
-        shared += rg.compute * setup.micro_batch_size * setup.sequence_length ** 2
+        shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
     elif _sdpa_needs_mask(arch, setup):
         shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
     # The final norm's saved input and its output (the head's input), the embedding output.
-    around = (_norm_saved(arch, rg) + rg.compute * h + rg.residual * h) * tokens
-    one_block = (base_pt + lora_pt) * tokens
+    around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
+    one_block = (block_per_token + lora_per_token) * tokens
+    block_input = regime.residual * hidden * tokens
+    offloaded_to_host = 0.0
     if setup.gradient_checkpointing:
         # Non-reentrant checkpointing keeps each block's input; backward recomputes one block.
-        kept, kept_lora, recompute = L * rg.residual * h * tokens, 0.0, one_block
+        kept, kept_lora, recompute = layers * block_input, 0.0, one_block
+        if setup.activation_offloading:
+            # Lever: the kept block inputs live in host memory; the GPU holds the one being
+            # copied out in forward, or brought back for its recompute in backward.
+            offloaded_to_host = kept
+            kept = block_input
     else:
-        kept, kept_lora, recompute = L * base_pt * tokens, L * lora_pt * tokens, 0.0
-    logits_fwd_pt, logits_bwd_pt = _logits_bytes(arch, setup, rg)
+        kept, kept_lora, recompute = layers * block_per_token * tokens, layers * lora_per_token * tokens, 0.0
+    logits_fwd_per_token, logits_bwd_per_token = _logits_bytes(arch, setup, regime)
 
     # ---- autocast weight copies ----
     lora_params = 0 if setup.method == "full" else arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
-    if rg.autocast_fp32_weights:
+    if regime.autocast_fp32_weights:
         # Cached bf16 copies of every fp32 weight: all alive at the end of the forward; without
         # checkpointing the graph keeps them until each block's backward.
         head_copy = 2 * (head or embed)
         copies_fwd = 2 * arch.linear_params + head_copy
         copies_bwd_start = copies_fwd if not setup.gradient_checkpointing else head_copy
         copies_block = 2 * arch.block_params
-    elif rg.lora and rg.compute == 2:
+    elif regime.lora and regime.compute == 2:
         # Cached bf16 copies of the fp32 adapters (FSDP gathers them in bf16 already).
-        copies_fwd = 0.0 if setup.strategy == "fsdp" else 2 * lora_params / (n if setup.strategy == "zero3" else 1)
-        if rg.qlora:
+        copies_fwd = 0.0 if setup.strategy == "fsdp" else 2 * lora_params / (world if setup.strategy == "zero3" else 1)
+        if regime.qlora and setup.strategy != "fsdp":
             # The frozen fp32 head is cast on every call (not cached: it needs no grad) and
             # the cast is saved for the input gradient.
             copies_fwd += 2 * embed
@@ -475,70 +594,92 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         copies_fwd = copies_bwd_start = copies_block = 0.0
 
     dequant = 0.0
-    if rg.qlora:
+    if regime.qlora:
         # bitsandbytes dequantises each 4-bit weight to the compute dtype for its matmul.
-        dequant = 2 * max(l.params // l.experts for l in arch.block_linears())
+        dequant = 2 * max(lin.params // lin.experts for lin in arch.block_linears())
 
-    static = {"weights": st.weights, "optimizer": st.optimizer, "master_weights": st.master_weights}
+    # ---- gradients as each moment holds them ----
+    step_temporaries = _optimizer_step_temporaries(setup, regime, static)
+    if setup.optimizer_in_backward:
+        # Lever: each parameter's step runs in backward the moment its gradient is complete,
+        # and the gradient is freed: at most the largest one exists (and its step's temporaries).
+        all_grads = static.largest_gradient
+        block_grad = 0.0
+        embed_grad = 0.0
+    else:
+        all_grads = static.gradients
+        block_grad = static.gradients * arch.block_params / arch.total_params
+        embed_grad = static.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
+
+    static_terms = {"weights": static.weights, "optimizer": static.optimizer, "master_weights": static.master_weights}
     zero = dict.fromkeys(TERMS, 0.0)
 
-    forward = dict(zero, **static)
+    # ---- forward: at its end, inside the loss ----
+    forward = dict(zero, **static_terms)
     forward.update(activations=kept + shared + around, lora_activations=kept_lora, weight_copies=copies_fwd,
-                   logits=logits_fwd_pt * tokens, buffers=sh.forward + dequant)
+                   logits=logits_fwd_per_token * tokens, buffers=sharding.forward + dequant)
 
-    # Backward at its start: all that forward saved, the loss gradient at its widest.
-    bwd_start = dict(zero, **static)
-    bwd_start.update(activations=kept + shared + around - rg.residual * h * tokens, lora_activations=kept_lora,
-                     weight_copies=copies_bwd_start, logits=logits_bwd_pt * tokens,
-                     buffers=sh.backward_start + dequant)
+    # ---- backward: the largest of its moments ----
+    # At its start: all that forward saved, the loss gradient at its widest.
+    bwd_start = dict(zero, **static_terms)
+    bwd_start.update(activations=kept + shared + around - block_input, lora_activations=kept_lora,
+                     weight_copies=copies_bwd_start, logits=logits_bwd_per_token * tokens,
+                     buffers=sharding.backward_start + dequant)
     candidates = [bwd_start]
     # Right after the head's backward (FSDP reduces its gradient): activations still alive.
-    head_reduce = dict(bwd_start, logits=0.0, buffers=sh.head_reduce + dequant)
+    head_reduce = dict(bwd_start, logits=0.0, buffers=sharding.head_reduce + dequant)
     candidates.append(head_reduce)
     # A block's backward holds gradients of its MLP intermediates (the product, the
     # activation's output, up and gate: about three b x s x intermediate at once).
     moe_k = arch.experts_per_token if arch.is_moe else 1
-    block_bwd = 3 * rg.mlp * arch.intermediate_size * moe_k * tokens
+    block_bwd = 3 * regime.mlp * arch.intermediate_size * moe_k * tokens
     # ... and the gradient of the residual stream: the one flowing in and the one being built.
-    block_bwd += 2 * rg.residual * h * tokens
+    block_bwd += 2 * regime.residual * hidden * tokens
     if not setup.gradient_checkpointing:
         # The first block's backward: everything else forward saved is still alive.
         first = dict(bwd_start, logits=0.0, activations=bwd_start["activations"] + block_bwd,
-                     buffers=sh.backward_mid + dequant)
+                     buffers=sharding.backward_mid + dequant)
         candidates.append(first)
     if setup.gradient_checkpointing:
         # In the middle: a block recomputed on top of the kept inputs.
-        mid = dict(zero, **static)
+        mid = dict(zero, **static_terms)
         mid.update(activations=kept + shared + recompute + block_bwd, weight_copies=copies_bwd_start + copies_block,
-                   buffers=sh.backward_mid + dequant)
+                   buffers=sharding.backward_mid + dequant)
         candidates.append(mid)
-        candidates.append(dict(mid, activations=kept + shared, buffers=sh.block_reduce + dequant))
+        candidates.append(dict(mid, activations=kept + shared, buffers=sharding.block_reduce + dequant))
     # At its end: every gradient exists. Two moments compete: block 0's backward (its
     # recompute and weight-gradient transients alive, its own gradients not yet) and the
     # embedding's backward (all gradients).
-    per_block_grad = st.gradients * arch.block_params / arch.total_params
-    embed_grad = st.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
-    block0 = dict(zero, **static)
-    block0.update(gradients=st.gradients - per_block_grad - embed_grad, activations=recompute + shared + block_bwd,
-                  weight_copies=copies_block, buffers=sh.backward_mid + dequant)
+    block0 = dict(zero, **static_terms)
+    block0.update(gradients=all_grads - block_grad - embed_grad, activations=recompute + shared + block_bwd,
+                  weight_copies=copies_block, buffers=sharding.backward_mid + dequant)
     if setup.method == "full" and not setup.gradient_checkpointing:
-        block0["activations"] = base_pt * tokens + shared + block_bwd  # block 0's own saved tensors
-    if rg.autocast_fp32_weights or (setup.method == "full" and setup.strategy != "fsdp"):
+        block0["activations"] = block_per_token * tokens + shared + block_bwd  # block 0's own saved tensors
+    if regime.autocast_fp32_weights or (setup.method == "full" and setup.strategy != "fsdp"):
         # A linear's weight gradient in the compute dtype and its cast to the weight's dtype.
-        block0["gradients"] += (rg.compute + 4) * max(l.params for l in arch.block_linears())
+        weight_grad_bytes = regime.compute + (2 if regime.master_bf16 else 4)
+        block0["gradients"] += weight_grad_bytes * max(lin.params for lin in arch.block_linears())
     candidates.append(block0)
-    bwd_end = dict(zero, **static)
-    grads = st.gradients
-    if setup.method == "full" and arch.tie_word_embeddings and setup.strategy != "fsdp":
+    bwd_end = dict(zero, **static_terms)
+    grads = all_grads
+    if setup.method == "full" and arch.tie_word_embeddings and setup.strategy != "fsdp" \
+            and not setup.optimizer_in_backward:
         # Tied: the embedding's dense V x h gradient is added to the head's out of place,
         # so the old gradient, the new one and their sum exist together for a moment.
-        grads += 2 * 4 * embed
-    bwd_end.update(gradients=grads - sh.end_grads_missing, buffers=sh.backward_end + dequant)
+        grads += 2 * (2 if regime.master_bf16 else 4) * embed
+    missing = 0.0 if setup.optimizer_in_backward else sharding.end_grads_missing
+    bwd_end.update(gradients=grads - missing, buffers=sharding.backward_end + dequant)
+    if setup.optimizer_in_backward:
+        bwd_end["optimizer_step"] = step_temporaries  # the largest parameter's step, inside backward
     candidates.append(bwd_end)
     backward = max(candidates, key=lambda d: sum(d.values()))
 
-    optimizer = dict(zero, **static)
-    optimizer.update(gradients=st.gradients, buffers=sh.optimizer)
+    # ---- optimizer step ----
+    optimizer = dict(zero, **static_terms)
+    if setup.optimizer_in_backward:
+        optimizer.update(buffers=sharding.optimizer)  # the steps already ran; no gradients remain
+    else:
+        optimizer.update(gradients=static.gradients, buffers=sharding.optimizer, optimizer_step=step_temporaries)
 
     phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
     totals = {k: round(sum(v.values())) for k, v in phases.items()}
@@ -546,34 +687,75 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     breakdown = {k: int(round(v)) for k, v in phases[peak_phase].items()}
     peak = sum(breakdown.values())
 
-    reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if n > 1 else 0)
+    reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if world > 1 else 0)
     return MemoryEstimate(
         peak_allocated_bytes=peak,
         required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
         peak_phase=peak_phase,
         breakdown=breakdown,
-        host_required_bytes=_host_bytes(setup, st),
+        host_required_bytes=_host_bytes(setup, static, offloaded_to_host),
         notes=tuple(notes),
         phase_peaks=totals,
         reserve_bytes=reserve,
+        unified_memory_bytes=int(round(static.unified)),
+        activation_offload_bytes=int(round(offloaded_to_host)),
     )
 
 
-def _host_bytes(setup: TrainingSetup, st: _Static) -> int:
+def _host_bytes(setup: TrainingSetup, static: _Static, offloaded_activations: float) -> int:
     """Host RAM one training process (one GPU) needs: runtime, the weights while loading, offloaded state, data.
 
     Loading follows the trainer: without a sharded strategy from_pretrained materialises the
-    whole model in host memory in its load dtype (fp32 for full fine-tuning, the compute
-    dtype for LoRA) before it moves to the GPU; FSDP (transformers' DistributedConfig) and
-    ZeRO-3 (zero.Init) load each rank's part shard by shard; QLoRA quantises shard by shard.
+    whole model in host memory in its load dtype (fp32 for full fine-tuning with fp32
+    master weights, the compute dtype otherwise) before it moves to the GPU; FSDP
+    (transformers' DistributedConfig) and ZeRO-3 (zero.Init) load each rank's part shard by
+    shard; QLoRA quantises shard by shard. Paged optimizer states may all be paged out to
+    host memory, and offloaded activations live there.
     """
     arch = setup.architecture
-    p = arch.total_params
-    load_b = 4 if (setup.method == "full" or setup.precision == "fp32") else 2
+    params = arch.total_params
+    full_fp32 = setup.method == "full" and setup.master_weights == "fp32"
+    load_bytes = 4 if (full_fp32 or setup.precision == "fp32") else 2
     if setup.method == "qlora":
         loading = K.HOST_SHARD_BYTES
     elif setup.strategy in ("fsdp", "zero3"):
-        loading = load_b * p / setup.world_size + K.HOST_SHARD_BYTES
+        loading = load_bytes * params / setup.world_size + K.HOST_SHARD_BYTES
     else:
-        loading = load_b * p
-    return int(K.HOST_PROCESS_BYTES + K.HOST_DATALOADER_BYTES + loading + st.host_offloaded)
+        loading = load_bytes * params
+    return int(K.HOST_PROCESS_BYTES + K.HOST_DATALOADER_BYTES + loading + static.host_offloaded
+               + static.unified + offloaded_activations)
+
+
+# ---- what each lever saves --------------------------------------------------------------
+
+# The value that turns each lever off.
+LEVERS_OFF = {
+    "master_weights": "fp32",
+    "optimizer_in_backward": False,
+    "loss_chunks": 1,
+    "activation_offloading": False,
+}
+
+
+def levers_in_use(setup: TrainingSetup) -> tuple[str, ...]:
+    return tuple(name for name, off in LEVERS_OFF.items() if getattr(setup, name) != off)
+
+
+def lever_savings(setup: TrainingSetup, estimator=None) -> dict[str, int]:
+    """Per-GPU required bytes each lever in use saves: the estimate with that lever alone
+    turned off, less the setup's own (0 when the setup could not run without it, e.g. bf16
+    master weights under rules that need them: the lever is reported, its saving unknown)."""
+    estimate = estimator or estimate_memory
+    own = estimate(setup).required_bytes
+    savings: dict[str, int] = {}
+    for name in levers_in_use(setup):
+        changes = {name: LEVERS_OFF[name]}
+        if name == "master_weights":
+            changes["update_rounding"] = "nearest"
+        try:
+            without = estimate(replace(setup, **changes)).required_bytes
+        except SizingError:
+            savings[name] = 0
+            continue
+        savings[name] = max(0, int(without - own))
+    return savings

@@ -102,6 +102,8 @@ class TrainingSetup:
             activation_offloading=self.activation_offloading,
             target_experts=self.lora_target_experts if self.method != "full" else None,
             moe=self.architecture.is_moe,
+            chunked_loss=self.loss_chunks > 1,
+            logit_transform=bool(self.architecture.final_logit_softcapping),
         )
 
     @property
