@@ -198,6 +198,13 @@ class Cluster:
     def _get(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
         if kind == "ConfigMap":
             return self.get_config_map(namespace, name)
+        if kind == "Pod":
+            try:
+                return _json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
+            except ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
         backend = backend_of_kind(kind)
         if backend is None:
             raise ValueError(f"the operator does not manage {kind} objects")
@@ -274,6 +281,8 @@ class Cluster:
         try:
             if kind == "ConfigMap":
                 return _json(self.core.create_namespaced_config_map(namespace, obj, _preload_content=False))
+            if kind == "Pod":  # the pre-flight profile pod (profiling/pod.py)
+                return _json(self.core.create_namespaced_pod(namespace, obj, _preload_content=False))
             backend = backend_of_kind(kind)
             if backend is not None:
                 return _json(self.custom.create_namespaced_custom_object(
@@ -305,6 +314,8 @@ class Cluster:
         try:
             if ref.kind == "ConfigMap":
                 self.core.delete_namespaced_config_map(ref.name, namespace, body=options)
+            elif ref.kind == "Pod":
+                self.core.delete_namespaced_pod(ref.name, namespace, body=options)
             else:
                 backend = backend_of_kind(ref.kind)
                 assert backend is not None  # _get refused other kinds
@@ -448,6 +459,8 @@ class Reconciler:
     claims: ClaimBook = field(default_factory=lambda: ClaimBook())
     # Reads training progress from pod logs off the reconcile path (progress_poller.py); None: off.
     progress: ProgressPoller | None = None
+    # The pre-flight profile's cache and pods (profiling_shell.py); None: models of unknown families are Invalid.
+    profiles: Any = None
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """One look at one job. Returns seconds until the next look, or None (wait for events)."""
@@ -508,7 +521,8 @@ class Reconciler:
         observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
                                       foreign=foreign, invalid=problems, model_config=model_config,
                                       waiting_for=waiting_for, backends=backends, default_queue=default_queue,
-                                      unusable=unusable)
+                                      unusable=unusable,
+                                      profile=self.profiles.observe(job, model_config) if self.profiles else None)
         decision = lifecycle.step(observed)
         self._apply(body, job=job, decision=decision, policy=policy, current=current)
         self.claims.note((namespace, name), decision, current, pods)

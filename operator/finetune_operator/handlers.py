@@ -25,6 +25,7 @@ import yaml
 from kubernetes import client, config
 
 from . import api, metrics
+from .profiling_shell import ProfileShell
 from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
@@ -125,7 +126,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         RUNTIME.progress = ProgressPoller(read_pod_log(cluster.core), patch_progress(cluster.custom),
                                           PollerSettings(interval=options.progress_interval))
         RUNTIME.progress.start()
-    RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress)
+    RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress,
+                                    profiles=ProfileShell(cluster, options.policy_namespace))
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
     if options.lease:
         RUNTIME.queue.set_active(False)  # until this replica leads

@@ -44,7 +44,8 @@ from .rendering.layout import layout_of
 from .rendering.names import attempt_name
 from .rendering.backend import DEFAULT_SERVED, Backend, NoBackend, select_backend
 from .rendering.renderer import ATTEMPT_LABEL
-from .sizing import ModelArchitecture, SizingError
+from .profiling import state as profiling
+from .sizing import ModelArchitecture, SizingError, UnknownArchitecture
 from .sizing.from_job import architecture_of
 
 # How long to wait before planning again when nothing fits (pools may scale or free up).
@@ -101,6 +102,9 @@ class Observed:
     default_queue: str | None = None
     # Served backends that cannot be used now, and why (the TrainJob's ClusterTrainingRuntime is missing).
     unusable: Mapping[str, str] = field(default_factory=dict)
+    # For a model only the pre-flight profile can size: the cache and the profile pod, as the shell
+    # read them (profiling.state.ProfileObservation, or NotProfilable naming what cannot be traced).
+    profile: Any = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,15 @@ def step(observed: Observed) -> Decision:
     if not problems:
         try:
             observed = dataclasses.replace(observed, architecture=architecture_of(job.spec, observed.model_config))
+        except UnknownArchitecture as unknown:  # measured instead: the pre-flight profile (profiling/)
+            resolved = profiling.resolve(job, observed.profile, unknown, observed.policy)
+            if isinstance(resolved, profiling.ProfileStep):
+                if resolved.failure is not None or status.current_attempt is None:
+                    return _profiling(decision, observed, resolved)
+                _profile_objects(decision, observed, resolved)  # a running attempt runs on meanwhile
+            else:
+                observed = dataclasses.replace(observed, architecture=resolved.architecture)
+                _profile_objects(decision, observed, resolved)
         except SizingError as error:
             problems.append(_architecture_problem(job.spec, error))
     if problems:
@@ -189,6 +202,39 @@ def step(observed: Observed) -> Decision:
     if status.current_attempt is None:
         return _new_attempt(decision, observed, attempt=1, note="")
     return _follow_attempt(decision, observed)
+
+
+def _profile_objects(decision: Decision, observed: Observed, resolved: Any) -> None:
+    """The profile pod to create or delete, and the Profiled condition (profiling/state.py decides)."""
+    job, status = observed.job, decision.status
+    decision.delete += [ObjectRef("v1", "Pod", name) for name in resolved.delete]
+    if isinstance(resolved, profiling.Profiled):
+        set_condition(status, profiling.COND_PROFILED, "True", "Profiled", resolved.message, observed.now,
+                      job.metadata.generation)
+        return
+    decision.create += resolved.create
+    set_condition(status, profiling.COND_PROFILED, *resolved.condition, observed.now, job.metadata.generation)
+    if resolved.event is not None:
+        decision.events.append(Event(*resolved.event))
+    decision.requeue_after = profiling.PROFILE_POLL_SECONDS
+
+
+def _profiling(decision: Decision, observed: Observed, step: Any) -> Decision:
+    """No plan before the profile: say so (Pending, Profiled Unknown), or fail naming why it cannot be."""
+    status, now, generation = decision.status, observed.now, observed.job.metadata.generation
+    if step.failure is not None:
+        result = invalid(status, [step.failure], now, generation)
+        reason = step.condition[1]
+        set_condition(result.status, profiling.COND_PROFILED, *step.condition, now, generation)
+        set_condition(result.status, api.COND_FAILED, "True", reason, step.condition[2], now, generation)
+        result.events = [Event("Warning", reason, step.condition[2])]
+        result.delete += [ObjectRef("v1", "Pod", name) for name in step.delete]
+        return result
+    status.phase = "Pending"
+    status.observed_generation = generation
+    set_condition(status, api.COND_VALIDATED, "True", "Valid", "the spec is valid", now, generation)
+    _profile_objects(decision, observed, step)
+    return decision
 
 
 def _waiting_for(decision: Decision, observed: Observed) -> Decision:

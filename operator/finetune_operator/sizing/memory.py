@@ -534,6 +534,10 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     tensors alive at its high point; a lever changes the terms it names.
     """
     arch = setup.architecture
+    profiled = getattr(arch, "profiled", None)
+    if profiled is not None:
+        # A family only the pre-flight profile knows: its measured figures (profiling/estimate.py).
+        return profiled.estimate(setup)
     notes = _notes(setup)
     if arch.attn_logit_softcapping and setup.attention == "sdpa":
         setup = replace(setup, attention="eager")

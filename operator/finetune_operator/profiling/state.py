@@ -1,0 +1,156 @@
+"""What the lifecycle decides about the profile, from what the shell saw (pure).
+
+The shell (profiling_shell.py) reads the cache ConfigMap and the job's profile pod and hands
+them over as a `ProfileObservation`; it also writes a finished pod's measurements into the
+cache before the lifecycle runs, so the lifecycle only ever sees the cache and the pod's phase.
+`resolve` returns either the architecture to plan with (everything needed is measured) or a
+`ProfileStep`: what to create or delete and what to say meanwhile (condition `Profiled`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from finetune_trainer.contract import ProfileReport
+
+from .. import api
+from ..sizing import UnknownArchitecture
+from ..sizing.from_job import architecture_of
+from ..planning.policy import ClusterPolicy
+from .cache import CachedProfile, as_report
+from .estimate import ProfiledArchitecture, profiled_architecture
+from .pod import profile_pod_name, render_profile_pod
+from .setups import JobProfile, NotProfilable, config_hash, job_profile, profile_request
+
+COND_PROFILED = "Profiled"
+# How often to look at a profile pod that runs (it wakes no watch of ours).
+PROFILE_POLL_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class ProfilePod:
+    """The job's profile pod as the shell read it (owned by the job; others are never read)."""
+
+    name: str
+    phase: str  # Pending | Running | Succeeded | Failed
+    config_hash: str
+    report: ProfileReport | None  # parsed from the termination message, when it ended
+    message: str = ""  # the kubelet's reason/message for a pod that ended without a report
+
+
+@dataclass(frozen=True)
+class ProfileObservation:
+    config: Mapping[str, Any]
+    config_hash: str
+    profile: JobProfile
+    cached: CachedProfile
+    pod: ProfilePod | None = None
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """Everything needed is measured: plan with `architecture`; delete the finished pod."""
+
+    architecture: ProfiledArchitecture
+    delete: list[str]
+    message: str
+
+
+@dataclass
+class ProfileStep:
+    """Not plannable yet (or never): what to do about the profile."""
+
+    condition: tuple[str, str, str]  # (status, reason, message) of the Profiled condition
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)  # pod names
+    failure: api.FieldProblem | None = None  # terminal: the model cannot be profiled
+    event: tuple[str, str, str] | None = None
+
+
+def model_config_of(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The job's config.json as a dict (inline keys or the ConfigMap's), None for a preset."""
+    source = spec.model.architecture
+    if source.inline is not None:
+        return source.inline.model_dump(by_alias=True, exclude_none=True)
+    if source.config_map_ref is not None:
+        return model_config
+    return None
+
+
+def needs_profile(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The config to profile when the analytic model does not know the job's family, else None."""
+    try:
+        architecture_of(spec, model_config)
+    except UnknownArchitecture:
+        return model_config_of(spec, model_config)
+    except Exception:  # noqa: BLE001 - any other problem is the lifecycle's to report
+        return None
+    return None
+
+
+def observation(spec: api.FineTuneJobSpec, config: Mapping[str, Any], cached_reader) -> ProfileObservation | NotProfilable:
+    """Build the pure half of an observation; `cached_reader(config_hash, setups)` is the shell's read."""
+    try:
+        profile = job_profile(spec)
+    except NotProfilable as error:
+        return error
+    digest = config_hash(config)
+    return ProfileObservation(config, digest, profile, cached_reader(digest, profile.setups()))
+
+
+def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | None, unknown: UnknownArchitecture,
+            policy: ClusterPolicy) -> Profiled | ProfileStep:
+    name = profile_pod_name(job.metadata.name)
+    family = unknown.model_type
+    if isinstance(seen, NotProfilable):
+        message = (f"model_type {family!r} is not in the analytic memory model and this job cannot be profiled: "
+                   f"{str(seen).split(': ', 1)[-1]}")
+        return ProfileStep(("False", "NotProfilable", message), failure=api.FieldProblem(path=seen.field,
+                                                                                          message=message))
+    if seen is None:
+        # The shell could not tell what to profile (no config): report the unknown family as before.
+        return ProfileStep(("False", "NotProfiled", str(unknown)), failure=api.FieldProblem(
+            path="spec.model.architecture", message=str(unknown).split(": ", 1)[-1]))
+    pod = seen.pod
+    stale = [pod.name] if pod is not None and pod.config_hash != seen.config_hash else []
+    if stale:
+        pod = None
+    report = as_report(seen.cached)
+    if report is not None and not seen.cached.missing:
+        arch = profiled_architecture(report, seen.profile, seen.cached.measurements, seen.config_hash,
+                                     name=job.spec.model.name)
+        done = [pod.name] if pod is not None and pod.phase in ("Succeeded", "Failed") else []
+        return Profiled(arch, stale + done, profiled_message(arch))
+    if pod is not None and pod.phase in ("Succeeded", "Failed"):
+        if pod.report is not None and not pod.report.ok:
+            where = pod.report.error_field
+            path = where if where.startswith("spec.") else (
+                f"spec.model.architecture ({where})" if where else "spec.model.architecture")
+            message = f"the pre-flight profile of model_type {family!r} failed: {pod.report.error}"
+            return ProfileStep(("False", "ProfileFailed", message), failure=api.FieldProblem(path=path, message=message))
+        if pod.phase == "Failed":
+            why = pod.message or "the pod failed without a report"
+            message = f"the pre-flight profile pod {pod.name} of model_type {family!r} failed: {why}"
+            return ProfileStep(("False", "ProfileFailed", message), failure=api.FieldProblem(
+                path="spec.model.architecture", message=message))
+        # Succeeded, yet the cache lacks setups (a cache write lost): profile the rest again.
+        return ProfileStep(("Unknown", "Profiling", "profiling again: the cache lacks measurements"),
+                           delete=stale + [pod.name])
+    if pod is not None:
+        message = (f"profiling model_type {family!r} on the CPU ({len(seen.cached.missing)} setups) in pod {pod.name} "
+                   "before any GPU is requested")
+        return ProfileStep(("Unknown", "Profiling", message), delete=stale)
+    request = profile_request(job.spec, seen.config, seen.cached.missing)
+    manifest = render_profile_pod(job, request, seen.config_hash, policy)
+    message = (f"model_type {family!r} is not in the analytic memory model: profiling it on the CPU "
+               f"({len(request.setups)} setups) in pod {name} before any GPU is requested")
+    return ProfileStep(("Unknown", "Profiling", message), create=[manifest], delete=stale,
+                       event=("Normal", "Profiling", message))
+
+
+def profiled_message(arch: ProfiledArchitecture) -> str:
+    model = arch.profiled
+    assert model is not None
+    return (f"planned from the pre-flight profile of model_type {arch.family!r} (config {arch.config_hash}, "
+            f"{len(model.measurements)} measured setups, {arch.total_params / 1e9:.3g}B parameters)")

@@ -1,0 +1,124 @@
+"""The shell of the pre-flight profile: reads the profile cache and the job's profile pod, and
+writes a finished pod's measurements into the cache (the decisions are profiling/state.py's).
+
+The cache is the ConfigMap `finetune-operator-profiles` in the operator's namespace (RBAC: get,
+create, update on configmaps there; the chart grants it). Writes are read-modify-write with the
+ConfigMap's resourceVersion, retried on a conflict, so two replicas or two jobs of the same
+model never lose each other's entries. Only a pod whose controller owner is the job is read;
+a foreign pod with the profile pod's name is left for the lifecycle's create to report
+(NameConflict), never read or deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Mapping
+
+from kubernetes.client.rest import ApiException
+
+from finetune_trainer.contract import parse_profile_report
+
+from . import api
+from .children import controlled_by
+from .profiling.cache import CACHE_CONFIGMAP, cache_entries, read_cache
+from .profiling.pod import CONFIG_HASH_ANNOTATION, PROFILE_CONTAINER, profile_pod_name
+from .profiling.setups import NotProfilable
+from .profiling.state import ProfileObservation, ProfilePod, needs_profile, observation
+
+log = logging.getLogger("finetune_operator.profiling")
+CACHE_WRITE_ATTEMPTS = 5
+
+
+class ProfileShell:
+    def __init__(self, cluster: Any, namespace: str) -> None:
+        self.cluster = cluster  # controller.Cluster: get_config_map, core
+        self.namespace = namespace
+
+    def observe(self, job: api.FineTuneJob, model_config: Mapping[str, Any] | None
+                ) -> ProfileObservation | NotProfilable | None:
+        """What the lifecycle needs to decide about the profile; None when the job needs none."""
+        config = needs_profile(job.spec, model_config)
+        if config is None:
+            return None
+        data = self._cache_data()
+        seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups))
+        if isinstance(seen, NotProfilable):
+            return seen
+        pod = self._pod(job)
+        if (pod is not None and pod.report is not None and pod.report.ok and pod.config_hash == seen.config_hash
+                and seen.cached.missing):
+            data = self._write_cache(cache_entries(seen.config_hash, pod.report))
+            seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups))
+            assert not isinstance(seen, NotProfilable)
+        return dataclasses.replace(seen, pod=pod)
+
+    # -- the pod ---------------------------------------------------------------
+    def _pod(self, job: api.FineTuneJob) -> ProfilePod | None:
+        namespace = job.metadata.namespace or "default"
+        name = profile_pod_name(job.metadata.name)
+        try:
+            body = self.cluster.core.read_namespaced_pod(name, namespace, _preload_content=False)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        pod = _as_dict(body)
+        if not controlled_by(pod, job.metadata.uid):
+            return None
+        return pod_state(pod)
+
+    # -- the cache ---------------------------------------------------------------
+    def _cache_data(self) -> dict[str, str]:
+        config_map = self.cluster.get_config_map(self.namespace, CACHE_CONFIGMAP)
+        return dict((config_map or {}).get("data") or {})
+
+    def _write_cache(self, entries: dict[str, str]) -> dict[str, str]:
+        core = self.cluster.core
+        for _ in range(CACHE_WRITE_ATTEMPTS):
+            config_map = self.cluster.get_config_map(self.namespace, CACHE_CONFIGMAP)
+            try:
+                if config_map is None:
+                    body = {"apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": CACHE_CONFIGMAP, "namespace": self.namespace,
+                                         "labels": {"app.kubernetes.io/managed-by": "finetune-operator",
+                                                    "app.kubernetes.io/component": "profile-cache"}},
+                            "data": dict(entries)}
+                    core.create_namespaced_config_map(self.namespace, body)
+                    return dict(entries)
+                data = {**(config_map.get("data") or {}), **entries}
+                config_map["data"] = data
+                core.replace_namespaced_config_map(CACHE_CONFIGMAP, self.namespace, config_map)
+                return data
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+        log.warning("profile cache %s/%s: gave up after %d conflicting writes; profiled again later",
+                    self.namespace, CACHE_CONFIGMAP, CACHE_WRITE_ATTEMPTS)
+        return self._cache_data()
+
+
+def pod_state(pod: dict[str, Any]) -> ProfilePod:
+    """The profile pod's phase, its report (termination message) and the kubelet's reason."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    report, message = None, ""
+    for container in status.get("containerStatuses") or []:
+        if container.get("name") != PROFILE_CONTAINER:
+            continue
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        report = parse_profile_report(terminated.get("message"))
+        if terminated and report is None:
+            message = f"{terminated.get('reason') or 'terminated'} (exit code {terminated.get('exitCode')})"
+    if not message and status.get("phase") == "Failed":
+        message = f"{status.get('reason') or 'Failed'}: {status.get('message') or 'no message'}"
+    return ProfilePod(name=meta.get("name", ""), phase=status.get("phase") or "Pending",
+                      config_hash=(meta.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION, ""),
+                      report=report, message=message)
+
+
+def _as_dict(response: Any) -> dict[str, Any]:
+    import json
+
+    if hasattr(response, "data"):
+        return json.loads(response.data)
+    return response

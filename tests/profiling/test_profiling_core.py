@@ -1,0 +1,212 @@
+"""The profile's pure core: which setups, the estimate from measured corners, the lifecycle's
+decisions about the profile pod, and the cache encoding. No torch, no cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from finetune_operator import lifecycle
+from finetune_operator.profiling import state as ps
+from finetune_operator.profiling.cache import cache_entries, read_cache, setup_entry
+from finetune_operator.profiling.estimate import profiled_architecture
+from finetune_operator.profiling.setups import JobProfile, NotProfilable, job_profile
+from finetune_operator.profiling_shell import pod_state
+from finetune_operator.sizing import TrainingSetup, estimate_memory
+from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileSetup, ProfileShape
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+from test_lifecycle import POLICY, POOLS, T0, example  # noqa: E402
+
+CONFIG = {"model_type": "gpt_neox", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096}
+SHAPE = ProfileShape(model_type="gpt_neox", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=32, intermediate_size=512)
+
+
+def job(**training):
+    return example("llama-8b-lora.yaml", model={"name": "m", "architecture": {"configMapRef": {"name": "cfg"}},
+                                                "source": {"pvc": {"claimName": "models"}}},
+                   training={"sequenceLength": 512, "globalBatchSize": 8, "maxSteps": 10, **training},
+                   resources={"gpus": "auto", "maxGPUs": 4})
+
+
+def test_setups_are_the_corners_of_what_the_planner_can_ask():
+    profile = job_profile(job().spec)
+    assert profile.strategies == ("ddp", "fsdp") and profile.checkpointing == (False, True)
+    assert profile.micro_batches == (1, 8) and profile.worlds == (1, 4)
+    # ddp: W=1 only (2 b x 2 gc); fsdp: 2 W x 2 b x 2 gc
+    assert len(profile.setups()) == 4 + 8
+    fixed = job_profile(job(microBatchSize=2, gradientCheckpointing=True).spec)
+    assert fixed.micro_batches == (2,) and len(fixed.setups()) == 1 + 2
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(method="qlora"), "spec.method"),
+    (dict(training={"sequenceLength": 512, "globalBatchSize": 8, "maxSteps": 10, "optimizer": "adamw-8bit"}),
+     "spec.training.optimizer"),
+    (dict(resources={"gpus": "auto", "strategy": "zero3"}), "spec.resources.strategy"),
+])
+def test_what_the_trace_cannot_run_is_refused_naming_the_field(change, field):
+    spec = job().spec.model_copy(update={k: (type(getattr(job().spec, k)).model_validate(v) if isinstance(v, dict)
+                                             else v) for k, v in change.items()})
+    with pytest.raises(NotProfilable) as error:
+        job_profile(spec)
+    assert error.value.field == field
+
+
+def _report(profile: JobProfile, peak) -> ProfileReport:
+    ms = []
+    for s in profile.setups():
+        ms.append(ProfileMeasurement(key=s.key, peaks={ph: peak(ph, s.world_size, s.micro_batch_size, s)
+                                                      for ph in PROFILE_PHASES},
+                                     trainable_params=1000, ddp_bucket_bytes=4096))
+    return ProfileReport(ok=True, shape=SHAPE, params={"total": 10**9, "embedding": 10**8, "lmHead": 10**8},
+                         measurements=ms)
+
+
+affine = st.tuples(st.integers(0, 10**9), st.integers(0, 10**10), st.integers(0, 10**8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=st.lists(affine, min_size=1, max_size=4), world=st.integers(1, 4), micro=st.integers(1, 8),
+       gc=st.booleans(), strategy=st.sampled_from(["ddp", "fsdp"]))
+def test_the_estimate_never_under_estimates_a_convex_piecewise_affine_peak(pieces, world, micro, gc, strategy):
+    """Each phase's peak is the largest of a few moments, each affine in 1/W and b: the bilinear
+    interpolation between the measured corners is exact there and never below inside."""
+    profile = job_profile(job().spec)
+
+    def truth(ph, w, b, setup=None):
+        x = 1.0 / w if (setup is None or setup.strategy == "fsdp") and strategy == "fsdp" else 1.0
+        scale = {"forward": 1.0, "backward": 1.2, "optimizer": 0.7}[ph]
+        return int(max(a + c * x + k * b for a, c, k in pieces) * scale)
+
+    report = _report(profile, truth)
+    arch = profiled_architecture(report, profile, {m.key: m for m in report.measurements}, "h")
+    setup = TrainingSetup(architecture=arch, method="lora", lora_rank=16, sequence_length=512, lora_dropout=0.05,
+                          micro_batch_size=micro, gradient_checkpointing=gc, strategy=strategy, world_size=world)
+    est = estimate_memory(setup)
+    extra = 4096 if strategy == "ddp" and world > 1 else 0
+    true_peak = max(truth(ph, world, micro) for ph in PROFILE_PHASES) + extra
+    assert est.peak_allocated_bytes >= true_peak
+    if micro in (1, 8) and (world in (1, 4) or strategy == "ddp"):
+        assert est.peak_allocated_bytes - true_peak <= 1
+    assert est.required_bytes > est.peak_allocated_bytes
+
+
+def test_a_setup_the_profile_did_not_measure_is_a_sizing_error():
+    profile = job_profile(job(gradientCheckpointing=True).spec)
+    report = _report(profile, lambda ph, w, b, s: 1000 * b + 10**6 // w)
+    arch = profiled_architecture(report, profile, {m.key: m for m in report.measurements}, "h")
+    from finetune_operator.sizing import SizingError
+
+    for change, field in ((dict(gradient_checkpointing=False), "gradient_checkpointing"),
+                          (dict(strategy="zero3"), "strategy"), (dict(sequence_length=1024), "sequence_length")):
+        kwargs = dict(architecture=arch, method="lora", sequence_length=512, lora_dropout=0.05,
+                      gradient_checkpointing=True, strategy="fsdp", world_size=2)
+        kwargs.update(change)
+        with pytest.raises(SizingError) as error:
+            estimate_memory(TrainingSetup(**kwargs))
+        assert error.value.field == field
+
+
+def test_cache_round_trip_and_what_is_missing():
+    profile = job_profile(job(gradientCheckpointing=True).spec)
+    report = _report(profile, lambda ph, w, b, s: 1000 * b)
+    setups = profile.setups()
+    data = cache_entries("abc", report.model_copy(update={"measurements": report.measurements[:-1]}))
+    assert all(k.replace(".", "").replace("-", "").replace("_", "").isalnum() for k in data)
+    cached = read_cache(data, "abc", setups)
+    assert cached.model is not None and [s.key for s in cached.missing] == [setups[-1].key]
+    data[setup_entry("abc", setups[0].key)] = "{not json"
+    assert setups[0] in read_cache(data, "abc", setups).missing
+
+
+# --- the lifecycle ------------------------------------------------------------
+
+
+def _observe(spec, data, pod=None):
+    seen = ps.observation(spec, CONFIG, lambda digest, setups: read_cache(data, digest, setups))
+    return dataclasses.replace(seen, pod=pod)
+
+
+def _step(j, data, pod=None):
+    return lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, model_config=CONFIG,
+                                             profile=_observe(j.spec, data, pod)))
+
+
+def _conditions(decision):
+    return {c.type: (c.status, c.reason, c.message) for c in decision.status.conditions}
+
+
+def _finished(manifest, report: ProfileReport | None, phase="Succeeded", terminated=None):
+    pod = dict(manifest)
+    term = terminated or {"exitCode": 0 if report is None or report.ok else 78}
+    if report is not None:
+        term["message"] = report.to_termination_message()
+    pod["status"] = {"phase": phase, "containerStatuses": [{"name": "profile", "state": {"terminated": term}}]}
+    return pod_state(pod)
+
+
+def test_an_unknown_family_is_profiled_once_then_planned_from_the_figures():
+    j = job(gradientCheckpointing=True)
+    first = _step(j, {})
+    assert first.status.phase == "Pending" and not first.status.plan
+    assert _conditions(first)["Profiled"][:2] == ("Unknown", "Profiling")
+    [pod] = first.create
+    assert pod["kind"] == "Pod" and pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False and spec["activeDeadlineSeconds"] > 0
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    container = spec["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["values"] == ["eu-de-berlin"]
+    j = j.model_copy(update={"status": first.status})
+
+    running = dataclasses.replace(_finished(pod, None), phase="Running", report=None)
+    again = _step(j, {}, running)
+    assert not again.create and again.requeue_after == ps.PROFILE_POLL_SECONDS
+
+    profile = job_profile(j.spec)
+    report = _report(profile, lambda ph, w, b, s: 10**8 * b + 10**9 // w)
+    done = _finished(pod, report)
+    data = cache_entries(done.config_hash, done.report)  # what the shell writes before the step
+    planned = _step(j, data, done)
+    assert planned.status.phase == "Launching"
+    assert _conditions(planned)["Profiled"][:2] == ("True", "Profiled")
+    assert [ref.name for ref in planned.delete if ref.kind == "Pod"] == [pod["metadata"]["name"]]
+    assert planned.status.plan.breakdown and "measured" in planned.status.plan.breakdown
+    # Another job of the same model: the cache answers, no pod.
+    other = _step(job(gradientCheckpointing=True), data)
+    assert other.status.phase == "Launching" and not any(o["kind"] == "Pod" for o in other.create)
+
+
+def test_a_model_that_cannot_be_built_fails_naming_the_reason():
+    j = job(gradientCheckpointing=True)
+    [pod] = _step(j, {}).create
+    bad = ProfileReport(ok=False, error="peft: Target modules {'q_proj'} not found", error_field="spec.lora.targetModules")
+    d = _step(j, {}, _finished(pod, bad, phase="Failed"))
+    assert d.status.phase == "Failed"
+    failed = _conditions(d)["Failed"]
+    assert failed[1] == "ProfileFailed" and "spec.lora.targetModules" in _conditions(d)["Validated"][2]
+    assert "Target modules" in failed[2]
+    killed = _finished(pod, None, phase="Failed", terminated={"exitCode": 137, "reason": "OOMKilled"})
+    d = _step(j, {}, killed)
+    assert d.status.phase == "Failed" and "OOMKilled" in _conditions(d)["Failed"][2]
+
+
+def test_a_job_the_profile_cannot_trace_is_invalid_naming_the_field():
+    j = example("llama-8b-lora.yaml", model={"name": "m", "architecture": {"configMapRef": {"name": "cfg"}},
+                                              "source": {"pvc": {"claimName": "models"}}},
+                method="qlora")
+    seen = ps.observation(j.spec, CONFIG, lambda digest, setups: read_cache({}, digest, setups))
+    d = lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, model_config=CONFIG, profile=seen))
+    assert d.status.phase == "Failed" and "spec.method" in _conditions(d)["Validated"][2]
+    assert not d.create
