@@ -108,7 +108,7 @@ def _resource_arg(group: str, resource: str) -> tuple[str, str | None]:
 
 def expected_access(lease: str) -> list[tuple[str, str, str | None, str]]:
     """(verb, kubectl resource[/name], subresource, scope) for every need of operator_access.yaml;
-    scope "lease" is asked in the release namespace."""
+    scopes "lease" and "state" are asked in the release namespace."""
     out = []
     for need in ACCESS["needs"]:
         when = need.get("when") or {}
@@ -117,6 +117,8 @@ def expected_access(lease: str) -> list[tuple[str, str, str | None, str]]:
         arg, sub = _resource_arg(need["group"], need["resource"])
         if need.get("resourceName") == "LEASE":
             arg = f"{arg}/{lease}"
+        elif need.get("resourceName"):
+            arg = f"{arg}/{need['resourceName']}"
         for verb in need["verbs"]:
             out.append((verb, arg, sub, need["scope"]))
     return out
@@ -247,7 +249,8 @@ def test_service_account_can_do_what_the_operator_needs(lab, installed, namespac
     sa = installed["sa"]
     missing = []
     for verb, resource, sub, scope in expected_access(installed["lease"]):
-        wheres = {"namespaced": (namespace, None), "cluster": (None,), "lease": (installed["namespace"],)}[scope]
+        wheres = {"namespaced": (namespace, None), "cluster": (None,), "lease": (installed["namespace"],),
+                  "state": (installed["namespace"],)}[scope]
         for where in wheres:
             if not can_i(lab, sa, verb, resource, where, sub):
                 missing.append(f"{verb} {resource}{'/' + sub if sub else ''} in {where or 'cluster'}")

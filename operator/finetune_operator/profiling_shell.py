@@ -1,10 +1,9 @@
 """The shell of the pre-flight profile: reads the profile cache and the job's profile pod, and
 writes a finished pod's measurements into the cache (the decisions are profiling/state.py's).
 
-The cache is the ConfigMap `finetune-operator-profiles` in the operator's namespace (RBAC: get,
-create, update on configmaps there; the chart grants it). Writes are read-modify-write with the
-ConfigMap's resourceVersion, retried on a conflict, so two replicas or two jobs of the same
-model never lose each other's entries. Only a pod whose controller owner is the job is read;
+The cache is the ConfigMap `finetune-operator-profiles` in the operator's namespace (RBAC: get and
+patch on it by name, create; the chart's `<fullname>-state` Role). Writes are JSON merge patches of
+its data, so two replicas or two jobs of the same model never lose each other's entries. Only a pod whose controller owner is the job is read;
 a foreign pod with the profile pod's name is left for the lifecycle's create to report
 (NameConflict), never read or deleted.
 """
@@ -74,28 +73,34 @@ class ProfileShell:
         return dict((config_map or {}).get("data") or {})
 
     def _write_cache(self, entries: dict[str, str]) -> dict[str, str]:
-        core = self.cluster.core
-        for _ in range(CACHE_WRITE_ATTEMPTS):
-            config_map = self.cluster.get_config_map(self.namespace, CACHE_CONFIGMAP)
-            try:
-                if config_map is None:
-                    body = {"apiVersion": "v1", "kind": "ConfigMap",
-                            "metadata": {"name": CACHE_CONFIGMAP, "namespace": self.namespace,
-                                         "labels": {"app.kubernetes.io/managed-by": "finetune-operator",
-                                                    "app.kubernetes.io/component": "profile-cache"}},
-                            "data": dict(entries)}
-                    core.create_namespaced_config_map(self.namespace, body)
-                    return dict(entries)
-                data = {**(config_map.get("data") or {}), **entries}
-                config_map["data"] = data
-                core.replace_namespaced_config_map(CACHE_CONFIGMAP, self.namespace, config_map)
-                return data
-            except ApiException as error:
-                if error.status != 409:
-                    raise
-        log.warning("profile cache %s/%s: gave up after %d conflicting writes; profiled again later",
-                    self.namespace, CACHE_CONFIGMAP, CACHE_WRITE_ATTEMPTS)
-        return self._cache_data()
+        return merge_into_config_map(self.cluster, self.namespace, CACHE_CONFIGMAP, entries, "profile-cache")
+
+
+def merge_into_config_map(cluster: Any, namespace: str, name: str, entries: dict[str, str], component: str
+                          ) -> dict[str, str]:
+    """Add `entries` to ConfigMap `name` (created when missing) with a JSON merge patch of its data.
+
+    A merge patch only adds or replaces the keys it names, so two replicas (or two jobs) writing at
+    once never lose each other's keys, and the operator needs no `update` on ConfigMaps. Returns the
+    data after the write."""
+    core = cluster.core
+    for _ in range(CACHE_WRITE_ATTEMPTS):
+        try:
+            if cluster.get_config_map(namespace, name) is None:
+                body = {"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": name, "namespace": namespace,
+                                     "labels": {"app.kubernetes.io/managed-by": "finetune-operator",
+                                                "app.kubernetes.io/component": component}},
+                        "data": dict(entries)}
+                core.create_namespaced_config_map(namespace, body)
+            else:
+                core.patch_namespaced_config_map(name, namespace, {"data": dict(entries)})
+            return dict((cluster.get_config_map(namespace, name) or {}).get("data") or {})
+        except ApiException as error:
+            if error.status not in (404, 409):  # created or deleted by another writer since the read
+                raise
+    log.warning("ConfigMap %s/%s: gave up after %d conflicting writes", namespace, name, CACHE_WRITE_ATTEMPTS)
+    return dict((cluster.get_config_map(namespace, name) or {}).get("data") or {})
 
 
 def pod_state(pod: dict[str, Any]) -> ProfilePod:

@@ -158,13 +158,13 @@ def applies(need: dict[str, Any], backend: str = "auto", kueue: bool = False) ->
 
 
 def needed(scope: str, lease_name: str = "finetune-operator", backend: str = "auto", kueue: bool = False) -> set[Grant]:
-    """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease), under the chart's
+    """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease, state), under the chart's
     policy.trainingBackend and kueue.enabled values (the defaults: auto, false)."""
     out: set[Grant] = set()
     for need in operator_access()["needs"]:
         if need["scope"] != scope or not applies(need, backend, kueue):
             continue
-        name = lease_name if need.get("resourceName") == "LEASE" else ""
+        name = lease_name if need.get("resourceName") == "LEASE" else need.get("resourceName", "")
         for verb in need["verbs"]:
             out.add((need["group"], need["resource"], verb, name))
     return out

@@ -81,11 +81,12 @@ def test_default_objects(render, default_values):
     r = render(default_values)
     assert r.kinds() == sorted([
         "ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
-        "PodDisruptionBudget", "Role", "RoleBinding",
+        "PodDisruptionBudget", "Role", "RoleBinding", "Role", "RoleBinding",
     ])
-    # The leader election's Role and its binding, in the release namespace; no kopf peering objects.
-    assert r.one("Role")["metadata"] == {**r.one("Role")["metadata"], "name": f"{FULLNAME}-leader-election",
-                                        "namespace": RELEASE_NS}
+    # The leader election's Role and the state Role (profile cache, calibration), with their bindings, in the
+    # release namespace; no kopf peering objects.
+    assert sorted((o["metadata"]["namespace"], o["metadata"]["name"]) for o in r.of_kind("Role")) == [
+        (RELEASE_NS, f"{FULLNAME}-leader-election"), (RELEASE_NS, f"{FULLNAME}-state")]
     assert not any(o["apiVersion"].startswith("kopf.dev/") for o in r.objects)
 
 
@@ -341,11 +342,20 @@ def test_all_namespaces_rbac_grants_exactly_what_the_operator_needs(render, defa
     r = render(default_values)
     assert _rules(r.one("ClusterRole")) == needed("namespaced") | needed("cluster")
     _assert_lease_role(r)
+    _assert_state_role(r)
     binding = r.one("ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": r.one("ClusterRole")["metadata"]["name"]}
     sa = r.one("ServiceAccount")["metadata"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+
+
+def _assert_state_role(r: Rendered) -> None:
+    """The operator's own ConfigMaps (profile cache, calibration) in the release namespace: get and patch by
+    name, create; bound to the operator's ServiceAccount whichever namespaces are watched."""
+    assert _rules(r.one("Role", f"{FULLNAME}-state", RELEASE_NS)) == needed("state")
+    binding = r.one("RoleBinding", f"{FULLNAME}-state", RELEASE_NS)
+    assert binding["roleRef"]["name"] == f"{FULLNAME}-state"
 
 
 def _assert_lease_role(r: Rendered, lease: str = "finetune-operator") -> None:
@@ -377,12 +387,14 @@ def test_namespaced_rbac_grants_only_in_the_watched_namespaces(render, default_v
     assert _rules(reader) == {("", "configmaps", v, "") for v in ("get", "list", "watch")}
     r.one("RoleBinding", f"{FULLNAME}-policy-reader", RELEASE_NS)
     _assert_lease_role(r)
+    _assert_state_role(r)
 
 
 def test_namespaced_rbac_without_extra_reader_when_release_namespace_is_watched(render, default_values):
     r = render(value_sets(default_values)["namespaced-incl-release-ns"])
     roles = sorted((o["metadata"]["namespace"], o["metadata"]["name"]) for o in r.of_kind("Role"))
-    assert roles == sorted([("team-a", FULLNAME), (RELEASE_NS, FULLNAME), (RELEASE_NS, f"{FULLNAME}-leader-election")])
+    assert roles == sorted([("team-a", FULLNAME), (RELEASE_NS, FULLNAME), (RELEASE_NS, f"{FULLNAME}-leader-election"),
+                            (RELEASE_NS, f"{FULLNAME}-state")])
 
 
 def test_rbac_never_grants_wildcards_secrets_or_writes_to_nodes(render, default_values):
@@ -428,7 +440,8 @@ def test_leader_election_off_renders_no_lease_rules_and_one_replica_at_most(helm
     r = render(off)
     assert _flag(_container(r)["args"], "--lease") == [""]
     assert not any(res == "leases" for obj in r.of_kind("ClusterRole") + r.of_kind("Role") for _, res, _, _ in _rules(obj))
-    assert r.of_kind("Role") == [] and r.of_kind("RoleBinding") == []
+    assert [o["metadata"]["name"] for o in r.of_kind("Role")] == [f"{FULLNAME}-state"]
+    assert [o["metadata"]["name"] for o in r.of_kind("RoleBinding")] == [f"{FULLNAME}-state"]
     render(with_values(off, replicaCount=0))
     proc = helm.template(with_values(off, replicaCount=2), tmp_path, namespace=RELEASE_NS)
     assert proc.returncode != 0
@@ -443,7 +456,7 @@ def test_access_file_lists_a_reason_for_every_need():
     access = operator_access()
     for need in access["needs"]:
         assert need["why"].strip() and need["verbs"], need
-        assert need["scope"] in ("namespaced", "cluster", "lease"), need
+        assert need["scope"] in ("namespaced", "cluster", "lease", "state"), need
     assert access["forbidden"]
 
 

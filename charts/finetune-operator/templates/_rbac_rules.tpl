@@ -57,10 +57,11 @@
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, list, watch, create, delete, patch]
-# Training pods are read (never written) to classify failures from their termination state.
+# Training pods are read (never written) to classify failures from their termination state; the one
+# pod the operator creates and deletes is a job's CPU-only pre-flight profile pod (owned by the job).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [get, list, watch, create, delete]
 # status.progress: the trainer's progress line is read from the rank-0 pod's log (logs only: no exec, no attach).
 - apiGroups: [""]
   resources: [pods/log]
