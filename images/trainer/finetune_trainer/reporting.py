@@ -115,3 +115,36 @@ def write_report(report: FailureReport, path: str | Path) -> bool:
     except OSError as exc:
         log_json("warning", message=f"cannot write failure report to {path}: {exc}")
         return False
+
+
+def build_success(progress: Progress, attempt: int | None) -> "SuccessReport":
+    from .contract import SuccessReport
+
+    return SuccessReport(steps=progress.step, rank=rank(), world_size=world_size(), attempt=attempt, **device_memory())
+
+
+def write_success(report: "SuccessReport", path: str | Path) -> bool:
+    """Write the success summary (measured peaks, which the operator learns its calibration from)
+    unless a failure report or a local rank with a higher peak already wrote one."""
+    path = Path(path)
+    try:
+        with open(path, "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            handle.seek(0)
+            existing = handle.read().strip()
+            if existing:
+                try:
+                    previous = json.loads(existing)
+                except ValueError:
+                    previous = {}
+                if previous.get("outcome") != "Succeeded" or (
+                        (previous.get("peakAllocatedBytes") or 0) >= (report.peak_allocated_bytes or 0)):
+                    return False
+            handle.seek(0)
+            handle.truncate()
+            handle.write(report.to_termination_message())
+            handle.flush()
+            return True
+    except OSError as exc:
+        log_json("warning", message=f"cannot write success report to {path}: {exc}")
+        return False

@@ -13,7 +13,7 @@ from . import checkpointing
 from .contract import DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH, ConfigLoadError, Phase, TrainerConfig, load_trainer_config
 from .errors import ConfigError
 from .phases import PROGRESS
-from .reporting import build_report, log_json, rank, world_size, write_report
+from .reporting import build_report, build_success, log_json, rank, world_size, write_report, write_success
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(exc)) from exc
         report_path = args.report_path or cfg.report_path
         train(cfg)
+        # The measured peaks, which the operator compares with its prediction (calibration).
+        write_success(build_success(PROGRESS, cfg.attempt), report_path)
         # Inside the try: a teardown that fails is reported like any other failure.
         from .teardown import close_distributed
 
