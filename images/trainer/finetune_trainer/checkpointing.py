@@ -57,6 +57,11 @@ class CheckpointMeta:
     # The optimizer whose state the checkpoint holds (TrainerConfig.optimizer). None in
     # checkpoints written before it was recorded: read as LEGACY_OPTIMIZER.
     optimizer: str | None = None
+    # TrainerConfig.master_weights / update_rounding of the attempt that wrote it (None:
+    # written before they existed, i.e. fp32). Informational: fp32 and bf16 weights and
+    # AdamW moments load into each other (cast to the parameter's dtype).
+    master_weights: str | None = None
+    update_rounding: str | None = None
 
     @property
     def optimizer_or_legacy(self) -> str:
@@ -153,8 +158,12 @@ def _is_rank0() -> bool:
 
 
 def _plain_optimizer(optimizer):
-    # accelerate wraps the torch optimizer; DCP needs the torch one.
-    return getattr(optimizer, "optimizer", optimizer)
+    # accelerate wraps the torch optimizer; DCP needs the torch one. With the optimizer
+    # step in backward, the per-parameter optimizers (DCP takes a list and keys their
+    # state by parameter name, as for one optimizer).
+    plain = getattr(optimizer, "optimizer", optimizer)
+    per_parameter = getattr(plain, "plain_optimizers", None)
+    return per_parameter() if callable(per_parameter) else plain
 
 
 def _options(lora: bool, **extra):

@@ -1,9 +1,16 @@
 """Load tokenizer and model from local paths and apply the method (full, LoRA, QLoRA).
 
 Dtypes follow notes/trainer_settings.md: full fine-tuning loads fp32 master weights
-and the Trainer autocasts; LoRA loads the frozen base in the compute dtype and peft
-keeps the adapters in fp32; QLoRA loads the base in 4-bit NF4 (bitsandbytes, CUDA).
-FSDP is transformers' own FSDP2 at load time (``DistributedConfig``).
+and the Trainer autocasts (``masterWeights: bf16``: bf16 weights, no fp32 copy); LoRA
+loads the frozen base in the compute dtype and peft keeps the adapters in fp32; QLoRA
+loads the base in 4-bit NF4 (bitsandbytes, CUDA).
+
+FSDP (``fsdp_route``): full and LoRA fine-tuning use transformers' own FSDP2 at load
+time (``DistributedConfig``). QLoRA uses the Trainer's accelerate FSDP2 plugin instead,
+as transformers' and peft's FSDP-QLoRA recipe does: the 4-bit weights are stored in the
+compute dtype (``bnb_4bit_quant_storage``) so that FSDP can shard them like any bf16
+tensor (a uint8 storage would be left unsharded), the plugin wraps the decoder layers
+and peft's adapters, and ``offload: optimizer+params`` keeps the shards in host memory.
 """
 
 from __future__ import annotations
@@ -120,21 +127,18 @@ def load_model(cfg: TrainerConfig, world_size: int):
         "local_files_only": True,
         "attn_implementation": attention_for(cfg),
     }
+    route = fsdp_route(cfg, world_size)
     if cfg.method == "full":
-        kwargs["dtype"] = torch.float32
+        # masterWeights bf16: the weights themselves are bf16 (the optimizer keeps no fp32 copy).
+        kwargs["dtype"] = torch.bfloat16 if cfg.master_weights == "bf16" else torch.float32
     elif cfg.method == "lora":
         kwargs["dtype"] = compute_dtype(cfg)
     else:  # qlora
         from transformers import BitsAndBytesConfig
 
         kwargs["dtype"] = compute_dtype(cfg)
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype(cfg),
-        )
-    if cfg.strategy == "fsdp" and world_size > 1:
+        kwargs["quantization_config"] = BitsAndBytesConfig(**qlora_quantization(cfg, route))
+    if route == FSDP_AT_LOAD:
         from transformers.distributed.configuration_utils import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(
@@ -146,8 +150,62 @@ def load_model(cfg: TrainerConfig, world_size: int):
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
     model.config.use_cache = False
     if cfg.method in ("lora", "qlora"):
+        from .levers import check_model
+
+        check_model(cfg, model)
         model = apply_lora(cfg, model)
     return model
+
+
+# How FSDP is applied (fsdp_route).
+FSDP_NONE = "none"
+FSDP_AT_LOAD = "transformers-fsdp2"  # DistributedConfig in from_pretrained
+FSDP_ACCELERATE = "accelerate-fsdp2"  # the Trainer's accelerate FSDP plugin (QLoRA)
+
+
+def fsdp_route(cfg: TrainerConfig, world_size: int) -> str:
+    if cfg.strategy != "fsdp" or world_size <= 1:
+        return FSDP_NONE
+    return FSDP_ACCELERATE if cfg.method == "qlora" else FSDP_AT_LOAD
+
+
+def qlora_quantization(cfg: TrainerConfig, route: str) -> dict:
+    """BitsAndBytesConfig arguments. Under FSDP the packed 4-bit bytes are stored in the
+    compute dtype: FSDP shards floating tensors only, and all tensors of one FSDP unit
+    must share a dtype (fsdp_qlora's quant_storage trick)."""
+    import torch
+
+    args = {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": compute_dtype(cfg),
+    }
+    if route == FSDP_ACCELERATE:
+        args["bnb_4bit_quant_storage"] = compute_dtype(cfg)
+    else:
+        args["bnb_4bit_quant_storage"] = torch.uint8
+    return args
+
+
+def accelerate_fsdp_arguments(cfg: TrainerConfig, route: str) -> dict:
+    """TrainingArguments keys for the accelerate FSDP route (empty otherwise)."""
+    if route != FSDP_ACCELERATE:
+        return {}
+    return {
+        "fsdp": True,
+        "fsdp_config": {
+            "version": 2,
+            # Each decoder layer (the model's _no_split_modules) is one FSDP unit; with
+            # peft, transformers widens the policy to wrap the adapters too.
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "reshard_after_forward": True,
+            "cpu_offload": cfg.offload == "optimizer+params",
+            # accelerate skips its meta-device loading for 4-bit parameters anyway.
+            "cpu_ram_efficient_loading": False,
+            "state_dict_type": "SHARDED_STATE_DICT",
+        },
+    }
 
 
 def apply_lora(cfg: TrainerConfig, model):
@@ -159,15 +217,36 @@ def apply_lora(cfg: TrainerConfig, model):
             use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+    expert_targets = None
+    dropout = cfg.lora.dropout
+    if cfg.lora.target_experts:
+        from .moe import expert_parameter_targets
+
+        expert_targets = expert_parameter_targets(model)
+        # peft refuses any dropout once target_parameters is set (moe.py): the adapters
+        # are built without it and the Linear ones get it back below.
+        dropout = 0.0
     lora = LoraConfig(
         r=cfg.lora.rank,
         lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
+        lora_dropout=dropout,
         target_modules=cfg.lora.target_modules,
+        target_parameters=expert_targets,
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, lora)
+        peft_model = get_peft_model(model, lora)
     except ValueError as exc:
         # peft names the modules it could not find; that is a config problem.
-        raise ConfigError(f"lora.targetModules: {exc}") from exc
+        field = "lora.targetExperts" if expert_targets and "target_parameters" in str(exc) else "lora.targetModules"
+        raise ConfigError(f"{field}: {exc}") from exc
+    if expert_targets and cfg.lora.dropout > 0:
+        from .moe import restore_linear_dropout
+
+        restored = restore_linear_dropout(peft_model, "default", cfg.lora.dropout)
+        from .reporting import log_json
+
+        log_json("info", message=f"lora.dropout {cfg.lora.dropout} applies to the {restored} Linear-module adapters; "
+                                 f"the fused expert adapters ({', '.join(expert_targets)}) train without dropout "
+                                 f"(peft's ParamWrapper cannot apply it)")
+    return peft_model

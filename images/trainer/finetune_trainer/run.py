@@ -99,7 +99,7 @@ def usable_checkpoint(cfg: TrainerConfig):
 def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
     from transformers import TrainingArguments
 
-    from .model_setup import OPTIMIZER
+    from .model_setup import OPTIMIZER, accelerate_fsdp_arguments, fsdp_route
 
     return TrainingArguments(
         output_dir=cfg.output_directory,
@@ -131,6 +131,8 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         ddp_backend="gloo" if not cuda and world_size() > 1 else None,
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        # QLoRA under fsdp: the Trainer's accelerate FSDP2 shards the 4-bit base (model_setup).
+        **accelerate_fsdp_arguments(cfg, fsdp_route(cfg, world_size())),
     )
 
 
@@ -143,7 +145,8 @@ def train(cfg: TrainerConfig) -> None:
     from .data import Collator, build_examples, read_jsonl, sample_order
     from .faults import FaultInjector
     from .model_setup import check_deepspeed_batch, check_runnable, load_model, load_tokenizer
-    from .training import CheckpointCallback, FineTuneTrainer, PhaseCallback, ProgressCallback, ResumeCallback
+    from .training import (CheckpointCallback, FineTuneTrainer, LeversCallback, PhaseCallback, ProgressCallback,
+                           ResumeCallback)
 
     started = time.time()
     cuda = torch.cuda.is_available()
@@ -153,6 +156,9 @@ def train(cfg: TrainerConfig) -> None:
     PROGRESS.gradient_accumulation = cfg.gradient_accumulation
     check_runnable(cfg, cuda)
     check_deepspeed_batch(cfg, world)
+    from .levers import Levers, check_levers
+
+    check_levers(cfg)
     faults = FaultInjector(cfg.fault_injection, cfg.attempt)
 
     PROGRESS.enter(Phase.DATA, 0)
@@ -167,6 +173,8 @@ def train(cfg: TrainerConfig) -> None:
              gradientAccumulation=cfg.gradient_accumulation, globalBatch=plan.global_batch,
              startStep=plan.start_step, maxSteps=plan.max_steps,
              resumeFrom=str(checkpoint.path) if checkpoint else None, device="cuda" if cuda else "cpu")
+    # One line that says which memory levers this attempt runs with (levers.py).
+    log_json("levers", **Levers.of(cfg).fields())
     remaining = plan.max_steps - plan.start_step
     if remaining <= 0:
         log_json("summary", status="already-complete", step=plan.start_step, maxSteps=plan.max_steps)
@@ -192,13 +200,23 @@ def train(cfg: TrainerConfig) -> None:
     model = load_model(cfg, world)
     if checkpoint is not None and not plan.restore_optimizer:
         checkpointing.load_weights(checkpoint, model, lora=cfg.method != "full")
+    chunked = None
+    if cfg.loss_chunks > 1:
+        from .chunked_loss import ChunkedLoss
+
+        try:
+            chunked = ChunkedLoss(model, cfg.loss_chunks)
+        except ValueError as exc:
+            raise ConfigError(f"lossChunks {cfg.loss_chunks}: {exc}") from exc
 
     trainer = FineTuneTrainer(model=model, args=args, train_dataset=dataset,
                               data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
-                              faults=faults)
+                              faults=faults, cfg=cfg, chunked_loss=chunked)
     trainer.remove_callback(PrinterCallback)
     progress = ProgressCallback(trainer, plan, attempt=cfg.attempt)
-    for callback in (PhaseCallback(faults), ResumeCallback(trainer, plan, cfg.method != "full"),
+    # The levers callback first: it checks the optimizer before resume loads into it.
+    for callback in (LeversCallback(trainer, cfg), PhaseCallback(faults),
+                     ResumeCallback(trainer, plan, cfg.method != "full"),
                      CheckpointCallback(trainer, cfg, plan, faults), progress):
         trainer.add_callback(callback)
 

@@ -37,12 +37,60 @@ class RunPlan:
 
 
 class FineTuneTrainer(Trainer):
-    def __init__(self, *args, faults: FaultInjector, **kwargs):
+    def __init__(self, *args, faults: FaultInjector, cfg: TrainerConfig | None = None, chunked_loss=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.faults = faults
+        self.cfg = cfg
+        # chunked_loss.ChunkedLoss when lossChunks > 1: compute_loss goes through it.
+        self.chunked_loss = chunked_loss
         # Tokens this rank processed this attempt, kept on the device: reading it every
         # micro-batch would synchronise with the GPU.
         self._tokens = None
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, except for two levers: bf16 master weights with AdamW
+        (bf16_adamw.BF16AdamW) and the optimizer step in backward (one optimizer per
+        parameter, optimizer_in_backward.py). Parameter groups (weight decay or not) are
+        the Trainer's own."""
+        from .levers import Levers
+
+        cfg = self.cfg
+        levers = Levers.of(cfg) if cfg is not None else None
+        if levers is None or not levers.custom_optimizer or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        cls, kwargs = self._optimizer_class()
+        if not levers.optimizer_in_backward:
+            decay = set(self.get_decay_parameter_names(opt_model))
+            groups = [
+                {"params": [p for n, p in opt_model.named_parameters() if n in decay and p.requires_grad],
+                 "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in opt_model.named_parameters() if n not in decay and p.requires_grad],
+                 "weight_decay": 0.0},
+            ]
+            self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+            return self.optimizer
+        from .optimizer_in_backward import InBackwardOptimizer
+
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p, self.args.weight_decay if n in decay else 0.0)
+                 for n, p in opt_model.named_parameters() if p.requires_grad]
+        self.optimizer = InBackwardOptimizer(named, lambda groups: cls(groups, **kwargs))
+        return self.optimizer
+
+    def _optimizer_class(self):
+        cfg = self.cfg
+        if cfg.method == "full" and cfg.master_weights == "bf16" and cfg.optimizer == "adamw":
+            from .bf16_adamw import BF16AdamW
+            from .reporting import rank
+
+            return BF16AdamW, {"lr": self.args.learning_rate,
+                               "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                               "eps": self.args.adam_epsilon, "rounding": cfg.update_rounding,
+                               # Each rank draws its own rounding noise (its own shard under FSDP).
+                               "seed": cfg.seed * 1000 + rank()}
+        return self.get_optimizer_cls_and_kwargs(self.args, self.model)
 
     @property
     def tokens_seen(self) -> int:
@@ -59,14 +107,51 @@ class FineTuneTrainer(Trainer):
         self.faults.maybe_fire(Phase.FORWARD, step)
         count = inputs["attention_mask"].sum()
         self._tokens = count if self._tokens is None else self._tokens + count
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
+        if self.chunked_loss is not None and "labels" in inputs and model.training:
+            loss = self.chunked_loss.loss(model, inputs, num_items_in_batch)
+            # The same scaling as Trainer.compute_loss: gradients are averaged over ranks,
+            # the loss was divided by the token count of all ranks.
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * self.accelerator.num_processes
+            result = (loss, None) if return_outputs else loss
+        else:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
         PROGRESS.enter(Phase.BACKWARD, step)
         if self.faults.pending(Phase.BACKWARD, step) and loss.requires_grad:
             # Fires inside autograd, as a real out-of-memory in backward would.
             loss.register_hook(lambda grad: self.faults.maybe_fire(Phase.BACKWARD, step) or grad)
         return result
+
+
+class LeversCallback(TrainerCallback):
+    """Levers that need the prepared model: activation offloading replaces the
+    checkpoint function transformers installed; the optimizer step in backward under
+    DDP switches DDP's own gradient sync off (the hooks average each gradient)."""
+
+    def __init__(self, trainer: "FineTuneTrainer", cfg: TrainerConfig):
+        self.trainer = trainer
+        self.cfg = cfg
+        self.offload_stats = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if self.cfg.activation_offloading:
+            from . import activation_offload
+
+            self.offload_stats = activation_offload.install(trainer.model)
+        if self.cfg.optimizer_in_backward:
+            from torch.nn.parallel import DistributedDataParallel
+
+            from .optimizer_in_backward import InBackwardOptimizer
+
+            inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            if not isinstance(inner, InBackwardOptimizer):
+                raise RuntimeError(f"optimizerInBackward: the Trainer runs {type(inner).__name__}")
+            if isinstance(trainer.model_wrapped, DistributedDataParallel):
+                trainer.model_wrapped.require_backward_grad_sync = False
+                inner.average_gradients_over(trainer.model_wrapped.process_group)
 
 
 class PhaseCallback(TrainerCallback):
@@ -110,6 +195,7 @@ class ResumeCallback(TrainerCallback):
                  samplesConsumed=checkpoint.meta.samples_consumed, optimizerRestored=self.plan.restore_optimizer,
                  optimizerNotRestored=self.plan.optimizer_not_restored,
                  fromOptimizer=checkpoint.meta.optimizer_or_legacy,
+                 fromMasterWeights=checkpoint.meta.master_weights or "fp32",
                  fromStrategy=checkpoint.meta.strategy, fromWorldSize=checkpoint.meta.world_size,
                  fromMicroBatchSize=checkpoint.meta.micro_batch_size,
                  fromGradientAccumulation=checkpoint.meta.gradient_accumulation)
@@ -143,6 +229,8 @@ class CheckpointCallback(TrainerCallback):
             gradient_accumulation=self.cfg.gradient_accumulation,
             attempt=self.cfg.attempt,
             optimizer=self.cfg.optimizer,
+            master_weights=self.cfg.master_weights,
+            update_rounding=self.cfg.update_rounding,
         )
         checkpointing.save_checkpoint(
             root=Path(ckpt.directory), meta=meta, model=trainer.model, optimizer=trainer.optimizer,

@@ -1,0 +1,104 @@
+"""The lean-trainer levers of one attempt: what is on, in one startup line, and the
+checks that need the node or the model (the rules between fields live in
+combinations.py and are applied when the config is read).
+
+The levers (TrainerConfig fields):
+
+* ``masterWeights`` bf16: full fine-tuning with bf16 weights, gradients and AdamW
+  moments (bf16_adamw.py), ``updateRounding`` nearest/stochastic/kahan;
+* ``optimizerInBackward``: per-parameter optimizer steps inside backward
+  (optimizer_in_backward.py);
+* ``lossChunks`` > 1: chunked cross-entropy (chunked_loss.py);
+* ``activationOffloading``: checkpointed activations in host memory (activation_offload.py);
+* QLoRA under ``strategy: fsdp``: the 4-bit base sharded (model_setup.py, fsdp_setup);
+* ``lora.targetExperts``: LoRA on fused 3-D expert weights (moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .contract import TrainerConfig
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Levers:
+    master_weights: str
+    update_rounding: str
+    optimizer: str
+    optimizer_in_backward: bool
+    loss_chunks: int
+    activation_offloading: bool
+    gradient_checkpointing: bool
+    target_experts: bool
+    qlora_fsdp: bool
+    cpu_offload: bool
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig) -> "Levers":
+        return cls(
+            master_weights=cfg.master_weights if cfg.method == "full" else "fp32 (adapters)",
+            update_rounding=cfg.update_rounding,
+            optimizer=cfg.optimizer,
+            optimizer_in_backward=cfg.optimizer_in_backward,
+            loss_chunks=cfg.loss_chunks,
+            activation_offloading=cfg.activation_offloading,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            target_experts=cfg.method != "full" and cfg.lora.target_experts,
+            qlora_fsdp=cfg.method == "qlora" and cfg.strategy == "fsdp",
+            cpu_offload=cfg.offload != "none",
+        )
+
+    @property
+    def bf16_master(self) -> bool:
+        return self.master_weights == "bf16"
+
+    @property
+    def custom_optimizer(self) -> bool:
+        """Whether the trainer builds the optimizer itself instead of the Trainer's default."""
+        return self.optimizer_in_backward or (self.bf16_master and self.optimizer == "adamw")
+
+    def fields(self) -> dict:
+        """The startup line's fields (camelCase, as in the config)."""
+        return {
+            "masterWeights": self.master_weights,
+            "updateRounding": self.update_rounding if self.bf16_master else None,
+            "optimizer": self.optimizer,
+            "optimizerInBackward": self.optimizer_in_backward,
+            "lossChunks": self.loss_chunks,
+            "gradientCheckpointing": self.gradient_checkpointing,
+            "activationOffloading": self.activation_offloading,
+            "loraTargetExperts": self.target_experts,
+            "qloraSharded": self.qlora_fsdp,
+            "offload": self.cpu_offload,
+        }
+
+
+def check_levers(cfg: TrainerConfig) -> None:
+    """What the contract accepts but this trainer cannot run: a ConfigError naming the field."""
+    if cfg.master_weights == "bf16" and cfg.method == "full" and cfg.update_rounding != "nearest" \
+            and cfg.optimizer != "adamw":
+        # The trainer's bf16 AdamW does the compensated rounding; bitsandbytes' 8-bit
+        # optimizers update the bf16 weight themselves.
+        raise ConfigError(f"updateRounding {cfg.update_rounding} is done by the trainer's bf16 AdamW; optimizer "
+                          f"{cfg.optimizer} rounds its own updates: use updateRounding nearest")
+
+
+def check_model(cfg: TrainerConfig, model) -> None:
+    """Checks that need the loaded model (before adapters): MoE experts for targetExperts."""
+    from . import combinations
+    from .moe import has_fused_experts
+
+    if cfg.method == "full":
+        return
+    moe = has_fused_experts(model)
+    problems = combinations.violations(cfg.choices().but(moe=moe))
+    if problems:
+        raise ConfigError("; ".join(f"{CONFIG_FIELD.get(p.field, p.field)}: {p.message}" for p in problems))
+
+
+# combinations.py's field names as the config spells them.
+CONFIG_FIELD = {"target_experts": "lora.targetExperts", "master_weights": "masterWeights",
+                "update_rounding": "updateRounding", "optimizer_in_backward": "optimizerInBackward",
+                "activation_offloading": "activationOffloading"}
