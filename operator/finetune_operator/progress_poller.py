@@ -44,8 +44,9 @@ DEFAULT_TAIL_LINES = 64
 DEFAULT_LIMIT_BYTES = 64 * 1024
 # Lines written just before the last read may arrive a little later; read a bit further back.
 SINCE_MARGIN_SECONDS = 10
-# A failing job's read is retried after this long, not every tick.
-ERROR_BACKOFF_SECONDS = 60.0
+# A job whose log cannot be read is read again after the interval, doubling with each failure up to
+# this (a pod whose container has not started yet is refused for a moment; an RBAC gap for good).
+ERROR_BACKOFF_SECONDS = 120.0
 Key = tuple[str, str]
 
 
@@ -102,6 +103,7 @@ class ProgressPoller:
         self._due: dict[Key, float] = {}
         self._last_read: dict[Key, float] = {}
         self._busy: set[Key] = set()
+        self._failures: dict[Key, int] = {}  # reads in a row that failed, per job
         self._reads: deque[float] = deque()  # start times of recent reads, for the global rate
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -134,7 +136,7 @@ class ProgressPoller:
 
     def forget(self, key: Key) -> None:
         with self._lock:
-            for table in (self._targets, self._jobs, self._due, self._last_read):
+            for table in (self._targets, self._jobs, self._due, self._last_read, self._failures):
                 table.pop(key, None)
 
     def clear(self) -> None:
@@ -213,18 +215,23 @@ class ProgressPoller:
         except (ApiException, OSError, ValueError) as error:
             with self._lock:
                 self.stats["read_errors"] += 1
+                failures = self._failures[key] = self._failures.get(key, 0) + 1
                 if self._targets.get(key) == target:
                     if target.ended:  # the final read of a finished pod: no second try
                         self._targets.pop(key, None)
                         self._due.pop(key, None)
                     else:
-                        self._due[key] = started + max(self.settings.interval, ERROR_BACKOFF_SECONDS)
-            log.debug("progress of %s/%s: cannot read the log of %s: %s", *key, target.pod, _reason(error))
+                        backoff = min(ERROR_BACKOFF_SECONDS, self.settings.interval * 2 ** (failures - 1))
+                        self._due[key] = started + max(self.settings.interval, backoff)
+            # Said once per run of failures (a missing pods/log rule must be visible), then quietly.
+            (log.warning if failures == 1 else log.debug)(
+                "progress of %s/%s: cannot read the log of pod %s: %s", *key, target.pod, _reason(error))
             return
         with self._lock:
             if self._targets.get(key) != target:
                 return  # the attempt or pod changed while we read
             self._last_read[key] = started
+            self._failures.pop(key, None)
             progress = job.read(text)
             if target.ended:  # that was the final read of a finished pod
                 self._targets.pop(key, None)

@@ -337,3 +337,65 @@ def test_a_slow_or_failing_log_read_never_blocks_or_breaks_a_reconcile():
     assert "progress" not in world.status
     assert world.poller.stats["read_errors"] >= 1
     assert master
+
+
+def test_a_refused_first_read_is_tried_again_after_the_interval_then_backs_off():
+    """Right after a container starts, its log may not be served yet: the next try is one interval
+    later (not a long backoff), and only repeated failures back off further."""
+    world = ProgressWorld()
+    world.reconcile()
+    master = world.start_master()
+    world.kube.logs.pop((NAMESPACE, master, "pytorch"), None)
+    real = world.kube.core.read_namespaced_pod_log
+    refusals = [_error(400, "BadRequest", "log not served yet")]
+
+    def refusing(*args, **kwargs):
+        if refusals:
+            raise refusals.pop()
+        return real(*args, **kwargs)
+
+    world.kube.core.read_namespaced_pod_log = refusing
+    world.reconcile()
+    assert world.poll_all() and world.poller.stats["read_errors"] == 1
+    world.log(master, line(7, START))
+    world.tick(19)
+    assert world.poll_all() == []
+    world.tick(1)
+    assert world.poll_all() and world.status["progress"]["step"] == 7
+    # Three failures in a row: 20, 40, then 80 s apart.
+    refusals.extend(_error(500, "InternalError", "kubelet away") for _ in range(3))
+    waits = []
+    for _ in range(3):
+        waited = 0
+        while not world.poll_all():
+            world.tick(5)
+            waited += 5
+        waits.append(waited)
+    assert waits == [20, 20, 40], waits
+
+
+def test_the_watch_handler_does_not_reconcile_for_a_progress_write(monkeypatch):
+    from finetune_operator import handlers
+
+    added = []
+
+    class Queue:
+        def add(self, key, delay=0.0):
+            added.append(key)
+
+    monkeypatch.setattr(handlers.RUNTIME, "queue", Queue())
+    monkeypatch.setattr(handlers.RUNTIME, "progress_only", ProgressOnlyChanges())
+    body = {"metadata": {"name": "j", "namespace": NAMESPACE, "resourceVersion": "5", "generation": 1},
+            "spec": {}, "status": {"phase": "Running", "currentAttempt": 1}}
+
+    def event(status, rv):
+        obj = {**body, "metadata": {**body["metadata"], "resourceVersion": rv}, "status": status}
+        handlers.finetunejob_event(event={"type": "MODIFIED", "object": obj}, namespace=NAMESPACE, name="j",
+                                   status=status)
+
+    event(body["status"], "5")
+    event({**body["status"], "progress": {"step": 1}}, "6")
+    event({**body["status"], "progress": {"step": 2}}, "7")
+    assert added == [(NAMESPACE, "j")]
+    event({**body["status"], "phase": "Recovering", "progress": {"step": 2}}, "8")
+    assert added == [(NAMESPACE, "j")] * 2
