@@ -37,6 +37,7 @@ from .children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Chil
 from .planning.capacity import Claim, with_claims
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
+from .informers import ClusterCache, wait_synced
 from .rendering.names import attempt_name, label_value
 from .rendering.backend import BACKENDS, PYTORCH_JOB, PYTORCHJOB, TRAIN_JOB, Backend, backend_of_kind, missing_runtime
 from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
@@ -51,6 +52,9 @@ KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 BACKEND_DISCOVERY_SECONDS = 30.0
 # Discovery lists every node and running pod; several jobs planning at once share one look.
 DISCOVERY_CACHE_SECONDS = 5.0
+# With informers (informers.py) discovery reads memory: it runs again when a node or GPU pod changed,
+# at most this often (a burst of plans shares one look; the claim book counts what is in between).
+DISCOVERY_REFRESH_SECONDS = 0.5
 # Attempts whose failed pods are remembered (oldest forgotten first).
 FAILED_POD_MEMORY = 512
 # The same event again within this time updates the first one's count (client-go: 10 minutes).
@@ -74,8 +78,10 @@ class Cluster:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
-        self._pool_cache: tuple[float, list[NodePool]] | None = None
+        self._pool_cache: tuple[float, list[NodePool], Any] | None = None  # (when, pools, what they were made of)
         self._pool_lock = threading.Lock()
+        # Nodes, GPU pods, the jobs' pods and training jobs, watched (start_cache); None: lists on every read.
+        self.cache: ClusterCache | None = None
         self._failed_pods: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
         self._failed_lock = threading.Lock()
         self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
@@ -210,6 +216,16 @@ class Cluster:
             raise ValueError(f"the operator does not manage {kind} objects")
         return self.get_training_job(backend, namespace, name)
 
+    def start_cache(self, namespaces: list[str] | None, on_job: Callable[[str, str], None] | None,
+                    sync_timeout: float = 30.0) -> ClusterCache:
+        """Watch nodes, GPU pods and the jobs' pods instead of listing them (informers.py); training-job
+        kinds join with `cache.watch_children`. Reads fall back to the API until an informer has listed."""
+        self.cache = ClusterCache(self.core, self.custom, namespaces=namespaces, on_job=on_job,
+                                  on_pod=lambda pod, deleted: self.remember_failed_pod(pod, deleted=deleted)).start()
+        if not wait_synced(self.cache.all(), sync_timeout):
+            log.warning("informers not listed after %.0f s; reading the API directly until they have", sync_timeout)
+        return self.cache
+
     def list_children(self, namespace: str, job: str, owner_uid: str | None,
                       backends: tuple[Backend, ...] | list[Backend] = (PYTORCH_JOB,)) -> list[Child]:
         """The training jobs of every attempt that this FineTuneJob controls (by uid), of each kind in
@@ -217,8 +233,9 @@ class Cluster:
         selector = f"{JOB_LABEL}={label_value(job)}"
         children = []
         for backend in backends:
+            cached = self.cache.job_children(backend, namespace, label_value(job)) if self.cache else None
             try:
-                items = _json(self.custom.list_namespaced_custom_object(
+                items = cached if cached is not None else _json(self.custom.list_namespaced_custom_object(
                     backend.group, backend.version, namespace, backend.plural, label_selector=selector,
                     _preload_content=False))["items"]
             except ApiException as error:
@@ -247,7 +264,9 @@ class Cluster:
     def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """The job's pods of every attempt, plus failed ones seen in watch events that are gone since."""
         selector = f"{JOB_LABEL}={label_value(job)}"
-        pods = _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
+        pods = self.cache.job_pods(namespace, label_value(job)) if self.cache else None
+        if pods is None:
+            pods = _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
         present = {p["metadata"]["name"] for p in pods}
         with self._failed_lock:
             gone = [p for (ns, label, _), by_name in self._failed_pods.items() if (ns, label) == (namespace, label_value(job))
@@ -275,6 +294,13 @@ class Cluster:
                 self._failed_pods.pop(next(iter(self._failed_pods)))
 
     def create(self, namespace: str, obj: dict[str, Any], owner_uid: str | None) -> dict[str, Any]:
+        """`_create`, and the informer holds the object at once: the next reconcile sees it."""
+        created = self._create(namespace, obj, owner_uid)
+        if self.cache is not None:
+            self.cache.note_written(obj["kind"], created)
+        return created
+
+    def _create(self, namespace: str, obj: dict[str, Any], owner_uid: str | None) -> dict[str, Any]:
         """Create `obj`. If it exists already and is ours (a retry after a crash), return it;
         if it is someone else's, raise ForeignObject: never adopted, never changed."""
         kind, name = obj["kind"], obj["metadata"]["name"]
@@ -299,6 +325,13 @@ class Cluster:
         raise ValueError(f"cannot create a {kind}")
 
     def delete(self, namespace: str, ref: lifecycle.ObjectRef, owner_uid: str | None) -> bool:
+        """`_delete`, and the informer forgets the object at once."""
+        deleted = self._delete(namespace, ref, owner_uid)
+        if deleted and self.cache is not None:
+            self.cache.note_deleted(ref.kind, namespace, ref.name)
+        return deleted
+
+    def _delete(self, namespace: str, ref: lifecycle.ObjectRef, owner_uid: str | None) -> bool:
         """Delete an attempt's object if, and only if, this job controls it. Returns whether a
         delete was sent. The uid precondition makes a delete of a same-named replacement fail."""
         existing = self._get(namespace, ref.kind, ref.name)
@@ -381,12 +414,20 @@ class Cluster:
         """Catalog pools merged with what the Node objects show now (cached a few seconds)."""
         with self._pool_lock:
             now = time.monotonic()
+            informed = self.cache.discovery_inputs() if self.cache is not None else None
+            if informed is not None:
+                versions, nodes, pods = informed
+                seen = self._pool_cache
+                if seen is None or (seen[2] != (versions, id(policy)) and now - seen[0] > DISCOVERY_REFRESH_SECONDS):
+                    self._pool_cache = (now, merge_pools(policy.catalog, discover_pools(nodes, pods, policy)),
+                                        (versions, id(policy)))
+                return list(self._pool_cache[1])
             if self._pool_cache is None or now - self._pool_cache[0] > DISCOVERY_CACHE_SECONDS:
                 nodes = _json(self.core.list_node(_preload_content=False))["items"]
                 pods = _json(self.core.list_pod_for_all_namespaces(
                     field_selector="status.phase!=Succeeded,status.phase!=Failed", _preload_content=False))["items"]
                 discovered = discover_pools(nodes, pods, policy)
-                self._pool_cache = (now, merge_pools(policy.catalog, discovered))
+                self._pool_cache = (now, merge_pools(policy.catalog, discovered), None)
             return list(self._pool_cache[1])
 
     # -- events -------------------------------------------------------------
@@ -461,6 +502,8 @@ class Reconciler:
     progress: ProgressPoller | None = None
     # The pre-flight profile's cache and pods (profiling_shell.py); None: models of unknown families are Invalid.
     profiles: Any = None
+    # The learned memory calibration (calibration_store.py); None: plans use the built-in model only.
+    calibration: Any = None
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """One look at one job. Returns seconds until the next look, or None (wait for events)."""
@@ -522,9 +565,12 @@ class Reconciler:
                                       foreign=foreign, invalid=problems, model_config=model_config,
                                       waiting_for=waiting_for, backends=backends, default_queue=default_queue,
                                       unusable=unusable,
-                                      profile=self.profiles.observe(job, model_config) if self.profiles else None)
+                                      profile=self.profiles.observe(job, model_config) if self.profiles else None,
+                                      learned=self.calibration.read() if self.calibration is not None else {})
         decision = lifecycle.step(observed)
         self._apply(body, job=job, decision=decision, policy=policy, current=current)
+        if self.calibration is not None and decision.learned:
+            self.calibration.write(decision.learned)  # after the status: a run is learned at most once
         self.claims.note((namespace, name), decision, current, pods)
         if self.progress is not None:  # memory only: which log to follow now
             self.progress.track((namespace, name), progress.target_of(namespace, name, decision.status, pods))

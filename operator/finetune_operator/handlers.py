@@ -1,8 +1,9 @@
 """The kopf handlers: the thin shell. They only turn watch events into queued reconciles.
 
-Every FineTuneJob, PyTorchJob and pod event puts the job's key on the work queue
-(`controller.WorkQueue`); the queue runs `Reconciler.reconcile`, which reads the world,
-calls the pure lifecycle and writes the result. No kopf handler keeps progress on the
+Every FineTuneJob event (kopf) and every change of a job's pods or training jobs (the
+informers of `informers.py`, which also keep what the reconciler reads in memory) puts the
+job's key on the work queue (`controller.WorkQueue`); the queue runs `Reconciler.reconcile`,
+which reads the world, calls the pure lifecycle and writes the result. No kopf handler keeps progress on the
 object and none needs a finalizer: children go by ownerReference.
 
 Replicas elect one leader through a coordination Lease (`leadership.py`): every replica
@@ -25,6 +26,7 @@ import yaml
 from kubernetes import client, config
 
 from . import api, metrics
+from .calibration_store import CalibrationStore
 from .profiling_shell import ProfileShell
 from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
@@ -121,13 +123,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
     cluster = Cluster(kube_api_client(options))
     RUNTIME.policy.set(_read_policy(cluster, options))
+    # Nodes, GPU pods, our pods and training jobs are informed (informers.py): reads come from memory
+    # and every change queues its job. Every replica informs, so a standby takes over with a warm cache.
+    cluster.start_cache(None if options.clusterwide else list(options.namespaces), on_job=_enqueue)
     watch_training_jobs(cluster, options)
     if options.progress_interval > 0:
         RUNTIME.progress = ProgressPoller(read_pod_log(cluster.core), patch_progress(cluster.custom),
                                           PollerSettings(interval=options.progress_interval))
         RUNTIME.progress.start()
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress,
-                                    profiles=ProfileShell(cluster, options.policy_namespace))
+                                    profiles=ProfileShell(cluster, options.policy_namespace),
+                                    calibration=CalibrationStore(cluster, options.policy_namespace))
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
     if options.lease:
         RUNTIME.queue.set_active(False)  # until this replica leads
@@ -190,6 +196,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.cleanup()
 def shutdown(**_: Any) -> None:
     RUNTIME.stop.set()
+    if RUNTIME.reconciler is not None and RUNTIME.reconciler.cluster.cache is not None:
+        RUNTIME.reconciler.cluster.cache.stop()
     if RUNTIME.queue is not None:
         # Let running reconciles end before the Lease goes to a standby.
         RUNTIME.queue.set_active(False)
@@ -242,8 +250,11 @@ def watch_training_jobs(cluster: Cluster, options: Options) -> list[str]:
         namespaces = [None] if options.clusterwide else list(options.namespaces)
         if namespaces and all(cluster.may(verb, backend.group, backend.plural, ns)
                               for ns in namespaces for verb in ("list", "watch")):
-            kopf.on.event(backend.group, backend.version, backend.plural, id=f"{backend.plural}-event",
-                          labels={JOB_LABEL: kopf.PRESENT})(training_job_event)
+            if getattr(cluster, "cache", None) is not None:
+                cluster.cache.watch_children(backend)  # informed: changes queue the job (informers.py)
+            else:
+                kopf.on.event(backend.group, backend.version, backend.plural, id=f"{backend.plural}-event",
+                              labels={JOB_LABEL: kopf.PRESENT})(training_job_event)
             watched.append(backend.resource)
         else:
             log.info("not watching %s: this ServiceAccount may not list and watch them", backend.resource)
@@ -262,15 +273,6 @@ def training_crd_event(name: str, **_: Any) -> None:
     if RUNTIME.queue is not None:
         for key in list(RUNTIME.known):
             RUNTIME.queue.add(key)
-
-
-@kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
-def pod_event(event: dict[str, Any], namespace: str, labels: dict[str, str], annotations: dict[str, str],
-              body: kopf.Body, **_: Any) -> None:
-    if RUNTIME.reconciler is not None:
-        # Even a DELETED event carries the pod's last state: keep it if it failed or was deleted early.
-        RUNTIME.reconciler.cluster.remember_failed_pod(dict(body), deleted=event.get("type") == "DELETED")
-    _enqueue(namespace, _job_name(labels, annotations))
 
 
 @kopf.on.event("", "v1", "configmaps", when=lambda name, namespace, **_: (

@@ -44,6 +44,7 @@ from .rendering.layout import layout_of
 from .rendering.names import attempt_name
 from .rendering.backend import DEFAULT_SERVED, Backend, NoBackend, select_backend
 from .rendering.renderer import ATTEMPT_LABEL
+from . import calibration
 from .profiling import state as profiling
 from .sizing import ModelArchitecture, SizingError, UnknownArchitecture
 from .sizing.from_job import architecture_of
@@ -105,6 +106,8 @@ class Observed:
     # For a model only the pre-flight profile can size: the cache and the profile pod, as the shell
     # read them (profiling.state.ProfileObservation, or NotProfilable naming what cannot be traced).
     profile: Any = None
+    # The memory corrections the cluster learned (calibration.py), by kind of run; the shell reads them.
+    learned: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class Decision:
     set_suspend: bool | None = None
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None  # seconds; None: wait for a change
+    # Learned memory corrections this step changed (calibration.py), for the shell to store.
+    learned: dict[str, Any] = field(default_factory=dict)
 
 
 def set_condition(
@@ -200,8 +205,16 @@ def step(observed: Observed) -> Decision:
 
     _reconcile_with_children(decision, observed)
     if status.current_attempt is None:
-        return _new_attempt(decision, observed, attempt=1, note="")
-    return _follow_attempt(decision, observed)
+        return _learn(_new_attempt(decision, observed, attempt=1, note=""), observed)
+    return _learn(_follow_attempt(decision, observed), observed)
+
+
+def _learn(decision: Decision, observed: Observed) -> Decision:
+    """Runs that ended this step with an observed peak teach the cluster's calibration (calibration.py)."""
+    if observed.architecture is not None:
+        seen = calibration.observations(observed.job.status, decision.status, observed.architecture.family)
+        decision.learned = calibration.learn(observed.learned, seen)
+    return decision
 
 
 def _profile_objects(decision: Decision, observed: Observed, resolved: Any) -> None:
@@ -387,8 +400,14 @@ def _new_attempt(decision: Decision, observed: Observed, *, attempt: int, note: 
         return _give_up(decision, observed, "Failed", f"all {_max_attempts(job, observed.policy)} attempts are used")
     # Keep what earlier attempts taught (a status rebuilt after its current attempt was lost).
     excluded = tuple(key for run in failed_runs(status.attempts) for key in run.keys())
-    result = plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded,
-                      calibration=learned_calibration(status.attempts), architecture=observed.architecture)
+    # The job's own floor, raised to what the cluster learned for the winner's kind of run.
+    result, learned, kind = calibration.plan_with_learning(
+        lambda factor: plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded,
+                                calibration=factor, architecture=observed.architecture),
+        learned_calibration(status.attempts), observed.learned,
+        observed.architecture.family if observed.architecture is not None else "")
+    if learned is not None and not isinstance(result, Infeasible):
+        result = result.model_copy(update={"reason": f"{result.reason} {calibration.applied_words(learned, kind)}."})
     if isinstance(result, Infeasible):
         status.phase = "Pending"
         status.current_attempt = None
@@ -545,7 +564,9 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
     if child.state == "Succeeded":
         status.phase = "Succeeded"
         status.completion_time = now
-        _update_record(status, attempt, outcome="Succeeded", end_time=now, message="finished")
+        peak = calibration.success_peak_bytes(observed.pods, attempt, ATTEMPT_LABEL)
+        _update_record(status, attempt, outcome="Succeeded", end_time=now, message="finished",
+                       observed_peak_gi_b=round(peak / GiB, 2) if peak else None)
         set_condition(status, api.COND_RUNNING, "False", "Finished", f"attempt {attempt} finished", now, generation)
         if condition(status, api.COND_RECOVERING) is not None:
             set_condition(status, api.COND_RECOVERING, "False", "Recovered", f"attempt {attempt} finished", now, generation)

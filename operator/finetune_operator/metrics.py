@@ -79,6 +79,29 @@ PEAK_RATIO = Histogram(
     buckets=(0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0),
 )
 
+CALIBRATION = Gauge(
+    "finetune_memory_calibration_factor",
+    "The memory correction learned from observed / predicted peaks per kind of run, applied to later plans of "
+    "that kind (bounded to [1.0, 1.5]; calibration.py)",
+    ["gpu", "family", "method", "strategy"],
+)
+CALIBRATION_RUNS = Gauge(
+    "finetune_memory_calibration_runs",
+    "Runs the learned memory correction of a kind of run was learned from",
+    ["gpu", "family", "method", "strategy"],
+)
+
+
+def show_calibration(table: dict) -> None:
+    """Export the learned corrections (calibration_store.py calls this after each read and write)."""
+    for key, learned in table.items():
+        parts = key.split(".")
+        if len(parts) != 4:
+            continue
+        CALIBRATION.labels(*parts).set(learned.factor)
+        CALIBRATION_RUNS.labels(*parts).set(learned.runs)
+
+
 # Series that exist from the start, so that the first increment after a restart shows in increase().
 for _kind in FAILURE_KINDS:
     RECOVERIES.labels(kind=_kind, action="retry")

@@ -6,6 +6,14 @@ resourceVersion is 409 Conflict, a delete with a uid precondition that does not 
 409, reads of missing objects are 404. Every write is logged, so tests can assert on what
 the operator did (and did not do) to each object.
 
+Lists and watches behave as the API server's do: a list carries the collection's
+resourceVersion and pages (limit/continue, a consistent snapshot); a watch from a
+resourceVersion replays every change after it, in order, as ADDED/MODIFIED/DELETED (an object
+that starts or stops matching the selectors is ADDED/DELETED), ends with a BOOKMARK, and answers
+an ERROR 410 event when `compact()` has dropped that history. A change that reached an object
+without a new resourceVersion (a test editing a dict in place) fails the watch loudly instead of
+being silently missed.
+
 It stands in for `kubernetes.client.CoreV1Api` and `CustomObjectsApi` (the methods
 `finetune_operator.controller.Cluster` uses), so the real `Cluster` and `Reconciler` run
 on top of it. End-to-end tests use the real API server; this is for fast property tests.
@@ -72,6 +80,49 @@ def _matches(obj: dict[str, Any], selector: str | None) -> bool:
     return True
 
 
+def _field(obj: dict[str, Any], path: str) -> str:
+    node: Any = obj
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return "" if node is None else str(node)
+
+
+def _fields_match(obj: dict[str, Any], selector: str | None) -> bool:
+    """A field selector: `path=value`, `path==value`, `path!=value`, comma-separated (all must hold)."""
+    for term in (selector or "").split(","):
+        if not term:
+            continue
+        if "!=" in term:
+            path, value = term.split("!=", 1)
+            if _field(obj, path) == value:
+                return False
+        else:
+            path, value = term.replace("==", "=").split("=", 1)
+            if _field(obj, path) != value:
+                return False
+    return True
+
+
+class WatchResponse:
+    """A watch's HTTP response: JSON lines, as `kubernetes.watch.iter_resp_lines` reads them."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = events
+        self.closed = False
+
+    def stream(self, amt=None, decode_content=False):
+        for event in self.events:
+            if self.closed:
+                return
+            yield (json.dumps(event) + "\n").encode()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release_conn(self) -> None:
+        pass
+
+
 @dataclass
 class Write:
     verb: str  # create | delete | patch | status | status-patch
@@ -103,6 +154,14 @@ class FakeKube:
     # API server answers for a kind whose CRD is not installed.
     served: set[str] = field(default_factory=lambda: {"pytorchjobs", "finetunejobs"})
     _rv: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # Every change as a watch replays it: (resourceVersion, type, kind, object after (the last state
+    # for DELETED), object before or None). History at or before `compacted` is gone (410).
+    history: list[tuple[int, str, str, dict[str, Any], dict[str, Any] | None]] = field(default_factory=list)
+    compacted: int = 0
+    resource_version: int = 0
+    watch_requests: list[dict[str, Any]] = field(default_factory=list)
+    _last: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
+    _pages: dict[str, tuple[list[dict[str, Any]], int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.core = _Core(self)
@@ -116,8 +175,11 @@ class FakeKube:
         meta.setdefault("namespace", "default")
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("generation", 1)
-        meta["resourceVersion"] = str(next(self._rv))
-        self.objects[(kind, meta["namespace"], meta["name"])] = obj
+        key = (kind, meta["namespace"], meta["name"])
+        before = self._last.get(key)
+        meta["resourceVersion"] = self._next_rv()
+        self.objects[key] = obj
+        self._record("MODIFIED" if before is not None else "ADDED", key, obj, before)
         return obj
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -127,7 +189,94 @@ class FakeKube:
         return [o for (k, ns, _), o in sorted(self.objects.items()) if k == kind and namespace in (None, ns)]
 
     def touch(self, obj: dict[str, Any]) -> None:
-        obj["metadata"]["resourceVersion"] = str(next(self._rv))
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        key = next(k for k, o in self.objects.items() if o is obj)
+        self._record("MODIFIED", key, obj, self._last.get(key))
+
+    def _next_rv(self) -> str:
+        self.resource_version = next(self._rv)
+        return str(self.resource_version)
+
+    def _record(self, kind_of_event: str, key: tuple[str, str, str], obj: dict[str, Any],
+                before: dict[str, Any] | None) -> None:
+        after = copy.deepcopy(obj)
+        self.history.append((int(obj["metadata"]["resourceVersion"]), kind_of_event, key[0], after, before))
+        if kind_of_event == "DELETED":
+            self._last.pop(key, None)
+        else:
+            self._last[key] = after
+
+    def remove(self, kind: str, namespace: str, name: str) -> None:
+        """Delete an object as a test (a person, the garbage collector) would: no write logged."""
+        key = (kind, namespace, name)
+        obj = self.objects.pop(key)
+        last = copy.deepcopy(obj)
+        last["metadata"]["resourceVersion"] = self._next_rv()
+        self._record("DELETED", key, last, self._last.get(key))
+
+    def compact(self) -> None:
+        """Drop the change history, as etcd compaction does: a watch from an older resourceVersion gets 410."""
+        self.compacted = self.resource_version
+        self.history = [h for h in self.history if h[0] > self.compacted]
+
+    # -- lists and watches -------------------------------------------------------
+    def list_or_watch(self, kind: str, namespace: str | None, *, label_selector: str | None = None,
+                      field_selector: str | None = None, watch: bool = False, resource_version: str | None = None,
+                      limit: int | None = None, _continue: str | None = None, allow_watch_bookmarks: bool = False,
+                      timeout_seconds: int | None = None, **_: Any) -> Any:
+        def selected(obj: dict[str, Any] | None) -> bool:
+            return (obj is not None and namespace in (None, obj["metadata"].get("namespace", ""))
+                    and _matches(obj, label_selector) and _fields_match(obj, field_selector))
+
+        if watch:
+            return self._watch(kind, selected, resource_version, allow_watch_bookmarks, label_selector, field_selector)
+        if _continue:
+            if _continue not in self._pages:
+                raise _error(410, "Expired", "the provided continue parameter is too old")
+            items, version = self._pages.pop(_continue)
+        else:
+            items, version = [o for o in self.of_kind(kind, namespace) if selected(o)], self.resource_version
+        meta: dict[str, Any] = {"resourceVersion": str(version)}
+        if limit and len(items) > limit:
+            token = str(uuid.uuid4())
+            self._pages[token] = (items[limit:], version)
+            items, meta["continue"] = items[:limit], token
+        return _response({"metadata": meta, "items": items})
+
+    def _watch(self, kind: str, selected: Any, resource_version: str | None, bookmarks: bool,
+               label_selector: str | None, field_selector: str | None) -> WatchResponse:
+        self.watch_requests.append({"kind": kind, "resourceVersion": resource_version,
+                                    "labelSelector": label_selector, "fieldSelector": field_selector})
+        for key, obj in self.objects.items():
+            if self._last.get(key) != obj:
+                raise AssertionError(f"{key} changed without a new resourceVersion: a watch would never see it")
+        for key in self._last:
+            if key not in self.objects:
+                raise AssertionError(f"{key} was removed without a DELETED event: use FakeKube.remove")
+        events: list[dict[str, Any]] = []
+        if resource_version in (None, "", "0"):  # "any": the current state as ADDED, then what follows
+            events = [{"type": "ADDED", "object": copy.deepcopy(o)} for o in self.of_kind(kind) if selected(o)]
+        elif int(resource_version) < self.compacted:
+            return WatchResponse([{"type": "ERROR", "object": {
+                "kind": "Status", "status": "Failure", "reason": "Expired", "code": 410,
+                "message": f"too old resource version: {resource_version} ({self.compacted})"}}])
+        else:
+            for version, type_, kind_of, after, before in self.history:
+                if kind_of != kind or version <= int(resource_version):
+                    continue
+                was, now = selected(before), selected(after) and type_ != "DELETED"
+                if type_ == "DELETED":
+                    was = was or selected(after)
+                if was and now:
+                    events.append({"type": "MODIFIED", "object": copy.deepcopy(after)})
+                elif now:
+                    events.append({"type": "ADDED", "object": copy.deepcopy(after)})
+                elif was:
+                    events.append({"type": "DELETED", "object": copy.deepcopy(after)})
+        if bookmarks:
+            events.append({"type": "BOOKMARK", "object": {"kind": kind,
+                                                          "metadata": {"resourceVersion": str(self.resource_version)}}})
+        return WatchResponse(events)
 
     def _write(self, write: Write) -> None:
         if self.fail_after_writes is not None:
@@ -162,12 +311,12 @@ class FakeKube:
         if wanted is not None and wanted != obj["metadata"]["uid"]:
             raise _error(409, "Conflict", f"precondition failed: uid {wanted} != {obj['metadata']['uid']}")
         self._write(Write("delete", kind, namespace, name))
-        del self.objects[(kind, namespace, name)]
+        self.remove(kind, namespace, name)
         if kind in ("PyTorchJob", "TrainJob"):  # the garbage collector takes its pods
             for key, pod in list(self.objects.items()):
                 if key[0] == "Pod" and any(r.get("uid") == obj["metadata"]["uid"]
                                            for r in pod["metadata"].get("ownerReferences") or []):
-                    del self.objects[key]
+                    self.remove(*key)
 
     def _json_patch(self, kind: str, namespace: str, name: str, ops: list[dict[str, Any]], *, status: bool) -> Response:
         """JSON patch (RFC 6902) as the API server applies it: all or nothing; a failed `test` is 422.
@@ -252,10 +401,13 @@ class _Custom:
         self._served(group, version, plural)
         return _response(self.kube._must_get(_PLURALS[plural], "", name))
 
-    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
+    def list_namespaced_custom_object(self, group, version, namespace, plural, **kwargs):
         self._served(group, version, plural)
-        items = [o for o in self.kube.of_kind(_PLURALS[plural], namespace) if _matches(o, label_selector)]
-        return _response({"items": items})
+        return self.kube.list_or_watch(_PLURALS[plural], namespace, **kwargs)
+
+    def list_cluster_custom_object(self, group, version, plural, **kwargs):
+        self._served(group, version, plural)
+        return self.kube.list_or_watch(_PLURALS[plural], None, **kwargs)
 
     def create_namespaced_custom_object(self, group, version, namespace, plural, body, **_):
         self._served(group, version, plural)
@@ -290,15 +442,14 @@ class _Core:
     def __init__(self, kube: FakeKube) -> None:
         self.kube = kube
 
-    def list_namespaced_pod(self, namespace, label_selector=None, **_):
-        return _response({"items": [p for p in self.kube.of_kind("Pod", namespace) if _matches(p, label_selector)]})
+    def list_namespaced_pod(self, namespace, **kwargs):
+        return self.kube.list_or_watch("Pod", namespace, **kwargs)
 
-    def list_pod_for_all_namespaces(self, **_):
-        return _response({"items": [p for p in self.kube.of_kind("Pod")
-                                    if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]})
+    def list_pod_for_all_namespaces(self, **kwargs):
+        return self.kube.list_or_watch("Pod", None, **kwargs)
 
-    def list_node(self, **_):
-        return _response({"items": self.kube.of_kind("Node")})
+    def list_node(self, **kwargs):
+        return self.kube.list_or_watch("Node", None, **kwargs)
 
     def read_namespaced_pod_log(self, name, namespace, container=None, tail_lines=None, limit_bytes=None,
                                 since_seconds=None, _preload_content=True, **_):

@@ -15,8 +15,10 @@ import yaml
 from finetune_operator import api
 from finetune_operator.children import PLAN_STATUS_ANNOTATION, SUSPENDED_BY_ANNOTATION
 from finetune_operator.controller import Cluster, PolicyHolder, Reconciler
+from finetune_operator.informers import ClusterCache
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.planning.pools import GiB
+from finetune_operator.rendering.backend import PYTORCH_JOB
 from finetune_operator.rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
 from finetune_trainer import contract
 
@@ -46,7 +48,12 @@ def live(pj: dict[str, Any]) -> bool:
 
 
 class ReconcileWorld:
-    def __init__(self, doc: dict[str, Any], policy=None) -> None:
+    def __init__(self, doc: dict[str, Any], policy=None, *, informed: bool = False) -> None:
+        # informed: the shell reads pods and training jobs from informers (informers.py) on the fake's
+        # watches, stepped before each reconcile unless `lagging` (then it reads what it last saw).
+        self.informed = informed
+        self.lagging = False
+        self.queued: list[tuple[str, str]] = []
         self.kube = FakeKube()
         self.policy = policy or policy_with_catalog()
         self.now = T0
@@ -60,11 +67,22 @@ class ReconcileWorld:
         """A new operator process: nothing of the old one's memory survives."""
         cluster = Cluster(mock.MagicMock())
         cluster.core, cluster.custom = self.kube.core, self.kube.custom
+        if self.informed:
+            cluster.cache = ClusterCache(self.kube.core, self.kube.custom, on_job=lambda ns, name: self.queued.append((ns, name)),
+                                         on_pod=lambda pod, deleted: cluster.remember_failed_pod(pod, deleted=deleted))
+            cluster.cache.watch_children(PYTORCH_JOB, start=False)
         self.reconciler = Reconciler(cluster=cluster, policy=PolicyHolder(self.policy), clock=lambda: self.now)
         self.restarts += 1
 
     def reconcile(self) -> float | None:
+        if self.informed and not self.lagging:
+            self.sync()
         return self.reconciler.reconcile(NAMESPACE, self.name)
+
+    def sync(self) -> None:
+        """The informers catch up: a list the first time, then the watch events since."""
+        for informer in self.reconciler.cluster.cache.all():
+            informer.step()
 
     # -- reading -------------------------------------------------------------
     @property

@@ -190,7 +190,7 @@ class ControlLoop(RuleBasedStateMachine):
     @rule()
     def the_pods_vanish(self) -> None:
         for key in [k for k in self.world.kube.objects if k[0] == "Pod"]:
-            del self.world.kube.objects[key]
+            self.world.kube.remove(*key)
 
     @precondition(lambda self: self._newest_live() is not None)
     @rule()
@@ -228,7 +228,7 @@ class ControlLoop(RuleBasedStateMachine):
     @rule()
     def a_person_removes_the_foreign_objects(self) -> None:
         for kind, name in self.foreign:
-            del self.world.kube.objects[(kind, NAMESPACE, name)]
+            self.world.kube.remove(kind, NAMESPACE, name)
         self.foreign.clear()
 
     # -- helpers ----------------------------------------------------------------
@@ -297,7 +297,7 @@ class ControlLoop(RuleBasedStateMachine):
     def teardown(self) -> None:
         # Settle: with faults gone, the job reaches a terminal phase in bounded steps.
         for (kind, name) in list(self.foreign):
-            del self.world.kube.objects[(kind, NAMESPACE, name)]
+            self.world.kube.remove(kind, NAMESPACE, name)
         self.foreign.clear()
         for _ in range(60):
             for pj in self.world.live_children():
@@ -317,6 +317,30 @@ class ControlLoop(RuleBasedStateMachine):
 ControlLoop.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_control_loop = ControlLoop.TestCase
+
+
+class InformedControlLoop(ControlLoop):
+    """The same histories with the shell reading pods and training jobs from informers (informers.py)
+    on the fake's strict watches, which may fall behind the API for a while: the invariants hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world = ReconcileWorld(job_document(recovery={"maxAttempts": self.max_attempts,
+                                                           "backoff": {"initialSeconds": 1, "maxSeconds": 4}}),
+                                    informed=True)
+
+    @rule(lagging=st.booleans())
+    def the_informers_fall_behind_or_catch_up(self, lagging: bool) -> None:
+        self.world.lagging = lagging
+
+    def teardown(self) -> None:
+        self.world.lagging = False
+        super().teardown()
+
+
+InformedControlLoop.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
+                                                 suppress_health_check=[HealthCheck.too_slow])
+test_informed_control_loop = InformedControlLoop.TestCase
 
 
 def test_a_repeated_event_is_aggregated_and_names_sort_in_time_order():

@@ -114,7 +114,7 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
     cost_words = f"{hours * g.world:,.1f} GPU-hours" if hours is not None else "cost per step"
     if cost is not None:
         cost_words += f", {cost:,.2f} at {pool.price_per_gpu_hour:g} per GPU-hour"
-    calib = f" (estimate x {calibration:g} from an observed out-of-memory failure)" if calibration != 1.0 else ""
+    calib = f" (estimate x {calibration:g}, calibrated by observed peaks)" if calibration != 1.0 else ""
     searched = "every candidate" if exhaustive else f"{stats.groups_visited} of {stats.groups} setups"
     reason = (
         f"{shape(g)} in pool {pool.name} ({pool.region}) with {setup_words(g)}, micro-batch {winner.micro} x"

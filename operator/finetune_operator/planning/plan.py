@@ -62,7 +62,7 @@ class Plan(BaseModel):
     host_memory_bytes: int = Field(ge=0)
     """Host memory each pod (one per node) requests and is limited to."""
     calibration: float = 1.0
-    """Factor applied to the estimate (from an observed out-of-memory failure)."""
+    """Factor applied to the estimate (learned from observed peaks: an out-of-memory failure of this job, or the cluster's runs of this kind)."""
     memory_headroom: float = 0.10
     """Fraction of GPU memory the plan leaves free."""
     estimated_hours: float | None = None

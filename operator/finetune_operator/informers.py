@@ -1,0 +1,507 @@
+"""Informers: list once, then watch, and keep what the operator reads in memory.
+
+The shell used to list a job's pods and training jobs on every reconcile, and every node and
+running pod of the cluster every few seconds to count free GPUs. At a thousand jobs that is a
+thousand label-selected lists per wave of reconciles, and a cluster-wide pod list the API server
+serves from etcd. Here each kind is listed once (in pages) and then watched from the list's
+resourceVersion, as client-go's reflector does; the objects live in a store indexed by what the
+reconciler asks for (the job a pod or training job belongs to), so a reconcile reads memory and
+costs O(the job's objects), and the API server sees one watch per kind.
+
+Strict about what a watch promises:
+  - every event moves the store forward and remembers the resourceVersion it came with;
+    BOOKMARK events move only the resourceVersion;
+  - a watch that ends (the server's timeout) continues from the last resourceVersion;
+  - "410 Gone" (the resourceVersion was compacted away), in the response or as an ERROR event,
+    means events were lost: the informer lists again and replaces the store, and reports every
+    object that vanished meanwhile as DELETED (with its last known state), so nothing is dropped
+    silently;
+  - the API server away (connection errors, 5xx): backoff with jitter, one log line per outage.
+`on_change(type, obj)` runs after the store holds the change, so work it queues reads at least
+that state. Objects the operator itself writes are put in the store at once (`note_written`,
+`note_deleted`): its next reconcile must not miss a child it has just created.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+from functools import partial
+from typing import Any, Callable, Hashable, Iterable
+
+import urllib3
+from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+from .planning.discovery import _pod_gpu_request as pod_gpu_request
+from .rendering.backend import BACKENDS
+from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
+
+log = logging.getLogger("finetune_operator.informers")
+
+Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped objects
+Obj = dict[str, Any]
+
+PAGE_SIZE = 500
+WATCH_SECONDS = 240  # the server ends each watch after this long; the informer watches again
+BACKOFF_MIN_SECONDS, BACKOFF_MAX_SECONDS = 0.2, 10.0
+TRANSIENT = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, OSError)
+
+
+class Gone(Exception):
+    """The watch's resourceVersion is too old: list again."""
+
+
+def key_of(obj: Obj) -> Key:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace") or "", meta.get("name") or ""
+
+
+def slim(obj: Obj) -> Obj:
+    """The object without managedFields (often half its size; the operator never reads them)."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict) and "managedFields" in meta:
+        obj = dict(obj, metadata={k: v for k, v in meta.items() if k != "managedFields"})
+    return obj
+
+
+class Informer:
+    """One kind (with its selectors), listed and watched into an indexed store.
+
+    `list_fn` is a client list method (`CoreV1Api.list_node`, or a `functools.partial` of
+    `CustomObjectsApi.list_cluster_custom_object` with group, version and plural) that accepts
+    `watch`, `resource_version`, `limit`, `_continue` and `_preload_content`.
+    `project(obj)` keeps what the operator reads (None: do not store the object at all);
+    `index(obj)` names the bucket `indexed()` returns it in (None: no bucket).
+    """
+
+    def __init__(self, name: str, list_fn: Callable[..., Any], *, selectors: dict[str, str] | None = None,
+                 project: Callable[[Obj], Obj | None] = slim, index: Callable[[Obj], Hashable | None] | None = None,
+                 on_change: Callable[[str, Obj], None] | None = None, page_size: int = PAGE_SIZE,
+                 watch_seconds: int = WATCH_SECONDS) -> None:
+        self.name = name
+        self.list_fn = list_fn
+        self.selectors = dict(selectors or {})
+        self.project = project
+        self.index = index
+        self.on_change = on_change
+        self.page_size = page_size
+        self.watch_seconds = watch_seconds
+        self.resource_version: str | None = None
+        self.synced = threading.Event()
+        self.version = 0  # bumped on every change of the store, for caches derived from it
+        self.relists = 0
+        self._store: dict[Key, Obj] = {}
+        self._buckets: dict[Hashable, dict[Key, Obj]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._response: Any = None
+
+    # -- reading ---------------------------------------------------------------
+    def get(self, namespace: str, name: str) -> Obj | None:
+        with self._lock:
+            return self._store.get((namespace, name))
+
+    def items(self) -> list[Obj]:
+        with self._lock:
+            return list(self._store.values())
+
+    def indexed(self, bucket: Hashable) -> list[Obj]:
+        with self._lock:
+            return list(self._buckets.get(bucket, {}).values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._store)
+
+    # -- the operator's own writes -----------------------------------------------
+    def note_written(self, obj: Obj) -> None:
+        """An object the operator created or changed, as the API server answered: in the store now,
+        before its watch event arrives (which replaces it with the same or a later state)."""
+        self._apply("MODIFIED", obj, notify=False)
+
+    def note_deleted(self, namespace: str, name: str) -> None:
+        with self._lock:
+            old = self._store.get((namespace, name))
+        if old is not None:
+            self._apply("DELETED", old, notify=False)
+
+    # -- the loop --------------------------------------------------------------
+    def start(self) -> "Informer":
+        self._thread = threading.Thread(target=self.run, name=f"informer-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        response = self._response
+        if response is not None:
+            try:
+                response.close()
+            except Exception:  # closing a socket another thread reads: best effort
+                pass
+
+    def run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                self.step()
+                if failures:
+                    log.info("%s: watching again", self.name)
+                failures = 0
+            except Gone:
+                continue  # step() has dropped the resourceVersion: the next step lists
+            except (ApiException, *TRANSIENT) as error:
+                failures += 1
+                if failures == 1:
+                    log.warning("%s: %s; retrying with backoff", self.name, _short(error))
+                delay = min(BACKOFF_MAX_SECONDS, BACKOFF_MIN_SECONDS * 2 ** min(failures, 8))
+                self._stop.wait(delay * random.uniform(0.5, 1.0))
+            except Exception:  # a bug: keep the informer alive, but say so loudly
+                log.exception("%s: unexpected error; listing again", self.name)
+                self.resource_version = None
+                self._stop.wait(BACKOFF_MAX_SECONDS)
+
+    def step(self) -> None:
+        """List (first time, or after 410 Gone) or watch once until the server ends the watch."""
+        if self.resource_version is None:
+            self.list()
+        else:
+            self.watch()
+
+    def list(self) -> None:
+        """List every page and replace the store; what vanished is reported DELETED."""
+        items: list[Obj] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = dict(self.selectors, limit=self.page_size, _preload_content=False)
+            if token:
+                kwargs["_continue"] = token
+            try:
+                page = json.loads(self.list_fn(**kwargs).data)
+            except ApiException as error:
+                if error.status == 410 and token:  # the continue token expired: start over
+                    items, token = [], None
+                    continue
+                raise
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            token = meta.get("continue")
+            if not token:
+                break
+        fresh: dict[Key, Obj] = {}
+        for raw in items:
+            obj = self.project(raw)
+            if obj is not None:
+                fresh[key_of(raw)] = obj
+        with self._lock:
+            old = self._store
+            self._store = fresh
+            self._buckets = {}
+            for k, obj in fresh.items():
+                self._bucket_add(k, obj)
+            self.resource_version = str(meta.get("resourceVersion") or "") or None
+            self.version += 1
+            self.relists += 1
+        self.synced.set()
+        if self.on_change is not None:
+            for k, obj in old.items():
+                if k not in fresh:
+                    self._notify("DELETED", obj)
+            for k, obj in fresh.items():
+                if old.get(k) != obj:
+                    self._notify("ADDED" if k not in old else "MODIFIED", obj)
+
+    def watch(self) -> None:
+        kwargs = dict(self.selectors, watch=True, resource_version=self.resource_version, allow_watch_bookmarks=True,
+                      timeout_seconds=self.watch_seconds, _preload_content=False,
+                      _request_timeout=(10, self.watch_seconds + 30))
+        try:
+            response = self.list_fn(**kwargs)
+        except ApiException as error:
+            if error.status == 410:
+                self._gone()
+            raise
+        self._response = response
+        try:
+            for line in iter_resp_lines(response):
+                if not line:
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        self._gone()
+                    raise ApiException(status=obj.get("code") or 500, reason=f"{obj.get('reason')}: {obj.get('message')}")
+                version = (obj.get("metadata") or {}).get("resourceVersion")
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self._apply(kind, obj)
+                elif kind != "BOOKMARK":
+                    raise ApiException(status=500, reason=f"unknown watch event type {kind!r}")
+                if version:
+                    self.resource_version = str(version)
+                if self._stop.is_set():
+                    return
+        finally:
+            self._response = None
+            try:
+                response.close()
+                response.release_conn()
+            except Exception:
+                pass
+
+    # -- the store -------------------------------------------------------------
+    def _gone(self) -> None:
+        log.info("%s: resourceVersion %s is gone; listing again", self.name, self.resource_version)
+        self.resource_version = None
+        raise Gone()
+
+    def _apply(self, kind: str, raw: Obj, *, notify: bool = True) -> None:
+        k = key_of(raw)
+        projected = self.project(raw)
+        obj = projected if kind != "DELETED" else None
+        with self._lock:
+            old = self._store.get(k)
+            if old is not None:
+                self._bucket_remove(k, old)
+            if obj is None:
+                self._store.pop(k, None)
+            else:
+                self._store[k] = obj
+                self._bucket_add(k, obj)
+            self.version += 1
+        if not notify:
+            return
+        if kind == "DELETED":
+            last = projected if projected is not None else old  # a DELETED event carries the last state
+            if last is not None:
+                self._notify("DELETED", last)
+        elif obj is not None:
+            self._notify(kind, obj)
+        elif old is not None:  # no longer kept (the projection dropped it): gone, as far as readers see
+            self._notify("DELETED", old)
+
+    def _notify(self, kind: str, obj: Obj) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(kind, obj)
+        except Exception:
+            log.exception("%s: a change handler failed", self.name)
+
+    def _bucket_add(self, k: Key, obj: Obj) -> None:
+        if self.index is not None:
+            bucket = self.index(obj)
+            if bucket is not None:
+                self._buckets.setdefault(bucket, {})[k] = obj
+
+    def _bucket_remove(self, k: Key, obj: Obj) -> None:
+        if self.index is not None:
+            bucket = self.index(obj)
+            if bucket is not None:
+                members = self._buckets.get(bucket)
+                if members is not None:
+                    members.pop(k, None)
+                    if not members:
+                        del self._buckets[bucket]
+
+
+def wait_synced(informers: Iterable[Informer], timeout: float) -> bool:
+    """Whether every informer has listed once, within `timeout` seconds in all."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    return all(i.synced.wait(max(0.0, deadline - time.monotonic())) for i in informers)
+
+
+def _short(error: BaseException) -> str:
+    if isinstance(error, ApiException):
+        return f"API error {error.status} {error.reason}"
+    return f"{type(error).__name__}: {error}"
+
+
+# ---------------------------------------------------------------------------
+# What the operator keeps: nodes, GPU pods, its jobs' pods and training jobs
+# ---------------------------------------------------------------------------
+
+# Pods that hold GPUs are those bound to a node and not finished (as discovery counts them).
+ACTIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+def node_facts(node: Obj) -> Obj:
+    """What discovery reads of a Node (planning/discovery.py): labels, taints, cordon, readiness,
+    allocatable. Node objects carry images and much else: kept whole, a thousand nodes would cost
+    the operator tens of MiB."""
+    meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
+    return {
+        "metadata": {k: meta[k] for k in ("name", "labels", "resourceVersion") if k in meta},
+        "spec": {k: spec[k] for k in ("unschedulable", "taints") if k in spec},
+        "status": {"allocatable": status.get("allocatable") or {},
+                   "conditions": [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]},
+    }
+
+
+def gpu_pod_facts(pod: Obj) -> Obj | None:
+    """What discovery reads of a pod that holds GPUs on a node; None for any other pod (not kept)."""
+    spec = pod.get("spec") or {}
+    if not spec.get("nodeName"):
+        return None
+
+    if pod_gpu_request(pod) <= 0:
+        return None
+    containers = spec.get("containers") or []
+    inits = spec.get("initContainers") or []
+    meta = pod.get("metadata") or {}
+
+    def resources_only(items: list[Obj]) -> list[Obj]:
+        return [{"resources": c.get("resources") or {}} for c in items]
+
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "resourceVersion") if k in meta},
+        "spec": {"nodeName": spec["nodeName"], "containers": resources_only(containers),
+                 "initContainers": resources_only(inits)},
+        "status": {"phase": (pod.get("status") or {}).get("phase")},
+    }
+
+
+def job_of(obj: Obj) -> str | None:
+    """The FineTuneJob a pod or training job belongs to (its name; the label may be shortened)."""
+    meta = obj.get("metadata") or {}
+    return (meta.get("annotations") or {}).get(JOB_NAME_ANNOTATION) or (meta.get("labels") or {}).get(JOB_LABEL)
+
+
+def job_bucket(obj: Obj) -> tuple[str, str] | None:
+    """Index of pods and training jobs: (namespace, the job label's value), as the reconciler asks."""
+    meta = obj.get("metadata") or {}
+    label = (meta.get("labels") or {}).get(JOB_LABEL)
+    return (meta.get("namespace") or "", label) if label is not None else None
+
+
+class ClusterCache:
+    """The informers of the operator's shell (controller.Cluster reads them once they have listed).
+
+    Cluster-wide: nodes and pods that hold GPUs (for free GPUs). Cluster-wide or per watched
+    namespace: the pods and training jobs that carry the job label (label-selected by the API
+    server). `on_job(namespace, name)` is called for every change of a job's pod or training job
+    (after the store holds it); `on_pod(pod, deleted)` first, for every change of a job's pod.
+    """
+
+    def __init__(self, core: Any, custom: Any, *, namespaces: list[str] | None = None,
+                 on_job: Callable[[str, str], None] | None = None,
+                 on_pod: Callable[[Obj, bool], None] | None = None) -> None:
+        self.core, self.custom = core, custom
+        self.namespaces = namespaces  # None: cluster-wide
+        self.on_job, self.on_pod = on_job, on_pod
+        self.nodes = Informer("nodes", core.list_node, project=node_facts)
+        self.gpu_pods = Informer("gpu-pods", core.list_pod_for_all_namespaces,
+                                 selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts)
+        self.pods = self._scoped("pods", lambda ns: partial(core.list_namespaced_pod, ns),
+                                 core.list_pod_for_all_namespaces, self._pod_changed)
+        self.children: dict[str, dict[str | None, Informer]] = {}
+        self._lock = threading.Lock()
+
+    def _scoped(self, name: str, namespaced: Callable[[str], Callable[..., Any]], clusterwide: Callable[..., Any],
+                on_change: Callable[[str, Obj], None]) -> dict[str | None, Informer]:
+        selectors = {"label_selector": JOB_LABEL}
+        if self.namespaces is None:
+            return {None: Informer(name, clusterwide, selectors=selectors, index=job_bucket, on_change=on_change)}
+        return {ns: Informer(f"{name}[{ns}]", namespaced(ns), selectors=selectors, index=job_bucket,
+                             on_change=on_change) for ns in self.namespaces}
+
+    def start(self) -> "ClusterCache":
+        for informer in (self.nodes, self.gpu_pods, *self.pods.values()):
+            informer.start()
+        return self
+
+    def stop(self) -> None:
+        for informer in self.all():
+            informer.stop()
+
+    def all(self) -> list[Informer]:
+        with self._lock:
+            children = [i for scoped in self.children.values() for i in scoped.values()]
+        return [self.nodes, self.gpu_pods, *self.pods.values(), *children]
+
+    def watch_children(self, backend: Any, *, start: bool = True) -> None:
+        """Inform on a training-job kind (one the operator may list and watch)."""
+        with self._lock:
+            if backend.name in self.children:
+                return
+            scoped = self._scoped(
+                backend.plural,
+                lambda ns: partial(self.custom.list_namespaced_custom_object, backend.group, backend.version, ns,
+                                   backend.plural),
+                partial(self.custom.list_cluster_custom_object, backend.group, backend.version, backend.plural),
+                self._child_changed)
+            self.children[backend.name] = scoped
+        if start:
+            for informer in scoped.values():
+                informer.start()
+
+    # -- reading (None: not informed, or not listed yet: ask the API) ----------------
+    def _scope(self, scoped: dict[str | None, Informer], namespace: str) -> Informer | None:
+        informer = _pick(scoped, namespace)
+        return informer if informer is not None and informer.synced.is_set() else None
+
+    def job_pods(self, namespace: str, label: str) -> list[Obj] | None:
+        informer = self._scope(self.pods, namespace)
+        return None if informer is None else informer.indexed((namespace, label))
+
+    def job_children(self, backend: Any, namespace: str, label: str) -> list[Obj] | None:
+        with self._lock:
+            scoped = self.children.get(backend.name)
+        informer = None if scoped is None else self._scope(scoped, namespace)
+        return None if informer is None else informer.indexed((namespace, label))
+
+    def discovery_inputs(self) -> tuple[tuple[int, int], list[Obj], list[Obj]] | None:
+        """(versions, nodes, GPU pods) once both have listed: the versions change with every change."""
+        if not (self.nodes.synced.is_set() and self.gpu_pods.synced.is_set()):
+            return None
+        return (self.nodes.version, self.gpu_pods.version), self.nodes.items(), self.gpu_pods.items()
+
+    # -- the operator's own writes -------------------------------------------------
+    def _informer_of(self, kind: str, namespace: str) -> Informer | None:
+        if kind == "Pod":
+            scoped: dict[str | None, Informer] | None = self.pods
+        else:
+            with self._lock:
+                scoped = next((s for name, s in self.children.items() if _kind_of(name) == kind), None)
+        return None if scoped is None else _pick(scoped, namespace)
+
+    def note_written(self, kind: str, obj: Obj) -> None:
+        informer = self._informer_of(kind, key_of(obj)[0])
+        if informer is not None and (obj.get("metadata") or {}).get("labels", {}).get(JOB_LABEL) is not None:
+            informer.note_written(obj)
+
+    def note_deleted(self, kind: str, namespace: str, name: str) -> None:
+        informer = self._informer_of(kind, namespace)
+        if informer is not None:
+            informer.note_deleted(namespace, name)
+
+    # -- changes -------------------------------------------------------------------
+    def _pod_changed(self, kind: str, pod: Obj) -> None:
+        if self.on_pod is not None:
+            self.on_pod(pod, kind == "DELETED")
+        self._job_changed(pod)
+
+    def _child_changed(self, kind: str, child: Obj) -> None:
+        self._job_changed(child)
+
+    def _job_changed(self, obj: Obj) -> None:
+        job = job_of(obj)
+        namespace = (obj.get("metadata") or {}).get("namespace")
+        if self.on_job is not None and job and namespace:
+            self.on_job(namespace, job)
+
+
+def _pick(scoped: dict[str | None, Informer], namespace: str) -> Informer | None:
+    """The cluster-wide informer, or the one of `namespace` (not `or`: an empty informer is falsy)."""
+    return scoped[None] if None in scoped else scoped.get(namespace)
+
+
+def _kind_of(backend_name: str) -> str | None:
+    backend = next((b for b in BACKENDS if b.name == backend_name), None)
+    return None if backend is None else backend.kind
