@@ -709,16 +709,30 @@ def _move_unschedulable(decision: Decision, observed: Observed, child: Child, me
     attempt = child.attempt
     pool = status.plan.node_pool if status.plan is not None else None
     what = f"attempt {attempt}: pods unschedulable for {waited:.0f} s on pool {pool}: {message}"
+    others = [p for p in observed.pools if p.name != pool]
+    # Pools with room first: a move is worth its place in this pool's line only where the pods can start.
+    roomy = [p for p in others if p.free_gpus is None or p.free_gpus > 0]
+    # The same settings elsewhere first (they were chosen for a reason), then a fresh plan.
+    result = replan_after_loss(job.spec, status.plan, failed=failed_runs(status.attempts),
+                               calibration=learned_calibration(status.attempts), pools=roomy or others,
+                               policy=observed.policy, architecture=observed.architecture) \
+        if status.plan is not None else Infeasible(message="no plan recorded")
+    here = next((p for p in observed.pools if p.name == pool), None)
+    if (here is not None and status.plan is not None and here.free_gpus is not None
+            and not here.fits_now(status.plan.nodes, status.plan.gpus_per_node)
+            and (isinstance(result, Infeasible) or not result.free_now)):
+        # The pool is full of other jobs' work (free GPUs count their claims): a queue, not a dead end.
+        # Moving to a pool that must wait as well, or giving up, would only lose the attempt's place;
+        # it moves as soon as a pool in the allowed regions has room, and starts here when GPUs free up.
+        set_condition(status, api.COND_RUNNING, "False", "Unschedulable",
+                      f"{what}; waiting: every pool in the allowed regions that fits is busy with other jobs",
+                      now, job.metadata.generation)
+        decision.requeue_after = RESYNC_SECONDS
+        return decision
     decision.delete += _child_refs(child)
     _update_record(status, attempt, outcome="Unschedulable", end_time=now, message=what)
     if not _attempts_left(job, observed.policy, attempt + 1):
         return _give_up(decision, observed, "Unschedulable", f"{what}; all {_max_attempts(job, observed.policy)} attempts are used")
-    others = [p for p in observed.pools if p.name != pool]
-    # The same settings elsewhere first (they were chosen for a reason), then a fresh plan.
-    result = replan_after_loss(job.spec, status.plan, failed=failed_runs(status.attempts),
-                               calibration=learned_calibration(status.attempts), pools=others,
-                               policy=observed.policy, architecture=observed.architecture) \
-        if status.plan is not None else Infeasible(message="no plan recorded")
     if isinstance(result, Infeasible):
         return _give_up(decision, observed, "Unschedulable", f"{what}; no other pool in the allowed regions fits: {result.message}")
     decision.events.append(Event("Warning", "Unschedulable", f"{what}; moving to {result.pool.name}"))

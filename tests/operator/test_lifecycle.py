@@ -52,6 +52,7 @@ class World:
         self.now = T0
         self.events: list[lifecycle.Event] = []
         self.creates = 0
+        self.pools = POOLS
 
     def children(self) -> list[Child]:
         found = [child_of_pytorch_job(o) for k, o in self.objects.items() if k.startswith("PyTorchJob/")]
@@ -59,7 +60,7 @@ class World:
 
     def step(self) -> lifecycle.Decision:
         decision = lifecycle.step(lifecycle.Observed(
-            job=self.job, now=self.now, policy=POLICY, pools=POOLS, children=self.children(), pods=list(self.pods)))
+            job=self.job, now=self.now, policy=POLICY, pools=self.pools, children=self.children(), pods=list(self.pods)))
         for ref in decision.delete:
             if self.objects.pop(f"{ref.kind}/{ref.name}", None) is not None and ref.kind == "PyTorchJob":
                 self.pods = []
@@ -463,6 +464,32 @@ def test_unschedulable_pods_are_reported_then_the_attempt_moves_to_another_pool(
     assert status.attempts[0].outcome == "Unschedulable"
     assert decision.create[1]["metadata"]["name"] == "support-bot-a2"
     assert lifecycle.ObjectRef("kubeflow.org/v1", "PyTorchJob", "support-bot-a1") in decision.delete
+
+
+def test_a_pool_full_of_other_work_is_a_queue_the_attempt_moves_only_to_a_pool_with_room():
+    """Past the bound, pods that wait because every GPU is in use wait on (no give-up, no move to a pool
+    that must wait too); as soon as a pool in the allowed regions has room, the attempt moves there."""
+    world = World(example("llama-8b-lora.yaml", placement={"regions": ["eu-de-berlin", "eu-fr-paris"]}))
+    world.pools = [p.model_copy(update={"free_gpus": 0, "free_gpus_per_node": []}) for p in POOLS]
+    world.step()
+    first_pool = world.job.status.plan.node_pool
+    world.pods = [_pending_pod(world, world.now)]
+    world.now += timedelta(seconds=POLICY.unschedulable_timeout_seconds * 2)
+    decision = world.step()
+    assert decision.delete == [] and decision.create == [] and world.job.status.current_attempt == 1
+    assert world.job.status.phase not in ("Failed",)
+    running = next(c for c in world.job.status.conditions if c.type == "Running")
+    assert running.reason == "Unschedulable" and "busy with other jobs" in running.message
+    roomy = next(p for p in POOLS if p.name != first_pool and p.region in ("eu-de-berlin", "eu-fr-paris")
+                 and p.gpu_type in ("H100-80GB", "A100-80GB"))
+    world.pools = [p.model_copy(update={"free_gpus": p.max_gpus, "free_gpus_per_node": [p.gpus_per_node] * p.max_nodes})
+                   if p.name == roomy.name else p for p in world.pools]
+    world.now += timedelta(seconds=30)
+    decision = world.step()
+    status = world.job.status
+    assert status.current_attempt == 2 and status.plan.node_pool == roomy.name
+    assert status.attempts[0].outcome == "Unschedulable"
+    assert any(e.reason == "Unschedulable" and f"moving to {roomy.name}" in e.message for e in decision.events)
 
 
 def test_a_queued_job_is_never_moved_for_unschedulable_pods():
