@@ -11,6 +11,7 @@ re-measures. Usage:
     python bench/sizing_accuracy.py            # whole matrix (about 25 minutes on 2 cores from cold)
     python bench/sizing_accuracy.py --cached   # print from the cache only
     python bench/sizing_accuracy.py --only llama-3.1-8b
+    python bench/sizing_accuracy.py --profile [--only ...]   # the pre-flight profile against the same truth
 """
 
 from __future__ import annotations
@@ -172,7 +173,14 @@ def main(argv=None) -> int:
     ap.add_argument("--refresh", action="store_true", help="re-measure cached setups")
     ap.add_argument("--only", default="", help="substring filter on the case key")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--profile", action="store_true",
+                    help="compare the pre-flight profile's estimate with the same truth (bench/profile_accuracy.py)")
     ns = ap.parse_args(argv)
+    if ns.profile:
+        import profile_accuracy
+
+        cases = [c for c in matrix() if ns.only in c.key]
+        return profile_accuracy.main(cases, load_cache(), cached=ns.cached, refresh=ns.refresh)
 
     cases = [c for c in matrix() if ns.only in c.key]
     cache = load_cache()

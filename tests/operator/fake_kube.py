@@ -485,6 +485,18 @@ class _Core:
     def read_namespaced_config_map(self, name, namespace, **_):
         return _response(self.kube._must_get("ConfigMap", namespace, name))
 
+    def patch_namespaced_config_map(self, name, namespace, body, **_):
+        return self.kube._patch("ConfigMap", namespace, name, body, status=False)
+
+    def read_namespaced_pod(self, name, namespace, **_):
+        return _response(self.kube._must_get("Pod", namespace, name))
+
+    def create_namespaced_pod(self, namespace, body, **_):
+        return self.kube._create("Pod", namespace, body)
+
+    def delete_namespaced_pod(self, name, namespace, body=None, **_):
+        self.kube._delete("Pod", namespace, name, body)
+
     def create_namespaced_config_map(self, namespace, body, **_):
         return self.kube._create("ConfigMap", namespace, body)
 

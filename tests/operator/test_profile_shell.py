@@ -1,0 +1,98 @@
+"""The profile and calibration shell on the strict fake API: the real Cluster/Reconciler create the
+profile pod, read its report, cache it in the operator namespace, plan from it and delete the pod;
+the calibration store reads and merge-patches its ConfigMap and shows the factors in metrics."""
+
+from __future__ import annotations
+
+import json
+
+from finetune_operator import metrics
+from finetune_operator.calibration import Learned
+from finetune_operator.calibration_store import CALIBRATION_CONFIGMAP, CalibrationStore
+from finetune_operator.profiling.cache import CACHE_CONFIGMAP
+from finetune_operator.profiling.setups import job_profile
+from finetune_operator.profiling_shell import ProfileShell
+from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileRequest, ProfileShape
+
+from reconcile_world import NAMESPACE, ReconcileWorld, job_document
+
+OPERATOR_NS = "finetune-system"
+CONFIG = {"model_type": "gpt_neox", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
+          "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def _world() -> ReconcileWorld:
+    doc = job_document(
+        model={"name": "neox", "architecture": {"configMapRef": {"name": "neox"}},
+               "source": {"pvc": {"claimName": "models"}}},
+        training={"sequenceLength": 512, "globalBatchSize": 8, "maxSteps": 10, "gradientCheckpointing": True},
+        resources={"gpus": "auto", "maxGPUs": 4, "strategy": "fsdp"})
+    world = ReconcileWorld(doc)
+    world.kube.put("ConfigMap", {"metadata": {"name": "neox", "namespace": NAMESPACE},
+                                 "data": {"config.json": json.dumps(CONFIG)}})
+    world.reconciler.profiles = ProfileShell(world.reconciler.cluster, OPERATOR_NS)
+    return world
+
+
+def _report(request: ProfileRequest) -> ProfileReport:
+    shape = ProfileShape(model_type="gpt_neox", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
+                         num_key_value_heads=4, head_dim=32, intermediate_size=512)
+    return ProfileReport(ok=True, shape=shape, params={"total": 700_000, "embedding": 131_072, "lmHead": 131_072},
+                         measurements=[ProfileMeasurement(key=s.key, trainable_params=5000,
+                                                          peaks={p: 10**7 * s.micro_batch_size + 10**8 // s.world_size
+                                                                 for p in PROFILE_PHASES})
+                                       for s in request.setups])
+
+
+def test_the_shell_profiles_caches_plans_and_cleans_up():
+    world = _world()
+    world.reconcile()
+    [pod] = world.kube.of_kind("Pod", NAMESPACE)
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == world.kube.get("FineTuneJob", NAMESPACE, world.name)["metadata"]["uid"]
+    assert not world.kube.of_kind("PyTorchJob", NAMESPACE)
+    world.reconcile()  # still running: nothing new
+    assert len(world.kube.of_kind("Pod", NAMESPACE)) == 1
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    request = ProfileRequest.model_validate_json(env["FINETUNE_PROFILE_REQUEST"])
+    assert len(request.setups) == 4 and request.config["model_type"] == "gpt_neox"
+    pod["status"] = {"phase": "Succeeded", "containerStatuses": [{"name": "profile", "state": {"terminated": {
+        "exitCode": 0, "message": _report(request).to_termination_message()}}}]}
+    world.kube.touch(pod)
+    world.reconcile()
+    cache = world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)
+    assert cache is not None and len(cache["data"]) == 5  # four setups and the model
+    assert world.kube.of_kind("PyTorchJob", NAMESPACE), "planned from the profile"
+    assert not world.kube.of_kind("Pod", NAMESPACE), "the finished profile pod is deleted"
+    status = world.kube.get("FineTuneJob", NAMESPACE, world.name)["status"]
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Profiled"] == "True"
+
+
+def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():
+    from finetune_operator.profiling.setups import config_hash
+
+    world = _world()
+    # Someone else's pod under the profile pod's name, even with a failure report for this very config:
+    # its report must not fail the job, and it is never deleted.
+    lie = ProfileReport(ok=False, error="not ours", error_field="config").to_termination_message()
+    world.kube.put("Pod", {"metadata": {"name": "support-bot-profile", "namespace": NAMESPACE,
+                                        "annotations": {"finetune.dev/profile-config": config_hash(CONFIG)}},
+                           "status": {"phase": "Failed", "containerStatuses": [{"name": "profile", "state": {
+                               "terminated": {"exitCode": 78, "message": lie}}}]}})
+    world.reconcile()
+    status = world.kube.get("FineTuneJob", NAMESPACE, world.name)["status"]
+    assert status["phase"] != "Failed"
+    blocked = {c["type"]: c for c in status["conditions"]}.get("Blocked")
+    assert blocked is not None and blocked["reason"] == "NameConflict" and "support-bot-profile" in blocked["message"]
+    assert world.kube.get("Pod", NAMESPACE, "support-bot-profile") is not None
+
+
+def test_the_calibration_store_merges_its_keys_and_shows_them():
+    world = ReconcileWorld(job_document())
+    store = CalibrationStore(world.reconciler.cluster, OPERATOR_NS, clock=lambda: 0.0)
+    assert store.read() == {}
+    store.write({"H100-80GB.llama.lora.ddp": Learned(1.2, 1, 1.2)})
+    store.write({"A100-80GB.llama.full.fsdp": Learned(1.1, 2, 1.05)})
+    data = world.kube.get("ConfigMap", OPERATOR_NS, CALIBRATION_CONFIGMAP)["data"]
+    assert set(data) == {"H100-80GB.llama.lora.ddp", "A100-80GB.llama.full.fsdp"}
+    assert metrics.CALIBRATION.labels("H100-80GB", "llama", "lora", "ddp")._value.get() == 1.2
+    assert metrics.CALIBRATION_RUNS.labels("A100-80GB", "llama", "full", "fsdp")._value.get() == 2
