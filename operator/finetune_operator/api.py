@@ -675,21 +675,29 @@ class PlacementSpec(ApiModel):
 
 Adjustment = Literal[
     "gradientCheckpointing",
+    "chunkedLoss",
     "microBatch",
     "sharding",
+    "activationOffloading",
     "optimizer8bit",
     "offload",
+    "optimizerInBackward",
     "moreGPUs",
+    "masterWeights",
     "hostMemory",
     "method",
 ]
 DEFAULT_ADJUSTMENTS: list[str] = [
     "gradientCheckpointing",
+    "chunkedLoss",
     "microBatch",
     "sharding",
+    "activationOffloading",
     "optimizer8bit",
     "offload",
+    "optimizerInBackward",
     "moreGPUs",
+    "masterWeights",
     "hostMemory",
 ]
 
@@ -708,8 +716,9 @@ class RecoverySpec(ApiModel):
 
     max_attempts: Annotated[int, Field(ge=1, le=20)] | None = None
     """Attempts in all, the first included; 1 turns recovery off. The cluster policy's default (4 unless changed) when omitted."""
-    allowed_adjustments: Annotated[list[Adjustment], Field(max_length=8)] = list(DEFAULT_ADJUSTMENTS)
-    """Changes recovery may make. `method` (switch to QLoRA) is off unless listed."""
+    allowed_adjustments: Annotated[list[Adjustment], Field(max_length=12)] = list(DEFAULT_ADJUSTMENTS)
+    """Changes recovery may make. `method` (switch to QLoRA) is off unless listed. `masterWeights` and
+    `optimizerInBackward` change only what the job leaves `auto`/unset: an explicit value is kept."""
     backoff: BackoffSpec = BackoffSpec()
     """Exponential backoff between attempts."""
 
@@ -1002,6 +1011,19 @@ class PlanStatus(StatusModel):
     """Micro-batches per optimizer step."""
     gradient_checkpointing: bool
     """Activation recomputation."""
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    """Master weights: fp32, or bf16 (weights, gradients and optimizer states all bf16)."""
+    update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
+    """How bf16 master weights round their updates."""
+    optimizer_in_backward: bool = False
+    """Optimizer step inside backward (gradients freed per parameter; no gradient clipping)."""
+    loss_chunks: Annotated[int, Field(ge=1)] = 1
+    """Sequence chunks of the cross-entropy (1: the plain loss)."""
+    activation_offloading: bool = False
+    """Checkpointed activations kept in host memory."""
+    lever_savings: dict[str, GiBQuantity] | None = None
+    """The memory levers the plan uses (masterWeights, optimizerInBackward, lossChunks, activationOffloading) and
+    the per-GPU memory each saves: the plan's required memory with that lever alone off, less its own (current plan only)."""
     predicted_peak_gi_b: GiBQuantity = _gib_field("predictedPeak")
     """Predicted peak allocated GPU memory per GPU (a quantity, e.g. 61.3Gi)."""
     required_gi_b: GiBQuantity = _gib_field("required")
@@ -1028,7 +1050,7 @@ class PlanStatus(StatusModel):
 
     def compact(self) -> "PlanStatus":
         """The plan as an attempt's record keeps it: what ran, without the story of why."""
-        return self.model_copy(update={"breakdown": None, "peak_phase": None, "reason": None,
+        return self.model_copy(update={"breakdown": None, "peak_phase": None, "reason": None, "lever_savings": None,
                                        "estimated_hours": None, "estimated_cost": None})
 
 

@@ -39,10 +39,18 @@ POLICY = load_policy({"allowedRegions": ["eu-de-berlin", "eu-fr-paris"]})
 POOLS = load_catalog((REPO / "examples" / "pools.yaml").read_text())
 
 
-def spec_of(name: str, **changes: Any) -> api.FineTuneJobSpec:
+# The ladder's older rungs are checked on jobs that turn the lean-trainer levers off (the planner
+# would otherwise use them from the first plan on); test_adjust_levers.py checks the lever rungs.
+LEVERS_OFF = {"training__masterWeights": "fp32", "training__optimizerInBackward": False,
+              "training__lossChunks": 1, "training__activationOffloading": False}
+
+
+def spec_of(name: str, levers_off: bool = True, **changes: Any) -> api.FineTuneJobSpec:
     """An example job's spec with `a__b=value` changes (as in tests/operator/test_lifecycle.py)."""
     doc = yaml.safe_load((REPO / "examples" / name).read_text())
     doc["metadata"].update(namespace="team-a", uid="uid-1", generation=1)
+    if levers_off:
+        changes = {**LEVERS_OFF, **changes}
     for path, value in changes.items():
         node = doc["spec"]
         *parents, last = path.split("__")
@@ -81,7 +89,7 @@ def decide(spec: api.FineTuneJobSpec, failure: Failure, failed: api.PlanStatus, 
 # Plan fields that are not knobs of the ladder (they follow from the knobs or the estimate).
 _DERIVED = {"gradient_accumulation", "predicted_peak_gi_b", "required_gi_b", "breakdown", "peak_phase",
             "calibration", "estimated_hours", "estimated_cost", "needs_scale_up", "reason", "host_memory_gi_b",
-            "gpus"}
+            "gpus", "lever_savings"}
 
 
 def changed_fields(old: api.PlanStatus, new: Plan) -> set[str]:
@@ -127,7 +135,10 @@ def test_a_rung_alone_changes_only_its_own_knobs(name, changes, rung, knobs):
 
 
 def test_more_gpus_moves_to_a_bigger_gpu_when_nothing_smaller_fits():
-    spec = spec_of("llama-70b-qlora.yaml")
+    # Replicated QLoRA (ddp) without the sharding and lever rungs: sharded with fsdp (and
+    # offloaded), or with its activations on the host, the 4-bit 70B would fit smaller GPUs.
+    rungs = ["gradientCheckpointing", "microBatch", "optimizer8bit", "offload", "moreGPUs"]
+    spec = spec_of("llama-70b-qlora.yaml", resources__strategy="ddp", recovery={"allowedAdjustments": rungs})
     failed = first_plan(spec)
     step = decide(spec, gpu_oom(failed), failed)
     assert step.retry

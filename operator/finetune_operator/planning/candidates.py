@@ -20,8 +20,8 @@ from .choice import choose_cheapest_or_startable
 from .estimates import EstimateFacts, Estimates
 from .plan import PlanKey
 from .pools import NodePool
-from .space import Ask, Candidate, Group, Stats, changes, fits, groups, weights_floor
-from .throughput import JobWork, combine, compute_and_communication, offload_costs
+from .space import Ask, Candidate, Group, Stats, changes, fits, groups, key_of, weights_floor
+from .throughput import PCIE_GBYTES, JobWork, accumulation_steps, combine, compute_and_communication, offload_costs
 
 FitResult = tuple[int | None, str | None, EstimateFacts | None]
 
@@ -30,8 +30,9 @@ class Costs:
     """Seconds and ranking cost per step of a group at a micro-batch. Compute and communication do
     not depend on offload, so the offload variants of a group share them."""
 
-    def __init__(self, work: JobWork) -> None:
+    def __init__(self, work: JobWork, arch: Any = None) -> None:
         self.work = work
+        self.arch = arch  # for activation offloading's transfers
         self.shared: dict[tuple, tuple[float, float]] = {}
 
     def of(self, group: Group, micro: int) -> tuple[float, float]:
@@ -46,8 +47,18 @@ class Costs:
             self.work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, offload=group.offload,
             gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
         )
+        if group.levers.activation_offloading:
+            transfers += self.activation_transfers(group, micro)
         seconds = combine(parts[0], parts[1], transfers, cpu_step)
         return seconds, seconds * group.world / 3600 * group.price
+
+    def activation_transfers(self, group: Group, micro: int) -> float:
+        """Seconds per step of activation offloading: every block input goes to the host in forward
+        and comes back in backward, each micro-batch, over the GPU's PCIe link (hidden by compute
+        as far as `combine` lets traffic hide)."""
+        arch = self.arch
+        per_micro = 2 * arch.num_layers * arch.hidden_size * micro * self.work.sequence_length * 2  # bf16, out and back
+        return accumulation_steps(self.work, group.world, micro) * per_micro / (PCIE_GBYTES * 1e9)
 
 
 def find(
@@ -63,7 +74,7 @@ def find(
     """The candidates of the job's space on `pools` (the best micro-batch of each group, or every
     micro-batch when `exhaustive`), and what the search saw."""
     stats = Stats()
-    costs = Costs(work)
+    costs = Costs(work, ask.arch)
 
     def candidate(group: Group, micro: int, facts: EstimateFacts) -> Candidate:
         seconds, cost = costs.of(group, micro)
@@ -87,7 +98,7 @@ def find(
     for group in space:
         stats.groups_visited += 1
         for micro in group.micros:
-            facts = estimates.get(group.world, group.strategy, group.offload, group.checkpointing, micro)
+            facts = estimates.get(group.world, group.strategy, group.offload, group.checkpointing, micro, group.levers)
             if isinstance(facts, SizingError):
                 stats.reject("setup not supported")
                 break
@@ -113,7 +124,7 @@ def largest_fitting_micro(
     micros = group.micros
 
     def probe(i: int) -> EstimateFacts | SizingError:
-        return estimates.get(group.world, group.strategy, group.offload, group.checkpointing, micros[i])
+        return estimates.get(group.world, group.strategy, group.offload, group.checkpointing, micros[i], group.levers)
 
     key = group.fit_key()
     cached = fit_cache.get(key)
@@ -144,8 +155,7 @@ def largest_fitting_micro(
         return None
     # Recovery: skip micro-batches of plans that already failed (smaller ones fit too).
     for i in range(index, -1, -1):
-        if excluded and PlanKey(group.pool.name, group.nodes, group.gpus_per_node, ask.method, group.strategy,
-                                group.offload, ask.optimizer, micros[i], group.checkpointing) in excluded:
+        if excluded and key_of(ask, group, micros[i]) in excluded:
             stats.reject("excluded (failed before)")
             continue
         facts = probe(i)

@@ -13,7 +13,9 @@ from .estimates import Estimates
 from .explain import gib, setup_words, shape
 from .plan import Infeasible, PlanKey
 from .pools import NodePool
-from .space import METHOD_STRATEGIES, OFFLOADS, STRATEGIES, Ask, Stats, divisors, pools_for, weights_floor
+from finetune_trainer.combinations import OFFLOADS, strategies_for
+
+from .space import Ask, Stats, divisors, pools_for, weights_floor
 from .throughput import JobWork
 
 
@@ -36,7 +38,8 @@ def infeasible(ask: Ask, all_pools: Sequence[NodePool], considered: Sequence[Nod
         if stats.closest_floor is not None and (closest is None or stats.closest_floor[0] < closest[0]):
             # Rejected on its weights alone: size it now, for the message.
             group = stats.closest_floor[1]
-            facts = estimates.get(group.world, group.strategy, group.offload, group.checkpointing, group.micros[0])
+            facts = estimates.get(group.world, group.strategy, group.offload, group.checkpointing, group.micros[0],
+                                  group.levers)
             if not isinstance(facts, SizingError):
                 required = int(facts.required_bytes * calibration)
                 if closest is None or required / group.usable < closest[0]:
@@ -96,7 +99,7 @@ def relaxed_suggestion(ask: Ask, all_pools: Sequence[NodePool], work: JobWork, e
         fixed.append("microBatchSize")
     if fixed:
         relaxations.append((
-            replace(ask, strategies=METHOD_STRATEGIES.get(ask.method, STRATEGIES), offloads=OFFLOADS, checkpointing=(False, True), micro_batch_size=None,
+            replace(ask, strategies=strategies_for(ask.method, ask.precision, ask.optimizer), offloads=OFFLOADS, checkpointing=(False, True), micro_batch_size=None,
                     fixed_strategy=False, fixed_offload=False, fixed_checkpointing=False),
             "the job fixes " + ", ".join(fixed), False))
     if ask.node_pool is not None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..sizing import SizingError, TrainingSetup
+from .levers import NO_LEVERS, Levers
 
 if TYPE_CHECKING:
     from .space import Ask
@@ -78,21 +79,47 @@ class Estimates:
         self.cache: dict[tuple, EstimateFacts | SizingError] = {}
         self.calls = 0
 
-    def get(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int) -> EstimateFacts | SizingError:
-        key = (world, strategy, offload, checkpointing, micro)
+    def get(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
+            levers: Levers = NO_LEVERS) -> EstimateFacts | SizingError:
+        key = (world, strategy, offload, checkpointing, micro, levers)
         hit = self.cache.get(key)
         if hit is None:
-            a = self.ask
             try:
-                setup = TrainingSetup(
-                    architecture=a.arch, method=a.method, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
-                    precision=a.precision, optimizer=a.optimizer, micro_batch_size=micro,
-                    sequence_length=a.sequence_length, gradient_checkpointing=checkpointing, attention=a.attention,
-                    strategy=strategy, world_size=world, offload=offload,
-                )
+                setup = self.setup(world, strategy, offload, checkpointing, micro, levers)
                 self.calls += 1
                 hit = estimate_facts(self.estimator(setup))
             except SizingError as error:
                 hit = error
             self.cache[key] = hit
         return hit
+
+    def setup(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
+              levers: Levers = NO_LEVERS) -> TrainingSetup:
+        a = self.ask
+        return TrainingSetup(
+            architecture=a.arch, method=a.method, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
+            precision=a.precision, optimizer=a.optimizer, micro_batch_size=micro,
+            sequence_length=a.sequence_length, gradient_checkpointing=checkpointing, attention=a.attention,
+            strategy=strategy, world_size=world, offload=offload,
+            gradient_accumulation=max(1, a.global_batch_size // (micro * world)),
+            lora_target_experts=a.target_experts and a.method != "full", **levers.setup_fields(),
+        )
+
+    def savings(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
+                levers: Levers) -> dict[str, int]:
+        """Required bytes per GPU each lever in use saves: the estimate with that lever alone off,
+        less this one's (0 when the setup cannot run without it)."""
+        own = self.get(world, strategy, offload, checkpointing, micro, levers)
+        if isinstance(own, SizingError):
+            return {}
+        off = {"master_weights": {"master_weights": "fp32", "update_rounding": "nearest"},
+               "optimizer_in_backward": {"optimizer_in_backward": False},
+               "loss_chunks": {"loss_chunks": 1},
+               "activation_offloading": {"activation_offloading": False}}
+        found: dict[str, int] = {}
+        for name, default in NO_LEVERS._asdict().items():
+            if name not in off or getattr(levers, name) == default:
+                continue
+            other = self.get(world, strategy, offload, checkpointing, micro, levers._replace(**off[name]))
+            found[name] = 0 if isinstance(other, SizingError) else max(0, other.required_bytes - own.required_bytes)
+        return found

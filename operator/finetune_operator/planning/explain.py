@@ -27,6 +27,7 @@ def setup_words(group: Group, micro: int | None = None) -> str:
     if group.offload != "none":
         parts.append(f"offload {group.offload}")
     parts.append("checkpointing" if group.checkpointing else "no checkpointing")
+    parts.extend(group.levers.words(chunks=False))
     if micro is not None:
         parts.append(f"micro-batch {micro}")
     return ", ".join(parts)
@@ -69,8 +70,15 @@ def runner_up_line(ask: Ask, winner: Candidate, other: Candidate) -> str:
     )
 
 
+def lever_words(savings: dict[str, int]) -> str:
+    """What each lever in use saves, for the reason: "bf16 master weights save 30.1 GiB, ..."."""
+    names = {"master_weights": "bf16 master weights", "optimizer_in_backward": "the optimizer step in backward",
+             "loss_chunks": "the chunked loss", "activation_offloading": "activation offloading"}
+    return ", ".join(f"{names[k]} {gib(v)}" for k, v in savings.items())
+
+
 def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, calibration: float,
-            exhaustive: bool) -> Plan:
+            exhaustive: bool, savings: dict[str, int] | None = None) -> Plan:
     """The plan of the winning candidate, with its reason and runners-up."""
     g, f = winner.group, winner.facts
     pool = g.pool
@@ -91,8 +99,8 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
     # One that costs as much and lost on the tie-break (it must wait, uses more GPUs...) says why
     # this shape; then other setups (strategy, offload, checkpointing) say why this setup.
     tied = [o for o in same_pool if o.cost_per_step <= winner.cost_per_step * (1 + COST_TIE)][:1]
-    differs = [o for o in same_pool if (o.group.strategy, o.group.offload, o.group.checkpointing)
-               != (g.strategy, g.offload, g.checkpointing) and o not in tied]
+    differs = [o for o in same_pool if (o.group.strategy, o.group.offload, o.group.checkpointing, o.group.levers)
+               != (g.strategy, g.offload, g.checkpointing, g.levers) and o not in tied]
     for other in (tied + (differs or [o for o in same_pool if o not in tied]))[:RUNNERS_UP - len(runners)]:
         runners.append(runner_up_line(ask, winner, other))
     # The cheaper setup that came closest to fitting says the most about why the winner costs what it does.
@@ -123,6 +131,7 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
         f" {f.peak_phase or 'training'}, and {choice_words(ask, winner, others)} ({cost_words}; searched {searched})."
         f" {free_words[0].upper() + free_words[1:]}."
         + (f" Changes: {', '.join(winner.changes)}." if winner.changes else "")
+        + (f" Memory levers save per GPU: {lever_words(savings)}." if savings else "")
         + f" Allowed regions: {', '.join(ask.regions)}."
     )
     return Plan(
@@ -140,6 +149,12 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
         gradient_checkpointing=g.checkpointing,
         attention=ask.attention,
         precision=ask.precision,
+        master_weights=g.levers.master_weights,
+        update_rounding=g.levers.update_rounding,
+        optimizer_in_backward=g.levers.optimizer_in_backward,
+        loss_chunks=g.levers.loss_chunks,
+        activation_offloading=g.levers.activation_offloading,
+        lever_savings_bytes=dict(savings or {}),
         sequence_length=ask.sequence_length,
         global_batch_size=ask.global_batch_size,
         estimate=f.document,

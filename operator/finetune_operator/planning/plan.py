@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, Iterable, Literal, NamedTuple, Union
 
 from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from .. import api
 from .pools import GiB, NodePool
+
+if TYPE_CHECKING:
+    from .levers import Levers
 
 StrategyName = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
 OffloadName = Literal["none", "optimizer", "optimizer+params"]
@@ -26,6 +29,12 @@ class PlanKey(NamedTuple):
     optimizer: str
     micro_batch_size: int
     gradient_checkpointing: bool
+    # The lean-trainer levers (defaults: off, so keys of plans made before them read back the same).
+    master_weights: str = "fp32"
+    update_rounding: str = "nearest"
+    optimizer_in_backward: bool = False
+    loss_chunks: int = 1
+    activation_offloading: bool = False
 
 
 class Plan(BaseModel):
@@ -47,6 +56,14 @@ class Plan(BaseModel):
     gradient_checkpointing: bool
     attention: Literal["sdpa", "flash", "eager"]
     precision: Literal["bf16", "fp16", "fp32"]
+    # The lean-trainer levers the plan uses (see planning/levers.py); off by default.
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
+    optimizer_in_backward: bool = False
+    loss_chunks: int = Field(1, ge=1)
+    activation_offloading: bool = False
+    lever_savings_bytes: dict[str, int] = {}
+    """Per-GPU required bytes each lever in use saves (the plan's estimate with that lever alone off, less its own)."""
     sequence_length: int = Field(ge=1)
     global_batch_size: int = Field(ge=1)
     estimate: dict[str, Any]
@@ -120,15 +137,28 @@ class Plan(BaseModel):
             self.optimizer,
             self.micro_batch_size,
             self.gradient_checkpointing,
+            self.master_weights,
+            self.update_rounding,
+            self.optimizer_in_backward,
+            self.loss_chunks,
+            self.activation_offloading,
         )
+
+    @property
+    def levers(self) -> "Levers":
+        from .levers import Levers
+
+        return Levers(self.master_weights, self.update_rounding, self.optimizer_in_backward, self.loss_chunks,
+                      self.activation_offloading)
 
     def summary(self) -> str:
         """The plan in one line (status attempts, logs)."""
         ckpt = "ckpt" if self.gradient_checkpointing else "no-ckpt"
         off = "" if self.offload == "none" else f", offload {self.offload}"
+        levers = "".join(f", {w}" for w in self.levers.words())
         return (
             f"{self.pool.name}/{self.region}: {self.nodes} x {self.gpus_per_node} x {self.gpu_type}, "
-            f"{self.strategy}{off}, micro {self.micro_batch_size} x accum {self.gradient_accumulation}, {ckpt}, "
+            f"{self.strategy}{off}, micro {self.micro_batch_size} x accum {self.gradient_accumulation}, {ckpt}{levers}, "
             f"{self.required_bytes / GiB:.1f}/{self.pool.gpu_memory_bytes / GiB:.0f} GiB"
         )
 
@@ -148,6 +178,12 @@ class Plan(BaseModel):
                 "microBatchSize": self.micro_batch_size,
                 "gradientAccumulation": self.gradient_accumulation,
                 "gradientCheckpointing": self.gradient_checkpointing,
+                "masterWeights": self.master_weights,
+                "updateRounding": self.update_rounding,
+                "optimizerInBackward": self.optimizer_in_backward,
+                "lossChunks": self.loss_chunks,
+                "activationOffloading": self.activation_offloading,
+                "leverSavings": {to_camel(k): round(v / GiB, 2) for k, v in self.lever_savings_bytes.items()} or None,
                 "predictedPeak": round(self.predicted_peak_bytes / GiB, 2),
                 "required": round(self.required_bytes / GiB, 2),
                 "gpuMemory": round(self.pool.gpu_memory_bytes / GiB, 2),
@@ -179,6 +215,12 @@ class Plan(BaseModel):
             "microBatchSize": self.micro_batch_size,
             "gradientAccumulation": self.gradient_accumulation,
             "gradientCheckpointing": self.gradient_checkpointing,
+            "masterWeights": self.master_weights,
+            "updateRounding": self.update_rounding,
+            "optimizerInBackward": self.optimizer_in_backward,
+            "lossChunks": self.loss_chunks,
+            "activationOffloading": self.activation_offloading,
+            "leverSavingsBytes": dict(self.lever_savings_bytes),
             "attention": self.attention,
             "precision": self.precision,
             "sequenceLength": self.sequence_length,
@@ -247,5 +289,10 @@ def plan_key_of(value: "Plan | PlanKey | api.PlanStatus | Iterable[Any]") -> Pla
             value.optimizer,
             value.micro_batch_size,
             value.gradient_checkpointing,
+            value.master_weights,
+            value.update_rounding,
+            value.optimizer_in_backward,
+            value.loss_chunks,
+            value.activation_offloading,
         )
     return PlanKey(*value)

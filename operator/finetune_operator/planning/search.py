@@ -115,4 +115,6 @@ def _plan(spec, pools, policy, exclude, calibration, architecture, estimator, *,
     if not found:
         return infeasible(ask, pools, considered, work, estimates, excluded, calibration or 1.0, stats)
     winner, others = choose(found, ask.cost_window)
-    return to_plan(ask, winner, others, stats, calibration or 1.0, exhaustive)
+    g = winner.group
+    savings = estimates.savings(g.world, g.strategy, g.offload, g.checkpointing, winner.micro, g.levers)
+    return to_plan(ask, winner, others, stats, calibration or 1.0, exhaustive, savings)

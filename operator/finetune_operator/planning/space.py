@@ -26,28 +26,18 @@ from typing import Sequence
 from .. import api
 from ..sizing import ModelArchitecture, SizingError
 from ..sizing.from_job import architecture_of
+from finetune_trainer.combinations import OFFLOADS, STRATEGIES, Choices, offloads_for, strategies_for
+
 from .choice import COST_TIE, cost_window_of
 from .estimates import EstimateFacts
+from .levers import NO_LEVERS, LeverAsk, Levers, lever_ask, lever_changes, lever_options
 from .plan import Infeasible, PlanKey
 from .policy import ClusterPolicy
 from .pools import NodePool, same_gpu_type
 from .storage import StorageError, storage_regions
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-OFFLOADS = ("none", "optimizer", "optimizer+params")
-# Offload each strategy can do, as the API allows it: DeepSpeed ZeRO-1/2 offload optimizer states
-# only, FSDP's CPUOffload moves parameters and optimizer together, DDP none.
-STRATEGY_OFFLOADS = {
-    "ddp": ("none",),
-    "zero1": ("none", "optimizer"),
-    "zero2": ("none", "optimizer"),
-    "fsdp": ("none", "optimizer+params"),
-    "zero3": OFFLOADS,
-}
-# QLoRA replicates its 4-bit base (the API accepts only ddp for it): only adapters train.
-METHOD_STRATEGIES = {"qlora": ("ddp",)}
-
-
+# Strategies and offloads come from combinations.py (the one home of what combines with what),
+# filtered there for the method, precision, optimizer and levers of each group.
 @dataclass(frozen=True)
 class Ask:
     """A job's fixed settings and the ranges of its `auto` ones."""
@@ -78,6 +68,15 @@ class Ask:
     # Costs within this fraction of the cheapest count as equal (then: free now first). COST_TIE,
     # or the policy's start-time margin when the platform prefers starting now to saving a little.
     cost_window: float = COST_TIE
+    levers: LeverAsk = LeverAsk()  # the lean-trainer levers the job fixes or leaves to the planner
+    target_experts: bool = False
+
+    def base_choices(self, strategy: str, offload: str, checkpointing: bool) -> Choices:
+        """A group's choices before its levers, for combinations.py."""
+        return Choices(method=self.method, strategy=strategy, offload=offload, optimizer=self.optimizer,
+                       precision=self.precision, gradient_checkpointing=checkpointing,
+                       target_experts=self.target_experts if self.method != "full" else None,
+                       moe=self.arch.is_moe, logit_transform=bool(self.arch.final_logit_softcapping))
 
 
 @dataclass(slots=True, eq=False)
@@ -99,11 +98,12 @@ class Group:
     order: int  # enumeration order, for determinism
     usable: int  # GPU memory the plan may fill (after headroom)
     tflops: float  # the pool's GPU peak
+    levers: Levers = NO_LEVERS
 
     def fit_key(self) -> tuple:
         """What decides which micro-batches fit: the setup and the memory it must fit in, not the pool's name."""
         return (self.world, self.strategy, self.offload, self.checkpointing, self.micros, self.usable,
-                self.pool.host_memory_bytes, self.gpus_per_node)
+                self.pool.host_memory_bytes, self.gpus_per_node, self.levers)
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,21 @@ class Candidate:
 
     def rank_key(self) -> tuple:
         g = self.group
-        return (self.needs_scale_up, g.world, g.nodes, len(self.changes), self.cost_per_step, g.order, self.micro)
+        # At equal cost: free now, fewer GPUs and nodes, then what the plan gives up (the levers'
+        # quality cost: fp32 master weights before bf16...), then fewer changes.
+        return (self.needs_scale_up, g.world, g.nodes, g.levers.quality_cost, len(self.changes), self.cost_per_step,
+                g.order, self.micro)
 
     def key(self, ask: Ask) -> PlanKey:
-        g = self.group
-        return PlanKey(g.pool.name, g.nodes, g.gpus_per_node, ask.method, g.strategy, g.offload, ask.optimizer,
-                       self.micro, g.checkpointing)
+        return key_of(ask, self.group, self.micro)
+
+
+def key_of(ask: Ask, g: Group, micro: int) -> PlanKey:
+    """The PlanKey of group `g` at micro-batch `micro`."""
+    lv = g.levers
+    return PlanKey(g.pool.name, g.nodes, g.gpus_per_node, ask.method, g.strategy, g.offload, ask.optimizer,
+                   micro, g.checkpointing, lv.master_weights, lv.update_rounding, lv.optimizer_in_backward,
+                   lv.loss_chunks, lv.activation_offloading)
 
 
 
@@ -187,7 +196,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         steps=t.max_steps,
         gpus=r.gpus if isinstance(r.gpus, int) else None,
         max_gpus=r.gpus if isinstance(r.gpus, int) else r.max_gpus,
-        strategies=METHOD_STRATEGIES.get(spec.method, STRATEGIES) if r.strategy == "auto" else (r.strategy,),
+        strategies=strategies_for(spec.method, t.precision, t.optimizer) if r.strategy == "auto" else (r.strategy,),
         offloads=OFFLOADS if r.offload == "auto" else (r.offload,),
         checkpointing=(False, True) if t.gradient_checkpointing is None else (t.gradient_checkpointing,),
         micro_batch_size=t.micro_batch_size if isinstance(t.micro_batch_size, int) else None,
@@ -199,6 +208,8 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         fixed_offload=r.offload != "auto",
         fixed_checkpointing=t.gradient_checkpointing is not None,
         cost_window=cost_window_of(policy),
+        levers=lever_ask(t, spec.method, bool(arch.final_logit_softcapping)),
+        target_experts=bool(spec.lora is not None and spec.lora.target_experts),
     )
 
 
@@ -306,15 +317,20 @@ def groups(ask: Ask, pools: Sequence[NodePool], stats: Stats) -> list[Group]:
             if not ways:
                 stats.reject("GPU count does not split evenly over the pool's nodes")
                 continue
+            # The optimizer step in backward needs accumulation 1: the one micro-batch of per_rank.
+            whole = (per_rank,) if per_rank in micros else ()
             for nodes, per_node in ways:
                 for strategy in ask.strategies:
-                    for offload in STRATEGY_OFFLOADS[strategy]:
+                    for offload in offloads_for(strategy, ask.method):
                         if offload not in ask.offloads:
                             continue
                         for ckpt in ask.checkpointing:
-                            found.append(Group(pool, world, nodes, per_node, strategy, offload, ckpt, micros, price,
-                                              order, usable, tflops))
-                            order += 1
+                            base = ask.base_choices(strategy, offload, ckpt)
+                            for levers in lever_options(ask.levers, base, accumulation_one=bool(whole)):
+                                found.append(Group(pool, world, nodes, per_node, strategy, offload, ckpt,
+                                                   whole if levers.optimizer_in_backward else micros, price,
+                                                   order, usable, tflops, levers))
+                                order += 1
     stats.groups = len(found)
     return found
 
@@ -328,6 +344,7 @@ def changes(ask: Ask, group: Group) -> tuple[str, ...]:
         turned_on.append(f"offload {group.offload}")
     if group.strategy != "ddp" and not ask.fixed_strategy:
         turned_on.append(f"strategy {group.strategy}")
+    turned_on.extend(lever_changes(group.levers, ask.levers.fixed))
     return tuple(turned_on)
 
 

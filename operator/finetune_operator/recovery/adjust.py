@@ -10,12 +10,22 @@ Then the planner is asked again, with the calibrated estimate, allowing one more
 of change per rung, in this documented order:
 
   1. gradientCheckpointing  turn activation recomputation on
-  2. microBatch             smaller micro-batch, more accumulation (the global batch is kept)
-  3. sharding               ddp -> fsdp / zero2 -> zero3
-  4. optimizer8bit          the optimizer may switch between AdamW and 8-bit AdamW
-  5. offload                optimizer (and parameter) states to host memory
-  6. moreGPUs               more GPUs, or another pool, in the allowed regions
-  7. method                 LoRA -> QLoRA; only when `recovery.allowedAdjustments` lists `method`
+  2. chunkedLoss            the cross-entropy over sequence chunks (the same loss)
+  3. microBatch             smaller micro-batch, more accumulation (the global batch is kept)
+  4. sharding               ddp -> fsdp / zero2 -> zero3
+  5. activationOffloading   checkpointed activations to host memory (time, not results)
+  6. optimizer8bit          the optimizer may switch between AdamW and 8-bit AdamW
+  7. offload                optimizer (and parameter) states to host memory
+  8. optimizerInBackward    each parameter's step inside backward (no gradient clipping then)
+  9. moreGPUs               more GPUs, or another pool, in the allowed regions
+ 10. masterWeights          bf16 weights, gradients and optimizer states (full fine-tuning)
+ 11. method                 LoRA -> QLoRA; only when `recovery.allowedAdjustments` lists `method`
+
+The lean-trainer levers come in the order of what they give up: nothing (chunked loss),
+time (activation offloading), gradient clipping (the step in backward), the low bits of
+each update (bf16 master weights, only when more GPUs cannot help). The ladder frees
+`masterWeights` and `optimizerInBackward` only where the job left them `auto`/unset: a job
+that asks for fp32 master weights, or for no step in backward, keeps it.
 
 Rungs the job does not allow are skipped. Each rung keeps the freedoms of the rungs
 before it and adds its own: a freedom, never an obligation. The planner cannot choose the
@@ -72,6 +82,7 @@ from ..planning.pools import GiB, NodePool
 from ..planning.search import choose_cheapest_or_startable, cost_window_of, plan_job
 from ..sizing import ModelArchitecture
 from .classify import Failure, FailureKind, Remedy
+from finetune_trainer.combinations import Choices, allows
 
 # After an OOM the next plan must fit the calibrated estimate with this much to spare,
 # on top of the job's own headroom: the observation bounds the truth from below only.
@@ -101,11 +112,15 @@ class Rung:
 
 LADDER: tuple[Rung, ...] = (
     Rung("gradientCheckpointing", frozenset({"gradient_checkpointing"})),
+    Rung("chunkedLoss", frozenset({"loss_chunks"})),
     Rung("microBatch", frozenset({"micro_batch_size"})),
     Rung("sharding", frozenset({"strategy"})),
+    Rung("activationOffloading", frozenset({"activation_offloading"})),
     Rung("optimizer8bit", frozenset({"optimizer"})),
     Rung("offload", frozenset({"offload"})),
+    Rung("optimizerInBackward", frozenset({"optimizer_in_backward"})),
     Rung("moreGPUs", frozenset({"gpus", "node_pool"})),
+    Rung("masterWeights", frozenset({"master_weights"})),
     Rung("method", frozenset({"method"})),
 )
 
@@ -457,6 +472,14 @@ def _after_host_oom(
                 change = (f"raised pod memory {current / GiB:.0f} -> {plan.host_memory_bytes / GiB:.0f} GiB"
                           f" (node has {pool.host_memory_bytes / GiB:.0f} GiB)")
                 return NextStep(True, plan, change, what)
+    if "activationOffloading" in allowed and failed.activation_offloading:
+        candidate = pinned_spec(spec, failed, set())
+        candidate = candidate.model_copy(update={"training": candidate.training.model_copy(
+            update={"activation_offloading": False})})
+        result = plan_job(candidate, pools, policy, exclude=_keys(excluded), calibration=floor,
+                          architecture=architecture)
+        if isinstance(result, Plan):
+            return NextStep(True, result, "turned off activation offloading: host memory is exhausted", what)
     if "offload" in allowed and failed.offload != "none":
         candidate = pinned_spec(spec, failed, set())
         candidate = candidate.model_copy(
@@ -485,11 +508,20 @@ def pinned_spec(spec: api.FineTuneJobSpec, plan: api.PlanStatus, free: set[str],
 
     The planner has no `auto` for the optimizer: it is pinned to `optimizer` (default the
     plan's); the ladder frees it by asking once per optimizer (`_optimizer_choices`)."""
+    asked = spec.training
+    # A lever that costs result quality stays as the job set it; left auto, its rung frees it.
+    master_free = "master_weights" in free and asked.master_weights == "auto"
+    oib_free = "optimizer_in_backward" in free and asked.optimizer_in_backward is None
     training = spec.training.model_copy(
         update={
             "micro_batch_size": "auto" if "micro_batch_size" in free else plan.micro_batch_size,
             "gradient_checkpointing": None if "gradient_checkpointing" in free else plan.gradient_checkpointing,
             "optimizer": optimizer or plan.optimizer,
+            "master_weights": "auto" if master_free else plan.master_weights,
+            "update_rounding": "auto" if master_free else plan.update_rounding,
+            "optimizer_in_backward": None if oib_free else plan.optimizer_in_backward,
+            "loss_chunks": "auto" if "loss_chunks" in free else plan.loss_chunks,
+            "activation_offloading": None if "activation_offloading" in free else plan.activation_offloading,
         }
     )
     resources = spec.resources.model_copy(
@@ -503,7 +535,11 @@ def pinned_spec(spec: api.FineTuneJobSpec, plan: api.PlanStatus, free: set[str],
     method = plan.method
     if "method" in free and plan.method == "lora":
         method = "qlora"
-        resources = resources.model_copy(update={"strategy": "ddp" if "strategy" not in free else "auto", "offload": "none"})
+        # Keep the plan's strategy and offload where QLoRA can run with them (combinations.py).
+        keep = allows(Choices(method="qlora", strategy=plan.strategy, offload=plan.offload))
+        resources = resources.model_copy(update={
+            "strategy": "auto" if "strategy" in free else (plan.strategy if keep else "ddp"),
+            "offload": "auto" if "offload" in free else (plan.offload if keep else "none")})
     return spec.model_copy(update={"method": method, "training": training, "resources": resources})
 
 
@@ -556,6 +592,16 @@ def describe_change(old: api.PlanStatus, new: Plan) -> str:
         )
     if new.offload != old.offload:
         parts.append(f"offload {old.offload} -> {new.offload}")
+    if new.loss_chunks != old.loss_chunks:
+        parts.append(f"loss chunks {old.loss_chunks} -> {new.loss_chunks}")
+    if new.activation_offloading != old.activation_offloading:
+        parts.append("turned " + ("on" if new.activation_offloading else "off") + " activation offloading")
+    if new.optimizer_in_backward != old.optimizer_in_backward:
+        parts.append("turned " + ("on" if new.optimizer_in_backward else "off") + " the optimizer step in backward"
+                     + (" (no gradient clipping)" if new.optimizer_in_backward else ""))
+    if (new.master_weights, new.update_rounding) != (old.master_weights, old.update_rounding):
+        parts.append(f"master weights {old.master_weights} -> {new.master_weights}"
+                     + (f" ({new.update_rounding} rounding)" if new.master_weights == "bf16" else ""))
     if new.gpus != old.gpus or new.pool.name != old.node_pool:
         parts.append(
             f"GPUs {old.gpus} x {old.gpu_type} ({old.node_pool}) -> {new.gpus} x {new.gpu_type} ({new.pool.name})"

@@ -29,7 +29,9 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
     training = spec.training
     _check_batch(plan, training)
     learning_rate = training.learning_rate or DEFAULT_LEARNING_RATE[plan.method]
-    max_grad_norm = 1.0
+    # Clipping by global norm needs every gradient at once; the optimizer step in backward
+    # frees each as soon as it is applied (combinations.py refuses the two together).
+    max_grad_norm = 0.0 if plan.optimizer_in_backward else 1.0
     weight_decay = 0.0
 
     fsdp = deepspeed = None
@@ -74,6 +76,11 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             lora=_lora(spec, plan),
             precision=plan.precision,
             optimizer=plan.optimizer,
+            master_weights=plan.master_weights,
+            update_rounding=plan.update_rounding,
+            optimizer_in_backward=plan.optimizer_in_backward,
+            loss_chunks=plan.loss_chunks,
+            activation_offloading=plan.activation_offloading,
             learning_rate=learning_rate,
             weight_decay=weight_decay,
             max_grad_norm=max_grad_norm,
@@ -113,6 +120,7 @@ def _lora(spec: api.FineTuneJobSpec, plan: Plan) -> LoraSettings:
         alpha=spec.lora.alpha,
         dropout=spec.lora.dropout,
         target_modules="all-linear" if modules == ["all-linear"] else list(modules),
+        target_experts=spec.lora.target_experts,
     )
 
 
