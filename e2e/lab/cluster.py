@@ -275,6 +275,24 @@ class Lab:
 
 
 # ---- bringing a lab up -----------------------------------------------------------------------
+def wait_crd_established(lab: Lab, name: str, timeout: float = 60) -> None:
+    """Until the CRD `name` is Established. (`kubectl wait` fails at once, "conditions accessor
+    error", when it reads the CRD before the apiserver has given it any condition.)"""
+
+    def established() -> bool:
+        proc = lab.kubectl("get", f"crd/{name}", "-o", "json", check=False)
+        if proc.returncode != 0:
+            return False
+        conditions = (json.loads(proc.stdout).get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+    deadline = time.monotonic() + timeout
+    while not established():
+        if time.monotonic() > deadline:
+            raise LabStartError(f"CRD {name} not Established after {timeout:.0f}s")
+        time.sleep(0.2)
+
+
 def _tls_context(lab: Lab) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(lab.pki_dir / "ca.crt"))
     admin = lab.pki_dir
@@ -483,7 +501,7 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
     from .build import ensure_kwok_logs_crd
 
     lab.kubectl("apply", "--server-side", "-f", str(ensure_kwok_logs_crd(inst)))
-    lab.kubectl("wait", "--for=condition=Established", "crd/logs.kwok.x-k8s.io", "--timeout=60s")
+    wait_crd_established(lab, "logs.kwok.x-k8s.io")
     launch("kwok", [
         inst.binary("kwok"),
         f"--kubeconfig={kubeconfigs['kwok']}",
@@ -574,7 +592,7 @@ def _start_training_operator(lab: Lab, inst: Installation, pki, kubeconfigs, cor
     client.AdmissionregistrationV1Api(api).create_validating_webhook_configuration(
         _webhook_configuration(lab, pki.webhook_ca.cert_pem())
     )
-    lab.kubectl("wait", "--for=condition=Established", "crd/pytorchjobs.kubeflow.org", "--timeout=60s")
+    wait_crd_established(lab, "pytorchjobs.kubeflow.org")
     to_tmp = lab.workdir / "training-operator-tmp"
     certs = to_tmp / "k8s-webhook-server" / "serving-certs"
     certs.mkdir(parents=True)

@@ -67,6 +67,7 @@ log = logging.getLogger("pod-runner")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAINER_PATH = REPO_ROOT / "images" / "trainer"
+IMAGE_BIN = Path(__file__).resolve().parent / "imagebin"
 CGROUP_PARENT_NAME = "finetune-lab-pods"
 KWOK_GROUP, KWOK_VERSION, KWOK_LOGS = "kwok.x-k8s.io", "v1alpha1", "logs"
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
@@ -445,7 +446,8 @@ class PodRun:
     def environment(self, c: dict) -> dict[str, str]:
         # What the image provides, then what the pod says (the pod's own variables win).
         env: dict[str, str] = {
-            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            # The trainer image's python, then the tools other images bring (imagebin/: nslookup).
+            "PATH": f"{Path(sys.executable).parent}:{IMAGE_BIN}:/usr/local/bin:/usr/bin:/bin",
             "PYTHONPATH": str(TRAINER_PATH),
             "HOSTNAME": self.name,
         }
@@ -492,6 +494,14 @@ class PodRun:
                     env[port_key] = str(port)
         return sorted(set(names))
 
+    def service_names(self) -> list[str]:
+        if not hasattr(self, "_service_names"):
+            names: set[str] = set()
+            for c in (self.raw["spec"].get("initContainers") or []) + self.raw["spec"]["containers"]:
+                names.update(self.rendezvous(self.environment(c)))
+            self._service_names = sorted(names)
+        return self._service_names
+
     def lab_gpu(self) -> dict[str, str]:
         """The lab GPU's variables for the trainer (finetune_trainer.faults), from the fake GPU's rule."""
         gpu = self.runner.fake_gpu
@@ -522,8 +532,11 @@ class PodRun:
                 source.mkdir(parents=True, exist_ok=True)
             mounts.append({"source": str(source), "target": vm["mountPath"], "readOnly": bool(vm.get("readOnly"))})
         env = self.environment(c)
-        hosts_names = self.rendezvous(env)
+        self.rendezvous(env)
         env |= extra_env
+        # Every container of the pod sees the same names (the training operator's init container
+        # looks the master up without having MASTER_ADDR itself).
+        hosts_names = self.service_names()
         hosts = self.dir / "hosts"
         base = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
         lines = [base.rstrip("\n"), f"127.0.0.1 {self.name}"]

@@ -1,0 +1,157 @@
+"""Real trainer processes behind the lab's pods: the pieces the scenarios and the demo share.
+
+The lab's process runner (e2e/lab/podrunner.py) runs the pods of the `cpu-run-local` pool (region
+`lab-local`, outside the chart's default policy) as real processes of the trainer. Here:
+
+* the chart values that let the operator plan there (policy.allowedRegions + the pool in the catalog);
+* a tiny Llama-style model built from a config and a tiny word-level tokenizer (those the trainer
+  tests use, tests/trainer/trainer_assets.py), written into the model claim's directory, and a
+  small chat dataset into the data claim's;
+* a FineTuneJob for them;
+* the trainer's own output: its JSON log lines (start, progress, checkpoint, resume, summary,
+  failure) read from the log files the runner writes for each container (they stay on disk after
+  the training operator or the operator deletes the pods), and the checkpoints in the claim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.lab.nodes import load_pools
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REGION = "lab-local"
+POOL = "cpu-run-local"
+VOLUME_ROOT = Path("/tmp/lab-volumes")  # where operator_harness.volumes() puts each claim's hostPath PV
+# Architecture numbers of the tiny model (trainer_assets.build_model with hidden 64, 2 layers).
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def _trainer_assets():
+    path = REPO_ROOT / "tests" / "trainer" / "trainer_assets.py"
+    spec = importlib.util.spec_from_file_location("trainer_assets", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def chart_args() -> list[str]:
+    """helm arguments: the default policy's regions plus lab-local, and its catalog plus the runner pool."""
+    values = yaml.safe_load((REPO_ROOT / "charts" / "finetune-operator" / "values.yaml").read_text())
+    policy = values["policy"]
+    pool = load_pools().pool(POOL)
+    catalog = list(policy["catalog"]) + [{
+        "name": POOL, "region": pool.region, "zones": list(pool.zones), "gpuType": "H100-80GB",
+        "gpusPerNode": pool.gpu.count, "maxNodes": pool.nodes, "pricePerGpuHour": 0.1,
+        "hostMemory": pool.memory, "cpus": int(pool.cpu),
+        "selector": {"karpenter.sh/nodepool": POOL},
+        "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}],
+    }]
+    return ["--set-json", f"policy.allowedRegions={json.dumps(list(policy['allowedRegions']) + [REGION])}",
+            "--set-json", f"policy.catalog={json.dumps(catalog)}"]
+
+
+def claim_dir(namespace: str, claim: str) -> Path:
+    return VOLUME_ROOT / f"{namespace}-{claim}"
+
+
+def write_assets(namespace: str, examples: int = 64) -> int:
+    """The tiny model (weights + tokenizer) into the `models` claim, the chat data into `data`;
+    returns the vocabulary size (the job's architecture needs it)."""
+    assets = _trainer_assets()
+    model_dir = claim_dir(namespace, "models") / "tiny-llama"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok = assets.build_tokenizer(model_dir)
+    assets.build_model(model_dir, vocab_size=len(tok), hidden=TINY["hidden_size"], layers=TINY["num_hidden_layers"])
+    data = claim_dir(namespace, "data")
+    data.mkdir(parents=True, exist_ok=True)
+    assets.write_jsonl(data / "chat.jsonl", assets.chat_lines(examples))
+    return len(tok)
+
+
+def remove_claims(namespace: str) -> None:
+    for claim in ("models", "data", "checkpoints"):
+        shutil.rmtree(claim_dir(namespace, claim), ignore_errors=True)
+
+
+def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_steps: int = 24,
+             every_steps: int = 4, global_batch: int = 4, learning_rate: float = 0.02,
+             rule: dict[str, str] | None = None, attempts: int = 4) -> dict[str, Any]:
+    return {
+        "apiVersion": "finetune.dev/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name, "namespace": namespace,
+                     "annotations": {f"lab.finetune.dev/{k}": v for k, v in (rule or {}).items()}},
+        "spec": {
+            "model": {"name": "lab/tiny-llama",
+                      "architecture": {"inline": {**TINY, "vocab_size": vocab_size}},
+                      "source": {"pvc": {"claimName": "models", "path": "tiny-llama"}}},
+            "dataset": {"source": {"pvc": {"claimName": "data", "path": "chat.jsonl"}}, "format": "chat"},
+            "method": "lora",
+            "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "targetModules": ["all-linear"]},
+            "training": {"sequenceLength": 64, "globalBatchSize": global_batch, "maxSteps": max_steps,
+                         "learningRate": learning_rate},
+            "resources": {"gpus": gpus, "maxGPUs": 2},
+            "placement": {"regions": [REGION]},
+            "recovery": {"maxAttempts": attempts, "backoff": {"initialSeconds": 1, "maxSeconds": 2}},
+            "checkpoint": {"pvc": {"claimName": "checkpoints", "path": name}, "everySteps": every_steps},
+        },
+    }
+
+
+# ---- the trainer's own output -----------------------------------------------------------------------
+def pod_dirs(lab: Any, namespace: str, prefix: str) -> list[Path]:
+    """The runner's directories of the pods `<prefix>...` in `namespace`, oldest first."""
+    root = lab.workdir / "pod-runner" / "pods"
+    found = [d for d in root.glob(f"{namespace}_{prefix}*") if d.is_dir()]
+    return sorted(found, key=lambda d: d.stat().st_mtime)
+
+
+def log_lines(pod_dir: Path, container: str = "pytorch") -> list[str]:
+    """A container's log as the kubelet's CRI file has it, without the timestamp/stream/tag prefix."""
+    path = pod_dir / "logs" / f"{container}.log"
+    if not path.exists():
+        return []
+    return [line.split(" ", 3)[3] if line.count(" ") >= 3 else "" for line in path.read_text().splitlines()]
+
+
+def events(lines: list[str], kind: str | None = None) -> list[dict[str, Any]]:
+    out = []
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and (kind is None or record.get("event") == kind):
+            out.append(record)
+    return out
+
+
+def attempt_events(lab: Any, namespace: str, job: str, attempt: int, kind: str | None = None) -> list[dict[str, Any]]:
+    """The trainer's events from the master pod of attempt `attempt` (rank 0 writes progress/summary)."""
+    dirs = pod_dirs(lab, namespace, f"{job}-a{attempt}-master-0_")
+    return [e for d in dirs for e in events(log_lines(d), kind)]
+
+
+def losses(progress: list[dict[str, Any]]) -> dict[int, float]:
+    return {int(e["step"]): float(e["loss"]) for e in progress if e.get("loss") is not None}
+
+
+def checkpoint_steps(namespace: str, job: str) -> list[int]:
+    root = claim_dir(namespace, "checkpoints") / job
+    steps = []
+    for meta in root.glob("step-*/meta.json"):
+        try:
+            steps.append(int(json.loads(meta.read_text())["step"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return sorted(steps)
