@@ -23,7 +23,8 @@ def _doc() -> dict:
 def _fixed(doc: dict) -> dict:
     doc = copy.deepcopy(doc)
     doc["spec"]["resources"].update(gpus=4, strategy="fsdp", offload="none")
-    doc["spec"]["training"].update(microBatchSize=2, gradientCheckpointing=True)
+    doc["spec"]["training"].update(microBatchSize=2, gradientCheckpointing=True, optimizerInBackward=False,
+                                   activationOffloading=False, lossChunks=4)
     return doc
 
 
@@ -35,6 +36,7 @@ def test_fixed_job_maps_exactly_and_without_notes():
         architecture=PRESETS["llama-3.1-8b"], method="lora", lora_rank=16, lora_targets="all-linear",
         lora_dropout=0.05, precision="bf16", optimizer="adamw", micro_batch_size=2, sequence_length=4096,
         gradient_checkpointing=True, attention="sdpa", strategy="fsdp", world_size=4, offload="none",
+        loss_chunks=4, gradient_accumulation=1,
     )
 
 
@@ -44,7 +46,8 @@ def test_auto_fields_use_documented_defaults_and_say_so():
     assert js.setup.gradient_checkpointing is True and js.setup.offload == "none"
     text = " ".join(js.notes)
     for field in ("resources.gpus", "resources.strategy", "training.microBatchSize",
-                  "training.gradientCheckpointing", "resources.offload"):
+                  "training.gradientCheckpointing", "resources.offload", "training.optimizerInBackward",
+                  "training.activationOffloading"):
         assert field in text
 
 

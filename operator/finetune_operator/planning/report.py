@@ -111,6 +111,12 @@ def format_table(result: PlanningResult, job_name: str = "") -> str:
     lines.append(_row("batch", f"micro {p.micro_batch_size} x accumulation {p.gradient_accumulation} x"
                               f" {p.gpus} GPUs = {p.global_batch_size} sequences of {p.sequence_length}"))
     lines.append(_row("gradient checkpointing", "on" if p.gradient_checkpointing else "off"))
+    levers = p.levers.words()
+    if levers:
+        saved = {"master_weights": "bf16 master weights", "optimizer_in_backward": "optimizer step in backward",
+                 "loss_chunks": "chunked loss", "activation_offloading": "activation offloading"}
+        savings = ", ".join(f"{saved[k]} {v / GiB:.1f} GiB" for k, v in p.lever_savings_bytes.items())
+        lines.append(_row("memory levers", ", ".join(levers) + (f" (each saves per GPU: {savings})" if savings else "")))
     usable = p.pool.gpu_memory_bytes * (1 - p.memory_headroom)
     lines.append(_row("GPU memory", f"{p.required_bytes / GiB:.1f} GiB required of {usable / GiB:.1f} GiB usable"
                                     f" ({p.pool.gpu_memory_bytes / GiB:.1f} GiB, {p.memory_headroom:.0%} headroom)"))

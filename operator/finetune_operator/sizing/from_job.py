@@ -9,6 +9,8 @@ notes so nobody mistakes the figure for the plan's:
 * training.microBatchSize auto -> 1
 * training.gradientCheckpointing unset -> true
 * resources.offload auto -> none
+* training.masterWeights auto -> fp32, optimizerInBackward / activationOffloading unset -> off,
+  lossChunks auto -> 8 (1 for models that transform their logits after the head)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ DEFAULT_GPUS = 1
 DEFAULT_MICRO_BATCH = 1
 DEFAULT_CHECKPOINTING = True
 DEFAULT_OFFLOAD = "none"
+DEFAULT_LOSS_CHUNKS = 8  # what training.lossChunks auto means (planning/levers.py AUTO_LOSS_CHUNKS)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> J
         offload = DEFAULT_OFFLOAD
         notes.append("resources.offload is auto: sized without offload")
 
+    levers = _levers(training, spec.method, arch, notes)
+
     lora_kwargs: dict[str, Any] = {}
     if spec.method != "full":
         targets = tuple(spec.lora.target_modules)
@@ -100,6 +105,34 @@ def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> J
         strategy=strategy,
         world_size=gpus,
         offload=offload,
+        lora_target_experts=bool(spec.lora is not None and spec.lora.target_experts and spec.method != "full"),
+        **levers,
         **lora_kwargs,
     )
     return JobSetup(setup, tuple(notes))
+
+
+def _levers(training: Any, method: str, arch: ModelArchitecture, notes: list[str]) -> dict[str, Any]:
+    """The lean-trainer levers a job fixes; `auto` ones get the plain setting (the planner searches
+    them), except the chunked loss, whose `auto` is always 8 chunks where the model allows it."""
+    master = training.master_weights
+    if master == "auto":
+        master = "fp32"
+        if method == "full":
+            notes.append("training.masterWeights is auto: sized with fp32 master weights")
+    rounding = training.update_rounding
+    if rounding == "auto":
+        rounding = "stochastic" if (master == "bf16" and training.optimizer == "adamw") else "nearest"
+    oib = training.optimizer_in_backward
+    if oib is None:
+        oib = False
+        notes.append("training.optimizerInBackward is unset: sized without the optimizer step in backward")
+    chunks = training.loss_chunks
+    if chunks == "auto":
+        chunks = 1 if arch.final_logit_softcapping else DEFAULT_LOSS_CHUNKS
+    offloading = training.activation_offloading
+    if offloading is None:
+        offloading = False
+        notes.append("training.activationOffloading is unset: sized without activation offloading")
+    return dict(master_weights=master, update_rounding=rounding, optimizer_in_backward=oib, loss_chunks=chunks,
+                activation_offloading=offloading)
