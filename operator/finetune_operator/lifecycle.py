@@ -187,6 +187,8 @@ def step(observed: Observed) -> Decision:
     if not problems:
         try:
             observed = dataclasses.replace(observed, architecture=architecture_of(job.spec, observed.model_config))
+            if profiling.asks_for_profile(job):
+                raise profiling.ProfileRequested(observed.architecture.family)
         except UnknownArchitecture as unknown:  # measured instead: the pre-flight profile (profiling/)
             resolved = profiling.resolve(job, observed.profile, unknown, observed.policy)
             if isinstance(resolved, profiling.ProfileStep):

@@ -23,7 +23,7 @@ from .children import controlled_by
 from .profiling.cache import CACHE_CONFIGMAP, cache_entries, read_cache
 from .profiling.pod import CONFIG_HASH_ANNOTATION, PROFILE_CONTAINER, profile_pod_name
 from .profiling.setups import NotProfilable
-from .profiling.state import ProfileObservation, ProfilePod, needs_profile, observation
+from .profiling.state import ProfileObservation, ProfilePod, asks_for_profile, needs_profile, observation
 
 log = logging.getLogger("finetune_operator.profiling")
 CACHE_WRITE_ATTEMPTS = 5
@@ -37,7 +37,7 @@ class ProfileShell:
     def observe(self, job: api.FineTuneJob, model_config: Mapping[str, Any] | None
                 ) -> ProfileObservation | NotProfilable | None:
         """What the lifecycle needs to decide about the profile; None when the job needs none."""
-        config = needs_profile(job.spec, model_config)
+        config = needs_profile(job.spec, model_config, asked=asks_for_profile(job))
         if config is None:
             return None
         data = self._cache_data()

@@ -210,3 +210,24 @@ def test_a_job_the_profile_cannot_trace_is_invalid_naming_the_field():
     d = lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, model_config=CONFIG, profile=seen))
     assert d.status.phase == "Failed" and "spec.method" in _conditions(d)["Validated"][2]
     assert not d.create
+
+
+def test_a_job_may_ask_for_the_profile_of_a_family_the_analytic_model_knows():
+    j = example("llama-8b-lora.yaml", training={"sequenceLength": 512, "globalBatchSize": 8, "maxSteps": 10,
+                                               "gradientCheckpointing": True})
+    j = j.model_copy(update={"metadata": j.metadata.model_copy(update={"annotations": {ps.PROFILE_ANNOTATION: "true"}})})
+    config = ps.needs_profile(j.spec, None, asked=True)
+    assert config is not None and config["model_type"] == "llama"
+    assert ps.needs_profile(j.spec, None) is None  # not asked: the analytic model sizes it
+
+    def step(data, pod=None):
+        seen = dataclasses.replace(ps.observation(j.spec, config, lambda d, s: read_cache(data, d, s)), pod=pod)
+        return lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, profile=seen))
+
+    first = step({})
+    assert first.status.phase == "Pending" and "asks for a measured profile" in _conditions(first)["Profiled"][2]
+    [pod] = first.create
+    report = _report(job_profile(j.spec), lambda ph, w, b, s: 10**9 * b + 10**10 // w)
+    done = _finished(pod, report)
+    planned = step(cache_entries(done.config_hash, done.report), done)
+    assert planned.status.phase == "Launching" and "measured" in planned.status.plan.breakdown

@@ -24,6 +24,21 @@ from .pod import profile_pod_name, render_profile_pod
 from .setups import JobProfile, NotProfilable, config_hash, job_profile, profile_request
 
 COND_PROFILED = "Profiled"
+# A job may ask for the profile even when the analytic model knows its family (to size it from
+# measurements instead): this annotation on the FineTuneJob, value "true".
+PROFILE_ANNOTATION = "finetune.dev/memory-profile"
+
+
+class ProfileRequested(UnknownArchitecture):
+    """The job asks for a profile of a family the analytic model knows (PROFILE_ANNOTATION)."""
+
+    def __init__(self, model_type: str):
+        super().__init__(model_type, ())
+        self.args = (f"model_type: the job asks for a measured profile ({PROFILE_ANNOTATION}: \"true\")",)
+
+
+def asks_for_profile(job: api.FineTuneJob) -> bool:
+    return (job.metadata.annotations or {}).get(PROFILE_ANNOTATION, "").lower() == "true"
 # How often to look at a profile pod that runs (it wakes no watch of ours).
 PROFILE_POLL_SECONDS = 5.0
 
@@ -78,14 +93,18 @@ def model_config_of(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] |
     return None
 
 
-def needs_profile(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """The config to profile when the analytic model does not know the job's family, else None."""
+def needs_profile(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | None, *, asked: bool = False
+                  ) -> Mapping[str, Any] | None:
+    """The config to profile when the analytic model does not know the job's family (or the job asks
+    for a profile), else None."""
     try:
-        architecture_of(spec, model_config)
+        arch = architecture_of(spec, model_config)
     except UnknownArchitecture:
         return model_config_of(spec, model_config)
     except Exception:  # noqa: BLE001 - any other problem is the lifecycle's to report
         return None
+    if asked:
+        return model_config_of(spec, model_config) or arch.to_hf_config()
     return None
 
 
@@ -143,8 +162,10 @@ def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | Non
         return ProfileStep(("Unknown", "Profiling", message), delete=stale)
     request = profile_request(job.spec, seen.config, seen.cached.missing)
     manifest = render_profile_pod(job, request, seen.config_hash, policy)
-    message = (f"model_type {family!r} is not in the analytic memory model: profiling it on the CPU "
-               f"({len(request.setups)} setups) in pod {name} before any GPU is requested")
+    why = ("the job asks for a measured profile" if isinstance(unknown, ProfileRequested)
+           else f"model_type {family!r} is not in the analytic memory model")
+    message = (f"{why}: profiling it on the CPU ({len(request.setups)} setups) in pod {name} "
+               "before any GPU is requested")
     return ProfileStep(("Unknown", "Profiling", message), create=[manifest], delete=stale,
                        event=("Normal", "Profiling", message))
 
