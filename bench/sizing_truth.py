@@ -61,7 +61,9 @@ def profile_setup(setup: TrainingSetup):
     return ProfileSetup(
         method=setup.method, lora_rank=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
         lora_dropout=setup.lora_dropout, lora_targets=targets, precision=setup.precision,
-        attention="eager" if setup.attention == "eager" else "sdpa", sequence_length=setup.sequence_length,
+        # A family transformers cannot run with sdpa (gpt-oss: attention sinks) runs eager, as in the trainer.
+        attention="eager" if setup.attention == "eager" or setup.architecture.traits.eager_only else "sdpa",
+        sequence_length=setup.sequence_length,
         micro_batch_size=setup.micro_batch_size, gradient_checkpointing=setup.gradient_checkpointing,
         strategy=setup.strategy, world_size=setup.world_size,
     )

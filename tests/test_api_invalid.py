@@ -86,7 +86,12 @@ CASES = [
     Case("format-unknown", _set("spec.dataset.format", "csv"), "spec.dataset.format", "chat", True),
     Case("offload-unknown", _set("spec.resources.offload", "disk"), "spec.resources.offload", "optimizer", True),
     Case("adjustment-unknown", _set("spec.recovery.allowedAdjustments", ["prayer"]), "spec.recovery.allowedAdjustments[0]", "method", True),
-    Case("model-type-unknown", _set("spec.model.architecture", {"inline": {"model_type": "gpt2", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8}}), "spec.model.architecture.inline.model_type", "llama", True),
+    # A whole config.json is accepted (issue 16): another family is sized by the profile, not refused;
+    # the keys that decide memory are still typed, and one a family needs is named when missing.
+    Case("model-type-not-a-name", _set("spec.model.architecture", {"inline": {"model_type": "gpt 2", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8}}), "spec.model.architecture.inline.model_type", "pattern", True),
+    Case("inline-hidden-size-string", _set("spec.model.architecture", {"inline": {"model_type": "qwen3", "hidden_size": "4096", "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8}}), "spec.model.architecture.inline.hidden_size", "integer", True),
+    Case("inline-text-config-heads-string", _set("spec.model.architecture", {"inline": {"model_type": "gemma3", "text_config": {"hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": "4"}}}), "spec.model.architecture.inline.text_config.num_attention_heads", "integer", True),
+    Case("inline-text-config-missing-layers", _set("spec.model.architecture", {"inline": {"model_type": "gemma3", "text_config": {"hidden_size": 64, "intermediate_size": 8, "num_attention_heads": 4}}}), "spec.model.architecture.inline", "text_config.num_hidden_layers: missing", False),
     # missing required fields
     Case("missing-model", _delete("spec.model"), "spec.model", "required", True),
     Case("missing-placement", _delete("spec.placement"), "spec.placement", "required", True),
@@ -96,7 +101,8 @@ CASES = [
     # unknown fields
     Case("unknown-spec-field", _set("spec.gpuCount", 4), "spec.gpuCount", "unknown field", False),
     Case("unknown-training-field", _set("spec.training.batchSize", 4), "spec.training.batchSize", "unknown field", False),
-    Case("typo-in-inline-arch", _set("spec.model.architecture", {"inline": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "num_layers": 2}}), "spec.model.architecture.inline.num_layers", "unknown field", False),
+    # num_layers is no config.json key of Llama: kept like any other key, and the real one is named as missing.
+    Case("typo-in-inline-arch", _set("spec.model.architecture", {"inline": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100, "num_layers": 2}}), "spec.model.architecture.inline", "num_hidden_layers: missing", False),
     # conflicting fields
     Case("full-with-lora", _set("spec.method", "full"), "spec.lora", "not allowed with method full", False),
     Case("qlora-without-lora", _both(_set("spec.method", "qlora"), _delete("spec.lora")), "spec.lora", "required for method qlora", False),
@@ -122,7 +128,7 @@ CASES = [
     Case("two-architectures", _set("spec.model.architecture.configMapRef", {"name": "cfg"}), "spec.model.architecture", "exactly one of preset, inline, configMapRef", False),
     Case("all-linear-with-names", _set("spec.lora.targetModules", ["all-linear", "q_proj"]), "spec.lora.targetModules", "stands alone", False),
     Case("duplicate-regions", _set("spec.placement.regions", ["eu-de-berlin", "eu-de-berlin"]), "spec.placement.regions", "unique", False),
-    Case("heads-not-dividing-hidden", _set("spec.model.architecture", {"inline": {"model_type": "llama", "hidden_size": 100, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 3, "vocab_size": 100}}), "spec.model.architecture.inline", "must divide hidden_size", False),
+    Case("heads-not-dividing-hidden", _set("spec.model.architecture", {"inline": {"model_type": "llama", "hidden_size": 100, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 3, "vocab_size": 100}}), "spec.model.architecture.inline", "do not divide hidden_size", False),
     # empty and malformed values
     Case("empty-regions", _set("spec.placement.regions", []), "spec.placement.regions", "at least 1", True),
     Case("region-with-space", _set("spec.placement.regions", ["eu de"]), "spec.placement.regions[0]", "pattern", True),

@@ -66,6 +66,7 @@ _KEPT_KEYS = {
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
     "x-kubernetes-map-type",
+    "nullable",
 }
 
 

@@ -4,20 +4,22 @@ import warnings
 
 import pytest
 
-from finetune_operator.sizing import PRESETS, ModelArchitecture, SizingError
+from finetune_operator.sizing import MODULE_KINDS, PRESETS, ModelArchitecture, SizingError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
 def _kind(name: str) -> str:
+    if "vision_tower" in name or "multi_modal_projector" in name:
+        return "vision"
     if "embed_tokens" in name:
         return "embedding"
     if name.startswith("lm_head"):
         return "lm_head"
     if ".self_attn." in name:
         return "attention"
-    if ".mlp.gate." in name:
+    if ".mlp.gate." in name or ".mlp.router." in name:
         return "router"
     if ".mlp." in name:
         return "mlp"
@@ -34,7 +36,7 @@ def _meta_model(arch: ModelArchitecture):
 
 
 def _counts(model) -> dict:
-    counts = dict.fromkeys(("embedding", "attention", "mlp", "router", "norm", "lm_head"), 0)
+    counts = dict.fromkeys(MODULE_KINDS, 0)
     for name, p in model.named_parameters():  # tied weights appear once
         counts[_kind(name)] += p.numel()
     return counts
@@ -91,6 +93,17 @@ SMALL = {
     "qwen2": _small("qwen2", tie_word_embeddings=True),
     "gemma2": _small("gemma2", head_dim=24, tie_word_embeddings=True),
     "phi3": _small("phi3", num_key_value_heads=6),
+    # The families of 2026 (issue 16).
+    "qwen3": _small("qwen3", head_dim=32),
+    "qwen3_moe": _small("qwen3_moe", head_dim=32, num_experts=4, experts_per_token=2, moe_intermediate_size=48),
+    "qwen3_moe-dense-layer": _small("qwen3_moe", head_dim=32, num_experts=4, experts_per_token=2,
+                                    moe_intermediate_size=48, dense_layers=(1,)),
+    "gemma3_text": _small("gemma3_text", head_dim=24, tie_word_embeddings=True, sliding_window=64,
+                          layer_types=("sliding_attention", "full_attention")),
+    "gpt_oss": _small("gpt_oss", head_dim=16, num_experts=4, experts_per_token=2, attention_bias=True,
+                      sliding_window=32, layer_types=("sliding_attention", "full_attention")),
+    "olmo2": _small("olmo2"),
+    "granite": _small("granite", tie_word_embeddings=True),
 }
 
 

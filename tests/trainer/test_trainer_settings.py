@@ -18,6 +18,14 @@ def test_gemma2_gets_eager_instead_of_sdpa(tmp_path):
     assert attention_for(_config(tmp_path, "gemma2", "sdpa")) == "eager"
 
 
+def test_gpt_oss_gets_eager_instead_of_sdpa(tmp_path):
+    """transformers refuses sdpa for gpt-oss (attention sinks); sizing estimates it as eager too."""
+    from finetune_operator.sizing import FAMILIES
+
+    assert attention_for(_config(tmp_path, "gpt_oss", "sdpa")) == "eager"
+    assert FAMILIES["gpt_oss"].eager_only
+
+
 def test_other_models_keep_what_was_asked(tmp_path):
     assert attention_for(_config(tmp_path, "llama", "sdpa")) == "sdpa"
     assert attention_for(_config(tmp_path, "llama", "eager")) == "eager"

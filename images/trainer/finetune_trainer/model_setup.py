@@ -100,13 +100,18 @@ def load_tokenizer(cfg: TrainerConfig):
     return tokenizer
 
 
+# Families transformers refuses to run with sdpa: Gemma 2 soft-caps its attention logits,
+# gpt-oss adds a learned sink logit per head. sdpa means eager there; the memory estimate
+# sizes them as eager for the same reason (sizing FamilyTraits.eager_only / soft-capping).
+_NO_SDPA = {"gemma2": "soft-caps attention logits", "gpt_oss": "has attention sinks"}
+
+
 def attention_for(cfg: TrainerConfig) -> str:
-    """The attention kernel to ask transformers for. Gemma 2 soft-caps its attention logits,
-    which sdpa cannot do (transformers refuses the model), so sdpa means eager there; the
-    memory estimate sizes Gemma 2 as eager for the same reason."""
+    """The attention kernel to ask transformers for (sdpa falls back to eager where it cannot run)."""
     wanted = ATTENTION[cfg.attention]
-    if wanted == "sdpa" and _model_type(cfg) == "gemma2":
-        log.info("gemma2 soft-caps attention logits, which sdpa cannot: using eager attention")
+    model_type = _model_type(cfg) if wanted == "sdpa" else None
+    if model_type in _NO_SDPA:
+        log.info("%s %s, which sdpa cannot: using eager attention", model_type, _NO_SDPA[model_type])
         return "eager"
     return wanted
 

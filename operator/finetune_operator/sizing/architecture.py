@@ -20,6 +20,8 @@ _PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Mixtral in transformers 5 keeps its experts as 3-D parameters (not nn.Linear);
 # peft's "all-linear" targets the router and those parameters too.
 _MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "experts")
+_ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj")  # the dense layers of a Qwen3-MoE with mlp_only_layers
 
 
 @dataclass(frozen=True)
@@ -27,24 +29,98 @@ class FamilyTraits:
     """Structural facts of one transformers `model_type` that the config does not spell out."""
 
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    norms_per_layer: int  # RMSNorms per decoder block (Gemma 2 has four)
+    norms_per_layer: int  # RMSNorms over the hidden size per decoder block (Gemma 2/3 have four)
     fused_qkv: bool  # one qkv_proj instead of q/k/v (Phi-3)
     fused_gate_up: bool  # one gate_up_proj instead of gate/up (Phi-3)
     lora_targets: tuple[str, ...]
     # Activation function of the MLP: "silu" or "gelu_tanh"; both keep the same tensors.
     scales_embeddings: bool = False  # Gemma multiplies the embeddings by sqrt(hidden)
+    # RMSNorm on the queries and keys: "head" over each head (Qwen3, Gemma 3), "full" over
+    # all of q and all of k (OLMo 2), "" none.
+    qk_norm: str = ""
+    fp32_norms: bool = False  # Gemma computes the whole RMSNorm in fp32 (Llama casts back first)
+    # Mixture of experts, as transformers lays it out: "" dense, "mixtral" (router `gate`, no
+    # biases; intermediate_size is the expert width), "qwen3_moe" (router `gate`, experts of
+    # moe_intermediate_size, optional dense layers), "gpt_oss" (router `router` and experts
+    # with biases).
+    moe: str = ""
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head joins the softmax
+    attention_bias_default: bool = False  # the config's attention_bias when it does not say
+    # transformers cannot run sdpa for this family (attention sinks), so sdpa means eager
+    # there, in the trainer and in the estimate.
+    eager_only: bool = False
+    tie_default: bool = False  # the config class's tie_word_embeddings default
+    # What peft's "all-linear" adapts, where it is not every name of lora_targets (Qwen3-MoE:
+    # not the dense MLP of its mlp_only_layers; observed with peft 0.21, tested).
+    all_linear: tuple[str, ...] | None = None
 
 
 FAMILIES: dict[str, FamilyTraits] = {
     "llama": FamilyTraits(False, 2, False, False, _DENSE_TARGETS),
     "mistral": FamilyTraits(False, 2, False, False, _DENSE_TARGETS),
-    "mixtral": FamilyTraits(False, 2, False, False, _MOE_TARGETS),
+    "mixtral": FamilyTraits(False, 2, False, False, _MOE_TARGETS, moe="mixtral"),
     "qwen2": FamilyTraits(True, 2, False, False, _DENSE_TARGETS),
-    "gemma2": FamilyTraits(False, 4, False, False, _DENSE_TARGETS, scales_embeddings=True),
+    "gemma2": FamilyTraits(False, 4, False, False, _DENSE_TARGETS, scales_embeddings=True, fp32_norms=True,
+                           tie_default=True),
     "phi3": FamilyTraits(False, 2, True, True, _PHI3_TARGETS),
+    # The families of 2026 (issue 16).
+    "qwen3": FamilyTraits(False, 2, False, False, _DENSE_TARGETS, qk_norm="head"),
+    # peft's all-linear on Qwen3-MoE: attention, the router `gate` and the 3-D experts (as Mixtral).
+    "qwen3_moe": FamilyTraits(False, 2, False, False, _MOE_TARGETS + _DENSE_MLP, qk_norm="head", moe="qwen3_moe",
+                              all_linear=_MOE_TARGETS),
+    "gemma3_text": FamilyTraits(False, 4, False, False, _DENSE_TARGETS, scales_embeddings=True, qk_norm="head",
+                                fp32_norms=True, tie_default=True),
+    # peft's all-linear on gpt-oss adapts the attention only (its router and experts are not
+    # nn.Linear); the experts need lora.targetExperts.
+    "gpt_oss": FamilyTraits(False, 2, False, False, _ATTN_TARGETS, moe="gpt_oss", attention_sinks=True,
+                            attention_bias_default=True, eager_only=True),
+    "olmo2": FamilyTraits(False, 2, False, False, _DENSE_TARGETS, qk_norm="full"),
+    "granite": FamilyTraits(False, 2, False, False, _DENSE_TARGETS),
 }
 
-MODULE_KINDS = ("embedding", "attention", "mlp", "router", "norm", "lm_head")
+# config.json files whose model_type wraps a text decoder in `text_config` (multimodal
+# checkpoints trained as causal LMs on text): the decoder's family.
+WRAPPERS: dict[str, str] = {"gemma3": "gemma3_text"}
+
+MODULE_KINDS = ("embedding", "attention", "mlp", "router", "norm", "lm_head", "vision")
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The SigLIP vision tower and projector of a multimodal checkpoint (Gemma 3 4B-27B).
+
+    Training on text never runs it, but transformers builds it (AutoModelForCausalLM of a
+    `gemma3` config is Gemma3ForConditionalGeneration), so its weights take memory and
+    peft's all-linear puts adapters on its linears. The memory model counts its parameters
+    like the decoder's (their gradients and optimizer states never exist, so that errs high
+    by at most 12 bytes a parameter, 3% of Gemma 3 12B).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    patch_size: int
+    image_size: int
+    text_hidden_size: int
+    num_channels: int = 3
+
+    LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+
+    @property
+    def params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        patches = (self.image_size // self.patch_size) ** 2
+        embeddings = h * self.num_channels * self.patch_size ** 2 + h + patches * h
+        layer = 2 * 2 * h + 4 * (h * h + h) + (h * i + i) + (i * h + h)
+        projector = h * self.text_hidden_size + h
+        return embeddings + self.num_layers * layer + 2 * h + projector
+
+    def lora_params(self, rank: int, targets) -> int:
+        """Adapters peft puts on the tower's linears (all-linear, or those named like a target)."""
+        h, i = self.hidden_size, self.intermediate_size
+        dims = {"q_proj": 2 * h, "k_proj": 2 * h, "v_proj": 2 * h, "out_proj": 2 * h, "fc1": h + i, "fc2": i + h}
+        chosen = dims if targets == "all-linear" else {k: v for k, v in dims.items() if k in targets}
+        return self.num_layers * rank * sum(chosen.values())
 
 
 @dataclass(frozen=True)
@@ -62,6 +138,12 @@ class LinearShape:
         return self.experts * (self.in_features * self.out_features + (self.out_features if self.bias else 0))
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Families whose config's attention_bias puts a bias on q/k/v/o (Qwen2's q/k/v bias is structural).
+_HONORS_ATTENTION_BIAS = frozenset({"llama", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "gpt_oss", "olmo2", "granite"})
+_HONORS_MLP_BIAS = frozenset({"llama", "granite"})
+
+
 @dataclass(frozen=True)
 class ModelArchitecture:
     """The numbers of a decoder-only transformer that decide its memory footprint."""
@@ -69,15 +151,15 @@ class ModelArchitecture:
     family: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's width (Mixtral and gpt-oss: each expert's)
     num_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
-    attention_bias: bool = False  # Llama/Gemma 2 config flag (q/k/v/o bias)
-    mlp_bias: bool = False  # Llama config flag
+    attention_bias: bool = False  # config flag (q/k/v/o bias) of the families that honour it
+    mlp_bias: bool = False  # Llama/Granite config flag
     num_experts: int = 0  # 0: dense MLP
     experts_per_token: int = 0
     sliding_window: int | None = None
@@ -87,37 +169,63 @@ class ModelArchitecture:
     rms_norm_eps: float = 1e-5
     name: str = ""
     extra_hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # Qwen3-MoE: each expert's width (None: intermediate_size) and the decoder layers that
+    # keep a dense MLP of intermediate_size (mlp_only_layers, decoder_sparse_step).
+    moe_intermediate_size: int | None = None
+    dense_layers: tuple[int, ...] = ()
+    # Per layer "full_attention" or "sliding_attention" (Gemma 3: five sliding to one full;
+    # gpt-oss: alternating). None: every layer slides when sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] | None = None
+    vision: VisionTower | None = None  # a multimodal checkpoint's vision tower (never run on text)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise UnknownArchitecture(self.family, tuple(sorted(FAMILIES)), field="family")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise SizingError(name, f"must be a positive integer, got {value!r}")
+            _check_positive(name, getattr(self, name))
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise SizingError(
                 "num_attention_heads",
                 f"{self.num_attention_heads} heads do not divide hidden_size {self.hidden_size} "
                 "(give head_dim explicitly if the model uses one)",
             )
-        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
-            raise SizingError("head_dim", f"must be a positive integer, got {self.head_dim!r}")
+        if self.head_dim is not None:
+            _check_positive("head_dim", self.head_dim)
         if self.num_attention_heads % self.num_key_value_heads:
             raise SizingError(
                 "num_key_value_heads",
                 f"{self.num_key_value_heads} key/value heads do not divide {self.num_attention_heads} attention heads",
             )
-        if self.family == "mixtral":
-            if self.num_experts < 1:
+        if self.traits.moe:
+            if not isinstance(self.num_experts, int) or self.num_experts < 1:
                 raise SizingError("num_experts", "a mixture-of-experts family needs num_experts >= 1")
-            if not 1 <= self.experts_per_token <= self.num_experts:
+            if not isinstance(self.experts_per_token, int) or not 1 <= self.experts_per_token <= self.num_experts:
                 raise SizingError(
                     "experts_per_token", f"must be between 1 and num_experts ({self.num_experts}), got {self.experts_per_token}"
                 )
         elif self.num_experts:
             raise SizingError("num_experts", f"family {self.family!r} is dense; num_experts must be 0")
+        if self.moe_intermediate_size is not None:
+            if self.traits.moe != "qwen3_moe":
+                raise SizingError("moe_intermediate_size", f"family {self.family!r} has no separate expert width")
+            _check_positive("moe_intermediate_size", self.moe_intermediate_size)
+        if self.dense_layers:
+            if self.traits.moe != "qwen3_moe":
+                raise SizingError("dense_layers", f"family {self.family!r} has no dense layers among its experts")
+            bad = [i for i in self.dense_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+            if bad or len(set(self.dense_layers)) != len(self.dense_layers):
+                raise SizingError("mlp_only_layers", f"must be distinct layer indices below {self.num_layers}, got {list(self.dense_layers)}")
+        if self.sliding_window is not None:
+            _check_positive("sliding_window", self.sliding_window)
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise SizingError("layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers")
+            unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if unknown:
+                raise SizingError("layer_types", f"unknown layer types {unknown}; known: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise SizingError("sliding_window", "layer_types has sliding_attention layers but no sliding_window")
 
     # ---- derived shapes -------------------------------------------------
     @property
@@ -140,14 +248,42 @@ class ModelArchitecture:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Width of one expert's MLP (the dense width for Mixtral and gpt-oss)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - len(self.dense_layers) if self.is_moe else 0
+
+    @property
+    def num_sliding_layers(self) -> int:
+        """Layers whose attention looks back at most sliding_window tokens."""
+        if self.sliding_window is None:
+            return 0
+        if self.layer_types is None:
+            return self.num_layers
+        return sum(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def qk_norm_width(self) -> int:
+        """Elements per token the q/k RMSNorms read (and weights they hold): q and k of one token."""
+        return {"head": self.q_size + self.kv_size, "full": self.q_size + self.kv_size}.get(self.traits.qk_norm, 0)
+
+    @property
+    def qk_norm_params(self) -> int:
+        """Weights of the q/k norms of one block: per head (shared by the heads) or over all of q and k."""
+        return {"head": 2 * self.dim_per_head, "full": self.q_size + self.kv_size}.get(self.traits.qk_norm, 0)
+
     def block_linears(self) -> tuple[LinearShape, ...]:
-        """The weight matrices of one decoder block, by the names transformers gives them."""
+        """The weight matrices of one decoder block (a mixture-of-experts block where the model has them)."""
         return self._block_linears
 
     # Derived numbers are cached on the (frozen) instance: the planner estimates thousands of setups.
     @cached_property
-    def _block_linears(self) -> tuple[LinearShape, ...]:
-        h, i, t = self.hidden_size, self.intermediate_size, self.traits
+    def _attention_linears(self) -> tuple[LinearShape, ...]:
+        h, t = self.hidden_size, self.traits
         qkv_bias = t.qkv_bias or self.attention_bias
         if t.fused_qkv:
             attn = (LinearShape("qkv_proj", h, self.q_size + 2 * self.kv_size),)
@@ -157,23 +293,43 @@ class ModelArchitecture:
                 LinearShape("k_proj", h, self.kv_size, qkv_bias),
                 LinearShape("v_proj", h, self.kv_size, qkv_bias),
             )
-        attn += (LinearShape("o_proj", self.q_size, h, self.attention_bias),)
-        if self.is_moe:
-            e = self.num_experts
-            mlp = (
-                LinearShape("gate", h, e),
-                LinearShape("experts.gate_up_proj", h, 2 * i, experts=e),
-                LinearShape("experts.down_proj", i, h, experts=e),
-            )
-        elif t.fused_gate_up:
-            mlp = (LinearShape("gate_up_proj", h, 2 * i), LinearShape("down_proj", i, h))
-        else:
-            mlp = (
-                LinearShape("gate_proj", h, i, self.mlp_bias),
-                LinearShape("up_proj", h, i, self.mlp_bias),
-                LinearShape("down_proj", i, h, self.mlp_bias),
-            )
-        return attn + mlp
+        return attn + (LinearShape("o_proj", self.q_size, h, self.attention_bias),)
+
+    @cached_property
+    def _dense_mlp(self) -> tuple[LinearShape, ...]:
+        h, i = self.hidden_size, self.intermediate_size
+        if self.traits.fused_gate_up:
+            return (LinearShape("gate_up_proj", h, 2 * i), LinearShape("down_proj", i, h))
+        return (
+            LinearShape("gate_proj", h, i, self.mlp_bias),
+            LinearShape("up_proj", h, i, self.mlp_bias),
+            LinearShape("down_proj", i, h, self.mlp_bias),
+        )
+
+    @cached_property
+    def _block_linears(self) -> tuple[LinearShape, ...]:
+        h = self.hidden_size
+        if not self.is_moe:
+            return self._attention_linears + self._dense_mlp
+        e, i = self.num_experts, self.expert_intermediate_size
+        biased = self.traits.moe == "gpt_oss"
+        mlp = (
+            LinearShape("router" if biased else "gate", h, e, biased),
+            LinearShape("experts.gate_up_proj", h, 2 * i, biased, experts=e),
+            LinearShape("experts.down_proj", i, h, biased, experts=e),
+        )
+        return self._attention_linears + mlp
+
+    @cached_property
+    def _dense_block_linears(self) -> tuple[LinearShape, ...]:
+        """A dense block of a mixture-of-experts model (Qwen3-MoE's mlp_only_layers)."""
+        return self._attention_linears + self._dense_mlp
+
+    @property
+    def _block_extra_params(self) -> int:
+        """Parameters of one block outside its linears: norms, q/k norms, attention sinks."""
+        sinks = self.num_attention_heads if self.traits.attention_sinks else 0
+        return self.traits.norms_per_layer * self.hidden_size + self.qk_norm_params + sinks
 
     # ---- parameter counts -------------------------------------------------
     def params_by_kind(self) -> dict[str, int]:
@@ -182,18 +338,22 @@ class ModelArchitecture:
 
     @cached_property
     def _params_by_kind(self) -> dict[str, int]:
-        linears = self.block_linears()
-        attn = sum(l.params for l in linears if l.name in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
-        router = sum(l.params for l in linears if l.name == "gate")
-        mlp = sum(l.params for l in linears) - attn - router
+        attn = sum(l.params for l in self._attention_linears) + self.qk_norm_params
+        attn += self.num_attention_heads if self.traits.attention_sinks else 0
+        moe_mlp = sum(l.params for l in self._block_linears[len(self._attention_linears):])
+        router = sum(l.params for l in self._block_linears if l.name in ("gate", "router")) if self.is_moe else 0
+        dense_mlp = sum(l.params for l in self._dense_mlp)
+        n_moe = self.num_moe_layers
+        n_dense = self.num_layers - n_moe
         embed = self.vocab_size * self.hidden_size
         return {
             "embedding": embed,
             "attention": self.num_layers * attn,
-            "mlp": self.num_layers * mlp,
-            "router": self.num_layers * router,
+            "mlp": n_moe * (moe_mlp - router) + n_dense * dense_mlp,
+            "router": n_moe * router,
             "norm": (self.num_layers * self.traits.norms_per_layer + 1) * self.hidden_size,
             "lm_head": 0 if self.tie_word_embeddings else embed,
+            "vision": self.vision.params if self.vision else 0,
         }
 
     @cached_property
@@ -201,30 +361,46 @@ class ModelArchitecture:
         return sum(self._params_by_kind.values())
 
     @cached_property
+    def expert_params(self) -> int:
+        """Parameters in the experts of all blocks (a token passes through experts_per_token of them)."""
+        return self.num_moe_layers * sum(l.params for l in self._block_linears if l.experts > 1 or l.name.startswith("experts."))
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters one token passes through."""
+        if not self.is_moe:
+            return self.total_params
+        return self.total_params - self.expert_params + self.expert_params * self.experts_per_token // self.num_experts
+
+    @cached_property
     def linear_params(self) -> int:
         """Parameters in the linears of all blocks (what NF4 quantises and autocast casts)."""
-        return self.num_layers * sum(l.params for l in self.block_linears())
+        n_moe = self.num_moe_layers
+        return (n_moe * sum(l.params for l in self._block_linears)
+                + (self.num_layers - n_moe) * sum(l.params for l in self._dense_block_linears))
 
     @cached_property
     def block_params(self) -> int:
-        """Parameters of one decoder block (what FSDP all-gathers at a time)."""
-        return sum(l.params for l in self.block_linears()) + self.traits.norms_per_layer * self.hidden_size
+        """Parameters of the largest decoder block (what FSDP all-gathers at a time)."""
+        largest = self._block_linears if self.num_moe_layers else self._dense_block_linears
+        return sum(l.params for l in largest) + self._block_extra_params
 
     def resolve_lora_targets(self, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
-        """The block matrices LoRA adapts; `all-linear` is every linear of the blocks (never the head)."""
+        """The block matrices LoRA adapts; `all-linear` is what peft adapts for the family (never the head)."""
         if isinstance(targets, list):
             targets = tuple(targets)
         return _resolve_lora_targets(self, targets)
 
-    def _resolve_lora_targets(self, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
-        linears = self.block_linears()
+    def _resolve_lora_targets(self, targets: str | tuple[str, ...], linears=None) -> tuple[LinearShape, ...]:
+        linears = self.block_linears() if linears is None else linears
+        known = self.traits.lora_targets
         if targets == "all-linear":
-            return linears
+            adapted = self.traits.all_linear or known
+            return tuple(l for l in linears if l.name.split(".")[0] in adapted)
         if isinstance(targets, str):
             targets = (targets,)
         if not targets:
             raise SizingError("lora_targets", "must name at least one module or be 'all-linear'")
-        known = self.traits.lora_targets
         chosen = []
         for name in targets:
             if name not in known:
@@ -243,13 +419,21 @@ class ModelArchitecture:
     def _lora_trainable_params(self, rank: int, targets: str | tuple[str, ...]) -> int:
         if not isinstance(rank, int) or rank <= 0:
             raise SizingError("lora_rank", f"must be a positive integer, got {rank!r}")
-        per_block = 0
-        for lin in self.resolve_lora_targets(targets):
-            # peft's ParamWrapper gives each expert its own rank-r pair; for the fused
-            # gate_up parameter it doubles the rank (observed with peft 0.21, tested).
-            r = rank * lin.experts * (2 if lin.name == "experts.gate_up_proj" else 1)
-            per_block += r * (lin.in_features + lin.out_features)
-        return self.num_layers * per_block
+
+        def per_block(linears) -> int:
+            total = 0
+            for lin in self._resolve_lora_targets(targets, linears):
+                # peft's ParamWrapper gives each expert its own rank-r pair; for the fused
+                # gate_up parameter it doubles the rank (observed with peft 0.21, tested).
+                r = rank * lin.experts * (2 if lin.name == "experts.gate_up_proj" else 1)
+                total += r * (lin.in_features + lin.out_features)
+            return total
+
+        self.resolve_lora_targets(targets)  # names checked against the family's modules
+        n_moe = self.num_moe_layers
+        dense = per_block(self._dense_block_linears) if self.num_layers > n_moe else 0
+        vision = self.vision.lora_params(rank, targets) if self.vision else 0
+        return n_moe * per_block(self._block_linears) + (self.num_layers - n_moe) * dense + vision
 
     # ---- construction ----------------------------------------------------------
     @classmethod
@@ -263,44 +447,14 @@ class ModelArchitecture:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str = "") -> "ModelArchitecture":
-        """Build from a Hugging Face `config.json` (as a dict)."""
-        if not isinstance(config, Mapping):
-            raise SizingError("config", f"must be a mapping (a parsed config.json), got {type(config).__name__}")
-        family = config.get("model_type")
-        if family not in FAMILIES:
-            raise UnknownArchitecture(family, tuple(sorted(FAMILIES)))
+        """Build from a Hugging Face `config.json` (as a dict), keys that do not matter ignored.
 
-        def need(key: str) -> Any:
-            if key not in config or config[key] is None:
-                raise SizingError(key, "missing from the config")
-            return config[key]
+        A multimodal checkpoint whose decoder sits in `text_config` (Gemma 3) is sized by that
+        decoder; errors then name `text_config.<key>`.
+        """
+        from .hf_config import architecture_fields
 
-        heads = need("num_attention_heads")
-        rope = config.get("rope_parameters") or {}
-        rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, Mapping) else 10000.0)
-        tie_default = family == "gemma2"
-        return cls(
-            family=family,
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
-            attention_bias=bool(config.get("attention_bias", False)) and family in ("llama", "gemma2"),
-            mlp_bias=bool(config.get("mlp_bias", False)) and family == "llama",
-            num_experts=config.get("num_local_experts", 0) if family == "mixtral" else 0,
-            experts_per_token=config.get("num_experts_per_tok", 0) if family == "mixtral" else 0,
-            sliding_window=config.get("sliding_window"),
-            final_logit_softcapping=config.get("final_logit_softcapping"),
-            attn_logit_softcapping=config.get("attn_logit_softcapping"),
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            name=name or str(config.get("_name_or_path", "")),
-        )
+        return cls(**architecture_fields(config, name))
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json dict that transformers turns back into this architecture."""
@@ -323,16 +477,28 @@ class ModelArchitecture:
         }
         if self.head_dim is not None:
             cfg["head_dim"] = self.head_dim
-        if self.family in ("llama", "gemma2"):
+        if self.family in _HONORS_ATTENTION_BIAS:
             cfg["attention_bias"] = self.attention_bias
-        if self.family == "llama":
+        if self.family in _HONORS_MLP_BIAS:
             cfg["mlp_bias"] = self.mlp_bias
-        if self.family == "mixtral":
+        if self.traits.moe in ("mixtral", "gpt_oss"):
             cfg["num_local_experts"] = self.num_experts
             cfg["num_experts_per_tok"] = self.experts_per_token
-        if self.family in ("mistral", "mixtral", "qwen2", "gemma2", "phi3"):
+        if self.traits.moe == "qwen3_moe":
+            cfg["num_experts"] = self.num_experts
+            cfg["num_experts_per_tok"] = self.experts_per_token
+            cfg["moe_intermediate_size"] = self.expert_intermediate_size
+            cfg["decoder_sparse_step"] = 1
+            cfg["mlp_only_layers"] = list(self.dense_layers)
+        if self.family in ("mistral", "mixtral", "qwen2", "gemma2", "phi3", "gemma3_text", "gpt_oss"):
             cfg["sliding_window"] = self.sliding_window
-        if self.family == "gemma2":
+        if self.family in ("qwen2", "qwen3", "qwen3_moe") and self.sliding_window is not None:
+            # transformers' Qwen configs slide only from max_window_layers on, and only when asked.
+            first = self.layer_types.index("sliding_attention") if self.layer_types else 0
+            cfg.update(use_sliding_window=True, sliding_window=self.sliding_window, max_window_layers=first)
+        if self.layer_types is not None:
+            cfg["layer_types"] = list(self.layer_types)
+        if self.family in ("gemma2", "gemma3_text"):
             cfg["final_logit_softcapping"] = self.final_logit_softcapping
             cfg["attn_logit_softcapping"] = self.attn_logit_softcapping
         cfg.update(self.extra_hf_config)
@@ -340,7 +506,17 @@ class ModelArchitecture:
 
     def with_layers(self, num_layers: int) -> "ModelArchitecture":
         """The same model cut to `num_layers` blocks (tests and the truth harness use shallow copies)."""
-        return replace(self, num_layers=num_layers)
+        return replace(
+            self,
+            num_layers=num_layers,
+            dense_layers=tuple(i for i in self.dense_layers if i < num_layers),
+            layer_types=None if self.layer_types is None else tuple(self.layer_types[:num_layers]),
+        )
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SizingError(name, f"must be a positive integer, got {value!r}")
 
 
 @lru_cache(maxsize=4096)

@@ -43,7 +43,7 @@ def architecture_of(spec: Any, model_config: Mapping[str, Any] | None = None) ->
     if source.preset is not None:
         return ModelArchitecture.from_preset(source.preset)
     if source.inline is not None:
-        config = source.inline.model_dump(exclude_none=True)
+        config = source.inline.config_json()
         return ModelArchitecture.from_hf_config(config, name=spec.model.name)
     if model_config is None:
         ref = source.config_map_ref
@@ -53,6 +53,20 @@ def architecture_of(spec: Any, model_config: Mapping[str, Any] | None = None) ->
             "(the CLI's --model-config FILE) to size it",
         )
     return ModelArchitecture.from_hf_config(model_config, name=spec.model.name)
+
+
+def config_json_of(spec: Any, model_config: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The job's config.json as a dict, whatever the source: the pasted one (every key kept),
+    the ConfigMap's (which the caller read), or a preset's. None when a ConfigMap's is not read yet.
+
+    This is what the pre-flight profile builds the model from when sizing raises UnknownArchitecture.
+    """
+    source = spec.model.architecture
+    if source.preset is not None:
+        return ModelArchitecture.from_preset(source.preset).to_hf_config()
+    if source.inline is not None:
+        return source.inline.config_json()
+    return dict(model_config) if model_config is not None else None
 
 
 def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> JobSetup:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from . import constants as K
+from . import families
 from .architecture import ModelArchitecture
 from .errors import SizingError
 from .setup import TrainingSetup
@@ -157,7 +158,7 @@ def _norm_saved(arch: ModelArchitecture, regime: _Regime) -> float:
     saved = 4 * hidden
     if regime.weights_trainable:
         # Gemma computes the whole norm in fp32; Llama-style norms cast back to the input dtype first.
-        saved += 4 * hidden if arch.family == "gemma2" else regime.residual * hidden
+        saved += 4 * hidden if arch.traits.fp32_norms else regime.residual * hidden
     return saved
 
 
@@ -181,6 +182,9 @@ def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) 
     saved = 0.0
     seen: set[str] = set()
     for lin in arch.resolve_lora_targets(setup.lora_targets):
+        if lin.name in ("experts.gate_up_proj", "experts.down_proj") and arch.traits.moe != "mixtral":
+            saved += families.expert_adapter_saved(arch, lin, regime.compute, setup.micro_batch_size * setup.sequence_length)
+            continue
         if lin.name in ("experts.gate_up_proj", "experts.down_proj"):
             # Expert adapters see only their routed tokens: experts_per_token copies in all.
             saved += arch.experts_per_token * (regime.compute * lin.in_features + 4 * rank)
@@ -212,6 +216,7 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
     seq = setup.sequence_length
 
     saved = traits.norms_per_layer * _norm_saved(arch, regime)
+    saved += families.qk_norm_saved(arch, compute, regime.weights_trainable)
     # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
     # pre-norms (two per block) feed linears. Only those two feed linears below.
 
@@ -229,7 +234,10 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
     if setup.attention == "eager":
         kv_saved = q_width if arch.num_key_value_heads < heads else kv_width  # repeat_kv copies
         saved += compute * (q_width + 2 * kv_saved) + compute * q_width  # q, repeated k/v, contiguous output
-        saved += (4 + compute) * heads * seq  # softmax output in fp32, and its cast for probs @ v
+        if traits.attention_sinks:
+            saved += families.eager_sinks_saved(arch, compute, seq)
+        else:
+            saved += (4 + compute) * heads * seq  # softmax output in fp32, and its cast for probs @ v
         if arch.attn_logit_softcapping:
             saved += compute * heads * seq  # tanh output
     else:
@@ -239,10 +247,13 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         if _sdpa_needs_mask(arch, setup):
             # With a mask sdpa runs the memory-efficient kernel, which converts the boolean
             # mask to the compute dtype and saves it for backward: one b x s x s per block.
-            saved += compute * seq
+            saved += compute * seq * families.sliding_share(arch)  # only the sliding layers get one
 
     # MLP.
-    if arch.is_moe:
+    if arch.is_moe and traits.moe != "mixtral":
+        saved += families.grouped_experts_saved(arch, 4 if regime.autocast_fp32_weights else compute,
+                                                regime.weights_trainable)
+    elif arch.is_moe:
         top_k = arch.experts_per_token
         saved += 4 * arch.num_experts  # router logits/probabilities (fp32)
         # gathered in, gate_up, act, product, down out
@@ -439,6 +450,8 @@ def _notes(setup: TrainingSetup) -> list[str]:
         )
     if arch.attn_logit_softcapping and setup.attention == "sdpa":
         notes.append("transformers' sdpa rejects attention soft-capping (Gemma 2); estimated as eager")
+    elif arch.traits.eager_only and setup.attention == "sdpa":
+        notes.append(f"transformers has no sdpa for {arch.family} (attention sinks); estimated as eager, as the trainer runs it")
     if setup.method == "qlora" or setup.optimizer != "adamw":
         notes.append("bitsandbytes (qlora / 8-bit optimizers) needs CUDA; derived from storage sizes, not traced")
     if setup.optimizer == "paged-adamw-8bit":
@@ -539,7 +552,7 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         # A family only the pre-flight profile knows: its measured figures (profiling/estimate.py).
         return profiled.estimate(setup)
     notes = _notes(setup)
-    if arch.attn_logit_softcapping and setup.attention == "sdpa":
+    if (arch.attn_logit_softcapping or arch.traits.eager_only) and setup.attention == "sdpa":
         setup = replace(setup, attention="eager")
     regime = _regime(setup)
     tokens = setup.micro_batch_size * setup.sequence_length
@@ -636,7 +649,7 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     # A block's backward holds gradients of its MLP intermediates (the product, the
     # activation's output, up and gate: about three b x s x intermediate at once).
     moe_k = arch.experts_per_token if arch.is_moe else 1
-    block_bwd = 3 * regime.mlp * arch.intermediate_size * moe_k * tokens
+    block_bwd = 3 * regime.mlp * arch.expert_intermediate_size * moe_k * tokens
     # ... and the gradient of the residual stream: the one flowing in and the one being built.
     block_bwd += 2 * regime.residual * hidden * tokens
     if not setup.gradient_checkpointing:

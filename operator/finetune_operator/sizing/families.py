@@ -1,0 +1,81 @@
+"""Saved-activation terms that only some families have (issue 16: Qwen3, Qwen3-MoE, Gemma 3,
+gpt-oss, OLMo 2). memory.py calls these where a block's saved tensors are added up, so a
+family's specifics live here, next to each other, and the memory model stays one walk
+through the step.
+
+Every term was read off traced steps (bench/sizing_truth.py on tiny configs of each family,
+the per-layer difference between 2- and 4-layer models): bytes per token per decoder block.
+"""
+
+from __future__ import annotations
+
+from .architecture import ModelArchitecture
+
+
+def qk_norm_saved(arch: ModelArchitecture, compute: int, weights_trainable: bool) -> float:
+    """q/k RMSNorms (Qwen3 and Gemma 3 per head, OLMo 2 over all of q and k).
+
+    Each saves its input upcast to fp32 and one fp32 rsqrt per normalised row (a head, or
+    the token); with a trainable weight also the normalised value (cast back to the compute
+    dtype, or in fp32 where the family computes the whole norm in fp32). The projection's
+    output it reads was saved by the rotary embedding before; it is the norm's output now.
+    """
+    width = arch.qk_norm_width
+    if not width:
+        return 0.0
+    rows = arch.num_attention_heads + arch.num_key_value_heads if arch.traits.qk_norm == "head" else 2
+    saved = 4 * width + 4 * rows
+    if weights_trainable:
+        saved += (4 if arch.traits.fp32_norms else compute) * width
+    return saved
+
+
+def sliding_share(arch: ModelArchitecture) -> float:
+    """Share of the blocks that attend through a sliding window (Gemma 3: 5 of 6, gpt-oss: 1 of 2)."""
+    return arch.num_sliding_layers / arch.num_layers
+
+
+def grouped_experts_saved(arch: ModelArchitecture, moe_bytes: int, weights_train: bool) -> float:
+    """One mixture-of-experts block as transformers 5 runs it by default (experts_implementation
+    "grouped_mm"): tokens sorted by expert, each routed copy (S = tokens x top-k rows) through
+    one grouped matmul per projection. grouped_mm is not autocast: it runs in the weights'
+    dtype (`moe_bytes`: fp32 for full fine-tuning under autocast, else the compute dtype).
+
+    Saved per routed copy: the gate/up output (the activation's input keeps it alive), the
+    activation's output, down's output (multiplied by the routing weight), and, when the
+    expert weights train, the gathered input and the product (the matmuls' inputs, needed
+    for the weight gradients); per token the router's fp32 probabilities and the int64 sort
+    permutation and top-k indices. Expert adapters (LoRA) add theirs in `expert_adapter_saved`.
+    """
+    h, i, k, e = arch.hidden_size, arch.expert_intermediate_size, arch.experts_per_token, arch.num_experts
+    saved = 4 * e + 8 * k * 2
+    if arch.traits.moe == "gpt_oss":
+        # Clamped SwiGLU over interleaved gate/up: the clamped gate, the sigmoid, up + 1 and the
+        # GLU are separate tensors next to the gate/up output.
+        per_copy = 2 * i + 4 * i + h
+    else:
+        per_copy = 2 * i + i + h
+    if weights_train:
+        per_copy += h + i
+    return saved + k * moe_bytes * per_copy
+
+
+def expert_adapter_saved(arch: ModelArchitecture, lin, compute: int, tokens: int) -> float:
+    """LoRA on a fused 3-D expert weight (peft's ParamWrapper), bytes per token.
+
+    peft adds B @ A to the whole weight before the grouped matmul runs, so that matmul's input
+    (one row per routed copy) is saved for the adapters' gradient, and so is the merged
+    weight itself: every expert of the block, in fp32 (the adapters' dtype), once per block
+    whatever the batch. Spread over the block's tokens to fit the per-token sum.
+    """
+    return arch.experts_per_token * compute * lin.in_features + 4 * lin.params / tokens
+
+
+def eager_sinks_saved(arch: ModelArchitecture, compute: int, seq: int) -> float:
+    """gpt-oss eager attention: the scores joined with one sink logit per head and row.
+
+    The softmax runs in the logits' own dtype (the compute dtype, not fp32 as in Llama's
+    eager attention) over s + 1 columns; its output is saved (the probabilities are a view
+    of it) with the int64 argmax of the max subtracted for stability.
+    """
+    return compute * arch.num_attention_heads * (seq + 1) + 8 * arch.num_attention_heads

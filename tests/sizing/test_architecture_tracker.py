@@ -1,0 +1,73 @@
+"""The families of 2026 on tiny configs (2-3 blocks) traced with fake tensors: the estimate must
+match the tracker within the benchmark's tolerance (15% over, 5% under).
+
+One case per family and lever that the family's specific terms touch: q/k norms (Qwen3,
+OLMo 2), grouped-matmul experts with and without expert adapters (Qwen3-MoE), sliding
+windows under sdpa with a 5:1 pattern (Gemma 3), eager attention with sinks and biased
+experts (gpt-oss), Granite's multipliers; full and LoRA, checkpointing on and off, FSDP.
+The real sizes are in bench/sizing_accuracy.py.
+"""
+
+import os
+import sys
+
+import pytest
+
+from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+sys.path.insert(0, os.path.abspath(BENCH))
+
+
+def _arch(family, layers=2, **kw):
+    base = dict(family=family, vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=layers,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    base.update(kw)
+    return ModelArchitecture(**base)
+
+
+QWEN3 = _arch("qwen3", head_dim=32)
+QWEN3_MOE = _arch("qwen3_moe", head_dim=32, num_experts=8, experts_per_token=2, moe_intermediate_size=128)
+GEMMA3 = _arch("gemma3_text", 3, head_dim=32, tie_word_embeddings=True, sliding_window=128,
+               layer_types=("sliding_attention", "sliding_attention", "full_attention"))
+GPT_OSS = _arch("gpt_oss", head_dim=32, num_experts=8, experts_per_token=2, intermediate_size=256,
+                attention_bias=True, sliding_window=64, layer_types=("sliding_attention", "full_attention"))
+OLMO2 = _arch("olmo2")
+GRANITE = _arch("granite", tie_word_embeddings=True)
+
+CASES = {
+    "qwen3-full": TrainingSetup(architecture=QWEN3, method="full", micro_batch_size=2, sequence_length=512),
+    "qwen3-lora-gc": TrainingSetup(architecture=QWEN3, method="lora", lora_dropout=0.0, micro_batch_size=2,
+                                   sequence_length=1024, gradient_checkpointing=True),
+    "qwen3_moe-full": TrainingSetup(architecture=QWEN3_MOE, method="full", micro_batch_size=2, sequence_length=512),
+    "qwen3_moe-lora-experts": TrainingSetup(architecture=QWEN3_MOE, method="lora", lora_dropout=0.0,
+                                            micro_batch_size=2, sequence_length=1024),
+    "gemma3-lora-sdpa-window": TrainingSetup(architecture=GEMMA3, method="lora", lora_dropout=0.0,
+                                             micro_batch_size=1, sequence_length=1024),
+    "gemma3-full-fsdp2-gc": TrainingSetup(architecture=GEMMA3, method="full", micro_batch_size=2, sequence_length=512,
+                                          gradient_checkpointing=True, strategy="fsdp", world_size=2),
+    "gpt_oss-lora": TrainingSetup(architecture=GPT_OSS, method="lora", lora_dropout=0.0, micro_batch_size=2,
+                                  sequence_length=512),
+    "gpt_oss-full-gc": TrainingSetup(architecture=GPT_OSS, method="full", micro_batch_size=1, sequence_length=512,
+                                     gradient_checkpointing=True),
+    "olmo2-lora-fsdp2": TrainingSetup(architecture=OLMO2, method="lora", lora_dropout=0.0, micro_batch_size=2,
+                                      sequence_length=512, strategy="fsdp", world_size=2),
+    "granite-full-gc": TrainingSetup(architecture=GRANITE, method="full", micro_batch_size=2, sequence_length=1024,
+                                     gradient_checkpointing=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_family_estimate_matches_tracker(name):
+    from sizing_truth import measure
+
+    setup = CASES[name]
+    truth = measure(setup)
+    est = estimate_memory(setup)
+    err = (est.peak_allocated_bytes - truth.peak_bytes) / truth.peak_bytes
+    assert -0.05 <= err <= 0.15, f"{name}: estimate {est.peak_allocated_bytes} vs tracker {truth.peak_bytes} ({err:+.1%})"
