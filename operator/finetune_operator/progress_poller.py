@@ -39,6 +39,8 @@ log = logging.getLogger("finetune_operator.progress")
 DEFAULT_INTERVAL_SECONDS = 20.0
 DEFAULT_WORKERS = 2
 DEFAULT_READS_PER_SECOND = 5.0
+# The loop looks for due jobs this often, and whenever a read ends (a free worker).
+LOOP_SECONDS = 0.2
 # A progress line is ~400 bytes; the tail also holds warnings and the odd traceback.
 DEFAULT_TAIL_LINES = 64
 DEFAULT_LIMIT_BYTES = 64 * 1024
@@ -168,7 +170,7 @@ class ProgressPoller:
             for key in self.due_now():
                 assert self._pool is not None
                 self._pool.submit(self.poll, key)
-            self._wake.wait(timeout=1.0)
+            self._wake.wait(timeout=LOOP_SECONDS)
             self._wake.clear()
 
     def due_now(self) -> list[Key]:
@@ -199,6 +201,7 @@ class ProgressPoller:
         finally:
             with self._lock:
                 self._busy.discard(key)
+            self._wake.set()  # a worker is free: hand out the next due job now
 
     def _poll(self, key: Key) -> None:
         with self._lock:
