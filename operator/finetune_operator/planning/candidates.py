@@ -90,7 +90,7 @@ def find(
             size=lambda g, bound: largest_fitting_micro(ask, g, estimates, calibration, excluded, stats, bound,
                                                         fit_cache),
             candidate=candidate,
-            choose=lambda found: choose(found, ask.cost_window)[0],
+            choose=lambda found: leader(found, ask.cost_window),
             stats=stats,
         )
         return found, stats
@@ -190,9 +190,14 @@ def fit_index(ask: Ask, group: Group, probe: Callable[[int], Any], calibration: 
     return lo, None, first
 
 
+def leader(found: list[Candidate], window: float) -> Candidate:
+    """The winner: choice.py's rule over the candidates."""
+    return choose_cheapest_or_startable(found, cost=lambda c: c.cost_per_step, startable=lambda c: not c.needs_scale_up,
+                                        tie_break=Candidate.rank_key, window=window)
+
+
 def choose(found: list[Candidate], window: float) -> tuple[Candidate, list[Candidate]]:
     """The winner (choice.py's rule over the candidates) and the others, cheapest first."""
-    winner = choose_cheapest_or_startable(found, cost=lambda c: c.cost_per_step, startable=lambda c: not c.needs_scale_up,
-                                          tie_break=Candidate.rank_key, window=window)
+    winner = leader(found, window)
     others = sorted((c for c in found if c is not winner), key=lambda c: (c.cost_per_step, c.rank_key()))
     return winner, others

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -69,6 +72,30 @@ def default_estimator() -> Estimator:
     return estimate_memory
 
 
+# The sizing model is a pure function of the setup, and the jobs of a platform repeat setups (the same
+# model, sequence length and batch over many jobs; every re-plan of a job): in a burst of a thousand
+# such jobs each plan sized the same setups again, most of the planner's time (bench/scale.py). So
+# the default model's answers are kept across plans, keyed by what the setup is made of, bounded,
+# least recently used first. Another estimator (tests, bench/planner.py) is asked every time.
+MEMO_SIZE = 4096
+_memo: "OrderedDict[tuple, EstimateFacts | SizingError]" = OrderedDict()
+_memo_lock = threading.Lock()
+
+
+def _recall(key: tuple) -> "EstimateFacts | SizingError | None":
+    with _memo_lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            _memo.move_to_end(key)
+        return hit
+
+
+def _remember(key: tuple, value: "EstimateFacts | SizingError") -> None:
+    with _memo_lock:
+        _memo[key] = value
+        while len(_memo) > MEMO_SIZE:
+            _memo.popitem(last=False)
+
 
 class Estimates:
     """Sizing estimates cached per setup for one planning call (they do not depend on the pool)."""
@@ -78,11 +105,25 @@ class Estimates:
         self.estimator = estimator
         self.cache: dict[tuple, EstimateFacts | SizingError] = {}
         self.calls = 0
+        self.shared = None  # the job's part of the process-wide key, when the default model sizes
+        from ..sizing import estimate_memory
+
+        if estimator is estimate_memory:
+            a = ask  # every field of the job that setup() reads
+            shared = (a.arch, a.method, a.lora_rank, a.lora_targets, a.precision, a.optimizer, a.sequence_length,
+                      a.attention, a.global_batch_size, a.target_experts)
+            try:
+                hash(shared)
+                self.shared = shared
+            except TypeError:  # an architecture that cannot be hashed: sized every time
+                pass
 
     def get(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
             levers: Levers = NO_LEVERS) -> EstimateFacts | SizingError:
         key = (world, strategy, offload, checkpointing, micro, levers)
         hit = self.cache.get(key)
+        if hit is None and self.shared is not None:
+            hit = _recall((self.shared, key))
         if hit is None:
             try:
                 setup = self.setup(world, strategy, offload, checkpointing, micro, levers)
@@ -90,12 +131,14 @@ class Estimates:
                 hit = estimate_facts(self.estimator(setup))
             except SizingError as error:
                 hit = error
-            self.cache[key] = hit
+            if self.shared is not None:
+                _remember((self.shared, key), hit)
+        self.cache[key] = hit
         return hit
 
     def setup(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
               levers: Levers = NO_LEVERS) -> TrainingSetup:
-        a = self.ask
+        a = self.ask  # a field of the job read here belongs in `self.shared` too (the memo's key)
         return TrainingSetup(
             architecture=a.arch, method=a.method, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
             precision=a.precision, optimizer=a.optimizer, micro_batch_size=micro,

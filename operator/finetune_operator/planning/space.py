@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from functools import lru_cache
+from typing import Any, Sequence
 
 from .. import api
 from ..sizing import ModelArchitecture, SizingError
@@ -290,6 +291,7 @@ def divisors(n: int) -> list[int]:
 def groups(ask: Ask, pools: Sequence[NodePool], stats: Stats) -> list[Group]:
     priced = [p.price_per_gpu_hour for p in pools if p.price_per_gpu_hour is not None]
     unknown_price = max(priced) if priced else 1.0
+    lever_memo: dict[tuple, tuple[Levers, ...]] = {}
     found: list[Group] = []
     order = 0
     for pool in pools:
@@ -321,18 +323,34 @@ def groups(ask: Ask, pools: Sequence[NodePool], stats: Stats) -> list[Group]:
             whole = (per_rank,) if per_rank in micros else ()
             for nodes, per_node in ways:
                 for strategy in ask.strategies:
-                    for offload in offloads_for(strategy, ask.method):
+                    for offload in _offloads_for(strategy, ask.method):
                         if offload not in ask.offloads:
                             continue
                         for ckpt in ask.checkpointing:
-                            base = ask.base_choices(strategy, offload, ckpt)
-                            for levers in lever_options(ask.levers, base, accumulation_one=bool(whole)):
+                            # The lever settings depend on the setup, not on the pool or GPU count: asked
+                            # once per setup (combinations.py's checks were most of a plan's time).
+                            known = lever_memo.get((strategy, offload, ckpt, bool(whole)))
+                            if known is None:
+                                known = lever_memo[(strategy, offload, ckpt, bool(whole))] = _lever_options(
+                                    ask.levers, ask.base_choices(strategy, offload, ckpt), bool(whole))
+                            for levers in known:
                                 found.append(Group(pool, world, nodes, per_node, strategy, offload, ckpt,
                                                    whole if levers.optimizer_in_backward else micros, price,
                                                    order, usable, tflops, levers))
                                 order += 1
     stats.groups = len(found)
     return found
+
+
+# Pure functions of small hashable arguments, asked in the innermost loop of every plan.
+_offloads_for = lru_cache(maxsize=256)(offloads_for)
+
+
+@lru_cache(maxsize=2048)
+def _lever_options(levers: LeverAsk, base: Any, accumulation_one: bool) -> tuple[Levers, ...]:
+    """`lever_options`, remembered across plans: a pure function of its (hashable) arguments, which
+    jobs of a platform repeat."""
+    return lever_options(levers, base, accumulation_one=accumulation_one)
 
 
 def changes(ask: Ask, group: Group) -> tuple[str, ...]:
