@@ -399,3 +399,28 @@ def test_the_watch_handler_does_not_reconcile_for_a_progress_write(monkeypatch):
     assert added == [(NAMESPACE, "j")]
     event({**body["status"], "phase": "Recovering", "progress": {"step": 2}}, "8")
     assert added == [(NAMESPACE, "j")] * 2
+
+
+def test_the_loop_uses_its_read_budget_without_waiting_for_its_tick():
+    """With 2 workers and 5 reads/s, five jobs due at once are read within a moment (a worker that
+    finishes wakes the loop), and the sixth waits for the next second."""
+    stamps: list[float] = []
+
+    def read(target, since, tail_lines, limit_bytes):
+        stamps.append(time.monotonic())
+        return ""
+
+    poller = ProgressPoller(read, lambda target, progress: None, PollerSettings(interval=600, workers=2,
+                                                                               max_reads_per_second=5))
+    for i in range(6):
+        poller.track((NAMESPACE, f"j{i}"), Target(NAMESPACE, f"j{i}", 1, f"p{i}", "pytorch"))
+    poller.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(stamps) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        poller.stop()
+    assert len(stamps) == 6
+    assert stamps[4] - stamps[0] < 0.8  # a once-a-second loop needs a second or more for five reads
+    assert stamps[5] - stamps[0] >= 1.0  # the cap: the sixth read waits for the rolling second
