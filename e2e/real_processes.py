@@ -83,7 +83,13 @@ def remove_claims(namespace: str) -> None:
 
 def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_steps: int = 24,
              every_steps: int = 4, global_batch: int = 4, learning_rate: float = 0.02,
-             rule: dict[str, str] | None = None, attempts: int = 4) -> dict[str, Any]:
+             rule: dict[str, str] | None = None, attempts: int = 4, sized_as: str | None = None,
+             sequence_length: int = 64) -> dict[str, Any]:
+    """A LoRA job on the tiny model. `sized_as` (a preset, e.g. llama-3.1-8b): the operator plans
+    (sizes) the job as that model, while the trainer trains the tiny model the claim holds; the
+    lab GPU's out-of-memory rule then has a realistic predicted peak to judge (a tiny model's plan
+    fits any GPU, and no lever could make it fit better after an OOM)."""
+    architecture = {"preset": sized_as} if sized_as else {"inline": {**TINY, "vocab_size": vocab_size}}
     return {
         "apiVersion": "finetune.dev/v1alpha1",
         "kind": "FineTuneJob",
@@ -91,12 +97,12 @@ def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_s
                      "annotations": {f"lab.finetune.dev/{k}": v for k, v in (rule or {}).items()}},
         "spec": {
             "model": {"name": "lab/tiny-llama",
-                      "architecture": {"inline": {**TINY, "vocab_size": vocab_size}},
+                      "architecture": architecture,
                       "source": {"pvc": {"claimName": "models", "path": "tiny-llama"}}},
             "dataset": {"source": {"pvc": {"claimName": "data", "path": "chat.jsonl"}}, "format": "chat"},
             "method": "lora",
             "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "targetModules": ["all-linear"]},
-            "training": {"sequenceLength": 64, "globalBatchSize": global_batch, "maxSteps": max_steps,
+            "training": {"sequenceLength": sequence_length, "globalBatchSize": global_batch, "maxSteps": max_steps,
                          "learningRate": learning_rate},
             "resources": {"gpus": gpus, "maxGPUs": 2},
             "placement": {"regions": [REGION]},
