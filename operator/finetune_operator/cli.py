@@ -66,6 +66,19 @@ def _run_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_presets(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("presets", help="list the architecture presets (spec.model.architecture.preset)")
+    p.set_defaults(func=_run_presets)
+
+
+def _run_presets(args: argparse.Namespace) -> int:
+    from .sizing import PRESETS
+
+    for name, arch in sorted(PRESETS.items()):
+        sys.stdout.write(f"{name:<20} {arch.family:<12} {arch.total_params / 1e9:>8.2f}B  {arch.name}\n")
+    return 0
+
+
 def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="validate FineTuneJob YAML files; name every bad field")
     p.add_argument("files", nargs="+", help="FineTuneJob YAML files")
@@ -251,7 +264,7 @@ def _run_render(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_crd, _add_validate, _add_run, _add_plan, _add_render, _add_estimate,
+    _add_crd, _add_presets, _add_validate, _add_run, _add_plan, _add_render, _add_estimate,
 ]
 
 

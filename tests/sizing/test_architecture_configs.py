@@ -206,3 +206,12 @@ def test_no_model_type_is_unknown_too():
     with pytest.raises(UnknownArchitecture) as caught:
         ModelArchitecture.from_hf_config({"hidden_size": 8})
     assert caught.value.model_type is None
+
+
+def test_presets_command_lists_every_preset(capsys):
+    """spec.model.architecture.preset's documentation points at `finetune-operator presets`."""
+    from finetune_operator import cli
+
+    assert cli.main(["presets"]) == 0
+    listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert listed == {name: arch.family for name, arch in PRESETS.items()}

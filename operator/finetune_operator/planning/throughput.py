@@ -72,11 +72,9 @@ class JobWork:
 
 
 def active_params(arch: ModelArchitecture) -> int:
-    """Parameters a token passes through (a mixture of experts routes it to a few experts)."""
-    kinds = arch.params_by_kind()
-    if not arch.is_moe:
-        return sum(kinds.values())
-    return sum(kinds.values()) - kinds["mlp"] + kinds["mlp"] * arch.experts_per_token // arch.num_experts
+    """Parameters a token passes through (a mixture of experts routes it to a few experts; a
+    multimodal checkpoint's vision tower is not run on text)."""
+    return arch.active_params
 
 
 def job_work(

@@ -367,10 +367,11 @@ class ModelArchitecture:
 
     @cached_property
     def active_params(self) -> int:
-        """Parameters one token passes through."""
+        """Parameters one token of text passes through (top-k of the experts; not the vision tower)."""
+        text = self.total_params - self._params_by_kind["vision"]
         if not self.is_moe:
-            return self.total_params
-        return self.total_params - self.expert_params + self.expert_params * self.experts_per_token // self.num_experts
+            return text
+        return text - self.expert_params + self.expert_params * self.experts_per_token // self.num_experts
 
     @cached_property
     def linear_params(self) -> int:
