@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from e2e.lab.nodes import load_pools
+from e2e.lab.nodes import RUNNER_TAINT, load_pools
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REGION = "lab-local"
@@ -52,7 +52,7 @@ def chart_args() -> list[str]:
         "gpusPerNode": pool.gpu.count, "maxNodes": pool.nodes, "pricePerGpuHour": 0.1,
         "hostMemory": pool.memory, "cpus": int(pool.cpu),
         "selector": {"karpenter.sh/nodepool": POOL},
-        "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}],
+        "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}, dict(RUNNER_TAINT)],
     }]
     return ["--set-json", f"policy.allowedRegions={json.dumps(list(policy['allowedRegions']) + [REGION])}",
             "--set-json", f"policy.catalog={json.dumps(catalog)}"]

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from e2e.lab import fate
-from e2e.lab.nodes import RUNNER_LABEL, load_pools, node_manifest
+from e2e.lab.nodes import RUNNER_LABEL, RUNNER_TAINT, load_pools, node_manifest
 from e2e.lab.podrunner import ContainerRun, expand
 from finetune_trainer import faults
 from finetune_trainer.errors import ConfigError
@@ -117,6 +117,9 @@ def test_only_the_runner_pool_is_marked_for_the_runner():
     marked = {m["metadata"]["name"] for p in catalog.pools for i in range(p.nodes)
               if RUNNER_LABEL in (m := node_manifest(p, i))["metadata"]["labels"]}
     assert marked == set(catalog.runner_nodes()) and marked
+    for pool in catalog.pools:
+        tainted = [node_manifest(pool, i)["spec"]["taints"] for i in range(pool.nodes)]
+        assert all((RUNNER_TAINT in t) == (pool.runner == "process") for t in tainted), pool.name
     assert all(p.region not in ("eu-de-berlin", "eu-fr-paris") for p in catalog.pools if p.runner)
 
 

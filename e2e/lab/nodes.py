@@ -20,6 +20,7 @@ KWOK_ANNOTATION_VALUE = "fake"
 # bound to them as real local processes instead of the fake GPU deciding how they end.
 RUNNER_LABEL = "lab.finetune.dev/runner"
 RUNNER_PROCESS = "process"
+RUNNER_TAINT = {"key": RUNNER_LABEL, "value": RUNNER_PROCESS, "effect": "NoSchedule"}
 # The policy the chart ships by default (issue 9); the lab's scenarios check placement against it.
 DEFAULT_ALLOWED_REGIONS = ("eu-de-berlin", "eu-fr-paris")
 
@@ -83,8 +84,6 @@ def node_manifest(pool: Pool, index: int) -> dict:
         "karpenter.sh/capacity-type": "on-demand",
         "type": "kwok",
     }
-    if pool.runner == RUNNER_PROCESS:
-        labels[RUNNER_LABEL] = RUNNER_PROCESS
     capacity = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110", "ephemeral-storage": "3Ti"}
     taints = []
     if pool.gpu:
@@ -97,6 +96,11 @@ def node_manifest(pool: Pool, index: int) -> dict:
         capacity[GPU_RESOURCE] = str(pool.gpu.count)
         # GPU nodes repel everything that does not ask for a GPU (the usual EKS/GKE/Karpenter setup).
         taints.append({"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"})
+    if pool.runner == RUNNER_PROCESS:
+        # A dedicated pool: only pods that tolerate it (the operator's, planned there) land on it,
+        # never a scenario's fake-GPU pod that asks for a GPU without naming a region.
+        labels[RUNNER_LABEL] = RUNNER_PROCESS
+        taints.append(RUNNER_TAINT)
     return {
         "apiVersion": "v1",
         "kind": "Node",
