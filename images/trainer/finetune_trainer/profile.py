@@ -182,11 +182,21 @@ def build_meta_model(config, setup: ProfileSetup, *, trust_remote_code: bool = F
     config.use_cache = False
     attn = {"sdpa": "sdpa", "eager": "eager"}[setup.attention]
     dtype = torch.float32 if setup.method == "full" or setup.precision == "fp32" else torch.bfloat16
-    try:
+    def build(attn_implementation: str):
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=attn, dtype=dtype, trust_remote_code=trust_remote_code)
+            return transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, dtype=dtype, trust_remote_code=trust_remote_code)
+
+    try:
+        try:
+            model = build(attn)
+        except ValueError as exc:
+            # A model transformers runs only with eager attention (gpt-oss: attention sinks) runs eager,
+            # as the trainer runs it.
+            if attn != "sdpa" or not any(w in str(exc).lower() for w in ("sdpa", "scaled_dot_product_attention")):
+                raise
+            model = build("eager")
     except Exception as exc:  # noqa: BLE001 - any failure to build is the config's
         raise ProfileError(f"transformers cannot build the model from its config: {type(exc).__name__}: {exc}",
                            "config") from exc

@@ -158,7 +158,15 @@ class ProfiledArchitecture(ModelArchitecture):
     def _params_by_kind(self) -> dict[str, int]:
         rest = self.total - self.embedding - self.lm_head
         return {"embedding": self.embedding, "attention": 0, "mlp": rest, "router": 0, "norm": 0,
-                "lm_head": self.lm_head}
+                "lm_head": self.lm_head, "vision": 0}
+
+    @property
+    def active_params(self) -> int:
+        return self.total  # every parameter counted as active: conservative for mixture-of-experts models
+
+    @property
+    def expert_params(self) -> int:
+        return 0
 
     @property
     def total_params(self) -> int:

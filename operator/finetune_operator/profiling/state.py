@@ -16,7 +16,7 @@ from finetune_trainer.contract import ProfileReport
 
 from .. import api
 from ..sizing import UnknownArchitecture
-from ..sizing.from_job import architecture_of
+from ..sizing.from_job import architecture_of, config_json_of
 from ..planning.policy import ClusterPolicy
 from .cache import CachedProfile, as_report
 from .estimate import ProfiledArchitecture, profiled_architecture
@@ -84,13 +84,8 @@ class ProfileStep:
 
 
 def model_config_of(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """The job's config.json as a dict (inline keys or the ConfigMap's), None for a preset."""
-    source = spec.model.architecture
-    if source.inline is not None:
-        return source.inline.model_dump(by_alias=True, exclude_none=True)
-    if source.config_map_ref is not None:
-        return model_config
-    return None
+    """The job's config.json as a dict (every key of an inline one, the ConfigMap's, or a preset's)."""
+    return config_json_of(spec, model_config)
 
 
 def needs_profile(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | None, *, asked: bool = False
