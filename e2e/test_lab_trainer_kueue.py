@@ -338,3 +338,181 @@ def test_kueue_never_admits_a_paris_pinned_trainjob_into_berlins_quota(v2lab, ru
     assert _get(v2lab, "trainjob", ns, name)["spec"]["suspend"] is True
     assert _pods(v2lab, ns, name) == []
     print(f"\nParis-pinned, Berlin has quota: Workload QuotaReserved=False reason={cond['reason']!r} message={cond['message']!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The operator on this lab (issue 14): the same FineTuneJobs as on the PyTorchJob lab, with only
+# TrainJob served (policy trainingBackend auto picks it), and through Kueue.
+# ---------------------------------------------------------------------------------------------------
+
+BERLIN_ONLY = {"regions": ["eu-de-berlin"]}
+
+
+@pytest.fixture(scope="module")
+def v2operator(v2lab, runtime, tmp_path_factory):
+    """The chart (kueue.enabled: the operator reads Workloads and LocalQueues; the runtime fixture made the
+    ClusterTrainingRuntime) and the operator as its ServiceAccount, on the lab with only TrainJob."""
+    from e2e import operator_harness as h
+
+    t0 = time.monotonic()
+    h.install_chart(v2lab, "--set", "kueue.enabled=true", "--set", "policy.trainingBackend=auto")
+    v2lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
+    process = h.OperatorProcess(v2lab, tmp_path_factory.mktemp("v2operator"))
+    process.start()
+    print(f"\nchart + operator on the TrainJob lab in {time.monotonic() - t0:.1f}s")
+    yield process
+    process.stop()
+    print(f"operator log: {process.log_path}")
+
+
+def _ftj(name: str, namespace: str, rule: dict[str, str], **spec) -> dict:
+    from e2e import operator_harness as h
+
+    job = h.job_from_example("llama-8b-lora.yaml", name, namespace, rule=rule, **spec)
+    job["spec"]["recovery"] = {"maxAttempts": 3, "backoff": {"initialSeconds": 1, "maxSeconds": 2}}
+    return job
+
+
+def _trainjobs(lab, namespace: str, job: str) -> list[dict]:
+    out = lab.kubectl("get", "trainjobs", "-n", namespace, "-l", f"finetune.dev/job={job}", "-o", "yaml").stdout
+    return yaml.safe_load(out)["items"]
+
+
+def _regions_of_pods(lab, namespace: str, job: str) -> set[str]:
+    from e2e import operator_harness as h
+
+    nodes = _nodes(lab)
+    return {nodes[p["spec"]["nodeName"]][REGION_LABEL] for p in h.pods(lab, namespace, job) if p["spec"].get("nodeName")}
+
+
+def _event_reasons(lab, namespace: str, name: str) -> list[str]:
+    from e2e import operator_harness as h
+
+    return [e["reason"] for e in h.events(lab, namespace, name)]
+
+
+def test_operator_runs_jobs_as_trainjobs_oom_recovery_pinning_and_suspend(v2lab, v2operator, ns):
+    """Three FineTuneJobs at once on the lab with only TrainJob: one recovers from a GPU OOM and succeeds
+    (Berlin), one pinned to Paris succeeds there, one is suspended while running and resumed."""
+    from e2e import operator_harness as h
+
+    t0 = time.monotonic()
+    oom = _ftj("oom-once", ns, {"true-peak-factor": "1.7", "run-duration": "1s"})
+    paris = _ftj("paris", ns, {"true-peak-factor": "1.0", "run-duration": "1s"},
+                 placement={"regions": ["eu-fr-paris"]},
+                 resources={"gpus": "auto", "maxGPUs": 8, "gpuTypes": ["A100-40GB"]})
+    pause = _ftj("pause", ns, {"true-peak-factor": "1.0", "run-duration": "10s"})
+    for job in (oom, paris, pause):
+        h.apply_job(v2lab, job)
+
+    running = h.wait_phase(v2lab, ns, "pause", ("Running",), timeout=90)
+    assert running["status"]["attempts"][0]["pytorchJob"] == "pause-a1"
+    v2lab.kubectl("patch", "ftj", "pause", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    h.wait_phase(v2lab, ns, "pause", ("Suspended",), timeout=60)
+    (child,) = _trainjobs(v2lab, ns, "pause")
+    wait_for(lambda: _get(v2lab, "trainjob", ns, "pause-a1")["spec"]["suspend"] is True, 30, "pause-a1 suspended")
+    wait_for(lambda: not [p for p in h.pods(v2lab, ns, "pause") if (p.get("status") or {}).get("phase") == "Running"],
+             60, "the suspended TrainJob's pods gone")
+    suspended_at = time.monotonic() - t0
+    v2lab.kubectl("patch", "ftj", "pause", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+
+    done = {}
+    for name in ("oom-once", "paris", "pause"):
+        v2lab.kubectl("wait", "--for=condition=Succeeded", f"ftj/{name}", "-n", ns, "--timeout=150s", timeout=160)
+        done[name] = time.monotonic() - t0
+    status = h.get_job(v2lab, ns, "oom-once")["status"]
+    assert [a["outcome"] for a in status["attempts"]] == ["GPUOutOfMemory", "Succeeded"], status["attempts"]
+    assert "GPU OOM" in status["attempts"][0]["message"] and status["attempts"][1]["plan"]["calibration"] > 1.0
+    assert [t["metadata"]["name"] for t in _trainjobs(v2lab, ns, "oom-once")] == ["oom-once-a2"]
+    assert _regions_of_pods(v2lab, ns, "oom-once") <= {"eu-de-berlin"}
+    paris_status = h.get_job(v2lab, ns, "paris")["status"]
+    assert paris_status["plan"]["region"] == "eu-fr-paris"
+    assert _regions_of_pods(v2lab, ns, "paris") == {"eu-fr-paris"}
+    assert [a["outcome"] for a in h.get_job(v2lab, ns, "pause")["status"]["attempts"]] == ["Succeeded"]
+    assert {"Suspended", "Resumed"} <= set(_event_reasons(v2lab, ns, "pause"))
+    assert "pytorchjobs.kubeflow.org" not in v2lab.kubectl("api-resources", "-o", "name").stdout
+    print(f"\nTrainJob lab with the operator: pause suspended at {suspended_at:.1f}s; Succeeded: "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in done.items()))
+
+
+def _kueue_queues(lab, ns: str) -> None:
+    flavors = [{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": f"{ns}-{r}"},
+                "spec": {"nodeLabels": {REGION_LABEL: r}}} for r in ("eu-de-berlin", "eu-fr-paris")]
+    quotas = {"eu-de-berlin": "8", "eu-fr-paris": "0"}
+    cluster_queue = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": ns},
+        "spec": {"namespaceSelector": {}, "resourceGroups": [{
+            "coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
+            "flavors": [{"name": f"{ns}-{r}", "resources": [
+                {"name": "cpu", "nominalQuota": "1000"}, {"name": "memory", "nominalQuota": "100Ti"},
+                {"name": "nvidia.com/gpu", "nominalQuota": q}]} for r, q in quotas.items()],
+        }]},
+    }
+    local_queue = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+                   "metadata": {"name": "gpus", "namespace": ns}, "spec": {"clusterQueue": ns}}
+    lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([*flavors, cluster_queue, local_queue]))
+    wait_for(lambda: _is_true(lab, "clusterqueue", None, ns, "Active"), 30, f"ClusterQueue {ns} Active")
+
+
+def test_operator_through_kueue_quota_contention_oom_requeue_and_missing_local_queue(v2lab, v2operator, ns):
+    """A ClusterQueue of 8 GPUs and two 8-GPU FineTuneJobs: the second stays Queued (its TrainJob suspended,
+    never un-suspended by the operator) with Kueue's reason, and is admitted when the first finishes; its
+    first attempt runs out of GPU memory and the next attempt goes through the queue again. A job naming a
+    LocalQueue that does not exist says so."""
+    from e2e import operator_harness as h
+
+    _kueue_queues(v2lab, ns)
+    eight = {"gpus": 8, "maxGPUs": 8, "gpuTypes": ["H100-80GB"]}
+    t0 = time.monotonic()
+    first = _ftj("first", ns, {"true-peak-factor": "1.0", "run-duration": "8s"}, queueName="gpus", resources=eight)
+    h.apply_job(v2lab, first)
+    try:
+        h.wait_phase(v2lab, ns, "first", ("Launching", "Running"), timeout=60)
+    except TimeoutError:
+        print(yaml.safe_dump(h.get_job(v2lab, ns, "first").get("status")))
+        print(v2lab.kubectl("get", "workloads,trainjobs", "-n", ns, "-o", "yaml").stdout)
+        print(v2lab.kubectl("get", "events", "-n", ns).stdout)
+        raise
+    second = _ftj("second", ns, {"outcome-by-attempt": "gpu-oom,succeed", "run-duration": "1s"}, queueName="gpus",
+                  resources=eight)
+    h.apply_job(v2lab, second)
+    lost = _ftj("lost", ns, {"run-duration": "1s"}, queueName="nowhere")
+    h.apply_job(v2lab, lost)
+
+    def kueue_said() -> dict | None:
+        cond = h.condition(h.get_job(v2lab, ns, "second"), "Queued")
+        return cond if cond and cond["status"] == "True" and "Kueue (" in cond["message"] else None
+
+    queued = wait_for(kueue_said, 60, "second Queued with Kueue's reason")
+    assert queued["reason"] == "WaitingForAdmission", queued
+    print(f"\nsecond Queued: {queued['message']}")
+    while not _is_true(v2lab, "trainjob", ns, "first-a1", "Complete"):
+        assert _get(v2lab, "trainjob", ns, "second-a1")["spec"]["suspend"] is True, "second admitted while first holds the quota"
+        assert h.get_job(v2lab, ns, "second")["status"]["phase"] == "Queued"
+        assert time.monotonic() - t0 < 120, "first did not complete"
+        time.sleep(0.5)
+    first_done = time.monotonic() - t0
+    v2lab.kubectl("wait", "--for=condition=Succeeded", "ftj/first", "-n", ns, "--timeout=60s", timeout=70)
+
+    lost_cond = wait_for(lambda: (c := h.condition(h.get_job(v2lab, ns, "lost"), "Queued")) and c["reason"] == "LocalQueueNotFound" and c,
+                         60, "lost: Queued reason LocalQueueNotFound")
+    assert f"LocalQueue {ns}/nowhere does not exist" in lost_cond["message"]
+    assert _get(v2lab, "trainjob", ns, "lost-a1")["spec"]["suspend"] is True
+
+    v2lab.kubectl("wait", "--for=condition=Succeeded", "ftj/second", "-n", ns, "--timeout=150s", timeout=160)
+    second_done = time.monotonic() - t0
+    status = h.get_job(v2lab, ns, "second")["status"]
+    assert [a["outcome"] for a in status["attempts"]] == ["GPUOutOfMemory", "Succeeded"], status["attempts"]
+    reasons = _event_reasons(v2lab, ns, "second")
+    assert reasons.count("Queued") >= 2, reasons  # attempt 2 went through the queue again
+    assert "Resumed" not in reasons  # the operator never un-suspended a queued child
+    admitted = h.condition(h.get_job(v2lab, ns, "second"), "Queued")
+    assert admitted["status"] == "False" and admitted["reason"] == "Admitted"
+    assert f"ClusterQueue {ns}" in admitted["message"] and f"{ns}-eu-de-berlin" in admitted["message"], admitted
+    assert SUSPENDED_BY not in (_get(v2lab, "trainjob", ns, "second-a2")["metadata"].get("annotations") or {})
+    assert _regions_of_pods(v2lab, ns, "second") <= {"eu-de-berlin"}
+    print(f"\nKueue with the operator: first Complete {first_done:.1f}s, second (OOM, queued again) Succeeded"
+          f" {second_done:.1f}s; lost: {lost_cond['message']}")
+
+
+SUSPENDED_BY = "finetune.dev/suspended-by"

@@ -102,3 +102,10 @@ def test_release_patches_replace_a_webhook(tmp_path):
     (mutating, _) = components.local_webhooks(path, "jobset", 1, b"CA",
                                               patches={"MutatingWebhookConfiguration": [patch]})
     assert mutating["webhooks"][1]["objectSelector"]["matchExpressions"][0]["key"] == "jobset.sigs.k8s.io/jobset-name"
+
+
+def test_fake_gpu_ranks_trainjob_pods_by_their_completion_index():
+    from e2e.lab.fate import rank_of
+
+    assert rank_of({"jobset.sigs.k8s.io/jobset-name": "j-a1", "batch.kubernetes.io/job-completion-index": "1"}) == 1
+    assert rank_of({"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"}) == 1

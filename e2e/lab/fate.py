@@ -300,8 +300,14 @@ def decide(pod: TrainingPod, rule: Rule) -> Verdict:
 
 
 def rank_of(labels: Mapping[str, str] | None) -> int:
-    """Kubeflow's rank convention: the master is rank 0, worker i is rank i + 1."""
+    """Kubeflow's rank convention: the master is rank 0, worker i is rank i + 1 (PyTorchJob); a TrainJob's
+    pods (one Indexed Job of its JobSet) are ranked by their completion index."""
     labels = labels or {}
+    if "batch.kubernetes.io/job-completion-index" in labels:
+        try:
+            return int(labels["batch.kubernetes.io/job-completion-index"])
+        except ValueError:
+            return 0
     rtype = labels.get("training.kubeflow.org/replica-type", "").lower()
     try:
         index = int(labels.get("training.kubeflow.org/replica-index", "0"))

@@ -15,7 +15,7 @@ from upstream_crd import UpstreamCrdMissing, trainjob_schema
 
 from finetune_operator import api
 from finetune_operator.rendering import RenderError, render_attempt, render_config_map, render_trainjob
-from finetune_operator.rendering.trainjob import PATCH_MANAGER, pod_template_patch
+from finetune_operator.rendering.trainjob import PATCH_MANAGER, _as_go_writes_it, pod_template_patch
 
 
 def _required() -> bool:
@@ -97,11 +97,12 @@ def test_the_pods_are_the_pytorchjobs_pods(lora_job):
     (container,) = pytorch_pod["spec"]["containers"]
     trainer = train_job["spec"]["trainer"]
     assert patch["metadata"] == pytorch_pod["metadata"]
+    # The same objects, as Go writes them (no readOnly: false, no empty lists; see the next test).
     for key in ("securityContext", "affinity", "tolerations", "volumes"):
-        assert patch["spec"][key] == pytorch_pod["spec"][key], key
-    assert patch["spec"]["containers"] == [
-        {"name": "node", "volumeMounts": container["volumeMounts"], "securityContext": container["securityContext"]}
-    ]
+        assert patch["spec"].get(key) == _as_go_writes_it(pytorch_pod["spec"][key]) or (
+            pytorch_pod["spec"][key] == [] and key not in patch["spec"]), key
+    assert patch["spec"]["containers"] == [_as_go_writes_it(
+        {"name": "node", "volumeMounts": container["volumeMounts"], "securityContext": container["securityContext"]})]
     assert trainer["command"] == container["command"] and trainer["env"] == container["env"]
     assert trainer["image"] == container["image"]
     assert trainer["resourcesPerNode"] == container["resources"]
@@ -177,3 +178,35 @@ def test_an_image_longer_than_the_crd_allows_is_refused_naming_the_field(lora_jo
     with pytest.raises(RenderError) as error:
         render_trainjob(job_of(lora_job), plan_for(job), 1, policy(trainer_image="r.example/" + "b" * 495))
     assert "policy.trainerImage" in str(error.value)
+
+
+def _go_zero_values(node, path="") -> list[str]:
+    """Paths of values Go's omitempty would drop on a round trip (readOnly: false, empty lists)."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if (key == "readOnly" and value is False) or value == []:
+                found.append(f"{path}.{key}")
+            found += _go_zero_values(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _go_zero_values(value, f"{path}[{i}]")
+    return found
+
+
+def test_the_runtime_patch_reads_back_the_same_through_go_types(lora_job):
+    """Kueue admits a TrainJob by updating it through Go types (omitempty drops readOnly: false and empty
+    lists); Trainer's webhook refuses an update that changes our patch's containers or volumes as
+    immutable. Seen on the lab: a job with a read-write checkpoint volume was never un-suspended."""
+    from render_factories import pool
+
+    document = dict(lora_job)
+    document["spec"] = dict(lora_job["spec"], checkpoint={"pvc": {"claimName": "ckpt"}, "everySteps": 100},
+                            queueName="q")
+    job = job_of(document)
+    for taints in ([], None):
+        plan = plan_for(job, pool(taints=taints) if taints is not None else pool(), gpus_per_node=8)
+        patch = pod_template_patch(render_trainjob(job, plan, 1, policy()))
+        assert _go_zero_values(patch) == []
+        mounts = {m["name"]: m for m in patch["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["checkpoints"].get("readOnly", False) is False and mounts["config"]["readOnly"] is True

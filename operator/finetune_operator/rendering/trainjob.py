@@ -152,6 +152,7 @@ def render_trainjob(
             ],
         },
     }
+    pod_patch = _as_go_writes_it(pod_patch)
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -183,6 +184,20 @@ def render_trainjob(
             ],
         },
     }
+
+
+def _as_go_writes_it(value: Any) -> Any:
+    """The patch without what Go's `omitempty` drops (a `readOnly: false`, an empty list). Kueue admits a
+    TrainJob by updating it through Go types, which write the patch back without those; Trainer's webhook
+    then sees our runtime patch's containers and volumes changed and refuses the update as immutable
+    ("field is immutable", seen on the lab), so the job was never un-suspended. Written as Go writes it,
+    the patch reads back the same."""
+    if isinstance(value, dict):
+        return {k: _as_go_writes_it(v) for k, v in value.items()
+                if not (k == "readOnly" and v is False) and not (isinstance(v, list) and not v)}
+    if isinstance(value, list):
+        return [_as_go_writes_it(v) for v in value]
+    return value
 
 
 def pod_template_patch(train_job: dict[str, Any]) -> dict[str, Any]:
