@@ -1149,7 +1149,8 @@ class AttemptStatus(StatusModel):
     attempt: Annotated[int, Field(ge=1)]
     """Attempt number, from 1."""
     pytorch_job: str = Field(alias="pytorchJob")
-    """Name of the PyTorchJob."""
+    """Name of the attempt's training job: a PyTorchJob, or a TrainJob on the Trainer v2 backend (the field
+    keeps its first name so that existing statuses read back)."""
     plan_summary: str = ""
     """The plan in one line."""
     plan: PlanStatus | None = None
