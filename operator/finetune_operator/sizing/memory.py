@@ -267,7 +267,8 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
 
 def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
     """sdpa gets an explicit mask when a sliding window is shorter than the sequence (flash does windows itself)."""
-    return setup.attention == "sdpa" and arch.sliding_window is not None and setup.sequence_length > arch.sliding_window
+    return (setup.attention == "sdpa" and arch.num_sliding_layers > 0  # a window no layer uses (Qwen) masks nothing
+            and setup.sequence_length > arch.sliding_window)
 
 
 def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> tuple[float, float]:
@@ -462,10 +463,15 @@ def _notes(setup: TrainingSetup) -> list[str]:
         notes.append("DeepSpeed ZeRO terms use the bucket sizes the trainer's DeepSpeed config sets; derived, not traced")
     if setup.activation_offloading:
         notes.append("activation offloading keeps each checkpointed block input in host memory; host memory counts it")
-    if arch.is_moe:
+    if arch.is_moe and arch.traits.moe != "mixtral":
+        # transformers' grouped_mm experts hold tokens x top-k rows however the tokens are routed.
+        notes.append("mixture-of-experts layers sized as transformers' grouped_mm experts run them (traced)")
+    elif arch.is_moe:
         notes.append("mixture-of-experts activations assume evenly routed tokens; derived, not traced")
-        if setup.method != "full" and setup.lora_dropout > 0:
-            notes.append("peft's expert adapters (all-linear on Mixtral) require lora dropout 0")
+    if arch.is_moe:
+        if setup.method != "full" and setup.lora_dropout > 0 and any(
+                lin.experts > 1 for lin in arch.resolve_lora_targets(setup.lora_targets)):
+            notes.append("peft's expert adapters (all-linear on Mixtral and Qwen3-MoE) refuse lora dropout > 0")
     return notes
 
 
