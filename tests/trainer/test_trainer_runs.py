@@ -95,6 +95,29 @@ def test_killed_after_a_checkpoint_resumes_where_it_stopped(assets, tmp_path, re
         assert loss == pytest.approx(reference_run.losses()[step], abs=2e-3), (step, losses)
 
 
+def test_recovery_to_bf16_master_weights_and_the_step_in_backward_resumes_the_fp32_state(assets, tmp_path, reference):
+    """A recovery rung that switches masterWeights to bf16 (Kahan) and the optimizer step
+    in backward: the fp32 checkpoint's weights and AdamW moments load (cast to bf16, into
+    one optimizer per parameter instead of one for all), the Kahan buffers it lacks start
+    at zero, the LR schedule is regrouped, and the curve continues."""
+    import shutil
+
+    work, reference_run = reference
+    shutil.copytree(work / "ckpt", tmp_path / "ckpt")
+    config = trainer_config(assets, tmp_path, masterWeights="bf16", updateRounding="kahan", optimizerInBackward=True,
+                            maxGradNorm=0, microBatchSize=8, gradientAccumulation=1, attempt=2)
+    run = run_trainer(write_config(tmp_path, config))
+    assert run.returncode == 0, run.output[-3000:]
+    [event] = run.of("resume")
+    assert (event["step"], event["optimizerRestored"], event["fromMasterWeights"]) == (8, True, "fp32")
+    assert any("no optimizer state kahan_comp" in e["message"] for e in run.of("info"))
+    assert sorted(run.losses()) == [9, 10]
+    # bf16 weights instead of fp32 (and no clipping): measured 2e-3 apart.
+    for step in (9, 10):
+        assert run.losses()[step] == pytest.approx(reference_run.losses()[step], abs=0.02), run.losses()
+    assert run.of("progress")[-1]["learningRate"] == pytest.approx(reference_run.of("progress")[-1]["learningRate"])
+
+
 def test_torchrun_ddp_then_fsdp_then_one_process_with_other_micro_batches(assets, tmp_path, reference):
     """Two ranks under DDP, resumed on two ranks under FSDP with another micro-batch,
     resumed again on one process: step, samples and loss carry over each time."""

@@ -191,7 +191,11 @@ def save_checkpoint(
     else:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(model, _plain_optimizer(optimizer), options=_options(lora))
+        # Optimizer state flattened to one entry per parameter name (param_groups too): a
+        # checkpoint then loads whatever the grouping, one optimizer or one per parameter
+        # (the optimizer step in backward), on either side of a resume.
+        model_sd, optim_sd = get_state_dict(model, _plain_optimizer(optimizer),
+                                            options=_options(lora, flatten_optimizer_state_dict=True))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging / DCP_DIR))
     _barrier()
     if _is_rank0():
@@ -256,13 +260,50 @@ def load_full_state(checkpoint: Checkpoint, *, model, optimizer, deepspeed_engin
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     plain = _plain_optimizer(optimizer)
-    model_sd, optim_sd = get_state_dict(model, plain, options=_options(lora))
+    saved = set(dcp.FileSystemReader(str(checkpoint.path / DCP_DIR)).read_metadata().state_dict_metadata)
+    # Checkpoints written before the flattened layout number their param groups
+    # ("optim.param_groups.0.lr"); they load into the same grouping, as they always did.
+    flat = not any(re.match(r"optim\.param_groups\.\d+\.", key) for key in saved)
+    model_sd, optim_sd = get_state_dict(model, plain, options=_options(lora, flatten_optimizer_state_dict=flat))
     state = {"model": model_sd, "optim": optim_sd}
+    kept = _state_the_checkpoint_lacks(optim_sd, saved, checkpoint)
     dcp.load(state, checkpoint_id=str(checkpoint.path / DCP_DIR))
+    _put_back(optim_sd, kept)
     # Under LoRA the checkpoint holds only the adapters: the frozen base is not missing.
     result = set_state_dict(model, plain, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                            options=_options(lora, strict=not lora))
+                            options=_options(lora, strict=not lora, flatten_optimizer_state_dict=flat))
     _check_loaded(result, lora)
+
+
+def _state_the_checkpoint_lacks(optim_sd: dict, saved: set[str], checkpoint: Checkpoint) -> dict:
+    """Optimizer state entries this attempt has and the checkpoint does not (a Kahan
+    buffer when the checkpoint was written with fp32 master weights or another rounding,
+    as after a recovery step that switched masterWeights): taken out of what is loaded
+    and kept at their fresh value (zero: nothing lost to rounding yet). Weights and the
+    AdamW moments still load, cast to this attempt's dtypes."""
+    kept = {}
+    if "state" in optim_sd and isinstance(optim_sd["state"], dict):  # nested (older layout)
+        for fqn, entries in optim_sd["state"].items():
+            for key in list(entries):
+                if f"optim.state.{fqn}.{key}" not in saved:
+                    kept[("state", fqn, key)] = entries.pop(key)
+    else:  # flattened: "state.<fqn>.<key>"
+        for name in list(optim_sd):
+            if name.startswith("state.") and f"optim.{name}" not in saved:
+                kept[(name,)] = optim_sd.pop(name)
+    if kept:
+        names = sorted({path[-1].rsplit(".", 1)[-1] for path in kept})
+        log_json("info", message=f"checkpoint {checkpoint.path} holds no optimizer state {', '.join(names)} "
+                                 f"({len(kept)} tensors): those start fresh, the rest of the state loads")
+    return kept
+
+
+def _put_back(optim_sd: dict, kept: dict) -> None:
+    for path, value in kept.items():
+        if path[0] == "state" and len(path) == 3:
+            optim_sd["state"][path[1]][path[2]] = value
+        else:
+            optim_sd[path[0]] = value
 
 
 def load_weights(checkpoint: Checkpoint, model, lora: bool) -> None:
@@ -334,6 +375,16 @@ def load_scheduler(checkpoint: Checkpoint, scheduler, optimizer) -> None:
     import torch
 
     state = torch.load(checkpoint.path / "scheduler.pt", map_location="cpu", weights_only=False)
+    groups = len(optimizer.param_groups)
+    for key in ("base_lrs", "_last_lr"):
+        saved = state.get(key)
+        # Another grouping than the checkpoint's (one optimizer <-> one per parameter,
+        # the step in backward switched on or off): every group of this trainer has the
+        # same base learning rate, so the schedule is one number per group.
+        if isinstance(saved, list) and saved and len(saved) != groups:
+            if len(set(saved)) != 1:
+                raise RuntimeError(f"checkpoint {checkpoint.path}: {key} {saved} differ per group; cannot regroup")
+            state[key] = saved[:1] * groups
     scheduler.load_state_dict(state)
     # The learning rate lives in the optimizer; a fresh optimizer must get it too.
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):

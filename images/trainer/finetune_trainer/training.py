@@ -58,7 +58,13 @@ class FineTuneTrainer(Trainer):
         cfg = self.cfg
         levers = Levers.of(cfg) if cfg is not None else None
         if levers is None or not levers.custom_optimizer or self.optimizer is not None:
-            return super().create_optimizer(model)
+            optimizer = super().create_optimizer(model)
+            # The Trainer makes a no-weight-decay group even when nothing is in it (LoRA:
+            # biases and norms are frozen). Checkpoints store optimizer state flattened by
+            # parameter name, which torch cannot load into an empty group: drop it (before
+            # the LR scheduler is made from the groups).
+            optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+            return optimizer
         opt_model = self.model if model is None else model
         cls, kwargs = self._optimizer_class()
         if not levers.optimizer_in_backward:
@@ -77,6 +83,8 @@ class FineTuneTrainer(Trainer):
         named = [(n, p, self.args.weight_decay if n in decay else 0.0)
                  for n, p in opt_model.named_parameters() if p.requires_grad]
         self.optimizer = InBackwardOptimizer(named, lambda groups: cls(groups, **kwargs))
+        if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+            _embeddings_in_32_bit(opt_model)
         return self.optimizer
 
     def _optimizer_class(self):
@@ -125,6 +133,19 @@ class FineTuneTrainer(Trainer):
         return result
 
 
+def _embeddings_in_32_bit(model) -> None:
+    """What Trainer.create_optimizer does for bitsandbytes' 8-bit optimizers (embeddings
+    keep 32-bit optimizer state, as bitsandbytes recommends), for the per-parameter
+    8-bit optimizers of the step in backward. bitsandbytes reads the overrides at each
+    optimizer's first step."""
+    import bitsandbytes
+
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
+
+
 class LeversCallback(TrainerCallback):
     """Levers that need the prepared model: activation offloading replaces the
     checkpoint function transformers installed; the optimizer step in backward under
@@ -152,6 +173,14 @@ class LeversCallback(TrainerCallback):
             if isinstance(trainer.model_wrapped, DistributedDataParallel):
                 trainer.model_wrapped.require_backward_grad_sync = False
                 inner.average_gradients_over(trainer.model_wrapped.process_group)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        stats = self.offload_stats
+        if stats is not None and not getattr(self, "_reported", False) and state.is_world_process_zero:
+            # Once, after the first step: what activation offloading held in host memory.
+            self._reported = True
+            log_json("activation-offload", step=state.global_step, tensorsPerStep=stats.tensors,
+                     peakHostBytes=stats.peak_live_bytes)
 
 
 class PhaseCallback(TrainerCallback):
