@@ -25,9 +25,11 @@ Usage: python bench/sizing_truth.py --preset llama-3.2-1b --method lora --seq 20
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "operator"))
@@ -79,6 +81,129 @@ def measure(setup: TrainingSetup, steps: int = 2) -> Measurement:
                        wall_s=m.wall_s, notes=m.notes)
 
 
+# ---- the lean-trainer levers, through the trainer's own lever code ------------------------
+
+LEVER_SUPPORTED = dict(method=("full", "lora"), precision=("bf16",), optimizer=("adamw",), strategy=("ddp",),
+                       world_size=(1,), offload=("none",))
+
+
+def has_levers(setup: TrainingSetup) -> bool:
+    return (setup.master_weights != "fp32" or setup.optimizer_in_backward or setup.loss_chunks > 1
+            or setup.activation_offloading)
+
+
+def measure_levers(setup: TrainingSetup, steps: int = 2) -> Measurement:
+    """Trace `setup` with the trainer's lever code on fake tensors: its bf16 AdamW
+    (bf16_adamw.BF16AdamW, with the update rounding), the optimizer step in backward
+    (optimizer_in_backward.InBackwardOptimizer: one optimizer per parameter, stepped from its
+    post-accumulate-grad hook), the chunked loss (chunked_loss.ChunkedLoss on the output
+    projection) and activation offloading (activation_offload.install on the checkpointed
+    layers). One GPU (the levers' multi-rank behaviour is not traced here).
+
+    Activation offloading's host copies are made on the meta device, which the tracker does
+    not count: they stand for host memory; the copy back in backward is counted (it is on the GPU).
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from finetune_trainer import activation_offload, profile
+    from finetune_trainer.bf16_adamw import BF16AdamW
+    from finetune_trainer.chunked_loss import ChunkedLoss
+    from finetune_trainer.optimizer_in_backward import InBackwardOptimizer
+    from finetune_trainer.peak_tracker import PeakTracker
+
+    for name, allowed in LEVER_SUPPORTED.items():
+        if getattr(setup, name) not in allowed:
+            raise ValueError(f"the lever truth cannot trace {name}={getattr(setup, name)!r} (only {allowed})")
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    master_bf16 = setup.method == "full" and setup.master_weights == "bf16"
+    model = profile.build_meta_model(profile.hf_config(setup.architecture.to_hf_config()), profile_setup(setup))
+    if master_bf16:
+        model.to(torch.bfloat16)  # the trainer loads the model in bf16: no fp32 copy, no autocast
+    stats = None
+    if setup.activation_offloading:
+        original = activation_offload._Offloader
+
+        class HostAsMeta(original):  # the host copy, uncounted; the copy back, counted
+            def pack(self, tensor):
+                size = tensor.numel() * tensor.element_size()
+                self.stats.tensors += 1
+                self.stats.bytes += size
+                return (tensor.device, torch.empty(tensor.size(), dtype=tensor.dtype, device="meta"), size)
+
+            def unpack(self, packed):
+                if isinstance(packed, torch.Tensor):
+                    return packed
+                device, host, _ = packed
+                return torch.empty(host.size(), dtype=host.dtype, device=device)
+
+        activation_offload._Offloader = HostAsMeta
+        try:
+            stats = activation_offload.install(model)
+        finally:
+            activation_offload._Offloader = original
+    chunked = ChunkedLoss(model, setup.loss_chunks) if setup.loss_chunks > 1 else None
+    tied = setup.architecture.tie_word_embeddings
+    tracker = PeakTracker()
+    step_peaks: list[tuple[int, dict]] = []
+    # The bf16 AdamW reads its step count as a Python float (bias correction): a fake tensor has
+    # no value, and the value does not change what is allocated.
+    from finetune_trainer import bf16_adamw
+
+    bf16_adamw.float = lambda value: 1.0 if isinstance(value, torch.Tensor) else float(value)
+    with contextlib.ExitStack() as restore:
+        restore.callback(lambda: delattr(bf16_adamw, "float"))
+        return _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, tied, steps, t0, notes,
+                             BF16AdamW, InBackwardOptimizer, FakeTensorMode, profile)
+
+
+def _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, tied, steps, t0, notes,
+                  BF16AdamW, InBackwardOptimizer, FakeTensorMode, profile) -> Measurement:
+    import torch
+
+    b, s = setup.micro_batch_size, setup.sequence_length
+    with profile._patched_transformers(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        model.to_empty(device="cpu")
+        if tied:
+            model.tie_weights()
+        named = [(n, p, 0.0) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p, _ in named]
+
+        def make(groups):
+            if master_bf16:
+                return BF16AdamW(groups, lr=1e-4, rounding=setup.update_rounding)
+            return torch.optim.AdamW(groups, lr=1e-4, fused=True)
+
+        optimizer = InBackwardOptimizer(named, make) if setup.optimizer_in_backward else make(params)
+        forward = model.__call__ if master_bf16 else profile._wrap_forward_like_accelerate(model, setup.precision)
+        input_ids = torch.zeros((b, s), dtype=torch.long)
+        labels = torch.zeros((b, s), dtype=torch.long)
+        for _ in range(steps):
+            tracker.reset_peak()
+            tracker.mark("forward")
+            if chunked is not None:
+                loss = chunked.loss(forward, {"input_ids": input_ids, "labels": labels})
+            else:
+                loss = forward(input_ids=input_ids, labels=labels).loss
+            tracker.mark("backward")
+            loss.backward()
+            del loss
+            tracker.mark("optimizer")
+            if not setup.optimizer_in_backward:  # the step in backward cannot clip by global norm
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_peaks.append((tracker.peak, dict(tracker.phase_peaks)))
+        del input_ids, labels
+    if stats is not None:
+        notes.append(f"activation offloading moved {stats.tensors // steps} tensors, "
+                     f"{stats.bytes / steps / (1 << 30):.3f} GiB per step to the host")
+    peak, phases = step_peaks[-1]
+    return Measurement(peak_bytes=peak, phase_peaks=phases, first_step_peak=step_peaks[0][0],
+                       wall_s=time.perf_counter() - t0, notes=notes)
+
+
 def setup_from_args(ns) -> TrainingSetup:
     arch = ModelArchitecture.from_preset(ns.preset)
     if ns.layers:
@@ -86,7 +211,10 @@ def setup_from_args(ns) -> TrainingSetup:
     return TrainingSetup(
         architecture=arch, method=ns.method, lora_rank=ns.rank, lora_dropout=ns.dropout, micro_batch_size=ns.batch,
         sequence_length=ns.seq, gradient_checkpointing=ns.gc, attention=ns.attention,
-        strategy=ns.strategy, world_size=ns.world_size,
+        strategy=ns.strategy, world_size=ns.world_size, master_weights=ns.master_weights,
+        update_rounding=ns.rounding, optimizer_in_backward=ns.optimizer_in_backward, loss_chunks=ns.loss_chunks,
+        activation_offloading=ns.activation_offloading,
+        gradient_accumulation=1,
     )
 
 
@@ -103,9 +231,15 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "flash", "eager"))
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--master-weights", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic", "kahan"))
+    p.add_argument("--optimizer-in-backward", action="store_true")
+    p.add_argument("--loss-chunks", type=int, default=1)
+    p.add_argument("--activation-offloading", action="store_true")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
-    m = measure(setup_from_args(ns))
+    setup = setup_from_args(ns)
+    m = measure_levers(setup) if has_levers(setup) else measure(setup)
     if ns.json:
         print(json.dumps(asdict(m)))
     else:

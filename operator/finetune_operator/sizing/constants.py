@@ -54,8 +54,9 @@ ZERO3_PREFETCH_BUCKET_ELEMENTS = _contract.ZERO3_PREFETCH_BUCKET_ELEMENTS
 # bf16_adamw.py: stochastic rounding's transient int32 bits and fp32 sum, 8 bytes.
 BF16_ADAMW_STEP_TEMP_BYTES = 16
 BF16_ADAMW_ROUNDING_TEMP_BYTES = {"nearest": 0, "stochastic": 8, "kahan": 8}
-# Elements one step handles at once (None: a whole parameter, as bf16_adamw.py does today).
-BF16_ADAMW_STEP_SLICE_ELEMENTS: int | None = None
+# Elements one step handles at once: bf16_adamw.STEP_SLICE_ELEMENTS (the trainer updates each
+# parameter in slices of at most this many; tests/sizing/test_memory_levers.py checks they agree).
+BF16_ADAMW_STEP_SLICE_ELEMENTS: int | None = 1 << 24
 
 # ---- host RAM per training process ------------------------------------------------
 # Python + torch + CUDA libraries resident set of one training process.
