@@ -1,9 +1,11 @@
 """The pre-flight profile against the same truth (`python bench/sizing_accuracy.py --profile`).
 
-For each setup of the accuracy matrix, the profile is what the operator would run for it: the
-traced corners of the planner's range (micro-batch 1 and 8; FSDP at 1 and 8 GPUs; DDP on one GPU,
-its reducer buckets added for more), and the estimate is the planner's profile estimator
-(finetune_operator.profiling.estimate) at the setup. The truth is bench/sizing_truth.py's cached
+For each setup of the accuracy matrix, the profile is what the operator would run for a job with a
+global batch of 8 and maxGPUs 8: the traced grid of the planner's range (micro-batch 1, 2, 4, 8; FSDP
+at 1, 2, 4, 8 GPUs; DDP on one GPU, its reducer buckets added for more), and the estimate is the
+planner's profile estimator (finetune_operator.profiling.estimate) at the setup. The matrix's setups
+lie on that grid, where the estimate is the measurement itself; between grid points it interpolates
+(tests/trainer/test_profile.py checks an inside point). The truth is bench/sizing_truth.py's cached
 measurement of the setup itself (the same tracing code: finetune_trainer.profile). Each profile runs
 in its own process; its CPU time (user + system of that process, interpreter start-up excluded) per
 traced setup is reported, the figure the issue's goal (under 60 s per setup for an 8B model) is
@@ -26,17 +28,17 @@ sys.path.insert(0, os.path.join(HERE, "..", "images", "trainer"))
 
 PROFILE_CACHE = os.path.join(HERE, "results", "sizing_profile.json")
 GIB = 1 << 30
-CORNER_MICRO = (1, 8)
-CORNER_WORLD = (1, 8)
+GLOBAL_BATCH = 8
+MAX_GPUS = 8
 
 
 def _job_profile(case):
     from sizing_truth import profile_setup
 
-    from finetune_operator.profiling.setups import JobProfile
+    from finetune_operator.profiling.setups import JobProfile, grid
 
     template = profile_setup(case.setup())
-    return JobProfile(template, (case.strategy,), (case.gc,), CORNER_MICRO, CORNER_WORLD)
+    return JobProfile(template, (case.strategy,), (case.gc,), grid(GLOBAL_BATCH), grid(MAX_GPUS))
 
 
 def measure_one(case) -> dict:

@@ -26,7 +26,7 @@ def _world() -> ReconcileWorld:
         model={"name": "neox", "architecture": {"configMapRef": {"name": "neox"}},
                "source": {"pvc": {"claimName": "models"}}},
         training={"sequenceLength": 512, "globalBatchSize": 8, "maxSteps": 10, "gradientCheckpointing": True},
-        resources={"gpus": "auto", "maxGPUs": 4, "strategy": "fsdp"})
+        resources={"gpus": "auto", "maxGPUs": 8, "strategy": "fsdp"})
     world = ReconcileWorld(doc)
     world.kube.put("ConfigMap", {"metadata": {"name": "neox", "namespace": NAMESPACE},
                                  "data": {"config.json": json.dumps(CONFIG)}})
@@ -44,6 +44,15 @@ def _report(request: ProfileRequest) -> ProfileReport:
                                        for s in request.setups])
 
 
+def _finish(world: ReconcileWorld, pod: dict) -> ProfileRequest:
+    env = {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+    request = ProfileRequest.model_validate_json(env["FINETUNE_PROFILE_REQUEST"])
+    pod["status"] = {"phase": "Succeeded", "containerStatuses": [{"name": "profile", "state": {"terminated": {
+        "exitCode": 0, "message": _report(request).to_termination_message()}}}]}
+    world.kube.touch(pod)
+    return request
+
+
 def test_the_shell_profiles_caches_plans_and_cleans_up():
     world = _world()
     world.reconcile()
@@ -52,15 +61,19 @@ def test_the_shell_profiles_caches_plans_and_cleans_up():
     assert not world.kube.of_kind("PyTorchJob", NAMESPACE)
     world.reconcile()  # still running: nothing new
     assert len(world.kube.of_kind("Pod", NAMESPACE)) == 1
-    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
-    request = ProfileRequest.model_validate_json(env["FINETUNE_PROFILE_REQUEST"])
-    assert len(request.setups) == 4 and request.config["model_type"] == "gpt_neox"
-    pod["status"] = {"phase": "Succeeded", "containerStatuses": [{"name": "profile", "state": {"terminated": {
-        "exitCode": 0, "message": _report(request).to_termination_message()}}}]}
-    world.kube.touch(pod)
+    # micro-batch 1, 2, 4, 8 x GPUs 1, 2, 4, 8: 16 setups, 12 in the first pod, the rest in a second.
+    first = _finish(world, pod)
+    assert len(first.setups) == 12 and first.config["model_type"] == "gpt_neox"
     world.reconcile()
     cache = world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)
-    assert cache is not None and len(cache["data"]) == 5  # four setups and the model
+    assert cache is not None and len(cache["data"]) == 13  # twelve setups and the model
+    assert not world.kube.of_kind("Pod", NAMESPACE) and not world.kube.of_kind("PyTorchJob", NAMESPACE)
+    world.reconcile()
+    [pod] = world.kube.of_kind("Pod", NAMESPACE)
+    second = _finish(world, pod)
+    assert len(second.setups) == 4 and not {s.key for s in second.setups} & {s.key for s in first.setups}
+    world.reconcile()
+    assert len(world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)["data"]) == 17
     assert world.kube.of_kind("PyTorchJob", NAMESPACE), "planned from the profile"
     assert not world.kube.of_kind("Pod", NAMESPACE), "the finished profile pod is deleted"
     status = world.kube.get("FineTuneJob", NAMESPACE, world.name)["status"]

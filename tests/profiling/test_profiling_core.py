@@ -39,11 +39,25 @@ def job(**training):
 def test_setups_are_the_corners_of_what_the_planner_can_ask():
     profile = job_profile(job().spec)
     assert profile.strategies == ("ddp", "fsdp") and profile.checkpointing == (False, True)
-    assert profile.micro_batches == (1, 8) and profile.worlds == (1, 4)
-    # ddp: W=1 only (2 b x 2 gc); fsdp: 2 W x 2 b x 2 gc
-    assert len(profile.setups()) == 4 + 8
+    assert profile.micro_batches == (1, 2, 4, 8) and profile.worlds == (1, 2, 4)
+    # ddp: W=1 only (4 b x 2 gc); fsdp: 3 W x 4 b x 2 gc
+    assert len(profile.setups()) == 8 + 24
     fixed = job_profile(job(microBatchSize=2, gradientCheckpointing=True).spec)
-    assert fixed.micro_batches == (2,) and len(fixed.setups()) == 1 + 2
+    assert fixed.micro_batches == (2,) and len(fixed.setups()) == 1 + 3
+    # One pod traces at most MAX_SETUPS_PER_POD, and its report fits the termination message even with
+    # the longest keys (a list of LoRA targets).
+    from finetune_operator.profiling.setups import MAX_SETUPS_PER_POD, profile_request
+
+    long = job(gradientCheckpointing=None)
+    long_spec = long.spec.model_copy(update={"lora": long.spec.lora.model_copy(update={"target_modules": [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})})
+    setups = job_profile(long_spec).setups()
+    request = profile_request(long_spec, CONFIG, setups)
+    assert len(request.setups) == MAX_SETUPS_PER_POD < len(setups)
+    big = _report(JobProfile(request.setups[0], ("fsdp",), (True,), (1,), (1,)), lambda *a: 10**12)
+    big = big.model_copy(update={"measurements": [big.measurements[0].model_copy(update={
+        "key": s.key, "seconds": 12345.67, "trainable_params": 10**11, "ddp_bucket_bytes": 10**12}) for s in request.setups]})
+    assert len(big.to_termination_message().encode()) <= 4096
 
 
 @pytest.mark.parametrize("change, field", [
@@ -94,7 +108,7 @@ def test_the_estimate_never_under_estimates_a_convex_piecewise_affine_peak(piece
     extra = 4096 if strategy == "ddp" and world > 1 else 0
     true_peak = max(truth(ph, world, micro) for ph in PROFILE_PHASES) + extra
     assert est.peak_allocated_bytes >= true_peak
-    if micro in (1, 8) and (world in (1, 4) or strategy == "ddp"):
+    if micro in profile.micro_batches and (world in profile.worlds or strategy == "ddp"):
         assert est.peak_allocated_bytes - true_peak <= 1
     assert est.required_bytes > est.peak_allocated_bytes
 
@@ -147,8 +161,11 @@ def _conditions(decision):
 def _finished(manifest, report: ProfileReport | None, phase="Succeeded", terminated=None):
     pod = dict(manifest)
     term = terminated or {"exitCode": 0 if report is None or report.ok else 78}
-    if report is not None:
-        term["message"] = report.to_termination_message()
+    if report is not None:  # a pod reports at most MAX_SETUPS_PER_POD setups
+        from finetune_operator.profiling.setups import MAX_SETUPS_PER_POD
+
+        term["message"] = report.model_copy(update={"measurements": report.measurements[:MAX_SETUPS_PER_POD]}) \
+            .to_termination_message()
     pod["status"] = {"phase": phase, "containerStatuses": [{"name": "profile", "state": {"terminated": term}}]}
     return pod_state(pod)
 
@@ -177,7 +194,7 @@ def test_an_unknown_family_is_profiled_once_then_planned_from_the_figures():
     profile = job_profile(j.spec)
     report = _report(profile, lambda ph, w, b, s: 10**8 * b + 10**9 // w)
     done = _finished(pod, report)
-    data = cache_entries(done.config_hash, done.report)  # what the shell writes before the step
+    data = cache_entries(done.config_hash, report)  # every pod's, as the shell writes them before the step
     planned = _step(j, data, done)
     assert planned.status.phase == "Launching"
     assert _conditions(planned)["Profiled"][:2] == ("True", "Profiled")
@@ -229,5 +246,5 @@ def test_a_job_may_ask_for_the_profile_of_a_family_the_analytic_model_knows():
     [pod] = first.create
     report = _report(job_profile(j.spec), lambda ph, w, b, s: 10**9 * b + 10**10 // w)
     done = _finished(pod, report)
-    planned = step(cache_entries(done.config_hash, done.report), done)
+    planned = step(cache_entries(done.config_hash, report), done)  # every pod's, as the shell cached them
     assert planned.status.phase == "Launching" and "measured" in planned.status.plan.breakdown

@@ -36,6 +36,16 @@ _PLAIN_LEVERS = {"master_weights": ("fp32", "auto"), "update_rounding": ("neares
                  "optimizer_in_backward": (False,), "activation_offloading": (False,)}
 
 
+def _cell(grid: tuple[int, ...], value: int) -> tuple[int, int]:
+    """The two grid points around `value` (the nearest two at either end; one point twice for a one-point grid)."""
+    if len(grid) == 1:
+        return grid[0], grid[0]
+    for low, high in zip(grid, grid[1:]):
+        if value <= high:
+            return low, high
+    return grid[-2], grid[-1]
+
+
 def _lerp(x: float, x0: float, x1: float, f0: float, f1: float) -> float:
     return f0 if x1 == x0 else f0 + (f1 - f0) * (x - x0) / (x1 - x0)
 
@@ -57,10 +67,11 @@ class ProfiledModel:
         return found
 
     def phase_peaks(self, strategy: str, gc: bool, world: int, micro: int) -> dict[str, float]:
-        """Bilinear in (1/W, b) between the measured corners (setups.py says why it never under-estimates)."""
+        """Bilinear in (1/W, b) inside the cell of the measured grid that holds (W, b): exact on the grid,
+        never under a convex peak inside a cell (setups.py says why); linear beyond the grid's ends."""
         worlds, micros = self.profile.worlds_of(strategy), self.profile.micro_batches
-        w0, w1 = worlds[0], worlds[-1]
-        b0, b1 = micros[0], micros[-1]
+        w0, w1 = _cell(worlds, world)
+        b0, b1 = _cell(micros, micro)
         x = 1.0 / world if len(worlds) > 1 else 1.0 / w0
         out = {}
         corners = {(w, b): self._point(strategy, gc, w, b).peaks for w in (w0, w1) for b in (b0, b1)}

@@ -5,10 +5,12 @@ method, LoRA settings, precision, attention and sequence length. For a fixed (st
 checkpointing) each phase's peak is the largest of a few moments (end of forward, start of
 backward, a block's backward, ...), each affine in the sharded state (1/W) and in the tokens (b):
 a convex, piecewise-affine function of (1/W, b). So the profile traces the corners of the range the
-planner can ask for, b in {1, bmax} (bmax: the global batch size) and, for FSDP, W in {1, Wmax}
-(maxGPUs), and the estimate interpolates bilinearly between them (estimate.py): exact at the
-corners, and never under a convex function inside the rectangle (along each edge the chord lies
-above it, and the bilinear interpolant is a chord between two edge chords). DDP's per-rank memory
+planner can ask for on a grid, b in {1, 2, 4, ..., bmax} (bmax: the global batch size) and, for
+FSDP, W in {1, 2, 4, ..., Wmax} (maxGPUs), and the estimate interpolates bilinearly inside the grid
+cell that holds (W, b) (estimate.py): exact on the grid, and never under a convex function inside a
+cell (along each edge the chord lies above it, and the bilinear interpolant is a chord between two
+edge chords). A pod traces at most MAX_SETUPS_PER_POD of them (its report must fit the 4096-byte
+termination message); the rest are traced by the next pod, the cache keeping what each measured. DDP's per-rank memory
 does not depend on W except for the reducer's buckets, which the profile reports. A job that fixes
 the micro-batch or the GPU count is measured only there.
 
@@ -28,6 +30,8 @@ from finetune_trainer.contract import ProfileRequest, ProfileSetup
 from .. import api
 
 PROFILED_STRATEGIES = ("ddp", "fsdp")
+# Setups one pod traces: its report (about 220 bytes a setup) must fit the 4096-byte termination message.
+MAX_SETUPS_PER_POD = 12
 
 
 class NotProfilable(ValueError):
@@ -51,8 +55,8 @@ class JobProfile:
     template: ProfileSetup  # method, LoRA, precision, attention, sequence length (W, b, gc, strategy filled later)
     strategies: tuple[str, ...]
     checkpointing: tuple[bool, ...]
-    micro_batches: tuple[int, ...]  # (1, bmax), or the job's fixed micro-batch
-    worlds: tuple[int, ...]  # FSDP's (1, Wmax), or the job's fixed GPU count
+    micro_batches: tuple[int, ...]  # grid(bmax), or the job's fixed micro-batch
+    worlds: tuple[int, ...]  # FSDP's grid(Wmax), or the job's fixed GPU count
 
     def worlds_of(self, strategy: str) -> tuple[int, ...]:
         return (1,) if strategy == "ddp" else self.worlds
@@ -108,14 +112,22 @@ def job_profile(spec: api.FineTuneJobSpec) -> JobProfile:
         template = template.model_copy(update=dict(lora_rank=16, lora_alpha=32, lora_dropout=0.0,
                                                    lora_targets="all-linear"))
     checkpointing = (False, True) if t.gradient_checkpointing is None else (t.gradient_checkpointing,)
-    if isinstance(t.micro_batch_size, int):
-        micro: tuple[int, ...] = (t.micro_batch_size,)
-    else:
-        micro = tuple(sorted({1, t.global_batch_size}))
-    worlds = (r.gpus,) if isinstance(r.gpus, int) else tuple(sorted({1, r.max_gpus}))
+    micro = (t.micro_batch_size,) if isinstance(t.micro_batch_size, int) else grid(t.global_batch_size)
+    worlds = (r.gpus,) if isinstance(r.gpus, int) else grid(r.max_gpus)
     return JobProfile(template, strategies, checkpointing, micro, worlds)
 
 
+def grid(top: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to `top`, and `top`: where the planner's choices mostly fall (micro-batches divide
+    the global batch, GPU counts are powers of two or whole nodes); the estimate is exact there."""
+    points, p = {top}, 1
+    while p < top:
+        points.add(p)
+        p *= 2
+    return tuple(sorted(points))
+
+
 def profile_request(spec: api.FineTuneJobSpec, config: Mapping[str, Any], missing: list[ProfileSetup]) -> ProfileRequest:
-    """The request for the profile pod: the model's config and the setups not in the cache."""
-    return ProfileRequest(config=dict(config), setups=missing)
+    """The request for the profile pod: the model's config and (at most MAX_SETUPS_PER_POD of) the setups
+    not in the cache."""
+    return ProfileRequest(config=dict(config), setups=missing[:MAX_SETUPS_PER_POD])

@@ -148,9 +148,11 @@ def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | Non
             message = f"the pre-flight profile pod {pod.name} of model_type {family!r} failed: {why}"
             return ProfileStep(("False", "ProfileFailed", message), failure=api.FieldProblem(
                 path="spec.model.architecture", message=message))
-        # Succeeded, yet the cache lacks setups (a cache write lost): profile the rest again.
-        return ProfileStep(("Unknown", "Profiling", "profiling again: the cache lacks measurements"),
-                           delete=stale + [pod.name])
+        # Succeeded, yet setups are missing (a pod traces at most MAX_SETUPS_PER_POD; or a cache write was
+        # lost): the next pod traces the rest.
+        done = len(seen.cached.measurements)
+        return ProfileStep(("Unknown", "Profiling", f"profiled {done} of {done + len(seen.cached.missing)} setups; "
+                            "the next profile pod traces the rest"), delete=stale + [pod.name])
     if pod is not None:
         message = (f"profiling model_type {family!r} on the CPU ({len(seen.cached.missing)} setups) in pod {pod.name} "
                    "before any GPU is requested")
