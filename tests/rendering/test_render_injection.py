@@ -34,7 +34,7 @@ from finetune_operator import api
 from finetune_operator.planning import ClusterPolicy, NodePool
 from finetune_operator.planning.pools import GFD_PRODUCT, GKE_ACCELERATOR, gpu_type_info, label_values_for
 from finetune_operator.rendering import RenderError, render_attempt, render_trainjob
-from finetune_operator.rendering.trainjob import pod_template_patch
+from finetune_operator.rendering.trainjob import _as_go_writes_it, pod_template_patch
 from finetune_operator.rendering.names import DNS1035_LABEL
 from finetune_operator.rendering.output import manifests_yaml
 
@@ -509,7 +509,8 @@ def check_trainjob(case: Case, job, plan, policy, rendered, twin_job, twin_polic
     master = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     assert patch["metadata"] == master["metadata"]
     for key in ("affinity", "tolerations", "volumes", "securityContext"):
-        assert patch["spec"][key] == master["spec"][key], key
+        # The same objects, as Go writes them back (trainjob._as_go_writes_it: no readOnly false, no empty lists).
+        assert patch["spec"].get(key, []) == _as_go_writes_it(master["spec"][key]), key
     # Exactly the plan's region and GPU product, worked out from the case (not from the PyTorchJob).
     (term,) = patch["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term["matchExpressions"][:2] == [
