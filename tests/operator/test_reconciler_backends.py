@@ -67,3 +67,22 @@ def test_without_kueue_installed_a_queued_job_still_waits_saying_the_queue_holds
     w.reconcile()
     queued = _condition(w, "Queued")
     assert queued["reason"] == "WaitingForAdmission" and "suspended by queue gpus" in queued["message"]
+
+
+def test_the_policys_default_queue_is_used_only_where_the_namespace_has_it():
+    from reconcile_world import policy_with_catalog
+
+    policy = policy_with_catalog().model_copy(update={"default_queue_name": "gpus"})
+    queued = ReconcileWorld(job_document(), policy=policy)
+    queued.kube.served = set(V2)
+    queued.kube.put("ClusterTrainingRuntime", {"metadata": {"name": "finetune-torch", "namespace": ""}})
+    queued.kube.put("LocalQueue", {"metadata": {"name": "gpus", "namespace": NAMESPACE}})
+    queued.reconcile()
+    (child,) = queued.ours("TrainJob")
+    assert child["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus" and child["spec"]["suspend"] is True
+    plain = ReconcileWorld(job_document(), policy=policy)
+    plain.kube.served = set(V2)
+    plain.kube.put("ClusterTrainingRuntime", {"metadata": {"name": "finetune-torch", "namespace": ""}})
+    plain.reconcile()
+    (child,) = plain.ours("TrainJob")
+    assert "kueue.x-k8s.io/queue-name" not in child["metadata"]["labels"] and child["spec"]["suspend"] is False
