@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The demo: the lab cluster, the operator, an example job that hits one GPU OOM and recovers.
+# The demo: the lab cluster, the operator, a LoRA job whose real trainer (lab process runner) hits a GPU OOM,
+# recovers and resumes from its checkpoint. `python -m e2e.demo --fake-gpu` is the fast fake-GPU version.
 demo: install
 	$(PYTHON) -m e2e.demo
 

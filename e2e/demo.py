@@ -2,10 +2,19 @@
 
 Brings the lab up (building its binaries on first use), installs the Helm chart (CRDs,
 RBAC, policy; the operator itself runs here as a process authenticated as the chart's
-ServiceAccount), applies the 8B LoRA example with a fake GPU whose true peak is 1.7 x the
-estimate, so that the first attempt dies of a GPU OOM and the operator recovers by
-itself, prints the job's progress as `kubectl get ftj -w` would and the final
-`kubectl describe`, then tears everything down (`--keep` leaves the lab running).
+ServiceAccount) and applies a LoRA job, prints its progress as `kubectl get ftj -w` would
+and the final `kubectl describe`, then tears everything down (`--keep` leaves the lab running).
+
+Default: the real-process story. The job runs on the lab's process-runner pool
+(e2e/lab/podrunner.py): every pod is the real trainer, on this machine's CPUs, training a tiny
+Llama built from a config. The operator sizes it as the 8B it is planned as, and the lab GPU's
+rule (true peak 1.7 x the estimate) makes the real trainer run out of GPU memory at step 10 of
+attempt 1; the operator reads the trainer's failure report, plans again (another plan) and
+attempt 2 resumes from the checkpoint of step 8 and trains to the end. The trainer's own lines
+(start, failure, resume, summary) are printed at the end. About 2-3 minutes with the lab start.
+
+`--fake-gpu`: the fast story (about a minute): the 8B example on the fake GPU nodes, whose pods
+the fake GPU ends by rule (no trainer runs).
 """
 
 from __future__ import annotations
@@ -17,13 +26,16 @@ import sys
 import time
 
 from e2e import operator_harness as h
+from e2e import real_processes as rp
 from e2e.lab.processes import Proc, proc_start_ticks
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true", help="leave the lab and the operator running at the end")
-    parser.add_argument("--true-peak-factor", default="1.7", help="the fake GPU's true peak over our estimate")
+    parser.add_argument("--true-peak-factor", default="1.7", help="the (lab) GPU's true peak over our estimate")
+    parser.add_argument("--fake-gpu", action="store_true",
+                        help="the fast demo: pods on fake GPU nodes ended by rule, no real trainer")
     args = parser.parse_args(argv)
 
     from e2e.lab.build import build
@@ -37,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
         lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
-        say("installing the Helm chart (CRDs, RBAC, policy ConfigMap)")
-        h.install_chart(lab)
+        say("installing the Helm chart (CRDs, RBAC, policy ConfigMap)"
+            + ("" if args.fake_gpu else "; the policy also allows region lab-local, the process-runner pool"))
+        h.install_chart(lab, *(() if args.fake_gpu else rp.chart_args()))
         # Inside the lab's directory: the operator's kubeconfig holds a ServiceAccount token, and
         # `down` removes the directory (and stops the operator, recorded with the lab's processes).
         workdir = lab.workdir / "demo"
@@ -51,14 +64,27 @@ def main(argv: list[str] | None = None) -> int:
 
         namespace = "team-a"
         lab.kubectl("create", "namespace", namespace, check=False)
-        job = h.job_from_example("llama-8b-lora.yaml", "support-bot", namespace,
-                                 rule={"true-peak-factor": args.true_peak_factor, "run-duration": "3s"})
-        job["spec"]["recovery"] = {"maxAttempts": 4, "backoff": {"initialSeconds": 2, "maxSeconds": 10}}
-        say("applying examples/llama-8b-lora.yaml as team-a/support-bot "
-            f"(the fake GPU's true peak is {args.true_peak_factor} x our estimate)")
+        if args.fake_gpu:
+            job = h.job_from_example("llama-8b-lora.yaml", "support-bot", namespace,
+                                     rule={"true-peak-factor": args.true_peak_factor, "run-duration": "3s"})
+            job["spec"]["recovery"] = {"maxAttempts": 4, "backoff": {"initialSeconds": 2, "maxSeconds": 10}}
+            say("applying examples/llama-8b-lora.yaml as team-a/support-bot "
+                f"(the fake GPU's true peak is {args.true_peak_factor} x our estimate)")
+        else:
+            say("writing a tiny Llama (built from a config) and a chat dataset into the claims' directories")
+            vocab = rp.write_assets(namespace)
+            job = rp.tiny_job("support-bot", namespace, vocab, max_steps=40, every_steps=4, global_batch=8,
+                              sized_as="llama-3.1-8b", sequence_length=4096,
+                              rule={"true-peak-factor": args.true_peak_factor, "oom-step": str(REAL_OOM_STEP)})
+            say("applying team-a/support-bot: LoRA, planned as llama-3.1-8b on the process-runner pool, trained for "
+                f"real on CPU (the lab GPU's true peak is {args.true_peak_factor} x our estimate: an OOM at step "
+                f"{REAL_OOM_STEP} where the plan does not fit)")
         h.apply_job(lab, job)
-        watch(lab, namespace, "support-bot", timeout=300)
+        watch(lab, namespace, "support-bot", timeout=300 if args.fake_gpu else 600)
         print()
+        if not args.fake_gpu:
+            show_trainer_lines(lab, namespace, "support-bot")
+            rp.remove_claims(namespace)
         print(lab.kubectl("describe", "ftj", "support-bot", "-n", namespace).stdout)
         final = h.get_job(lab, namespace, "support-bot")["status"]
         ok = final.get("phase") == "Succeeded"
@@ -73,6 +99,37 @@ def main(argv: list[str] | None = None) -> int:
                 operator.stop()
             lab.down()
             say("lab stopped; nothing left running")
+
+
+REAL_OOM_STEP = 10
+# The trainer's lines worth showing, and the fields of each.
+TRAINER_LINES = {
+    "start": ("attempt", "strategy", "worldSize", "microBatchSize", "gradientAccumulation", "startStep", "maxSteps",
+              "resumeFrom"),
+    "failure": ("reason", "phase", "step", "exitCode", "message"),
+    "resume": ("step", "optimizerRestored"),
+    "summary": ("status", "startStep", "step", "finalLoss", "tokensPerSecond"),
+}
+
+
+def show_trainer_lines(lab, namespace: str, job: str) -> None:
+    """The real trainer's own account of each attempt, from the container logs the runner kept."""
+    say("what the trainer itself said (container logs of each attempt's master pod)")
+    attempt = 1
+    while True:
+        events = rp.attempt_events(lab, namespace, job, attempt)
+        if not events:
+            break
+        for event in events:
+            fields = TRAINER_LINES.get(event.get("event"))
+            if fields:
+                shown = ", ".join(f"{k}={event[k]}" for k in fields if event.get(k) is not None)
+                print(f"  attempt {attempt} {event['event']}: {shown}"[:300])
+        losses = rp.losses([e for e in events if e.get("event") == "progress"])
+        if losses:
+            print(f"  attempt {attempt} loss: " + ", ".join(f"{s}:{v:.3f}" for s, v in sorted(losses.items())[:12]))
+        attempt += 1
+    print()
 
 
 def down_command(workdir) -> str:

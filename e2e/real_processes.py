@@ -142,10 +142,29 @@ def events(lines: list[str], kind: str | None = None) -> list[dict[str, Any]]:
     return out
 
 
+def master_runs(lab: Any, namespace: str, job: str) -> list[tuple[int, list[dict[str, Any]]]]:
+    """Each run of a master pod of the job, in the order they started: (attempt, the trainer's
+    events). An attempt suspended and resumed has two runs (its PyTorchJob made a new pod)."""
+    found = []
+    for d in pod_dirs(lab, namespace, f"{job}-a"):
+        name = d.name[len(namespace) + 1:].rsplit("_", 1)[0]  # <job>-a<N>-master-0
+        head, _, replica = name.rpartition("-a")[2].partition("-")
+        if replica != "master-0" or not head.isdigit():
+            continue
+        path = d / "logs" / "pytorch.log"
+        first = path.read_text().split(" ", 1)[0] if path.exists() and path.stat().st_size else "~"
+        found.append((first, int(head), events(log_lines(d))))
+    return [(attempt, evs) for _, attempt, evs in sorted(found, key=lambda f: f[0])]
+
+
 def attempt_events(lab: Any, namespace: str, job: str, attempt: int, kind: str | None = None) -> list[dict[str, Any]]:
     """The trainer's events from the master pod of attempt `attempt` (rank 0 writes progress/summary)."""
     dirs = pod_dirs(lab, namespace, f"{job}-a{attempt}-master-0_")
     return [e for d in dirs for e in events(log_lines(d), kind)]
+
+
+def events_of(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in evs if e.get("event") == kind]
 
 
 def losses(progress: list[dict[str, Any]]) -> dict[int, float]:

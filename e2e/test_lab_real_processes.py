@@ -5,21 +5,68 @@ the real trainer on this machine's CPUs (gloo, one process per pod) with the pod
 environment, volumes and memory limit; the operator plans there because this module's chart
 values allow region lab-local. Each scenario asserts on the trainer's own output (its log lines:
 steps, losses, resume step, failure report; the checkpoints and the adapter in the claim), not
-only on phases. Times per scenario are printed (pytest -s) and listed in e2e/README.md.
+only on phases.
+
+The five jobs run at the same time (one lab, one operator; `runs` drives them and the two
+interventions: a worker pod deleted mid-run, a suspend and resume), so the module costs about as
+long as its slowest job. Each scenario's time from apply to its terminal phase is printed
+(pytest -s) and listed in e2e/README.md.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from e2e import operator_harness as h
 from e2e import real_processes as rp
-from e2e.lab.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
+
+# GPU OOM: the lab GPU's OOM at this step of attempt 1 (rule outcome-by-attempt gpu-oom,auto).
+OOM_STEP = 10
+# Host OOM: the cgroup gets this share of the pod's memory limit (the plan's 5 GiB per rank is far
+# more than the tiny trainer needs; 0.15 of it is less than one trainer process's resident memory,
+# and each 1.5x raise by the operator gives the next attempt more).
+HOST_MEMORY_SCALE = "0.15"
+# Suspend: once the attempt after the GPU OOM wrote this checkpoint.
+SUSPEND_AFTER = 16
+
+
+@dataclass
+class Run:
+    name: str
+    job: dict[str, Any]
+    applied: float = 0.0
+    finished: float | None = None
+    status: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.monotonic()) - self.applied
+
+
+def _diagnose(lab, namespace: str, name: str) -> str:
+    """What to read when a scenario fails: the job's status, its pods, the runner's and trainers' logs."""
+    parts = [lab.kubectl("get", "ftj", name, "-n", namespace, "-o", "yaml", check=False).stdout[-3000:],
+             lab.kubectl("get", "pods,pytorchjobs", "-n", namespace, "-o", "wide", check=False).stdout]
+    runner = lab.log_dir / "pod-runner.log"
+    if runner.exists():
+        parts.append("pod-runner.log:\n" + runner.read_text()[-2000:])
+    for d in rp.pod_dirs(lab, namespace, name):
+        for f in sorted((d / "logs").glob("*.log")):
+            parts.append(f"{d.name} {f.stem}:\n" + "\n".join(rp.log_lines(d, f.stem)[-15:]))
+    return "\n".join(parts)
+
+
+def _progress_step(lab, namespace: str, job: str, attempt: int) -> int:
+    steps = [int(e["step"]) for e in rp.attempt_events(lab, namespace, job, attempt, "progress")]
+    return max(steps, default=0)
 
 
 @pytest.fixture(scope="module")
@@ -30,66 +77,216 @@ def operator(lab, ftj_crd, tmp_path_factory):
     yield process
     process.stop()
     print(f"operator log: {process.log_path}")
+    h.install_chart(lab)  # the chart's own policy again (without lab-local), for the modules after this one
 
 
-@pytest.fixture
-def assets(namespace):
+@pytest.fixture(scope="module")
+def runs(lab, operator, request):
+    """Apply the three jobs at once, intervene (a worker pod deleted, a suspend and resume), wait
+    for all to end; yield (namespace, {name: Run}).
+
+    two-pod:  2 pods; the worker pod is deleted once checkpoint 4 exists; attempt 2 (2 pods) resumes.
+    gpu-oom:  sized as an 8B (so the lab GPU's rule, predicted x 1.7 > 80 GiB, makes attempt 1 run
+              out of GPU memory at step OOM_STEP in the real trainer); attempt 2 (another plan)
+              resumes; it is suspended once it wrote checkpoint SUSPEND_AFTER and resumed: the
+              last attempt continues from the newest checkpoint.
+    host-oom: its cgroup gets HOST_MEMORY_SCALE of the pod's memory limit: the kernel kills it until
+              the operator has raised the pod memory enough.
+    """
+    from kubernetes import client
+
+    from e2e.lab.waiting import wait_for
+
+    namespace = f"real-processes-{int(time.time()) % 100000}"
+    core = client.CoreV1Api(lab.api_client())
+    core.create_namespace({"metadata": {"name": namespace, "labels": {"finetune.dev/e2e": "true"}}})
+    wait_for(lambda: core.read_namespaced_service_account("default", namespace), 30, "the default ServiceAccount")
     vocab = rp.write_assets(namespace)
-    yield vocab
-    rp.remove_claims(namespace)
-
-
-def _apply(lab, job: dict) -> None:
-    h.apply_job(lab, job)
-
-
-def _diagnose(lab, namespace: str, name: str) -> str:
-    """What to read when a scenario fails: the job's status, its pods, the runner's and trainers' logs."""
-    parts = [lab.kubectl("get", "ftj", name, "-n", namespace, "-o", "yaml", check=False).stdout[-4000:],
-             lab.kubectl("get", "pods,pytorchjobs", "-n", namespace, "-o", "wide", check=False).stdout]
-    runner = lab.log_dir / "pod-runner.log"
-    if runner.exists():
-        parts.append("pod-runner.log:\n" + runner.read_text()[-3000:])
-    for d in rp.pod_dirs(lab, namespace, name):
-        for f in sorted((d / "logs").glob("*.log")):
-            parts.append(f"{d.name} {f.stem}:\n" + "\n".join(rp.log_lines(d, f.stem)[-25:]))
-    return "\n".join(parts)
-
-
-def _wait_done(lab, namespace: str, name: str, timeout: float = 150) -> dict:
+    jobs = {
+        "two-pod": rp.tiny_job("two-pod", namespace, vocab, gpus=2, max_steps=24, every_steps=4),
+        "gpu-oom": rp.tiny_job("gpu-oom", namespace, vocab, max_steps=40, every_steps=4, global_batch=8,
+                               sized_as="llama-3.1-8b", sequence_length=4096,
+                               rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)}),
+        "host-oom": rp.tiny_job("host-oom", namespace, vocab, max_steps=8, every_steps=4,
+                                rule={"host-memory-scale": HOST_MEMORY_SCALE}),
+    }
+    result = {name: Run(name, job) for name, job in jobs.items()}
+    h.volumes(lab, namespace, ["models", "data", "checkpoints"])
+    for run in result.values():
+        run.applied = time.monotonic()
+        lab.kubectl("apply", "-f", "-", input=json.dumps(run.job))
+    deadline = time.monotonic() + 600
     try:
-        return h.wait_phase(lab, namespace, name, ("Succeeded", "Failed"), timeout=timeout)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n{_diagnose(lab, namespace, name)}") from None
+        while any(r.finished is None for r in result.values()):
+            if time.monotonic() > deadline:
+                late = [r.name for r in result.values() if r.finished is None]
+                raise AssertionError(f"jobs {late} did not end in time\n" + "\n".join(_diagnose(lab, namespace, n) for n in late))
+            _intervene(lab, namespace, result)
+            for run in result.values():
+                if run.finished is None:
+                    status = h.get_job(lab, namespace, run.name).get("status") or {}
+                    if status.get("phase") in ("Succeeded", "Failed"):
+                        run.finished, run.status = time.monotonic(), status
+                        print(f"scenario real {run.name}: {run.seconds:.1f}s "
+                              f"({len(status.get('attempts') or [])} attempts, {status['phase']})")
+            time.sleep(0.5)
+        for run in result.values():
+            run.notes["diagnosis"] = lambda n=run.name: _diagnose(lab, namespace, n)
+        yield namespace, result
+    finally:
+        try:
+            core.delete_namespace(namespace)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        rp.remove_claims(namespace)
 
 
-def test_two_pod_lora_job_succeeds_with_the_adapter_in_the_claim(lab, operator, namespace, assets):
-    start = time.monotonic()
-    job = rp.tiny_job("two-pod", namespace, assets, gpus=2, max_steps=16, every_steps=8)
-    _apply(lab, job)
-    done = _wait_done(lab, namespace, "two-pod")
-    status = done["status"]
-    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[-3000:]
-    assert [a["outcome"] for a in status["attempts"]] == ["Succeeded"]
-    plan = status["attempts"][0]["plan"]
-    assert plan["gpus"] == 2 and plan["nodePool"] == rp.POOL
-    # The trainer ran with a world of two (torchrun rendezvous across the two pods) ...
-    start_events = rp.attempt_events(lab, namespace, "two-pod", 1, "start")
-    assert start_events and start_events[0]["worldSize"] == 2, start_events
-    worker_start = [e for d in rp.pod_dirs(lab, namespace, "two-pod-a1-worker-0_")
-                    for e in rp.events(rp.log_lines(d), "start")]
-    assert worker_start and worker_start[0]["rank"] == 1
-    # ... trained every step and says so ...
-    summary = rp.attempt_events(lab, namespace, "two-pod", 1, "summary")
-    assert summary and summary[-1]["status"] == "completed" and summary[-1]["step"] == 16, summary
-    progress = rp.losses(rp.attempt_events(lab, namespace, "two-pod", 1, "progress"))
-    assert sorted(progress)[-1] == 16 and len(progress) >= 8, progress
-    # ... wrote the checkpoint at step 8 and the LoRA adapter into the output claim.
-    assert rp.checkpoint_steps(namespace, "two-pod") == [8]
+def _current_attempt(lab, namespace: str, job: str) -> int:
+    return int((h.get_job(lab, namespace, job).get("status") or {}).get("currentAttempt") or 0)
+
+
+def _intervene(lab, namespace: str, runs: dict[str, Run]) -> None:
+    # A worker pod deleted mid-run (a drain, a person), once attempt 1 wrote its first checkpoint.
+    two = runs["two-pod"]
+    if "deleted" not in two.notes and 4 in rp.checkpoint_steps(namespace, "two-pod") \
+            and _progress_step(lab, namespace, "two-pod", 1) >= 5:
+        two.notes["deleted"] = _progress_step(lab, namespace, "two-pod", 1)
+        lab.kubectl("delete", "pod", "two-pod-a1-worker-0", "-n", namespace, "--wait=false")
+    # Suspended once the attempt after the GPU OOM wrote a checkpoint of its own; resumed when the
+    # operator has stopped that attempt.
+    oom = runs["gpu-oom"]
+    if "suspended" not in oom.notes and _current_attempt(lab, namespace, "gpu-oom") >= 2 \
+            and SUSPEND_AFTER in rp.checkpoint_steps(namespace, "gpu-oom"):
+        oom.notes["suspended"] = _current_attempt(lab, namespace, "gpu-oom")
+        lab.kubectl("patch", "ftj", "gpu-oom", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    elif "suspended" in oom.notes and "resumed" not in oom.notes:
+        status = h.get_job(lab, namespace, "gpu-oom").get("status") or {}
+        # The operator suspends the attempt's PyTorchJob (its pods are deleted, it is kept).
+        if status.get("phase") == "Suspended" and not h.pods(lab, namespace, "gpu-oom"):
+            oom.notes["checkpoints at suspension"] = rp.checkpoint_steps(namespace, "gpu-oom")
+            oom.notes["resumed"] = True
+            lab.kubectl("patch", "ftj", "gpu-oom", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+
+
+def _succeeded(run: Run) -> dict[str, Any]:
+    assert run.status.get("phase") == "Succeeded", run.notes["diagnosis"]()
+    return run.status
+
+
+def _summary(lab, namespace: str, job: str, attempt: int) -> dict[str, Any]:
+    summary = rp.attempt_events(lab, namespace, job, attempt, "summary")
+    assert summary and summary[-1]["status"] == "completed", summary
+    return summary[-1]
+
+
+def test_two_pod_lora_job_succeeds_with_the_adapter_in_the_claim(lab, runs):
+    namespace, all_runs = runs
+    status = _succeeded(all_runs["two-pod"])
+    last = len(status["attempts"])
+    plan = status["attempts"][-1]["plan"]
+    assert plan["gpus"] == 2 and plan["nodes"] == 2 and plan["nodePool"] == rp.POOL
+    # The trainer ran with a world of two (torchrun's rendezvous across the two pods) ...
+    start = rp.attempt_events(lab, namespace, "two-pod", last, "start")
+    assert start and start[0]["worldSize"] == 2, start
+    worker = [e for d in rp.pod_dirs(lab, namespace, f"two-pod-a{last}-worker-0_") for e in rp.events(rp.log_lines(d), "start")]
+    assert worker and worker[0]["rank"] == 1 and worker[0]["worldSize"] == 2
+    # ... trained to the last step and says so ...
+    assert _summary(lab, namespace, "two-pod", last)["step"] == 24
+    losses = rp.losses(rp.attempt_events(lab, namespace, "two-pod", last, "progress"))
+    assert max(losses) == 24, losses
+    # ... and wrote the LoRA adapter into the output claim.
     final = rp.claim_dir(namespace, "checkpoints") / "two-pod" / "final"
     assert (final / "adapter_config.json").is_file() and list(final.glob("adapter_model.*")), list(final.iterdir())
-    # pods/log through the API server (kwok serves the runner's log files).
-    logs = lab.kubectl("logs", "two-pod-a1-master-0", "-n", namespace, check=False)
-    if logs.returncode == 0:  # the training operator may have cleaned the pod up already
+    # pods/log through the API server (kwok serves the runner's log files), while the pod exists.
+    logs = lab.kubectl("logs", f"two-pod-a{last}-master-0", "-n", namespace, check=False)
+    if logs.returncode == 0:
         assert '"event": "summary"' in logs.stdout
-    print(f"scenario real two-pod LoRA: {h.elapsed(start)}")
+
+
+def test_a_worker_pod_deleted_mid_run_and_the_job_still_finishes(lab, runs):
+    namespace, all_runs = runs
+    run = all_runs["two-pod"]
+    status = _succeeded(run)
+    assert "deleted" in run.notes, "the worker pod was never deleted (the job ended first)"
+    outcomes = [a["outcome"] for a in status["attempts"]]
+    assert outcomes[0] == "Evicted" and outcomes[-1] == "Succeeded", outcomes
+    # The deleted pod's trainer got SIGTERM from the runner and stopped; the next attempt resumed
+    # from a checkpoint attempt 1 wrote, in two pods again, and finished.
+    saved = [e["step"] for e in rp.attempt_events(lab, namespace, "two-pod", 1, "checkpoint")]
+    start = rp.attempt_events(lab, namespace, "two-pod", len(outcomes), "start")[0]
+    assert saved and start["startStep"] == max(saved) and start["worldSize"] == 2, (saved, start)
+    losses = rp.losses(rp.attempt_events(lab, namespace, "two-pod", len(outcomes), "progress"))
+    assert min(losses) == max(saved) + 1, losses
+
+
+def test_gpu_oom_in_the_real_trainer_then_a_changed_plan_resumes_from_its_checkpoint(lab, runs):
+    namespace, all_runs = runs
+    status = _succeeded(all_runs["gpu-oom"])
+    first, second = status["attempts"][0], status["attempts"][1]
+    assert first["outcome"] == "GPUOutOfMemory" and status["attempts"][-1]["outcome"] == "Succeeded"
+    # The operator saw the real trainer's report: exit 75 at the step the OOM hit.
+    failed = first["failedPods"][0]
+    assert failed["exitCode"] == 75 and failed["step"] == OOM_STEP and failed["source"] == "report", failed
+    failure = rp.attempt_events(lab, namespace, "gpu-oom", 1, "failure")
+    assert failure and failure[0]["reason"] == "GPUOutOfMemory" and failure[0]["step"] == OOM_STEP, failure
+    assert "finetune lab GPU" in failure[0]["message"] and failure[0]["exitCode"] == 75, failure
+    # Attempt 2 runs another plan, resumes from attempt 1's last checkpoint, and its loss continues.
+    assert first["plan"] != second["plan"], (first["plan"], second["plan"])
+    last_checkpoint = (OOM_STEP - 1) // 4 * 4
+    start2 = rp.attempt_events(lab, namespace, "gpu-oom", 2, "start")[0]
+    assert start2["startStep"] == last_checkpoint and start2["resumeFrom"].endswith(f"step-{last_checkpoint:08d}")
+    loss1 = rp.losses(rp.attempt_events(lab, namespace, "gpu-oom", 1, "progress"))
+    loss2 = rp.losses(rp.attempt_events(lab, namespace, "gpu-oom", 2, "progress"))
+    assert max(loss1) == OOM_STEP - 1 and min(loss2) == last_checkpoint + 1, (loss1, loss2)
+    redone = last_checkpoint + 1
+    # The same step on the same data from the same weights and optimizer state: the same loss
+    # (to a few percent), well below where attempt 1 started.
+    assert abs(loss2[redone] - loss1[redone]) <= 0.05 * loss1[redone], (loss1, loss2)
+    assert loss2[redone] < 0.9 * loss1[1], (loss1, loss2)
+
+
+def test_suspend_and_resume_continue_from_the_real_checkpoint(lab, runs):
+    namespace, all_runs = runs
+    run = all_runs["gpu-oom"]
+    status = _succeeded(run)
+    assert run.notes.get("resumed"), f"never suspended and resumed (the attempt ended first?): {run.notes}"
+    assert status["attempts"][-1]["outcome"] == "Succeeded", [a["outcome"] for a in status["attempts"]]
+    saved = run.notes["checkpoints at suspension"]
+    assert SUSPEND_AFTER in saved, saved
+    master_runs = rp.master_runs(lab, namespace, "gpu-oom")
+    (suspended_attempt, suspended), (_, resumed) = master_runs[-2], master_runs[-1]
+    # The suspended run wrote its checkpoints and was stopped before the end (no summary) ...
+    assert suspended_attempt == run.notes["suspended"]
+    assert max(e["step"] for e in rp.events_of(suspended, "checkpoint")) == max(saved)
+    assert not rp.events_of(suspended, "summary")
+    # ... the run after the resume starts from the newest of them and trains to the end.
+    start = rp.events_of(resumed, "start")[0]
+    assert start["startStep"] == max(saved), (saved, start)
+    resume = rp.events_of(resumed, "resume")
+    assert resume and resume[0]["step"] == max(saved)
+    losses = rp.losses(rp.events_of(resumed, "progress"))
+    assert min(losses) == max(saved) + 1 and max(losses) == 40, losses
+    summary = rp.events_of(resumed, "summary")
+    assert summary and summary[-1]["status"] == "completed" and summary[-1]["step"] == 40, summary
+    assert (rp.claim_dir(namespace, "checkpoints") / "gpu-oom" / "final" / "adapter_config.json").is_file()
+
+
+def test_a_real_cgroup_oom_kill_then_the_pod_memory_is_raised(lab, runs):
+    namespace, all_runs = runs
+    status = _succeeded(all_runs["host-oom"])
+    attempts = status["attempts"]
+    outcomes = [a["outcome"] for a in attempts]
+    assert outcomes[0] == "HostOutOfMemory" and outcomes[-1] == "Succeeded", outcomes
+    assert set(outcomes[:-1]) == {"HostOutOfMemory"}, outcomes
+    # The kernel killed a trainer process in the pod's cgroup: the launcher's verdict (exit 71) and
+    # the container's reason OOMKilled, as a kubelet reports it.
+    failed = attempts[0]["failedPods"][0]
+    assert failed["kind"] == "HostOutOfMemory" and failed["exitCode"] == 71, failed
+    runner_log = (lab.log_dir / "pod-runner.log").read_text()
+    assert "host-oom-a1-master-0 Failed: pytorch exit 71 OOMKilled" in runner_log
+    failure = rp.attempt_events(lab, namespace, "host-oom", 1, "failure")
+    assert failure and failure[-1]["reason"] == "HostOutOfMemory" and "oom_kill" in failure[-1]["message"], failure
+    # Each retry had more pod memory, and the last one trained to the end.
+    memory = [float(a["plan"]["hostMemory"].removesuffix("Gi")) for a in attempts]
+    assert memory == sorted(memory) and len(set(memory)) == len(memory), memory
+    assert _summary(lab, namespace, "host-oom", len(attempts))["step"] == 8
