@@ -714,15 +714,21 @@ def _move_unschedulable(decision: Decision, observed: Observed, child: Child, me
     others = [p for p in observed.pools if p.name != pool]
     # Pools with room first: a move is worth its place in this pool's line only where the pods can start.
     roomy = [p for p in others if p.free_gpus is None or p.free_gpus > 0]
-    # The same settings elsewhere first (they were chosen for a reason), then a fresh plan.
-    result = replan_after_loss(job.spec, status.plan, failed=failed_runs(status.attempts),
-                               calibration=learned_calibration(status.attempts), pools=roomy or others,
-                               policy=observed.policy, architecture=observed.architecture) \
-        if status.plan is not None else Infeasible(message="no plan recorded")
     here = next((p for p in observed.pools if p.name == pool), None)
-    if (here is not None and status.plan is not None and here.free_gpus is not None
-            and not here.fits_now(status.plan.nodes, status.plan.gpus_per_node)
-            and (isinstance(result, Infeasible) or not result.free_now)):
+    queueing = (here is not None and status.plan is not None and here.free_gpus is not None
+                and not here.fits_now(status.plan.nodes, status.plan.gpus_per_node))
+    allowed = set(job.spec.placement.regions) & set(observed.policy.allowed_regions)
+    # Waiting in a full pool with no room anywhere else it may go: no plan to make (a busy cluster has
+    # many such attempts, each looked at every RESYNC_SECONDS).
+    result: Plan | Infeasible = Infeasible(message="no pool in the allowed regions has free GPUs")
+    if status.plan is not None and (not queueing or any(p.region in allowed for p in roomy)):
+        # The same settings elsewhere first (they were chosen for a reason), then a fresh plan.
+        result = replan_after_loss(job.spec, status.plan, failed=failed_runs(status.attempts),
+                                   calibration=learned_calibration(status.attempts), pools=roomy or others,
+                                   policy=observed.policy, architecture=observed.architecture)
+    elif status.plan is None:
+        result = Infeasible(message="no plan recorded")
+    if queueing and (isinstance(result, Infeasible) or not result.free_now):
         # The pool is full of other jobs' work (free GPUs count their claims): a queue, not a dead end.
         # Moving to a pool that must wait as well, or giving up, would only lose the attempt's place;
         # it moves as soon as a pool in the allowed regions has room, and starts here when GPUs free up.
