@@ -65,10 +65,13 @@ def expert_adapter_saved(arch: ModelArchitecture, lin, compute: int, tokens: int
 
     peft adds B @ A to the whole weight before the grouped matmul runs, so that matmul's input
     (one row per routed copy) is saved for the adapters' gradient, and so is the merged
-    weight itself: every expert of the block, in fp32 (the adapters' dtype), once per block
-    whatever the batch. Spread over the block's tokens to fit the per-token sum.
+    weight itself: every expert of the block, in the compute dtype (autocast runs B @ A in
+    bf16 and the sum takes the base weight's dtype), once per block whatever the batch.
+    Spread over the block's tokens to fit the per-token sum. (First sized in fp32 from the
+    tiny traces; Qwen3-30B-A3B without checkpointing, 29B expert weights, showed bf16 to the
+    byte: bench/sizing_accuracy.py marks that case in-sample.)
     """
-    return arch.experts_per_token * compute * lin.in_features + 4 * lin.params / tokens
+    return arch.experts_per_token * compute * lin.in_features + compute * lin.params / tokens
 
 
 def eager_sinks_saved(arch: ModelArchitecture, compute: int, seq: int) -> float:
