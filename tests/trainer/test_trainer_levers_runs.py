@@ -34,6 +34,9 @@ def test_all_levers_on_one_process_learn_and_say_so(lean_run):
                                  "activationOffloading")} == {"masterWeights": "bf16", "updateRounding": "kahan",
                                                               "optimizerInBackward": True, "lossChunks": 4,
                                                               "activationOffloading": True}
+    # Each step, both checkpointed layers' inputs went to host memory and back.
+    [offload] = run.of("activation-offload")
+    assert offload["tensorsPerStep"] == 2 and offload["peakHostBytes"] > 0
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert losses[6] < losses[1] - 0.8, losses
