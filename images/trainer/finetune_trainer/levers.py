@@ -1,6 +1,6 @@
 """The lean-trainer levers of one attempt: what is on, in one startup line, and the
-checks that need the node or the model (the rules between fields live in
-combinations.py and are applied when the config is read).
+check that needs the model (the rules between fields live in combinations.py and are
+applied when the config is read).
 
 The levers (TrainerConfig fields):
 
@@ -73,16 +73,6 @@ class Levers:
             "qloraSharded": self.qlora_fsdp,
             "offload": self.cpu_offload,
         }
-
-
-def check_levers(cfg: TrainerConfig) -> None:
-    """What the contract accepts but this trainer cannot run: a ConfigError naming the field."""
-    if cfg.master_weights == "bf16" and cfg.method == "full" and cfg.update_rounding != "nearest" \
-            and cfg.optimizer != "adamw":
-        # The trainer's bf16 AdamW does the compensated rounding; bitsandbytes' 8-bit
-        # optimizers update the bf16 weight themselves.
-        raise ConfigError(f"updateRounding {cfg.update_rounding} is done by the trainer's bf16 AdamW; optimizer "
-                          f"{cfg.optimizer} rounds its own updates: use updateRounding nearest")
 
 
 def check_model(cfg: TrainerConfig, model) -> None:

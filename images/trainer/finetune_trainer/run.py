@@ -156,9 +156,7 @@ def train(cfg: TrainerConfig) -> None:
     PROGRESS.gradient_accumulation = cfg.gradient_accumulation
     check_runnable(cfg, cuda)
     check_deepspeed_batch(cfg, world)
-    from .levers import Levers, check_levers
-
-    check_levers(cfg)
+    from .levers import Levers
     faults = FaultInjector(cfg.fault_injection, cfg.attempt)
 
     PROGRESS.enter(Phase.DATA, 0)
