@@ -682,7 +682,10 @@ def _waiting_to_start(decision: Decision, observed: Observed, child: Child, queu
         waited = (now - since).total_seconds()
         bound = policy.unschedulable_timeout_seconds
         set_condition(status, api.COND_RUNNING, "False", "Unschedulable",
-                      f"attempt {attempt}: pods unschedulable for {waited:.0f} s: {message}", now, generation)
+                      # The time it began, not the seconds since: a message that changed on every look
+                      # made every waiting job write its status every resync (bench/scale.py).
+                      f"attempt {attempt}: pods unschedulable since {since:%Y-%m-%dT%H:%M:%SZ}: {message}", now,
+                      generation)
         if queued_job or waited < bound:
             # A queue owns placement there: report only.
             decision.requeue_after = min(RESYNC_SECONDS, max(1.0, bound - waited)) if not queued_job else RESYNC_SECONDS
@@ -732,8 +735,10 @@ def _move_unschedulable(decision: Decision, observed: Observed, child: Child, me
         # The pool is full of other jobs' work (free GPUs count their claims): a queue, not a dead end.
         # Moving to a pool that must wait as well, or giving up, would only lose the attempt's place;
         # it moves as soon as a pool in the allowed regions has room, and starts here when GPUs free up.
+        since = now - timedelta(seconds=waited)
         set_condition(status, api.COND_RUNNING, "False", "Unschedulable",
-                      f"{what}; waiting: every pool in the allowed regions that fits is busy with other jobs",
+                      f"attempt {attempt}: pods unschedulable on pool {pool} since {since:%Y-%m-%dT%H:%M:%SZ}: {message};"
+                      " waiting: every pool in the allowed regions that fits is busy with other jobs",
                       now, job.metadata.generation)
         decision.requeue_after = RESYNC_SECONDS
         return decision

@@ -487,6 +487,11 @@ def test_a_pool_full_of_other_work_is_a_queue_the_attempt_moves_only_to_a_pool_w
     assert world.job.status.phase not in ("Failed",)
     running = next(c for c in world.job.status.conditions if c.type == "Running")
     assert running.reason == "Unschedulable" and "busy with other jobs" in running.message
+    # A later look changes nothing: no status write for every waiting job on every resync.
+    before = world.job.status.model_dump()
+    world.now += timedelta(seconds=30)
+    world.step()
+    assert world.job.status.model_dump() == before
     roomy = next(p for p in POOLS if p.name != first_pool and p.region in ("eu-de-berlin", "eu-fr-paris")
                  and p.gpu_type in ("H100-80GB", "A100-80GB"))
     world.pools = [p.model_copy(update={"free_gpus": p.max_gpus, "free_gpus_per_node": [p.gpus_per_node] * p.max_nodes})
