@@ -1,6 +1,6 @@
 """The lean-trainer levers on the CPU: how far each one moves the loss curve (issue 13).
 
-    python bench/lean_levers_cpu.py [--steps 100] [--lr 3e-3] [--trainer-runs]
+    python bench/lean_levers_cpu.py [--steps 100] [--lr 3e-3] [--trainer-runs] [--qlora-route]
 
 Part 1 (in process, tiny Llama from a config, random weights, a fixed learnable token
 stream): AdamW with fp32 master weights (bf16 autocast) against bf16 master weights with
@@ -13,6 +13,10 @@ plain AdamW against the optimizer step in backward, on one process and on two gl
 ranks under DDP (where the trainer switches DDP's sync off and all-reduces each
 gradient in the hook) and FSDP; same global batch 8, maxGradNorm 0, gradient
 accumulation 1: the largest loss gap per pair.
+
+Part 3 (``--qlora-route``): the route QLoRA takes under strategy fsdp (the Trainer's
+accelerate FSDP2 instead of transformers' load-time FSDP2), taken by LoRA because
+bitsandbytes needs CUDA: 2 gloo ranks, a checkpoint, a resume.
 """
 
 from __future__ import annotations
@@ -109,11 +113,67 @@ def part2() -> None:
                   f"{time.time() - started:>9.0f}")
 
 
+FORCED_ROUTE = """
+import sys
+import finetune_trainer.model_setup as ms
+# QLoRA's FSDP route (the Trainer's accelerate FSDP2), taken here by LoRA: bitsandbytes needs CUDA.
+ms.fsdp_route = lambda cfg, world: ms.FSDP_ACCELERATE if cfg.strategy == "fsdp" and world > 1 else ms.FSDP_NONE
+from finetune_trainer.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def part3() -> None:
+    """QLoRA's FSDP route without bitsandbytes: LoRA through accelerate FSDP2 on 2 gloo
+    ranks, a checkpoint at step 4, a resume to step 8."""
+    import os
+    import subprocess
+
+    from trainer.conftest import REPO, TrainerRun, trainer_config, write_config
+    from trainer.trainer_assets import build_assets
+
+    print("\nPart 3: the QLoRA FSDP route (accelerate FSDP2, decoder layers + adapters as units) with LoRA, "
+          "2 gloo ranks")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        assets = build_assets(work / "assets")
+        entry = work / "route.py"
+        entry.write_text(FORCED_ROUTE)
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=str(ROOT / "images" / "trainer"))
+        runs = []
+        for attempt, steps in ((1, 6), (2, 8)):
+            config = trainer_config(assets, work, method="lora", learningRate=1e-2, strategy="fsdp", microBatchSize=2,
+                                    gradientAccumulation=2, maxSteps=steps, attempt=attempt,
+                                    lora={"rank": 8, "alpha": 16, "dropout": 0.0})
+            path = write_config(work, config)
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                   "2", str(entry), "--config", str(path)], cwd=REPO, env=env, capture_output=True,
+                                  text=True, timeout=1800)
+            import json
+
+            events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"event"')]
+            run = TrainerRun(done.returncode, done.stdout + done.stderr, events)
+            if run.returncode != 0:
+                print(run.output[-3000:])
+                raise SystemExit(run.returncode)
+            runs.append(run)
+        first, second = runs
+        [resume] = second.of("resume")
+        print(f"attempt 1 losses {first.losses()}")
+        print(f"attempt 2 resumed from step {resume['step']} (optimizerRestored {resume['optimizerRestored']}): "
+              f"{second.losses()}")
+        print(f"step 5 and 6: {first.losses()[5]:.6f} / {second.losses()[5]:.6f}, "
+              f"{first.losses()[6]:.6f} / {second.losses()[6]:.6f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--trainer-runs", action="store_true", help="also part 2 (six trainer runs, minutes)")
+    parser.add_argument("--qlora-route", action="store_true",
+                        help="also part 3: QLoRA's FSDP route with LoRA on 2 gloo ranks, checkpoint and resume")
     args = parser.parse_args()
     import torch
 
@@ -121,6 +181,8 @@ def main() -> int:
     part1(args.steps, args.lr)
     if args.trainer_runs:
         part2()
+    if args.qlora_route:
+        part3()
     return 0
 
 
