@@ -210,15 +210,16 @@ def run_case(case: Case, assets: dict[str, Path], folder: Path, nproc: int, smok
     (folder / "config.json").write_text(json.dumps(config))
     env = dict(os.environ, PYTHONPATH=str(ROOT / "images" / "trainer"), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false", **({"OMP_NUM_THREADS": "1"} if smoke else {}))
-    entry = ["-c", FORCE_ROUTE] if case.force_fsdp_route else ["-m", "finetune_trainer"]
-    if nproc > 1 and case.trainer.get("strategy") == "fsdp":
+    # torchrun also for one rank on the forced route: accelerate applies FSDP only in a
+    # distributed launch (LOCAL_RANK set), else it would silently run unsharded.
+    if case.force_fsdp_route or (nproc > 1 and case.trainer.get("strategy") == "fsdp"):
         script = folder / "entry.py"
         script.write_text(FORCE_ROUTE if case.force_fsdp_route else "from finetune_trainer.run import main\n"
                                                                       "import sys; sys.exit(main(sys.argv[1:]))\n")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                    str(script), "--config", str(folder / "config.json")]
     else:
-        command = [sys.executable, *entry, "--config", str(folder / "config.json")]
+        command = [sys.executable, "-m", "finetune_trainer", "--config", str(folder / "config.json")]
     started = time.time()
     last, events, tail = None, [], []
     with DevicePeak(enabled=not smoke) as device:
