@@ -427,18 +427,15 @@ def _zero_buckets(strategy: str, grad_bytes: float, trainable: float, world: int
     """DeepSpeed ZeRO's buffers alive through the step, with the bucket sizes the trainer's
     config sets (contract.deepspeed_config; overlap_comm and contiguous_gradients on).
 
-    Measured on DeepSpeed's own code (bench/zero_truth.py, CPU, gloo, 1-2 ranks): stages 1/2
-    allocate two reduce buckets of reduce_bucket_size elements (overlap_comm's double buffer)
-    whatever the model's size; stage 3 one reduce bucket, and keeps 12 bytes per parameter of its
-    partition more than its documented weights, gradients, master and Adam states (measured, not
-    decomposed: its fp32 gradient partition and partition copies). Stage 3 also prefetches
-    parameters ahead of the module that runs, up to stage3_prefetch_bucket_size elements (not seen
-    on the small traced models: their layers are smaller than the bucket).
+    Stages 1/2: overlap_comm double-buffers the gradient reduction (two reduce buckets) and
+    the updated weights are all-gathered in buckets of allgather_bucket_size. Stage 3: the
+    reduce bucket, and parameters prefetched ahead of the module that runs (prefetch bucket).
+    A bucket never holds more than there is to hold.
     """
+    reduce = min(K.ZERO_REDUCE_BUCKET_ELEMENTS, trainable)
     if strategy == "zero3":
-        return (grad_bytes * (K.ZERO_REDUCE_BUCKET_ELEMENTS + min(K.ZERO3_PREFETCH_BUCKET_ELEMENTS, trainable))
-                + K.ZERO3_EXTRA_BYTES_PER_PARAM * trainable / world)
-    return grad_bytes * 2 * K.ZERO_REDUCE_BUCKET_ELEMENTS
+        return grad_bytes * (2 * reduce + min(K.ZERO3_PREFETCH_BUCKET_ELEMENTS, trainable))
+    return grad_bytes * (2 * reduce + min(K.ZERO_ALLGATHER_BUCKET_ELEMENTS, trainable / world))
 
 
 # ---- the estimate ---------------------------------------------------------------------
@@ -463,8 +460,7 @@ def _notes(setup: TrainingSetup) -> list[str]:
                      " torch.cuda.max_memory_allocated reports) nor in the required GPU memory; the driver pages"
                      " them to host memory when the GPU is full, and host memory counts them")
     if setup.strategy.startswith("zero"):
-        notes.append("DeepSpeed ZeRO terms use the bucket sizes the trainer's DeepSpeed config sets, as DeepSpeed's own"
-                     " code allocates them on the CPU (bench/zero_truth.py); its states are derived, not traced at size")
+        notes.append("DeepSpeed ZeRO terms use the bucket sizes the trainer's DeepSpeed config sets; derived, not traced")
     if setup.activation_offloading:
         notes.append("activation offloading keeps each checkpointed block input in host memory; host memory counts it")
     if arch.is_moe and arch.traits.moe != "mixtral":
