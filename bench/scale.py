@@ -22,7 +22,8 @@ Figures (goals from issue 17):
   apply -> Succeeded  time to phase Succeeded, p50/p99 over the jobs that finished by the deadline
   plans by pool       the pool of every attempt's PyTorchJob (its plan-status annotation)
   pods Running/Pending at most
-  GPU utilisation while work waits: busy GPUs (requested by Running training pods) / the 32
+  GPU utilisation while work waits: busy GPUs (requested by Running training pods; also: held by
+                      pods bound to a node, which kwok may report Running late) / the 32
                       allowed GPUs, sampled every second while some job waits (applied, not
                       terminal, no Running pod) and after the first child exists (goal >= 90%)
   operator peak RSS   VmHWM of the operator process (goal < 200 MiB at 1000 jobs)
@@ -99,7 +100,7 @@ class Observer:
         self.succeeded: dict[tuple[str, str], float] = {}
         self.phase: dict[tuple[str, str], str] = {}
         self.children: dict[str, str] = {}  # child uid -> pool
-        self.pods: dict[str, tuple[tuple[str, str], str, int]] = {}  # pod uid -> (job, phase, GPUs)
+        self.pods: dict[str, tuple[tuple[str, str], str, int, bool]] = {}  # pod uid -> (job, phase, GPUs, bound)
 
     def on_child(self, kind: str, obj: dict) -> None:
         meta = obj.get("metadata") or {}
@@ -134,17 +135,21 @@ class Observer:
             if kind == "DELETED":
                 self.pods.pop(meta.get("uid"), None)
             else:
-                self.pods[meta.get("uid")] = (job, (obj.get("status") or {}).get("phase") or "Pending", gpus)
+                self.pods[meta.get("uid")] = (job, (obj.get("status") or {}).get("phase") or "Pending", gpus,
+                                              bool((obj.get("spec") or {}).get("nodeName")))
 
     def sample(self) -> dict[str, Any]:
         with self.lock:
-            running_jobs = {job for job, phase, _ in self.pods.values() if phase == "Running"}
-            busy = sum(gpus for _, phase, gpus in self.pods.values() if phase == "Running")
-            running = sum(1 for _, phase, _ in self.pods.values() if phase == "Running")
-            pending = sum(1 for _, phase, _ in self.pods.values() if phase == "Pending")
+            running_jobs = {job for job, phase, _, _ in self.pods.values() if phase == "Running"}
+            busy = sum(gpus for _, phase, gpus, _ in self.pods.values() if phase == "Running")
+            # Held by a pod on a node (scheduled, not finished): what the scheduler counts; the lab's
+            # kwok may take a while to report a bound pod Running on a loaded machine.
+            held = sum(gpus for _, phase, gpus, bound in self.pods.values() if bound and phase not in TERMINAL)
+            running = sum(1 for _, phase, _, _ in self.pods.values() if phase == "Running")
+            pending = sum(1 for _, phase, _, _ in self.pods.values() if phase == "Pending")
             waiting = sum(1 for key in self.applied if self.phase.get(key) not in TERMINAL and key not in running_jobs)
             done = sum(1 for key in self.applied if self.phase.get(key) in TERMINAL)
-            return {"busy": busy, "running": running, "pending": pending, "waiting": waiting, "done": done,
+            return {"busy": busy, "held": held, "running": running, "pending": pending, "waiting": waiting, "done": done,
                     "children": len(self.first_child)}
 
 
@@ -263,6 +268,7 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
                 by_pool[pool_name] = by_pool.get(pool_name, 0) + 1
         waiting_samples = [s for s in samples if s["waiting"] > 0 and s["children"] > 0]
         utilisation = [min(1.0, s["busy"] / ALLOWED_GPUS) for s in waiting_samples]
+        held = [min(1.0, s["held"] / ALLOWED_GPUS) for s in waiting_samples]
         result.update({
             "apply_seconds": apply_seconds,
             "elapsed_seconds": elapsed,
@@ -276,6 +282,7 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
             "pods_pending_max": max((s["pending"] for s in samples), default=0),
             "utilisation_while_waiting": {"mean": statistics.mean(utilisation) if utilisation else None,
                                           "p10": percentile(utilisation, 10), "samples": len(utilisation)},
+            "gpus_held_while_waiting": {"mean": statistics.mean(held) if held else None, "p10": percentile(held, 10)},
             "operator_peak_rss_mib": rss.peak_kib / 1024,
             "load_average": os.getloadavg(),
         })
@@ -354,6 +361,8 @@ def table(results: list[dict[str, Any]]) -> str:
     row("GPU utilisation while work waits", lambda r: "-" if r["utilisation_while_waiting"]["mean"] is None else
         f"{r['utilisation_while_waiting']['mean']:.0%} mean, {r['utilisation_while_waiting']['p10']:.0%} p10"
         f" ({r['utilisation_while_waiting']['samples']} samples)")
+    row("GPUs held by scheduled pods while work waits", lambda r: "-" if not r.get("gpus_held_while_waiting", {}).get("mean")
+        else f"{r['gpus_held_while_waiting']['mean']:.0%} mean, {r['gpus_held_while_waiting']['p10']:.0%} p10")
     row("operator peak RSS", lambda r: f"{r['operator_peak_rss_mib']:.0f} MiB")
     row("failover (SIGKILL leader -> child)", lambda r: f"{r['failover']['acted_s']:.2f} s (Lease {r['failover']['lease_taken_s']:.2f} s)"
         if r.get("failover", {}).get("acted_s") is not None else (r.get("failover") or {}).get("error", "-"))
