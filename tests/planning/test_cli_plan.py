@@ -65,6 +65,8 @@ def test_table_output_has_breakdown_reason_and_runners_up(capsys):
 def test_infeasible_job_exits_1_with_the_nearest_miss(capsys, tmp_path):
     document = yaml.safe_load((ROOT / "examples" / "llama-8b-full.yaml").read_text())
     document["spec"]["resources"] = {"maxGPUs": 1, "gpuTypes": ["H100-80GB"], "strategy": "fsdp", "offload": "none"}
+    # With fp32 master weights (bf16 weights would let the 8B fit one H100).
+    document["spec"]["training"]["masterWeights"] = "fp32"
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(document))
     code, out, _ = run(capsys, "plan", str(path), "--pools", POOLS, "-o", "json")

@@ -124,7 +124,7 @@ def test_the_first_rung_is_gradient_checkpointing():
     (LORA, SHORT_LORA, "microBatch", {"micro_batch_size"}),
     (FULL, {}, "sharding", {"strategy"}),
     (FULL, {"resources__gpus": 2, "resources__strategy": "fsdp"}, "optimizer8bit", {"optimizer"}),
-    (FULL, {"resources__gpus": 4, "resources__strategy": "zero3"}, "offload", {"offload"}),
+    (FULL, {"resources__gpus": 4, "resources__strategy": "zero3", "resources__offload": "none"}, "offload", {"offload"}),
 ])
 def test_a_rung_alone_changes_only_its_own_knobs(name, changes, rung, knobs):
     spec = spec_of(name, recovery={"allowedAdjustments": [rung]}, **changes)
@@ -263,7 +263,7 @@ def test_a_later_rung_may_keep_adamw_and_use_zero_with_offload():
     # bitsandbytes' 8-bit optimizers do not run under DeepSpeed ZeRO. With the strategy held at
     # zero3 (sharding not allowed), forcing 8-bit at the optimizer rung left the offload rung
     # nothing; as a freedom, the offload rung keeps AdamW and offloads it.
-    spec = spec_of(FULL, resources__gpus=4, resources__strategy="zero3",
+    spec = spec_of(FULL, resources__gpus=4, resources__strategy="zero3", resources__offload="none",
                    recovery={"allowedAdjustments": ["optimizer8bit", "offload"]})
     failed = first_plan(spec)
     step = decide(spec, gpu_oom(failed), failed)

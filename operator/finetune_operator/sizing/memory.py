@@ -364,9 +364,11 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
             master = master_pp * params / world
             opt = optimizer_pp * params / world
             buffers = _zero_buckets(strategy, weight_bytes, params, world)
+            extra = _zero3_partition_extra(params, world) if strategy == "zero3" else 0.0
             if offload_optimizer:
-                host += master + opt
-                master, opt = 0.0, 0.0
+                host += master + opt + extra
+                master, opt, extra = 0.0, 0.0, 0.0
+            buffers += extra
             if offload_params and strategy == "zero3":
                 host += weights
                 weights = 0.0
@@ -409,6 +411,8 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
     opt = optimizer_pp * trainable / opt_shards
     if strategy.startswith("zero"):
         buffers = _zero_buckets(strategy, 4.0, trainable, world)
+        if strategy == "zero3" and not offload_optimizer:
+            buffers += _zero3_partition_extra(trainable, world)
     else:
         buffers = 4.0 * trainable if (strategy == "ddp" and world > 1) else 0.0
     unified = 0.0
@@ -427,15 +431,21 @@ def _zero_buckets(strategy: str, grad_bytes: float, trainable: float, world: int
     """DeepSpeed ZeRO's buffers alive through the step, with the bucket sizes the trainer's
     config sets (contract.deepspeed_config; overlap_comm and contiguous_gradients on).
 
-    Stages 1/2: overlap_comm double-buffers the gradient reduction (two reduce buckets) and
-    the updated weights are all-gathered in buckets of allgather_bucket_size. Stage 3: the
-    reduce bucket, and parameters prefetched ahead of the module that runs (prefetch bucket).
-    A bucket never holds more than there is to hold.
+    Measured on DeepSpeed's own code (bench/zero_truth.py, CPU, gloo, 1-2 ranks): stages 1/2
+    allocate two reduce buckets of reduce_bucket_size elements (overlap_comm's double buffer)
+    whatever the model's size; stage 3 one reduce bucket (and `_zero3_partition_extra`). Stage 3 also prefetches
+    parameters ahead of the module that runs, up to stage3_prefetch_bucket_size elements (not seen
+    on the small traced models: their layers are smaller than the bucket).
     """
-    reduce = min(K.ZERO_REDUCE_BUCKET_ELEMENTS, trainable)
     if strategy == "zero3":
-        return grad_bytes * (2 * reduce + min(K.ZERO3_PREFETCH_BUCKET_ELEMENTS, trainable))
-    return grad_bytes * (2 * reduce + min(K.ZERO_ALLGATHER_BUCKET_ELEMENTS, trainable / world))
+        return grad_bytes * (K.ZERO_REDUCE_BUCKET_ELEMENTS + min(K.ZERO3_PREFETCH_BUCKET_ELEMENTS, trainable))
+    return grad_bytes * 2 * K.ZERO_REDUCE_BUCKET_ELEMENTS
+
+
+def _zero3_partition_extra(trainable: float, world: int) -> float:
+    """ZeRO-3's bytes per parameter of its partition beyond the documented states (measured without
+    offload; with the optimizer offloaded they are taken to live with it, in host memory)."""
+    return K.ZERO3_EXTRA_BYTES_PER_PARAM * trainable / world
 
 
 # ---- the estimate ---------------------------------------------------------------------
@@ -460,7 +470,8 @@ def _notes(setup: TrainingSetup) -> list[str]:
                      " torch.cuda.max_memory_allocated reports) nor in the required GPU memory; the driver pages"
                      " them to host memory when the GPU is full, and host memory counts them")
     if setup.strategy.startswith("zero"):
-        notes.append("DeepSpeed ZeRO terms use the bucket sizes the trainer's DeepSpeed config sets; derived, not traced")
+        notes.append("DeepSpeed ZeRO terms use the bucket sizes the trainer's DeepSpeed config sets, as DeepSpeed's own"
+                     " code allocates them on the CPU (bench/zero_truth.py); its states are derived, not traced at size")
     if setup.activation_offloading:
         notes.append("activation offloading keeps each checkpointed block input in host memory; host memory counts it")
     if arch.is_moe and arch.traits.moe != "mixtral":
