@@ -97,7 +97,7 @@ L2_7 = _arch(config=LLAMA2_7B, name="llama-2-7b")
 
 TT = "torchtune README (peak memory active/alloc, one GPU)"
 _3B = dict(method="full", master_weights="bf16", micro_batch_size=2, sequence_length=4096, world_size=1)
-_TT_DIFF = ("our bf16 AdamW makes fp32 temporaries of the largest parameter per step (torch's fused AdamW does not);"
+_TT_DIFF = ("our bf16 AdamW computes in fp32 temporaries of one 2^24-element slice at a time (torch's fused AdamW has none);"
             " our chunked loss recomputes each chunk's logits in backward (torchtune keeps the bf16 logit chunks)")
 JOBS = [
     Job("llama-3.1-8b full, 2x2048, ckpt, paged 8-bit AdamW, 1 GPU", L8, "full", 2048, 2, micro=2, gpus=1,
