@@ -220,7 +220,9 @@ def test_data_error_is_not_retried():
 
 
 def test_nothing_fits_stays_pending_and_names_the_nearest_miss():
-    world = World(example("llama-8b-full.yaml", resources={"maxGPUs": 1, "offload": "none", "gpuTypes": ["H100-80GB"]}))
+    # fp32 master weights: with bf16 weights the 8B would fit one H100.
+    world = World(example("llama-8b-full.yaml", resources={"maxGPUs": 1, "offload": "none", "gpuTypes": ["H100-80GB"]},
+                          training__masterWeights="fp32"))
     decision = world.step()
     assert world.job.status.phase == "Pending" and decision.create == []
     planned = next(c for c in world.job.status.conditions if c.type == "Planned")
