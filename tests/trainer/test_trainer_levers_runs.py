@@ -78,3 +78,33 @@ def test_fsdp_two_ranks_step_in_backward_with_bf16_stochastic_rounding(assets, t
     # (stochastic here, Kahan there) and another reduction order: measured 4e-3 apart.
     for step in range(1, 7):
         assert losses[step] == pytest.approx(single.losses()[step], abs=0.02), (losses, single.losses())
+
+
+def test_lora_on_fused_experts_of_a_tiny_mixtral_with_dropout(assets, tmp_path):
+    """lora.targetExperts end to end: peft target_parameters on the 3-D expert weights,
+    dropout 0.1 kept on the Linear adapters (peft alone refuses it), adapters saved."""
+    import json
+
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from .trainer_assets import build_tokenizer
+
+    model_dir = tmp_path / "tiny-mixtral"
+    tokenizer = build_tokenizer(model_dir)
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=2,
+                                     eos_token_id=3, max_position_embeddings=256)).save_pretrained(model_dir)
+    config = trainer_config(assets, tmp_path, model={"path": str(model_dir)}, method="lora", learningRate=1e-2,
+                            maxSteps=5, checkpoint=None,
+                            lora={"rank": 8, "alpha": 16, "dropout": 0.1, "targetExperts": True})
+    run = run_trainer(write_config(tmp_path, config))
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.of("levers")[0]["loraTargetExperts"] is True
+    assert any("expert adapters" in e["message"] and "without dropout" in e["message"] for e in run.of("info"))
+    losses = run.losses()
+    assert losses[5] < losses[1] - 0.4, losses
+    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(adapter["target_parameters"])
