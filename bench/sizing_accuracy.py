@@ -189,7 +189,7 @@ def families_2026() -> list[Case]:
         [C("qwen3-0.6b", "full", batch=2, seq=2048),
          C("qwen3-30b-a3b", "lora", batch=1, seq=4096, gc=True, strategy="fsdp", world_size=4),
          C("gemma-3-1b", "lora", batch=4, seq=4096, gc=True),
-         C("gpt-oss-20b", "lora", batch=1, seq=8192, gc=True, strategy="fsdp", world_size=2),
+         C("gpt-oss-20b", "lora", batch=1, seq=8192, gc=True, strategy="fsdp", world_size=2, in_sample=True),
          C("qwen3-1.7b", "lora", batch=4, seq=2048),
          C("gemma-3-1b", "full", batch=2, seq=1024, strategy="ddp", world_size=2)],
         [C("qwen3-8b", "lora", batch=1, seq=2048, gc=True, dropout=0.05),

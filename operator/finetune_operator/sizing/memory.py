@@ -652,6 +652,14 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     forward = dict(zero, **static_terms)
     forward.update(activations=kept + shared + around, lora_activations=kept_lora, weight_copies=copies_fwd,
                    logits=logits_fwd_per_token * tokens, buffers=sharding.forward + dequant)
+    if setup.attention == "eager":
+        # Inside the last block's eager attention, before the head: the masked scores, the
+        # logits they are joined into and the softmax exist at once (gpt-oss at 8192 tokens:
+        # 8 GiB each; seen under FSDP with checkpointing).
+        scores = regime.compute * arch.num_attention_heads * (setup.sequence_length + 1) * tokens
+        in_attention = dict(forward, logits=0.0, activations=forward["activations"] + 3 * scores)
+        if sum(in_attention.values()) > sum(forward.values()):
+            forward = in_attention
 
     # ---- backward: the largest of its moments ----
     # At its start: all that forward saved, the loss gradient at its widest.
@@ -669,6 +677,10 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     block_bwd = 3 * regime.mlp * arch.expert_intermediate_size * moe_k * tokens
     # ... and the gradient of the residual stream: the one flowing in and the one being built.
     block_bwd += 2 * regime.residual * hidden * tokens
+    if setup.attention == "eager":
+        # ... and eager attention's softmax backward: the scores' gradient, as large as the
+        # probabilities (gpt-oss at 8192 tokens: 8 GiB a block; seen under FSDP with checkpointing).
+        block_bwd += regime.compute * arch.num_attention_heads * (setup.sequence_length + 1) * tokens
     if not setup.gradient_checkpointing:
         # The first block's backward: everything else forward saved is still alive.
         first = dict(bwd_start, logits=0.0, activations=bwd_start["activations"] + block_bwd,
