@@ -345,6 +345,23 @@ def test_lora_targets_fused_experts_with_dropout_on_the_linear_adapters(family):
     assert expert_grads and all(g is not None and g.abs().sum() > 0 for g in expert_grads)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_default_moe_lora_job_trains_with_its_default_dropout(family):
+    """A LoRA job left at its defaults (all-linear, dropout 0.05, targetExperts unset): peft
+    0.21 wraps the fused experts of "all-linear" by itself and then refuses any dropout; the
+    trainer builds it like targetExperts and gives the Linear adapters their dropout back."""
+    from torch import nn
+
+    from finetune_trainer.model_setup import apply_lora
+
+    peft_model = apply_lora(config(method="lora", lora={"rank": 4, "alpha": 8}), tiny_moe(family))
+    dropouts = [m for m in peft_model.modules() if isinstance(m, nn.Dropout) and m.p == 0.05]
+    assert len(dropouts) >= 2 * 4  # at least q, k, v, o of 2 layers
+    ids = torch.randint(0, 50, (2, 12))
+    peft_model.train()
+    peft_model(input_ids=ids, labels=ids).loss.backward()
+
+
 def test_target_experts_on_a_dense_model_names_the_field():
     from finetune_trainer.levers import check_model
 

@@ -222,14 +222,18 @@ def apply_lora(cfg: TrainerConfig, model):
             use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+    from .moe import expert_parameter_targets, has_fused_experts
+
     expert_targets = None
     dropout = cfg.lora.dropout
     if cfg.lora.target_experts:
-        from .moe import expert_parameter_targets
-
         expert_targets = expert_parameter_targets(model)
-        # peft refuses any dropout once target_parameters is set (moe.py): the adapters
-        # are built without it and the Linear ones get it back below.
+    # peft (0.21) turns "all-linear" on a model with fused 3-D experts into
+    # target_parameters by itself, so a default MoE LoRA job wraps its experts too.
+    # peft refuses any dropout once experts are wrapped (moe.py): the adapters are
+    # built without it and the Linear ones get it back below.
+    experts_wrapped = bool(expert_targets) or (cfg.lora.target_modules == "all-linear" and has_fused_experts(model))
+    if experts_wrapped:
         dropout = 0.0
     lora = LoraConfig(
         r=cfg.lora.rank,
@@ -245,13 +249,14 @@ def apply_lora(cfg: TrainerConfig, model):
         # peft names the modules it could not find; that is a config problem.
         field = "lora.targetExperts" if expert_targets and "target_parameters" in str(exc) else "lora.targetModules"
         raise ConfigError(f"{field}: {exc}") from exc
-    if expert_targets and cfg.lora.dropout > 0:
+    if experts_wrapped and cfg.lora.dropout > 0:
         from .moe import restore_linear_dropout
 
         restored = restore_linear_dropout(peft_model, "default", cfg.lora.dropout)
         from .reporting import log_json
 
+        wrapped = ", ".join(expert_targets or expert_parameter_targets(peft_model))
         log_json("info", message=f"lora.dropout {cfg.lora.dropout} applies to the {restored} Linear-module adapters; "
-                                 f"the fused expert adapters ({', '.join(expert_targets)}) train without dropout "
+                                 f"the fused expert adapters ({wrapped}) train without dropout "
                                  f"(peft's ParamWrapper cannot apply it)")
     return peft_model

@@ -3,8 +3,10 @@
 Current transformers (5.x) store the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and
 others as fused 3-D parameters (``experts.gate_up_proj``: experts x 2*intermediate x
 hidden, ``experts.down_proj``: experts x hidden x intermediate) instead of one Linear per
-expert, so peft's ``target_modules`` ("all-linear" included) never reaches them: only
-attention, shared experts and the router are adapted. peft adapts parameters directly
+expert, so a list of ``target_modules`` never reaches them: only attention, shared experts
+and the router are adapted. (peft 0.21 turns ``"all-linear"`` on such a model into expert
+``target_parameters`` by itself, so there the experts are adapted whatever
+``targetExperts`` says.) peft adapts parameters directly
 with ``target_parameters`` (its ``ParamWrapper``: one LoRA pair per parameter, rank
 ``r`` per expert). ``expert_parameter_targets`` finds those parameters by shape and
 place (3-D, inside a module whose name ends in ``experts``), so no per-family table is
