@@ -496,7 +496,8 @@ def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_cr
         for ns in (team_a, team_b):
             assert _exists(lab, "role", full, "-n", ns) and _exists(lab, "rolebinding", full, "-n", ns)
 
-        where = {"namespaced": lambda ns: ns, "cluster": lambda ns: None, "lease": lambda ns: release_ns}
+        where = {"namespaced": lambda ns: ns, "cluster": lambda ns: None, "lease": lambda ns: release_ns,
+                 "state": lambda ns: release_ns}
         missing = [
             f"{verb} {resource} in {where[scope](ns) or 'cluster'}"
             for verb, resource, sub, scope in expected_access(lease)

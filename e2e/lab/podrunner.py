@@ -545,6 +545,11 @@ class PodRun:
             lines.append("127.0.0.1 " + " ".join(hosts_names))
         hosts.write_text("\n".join(lines) + "\n")
         mounts.append({"source": str(hosts), "target": "/etc/hosts", "readOnly": True})
+        # What the image brings (the trainer package, imagebin/) stays visible even when a pod
+        # volume is mounted over a folder above it: the scratch emptyDir at /tmp hides a checkout
+        # under /tmp (a CI clone) otherwise, and the trainer cannot be imported.
+        for image_path in (TRAINER_PATH, IMAGE_BIN):
+            mounts.append({"source": str(image_path), "target": str(image_path), "readOnly": True})
         mounts.append({"source": str(run.message_file), "target": c.get("terminationMessagePath") or DEFAULT_TERMINATION_PATH,
                        "readOnly": False})
         argv = [expand(a, env) for a in (c.get("command") or []) + (c.get("args") or [])]

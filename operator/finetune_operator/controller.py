@@ -82,6 +82,8 @@ class Cluster:
         self._pool_lock = threading.Lock()
         # Nodes, GPU pods, the jobs' pods and training jobs, watched (start_cache); None: lists on every read.
         self.cache: ClusterCache | None = None
+        # None: every namespace; a namespaced install names the ones it watches (start_cache).
+        self.watched_namespaces: list[str] | None = None
         self._failed_pods: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
         self._failed_lock = threading.Lock()
         self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
@@ -220,6 +222,7 @@ class Cluster:
                     sync_timeout: float = 30.0) -> ClusterCache:
         """Watch nodes, GPU pods and the jobs' pods instead of listing them (informers.py); training-job
         kinds join with `cache.watch_children`. Reads fall back to the API until an informer has listed."""
+        self.watched_namespaces = namespaces
         self.cache = ClusterCache(self.core, self.custom, namespaces=namespaces, on_job=on_job,
                                   on_pod=lambda pod, deleted: self.remember_failed_pod(pod, deleted=deleted)).start()
         if not wait_synced(self.cache.all(), sync_timeout):
@@ -424,8 +427,13 @@ class Cluster:
                 return list(self._pool_cache[1])
             if self._pool_cache is None or now - self._pool_cache[0] > DISCOVERY_CACHE_SECONDS:
                 nodes = _json(self.core.list_node(_preload_content=False))["items"]
-                pods = _json(self.core.list_pod_for_all_namespaces(
-                    field_selector="status.phase!=Succeeded,status.phase!=Failed", _preload_content=False))["items"]
+                active = "status.phase!=Succeeded,status.phase!=Failed"
+                if self.watched_namespaces is None:
+                    pods = _json(self.core.list_pod_for_all_namespaces(
+                        field_selector=active, _preload_content=False))["items"]
+                else:  # a namespaced install reads pods only where it watches (informers.py)
+                    pods = [pod for ns in self.watched_namespaces for pod in _json(self.core.list_namespaced_pod(
+                        ns, field_selector=active, _preload_content=False))["items"]]
                 discovered = discover_pools(nodes, pods, policy)
                 self._pool_cache = (now, merge_pools(policy.catalog, discovered), None)
             return list(self._pool_cache[1])

@@ -240,18 +240,28 @@ def training_job_event(namespace: str, labels: dict[str, str], annotations: dict
     _enqueue(namespace, _job_name(labels, annotations))
 
 
+# The training-job kinds this ServiceAccount may list and watch (watch_training_jobs).
+_INFORMABLE: list[Any] = []
+
+
 def watch_training_jobs(cluster: Cluster, options: Options) -> list[str]:
     """Watch the training-job kinds the operator may list and watch (the chart grants each backend's RBAC
     only when the policy can use it): a watch kopf is forbidden would retry and log forever. Registered
     at startup, before kopf starts its watchers. Kinds whose CRD is installed later are picked up by
     kopf's CRD scan; the served kinds themselves are looked up by the reconciler (API discovery)."""
     watched = []
+    _INFORMABLE.clear()
     for backend in BACKENDS:
         namespaces = [None] if options.clusterwide else list(options.namespaces)
         if namespaces and all(cluster.may(verb, backend.group, backend.plural, ns)
                               for ns in namespaces for verb in ("list", "watch")):
             if getattr(cluster, "cache", None) is not None:
-                cluster.cache.watch_children(backend)  # informed: changes queue the job (informers.py)
+                # informed: changes queue the job (informers.py). A kind whose CRD is not served
+                # (yet) is informed once training_crd_event sees it installed: an informer on it
+                # would only log 404s.
+                _INFORMABLE.append(backend)
+                if backend in cluster.served_backends():
+                    cluster.cache.watch_children(backend)
             else:
                 kopf.on.event(backend.group, backend.version, backend.plural, id=f"{backend.plural}-event",
                               labels={JOB_LABEL: kopf.PRESENT})(training_job_event)
@@ -268,8 +278,14 @@ def training_crd_event(name: str, **_: Any) -> None:
     every job (one waiting with NoTrainingBackend starts now)."""
     if RUNTIME.reconciler is None:
         return
-    RUNTIME.reconciler.cluster.forget_served_backends()
+    cluster = RUNTIME.reconciler.cluster
+    cluster.forget_served_backends()
     log.info("CRD %s changed: looking up the training backends again", name)
+    if getattr(cluster, "cache", None) is not None:
+        served = cluster.served_backends()
+        for backend in _INFORMABLE:
+            if backend in served:
+                cluster.cache.watch_children(backend)  # no-op when already informed
     if RUNTIME.queue is not None:
         for key in list(RUNTIME.known):
             RUNTIME.queue.add(key)

@@ -396,8 +396,16 @@ class ClusterCache:
         self.namespaces = namespaces  # None: cluster-wide
         self.on_job, self.on_pod = on_job, on_pod
         self.nodes = Informer("nodes", core.list_node, project=node_facts)
-        self.gpu_pods = Informer("gpu-pods", core.list_pod_for_all_namespaces,
-                                 selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts)
+        # GPUs held by pods count against free capacity. A namespaced install may read pods only in
+        # its watched namespaces (its RBAC says so): there it counts those, and other tenants'
+        # pods stay unseen (the scheduler still decides; the plan's "free now" may be optimistic).
+        if namespaces is None:
+            self.gpu_pods = {None: Informer("gpu-pods", core.list_pod_for_all_namespaces,
+                                            selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts)}
+        else:
+            self.gpu_pods = {ns: Informer(f"gpu-pods[{ns}]", partial(core.list_namespaced_pod, ns),
+                                          selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts)
+                             for ns in namespaces}
         self.pods = self._scoped("pods", lambda ns: partial(core.list_namespaced_pod, ns),
                                  core.list_pod_for_all_namespaces, self._pod_changed)
         self.children: dict[str, dict[str | None, Informer]] = {}
@@ -412,7 +420,7 @@ class ClusterCache:
                              on_change=on_change) for ns in self.namespaces}
 
     def start(self) -> "ClusterCache":
-        for informer in (self.nodes, self.gpu_pods, *self.pods.values()):
+        for informer in (self.nodes, *self.gpu_pods.values(), *self.pods.values()):
             informer.start()
         return self
 
@@ -423,7 +431,7 @@ class ClusterCache:
     def all(self) -> list[Informer]:
         with self._lock:
             children = [i for scoped in self.children.values() for i in scoped.values()]
-        return [self.nodes, self.gpu_pods, *self.pods.values(), *children]
+        return [self.nodes, *self.gpu_pods.values(), *self.pods.values(), *children]
 
     def watch_children(self, backend: Any, *, start: bool = True) -> None:
         """Inform on a training-job kind (one the operator may list and watch)."""
@@ -456,11 +464,13 @@ class ClusterCache:
         informer = None if scoped is None else self._scope(scoped, namespace)
         return None if informer is None else informer.indexed((namespace, label))
 
-    def discovery_inputs(self) -> tuple[tuple[int, int], list[Obj], list[Obj]] | None:
+    def discovery_inputs(self) -> tuple[tuple[int, ...], list[Obj], list[Obj]] | None:
         """(versions, nodes, GPU pods) once both have listed: the versions change with every change."""
-        if not (self.nodes.synced.is_set() and self.gpu_pods.synced.is_set()):
+        gpu_pods = list(self.gpu_pods.values())
+        if not (self.nodes.synced.is_set() and all(i.synced.is_set() for i in gpu_pods)):
             return None
-        return (self.nodes.version, self.gpu_pods.version), self.nodes.items(), self.gpu_pods.items()
+        versions = (self.nodes.version, *(i.version for i in gpu_pods))
+        return versions, self.nodes.items(), [pod for i in gpu_pods for pod in i.items()]
 
     # -- the operator's own writes -------------------------------------------------
     def _informer_of(self, kind: str, namespace: str) -> Informer | None:

@@ -44,3 +44,42 @@ def test_namespaced_mode_asks_in_every_watched_namespace(registry):
     handlers.watch_training_jobs(cluster, handlers.Options(clusterwide=False, namespaces=("a", "b")))
     assert {ns for _, r, ns in cluster.asked if r == "pytorchjobs"} == {"a", "b"}
     assert _watched(registry) == {"pytorchjobs"}
+
+
+class InformedCluster(MayCluster):
+    """A cluster whose shell informs (informers.py): it serves `served` kinds now."""
+
+    def __init__(self, allowed, served) -> None:
+        super().__init__(allowed)
+        self.served = served
+        self.informed: list[str] = []
+        self.cache = self
+        self.forgotten = 0
+
+    def served_backends(self):
+        return tuple(b for b in handlers.BACKENDS if b.plural in self.served)
+
+    def forget_served_backends(self) -> None:
+        self.forgotten += 1
+
+    def watch_children(self, backend) -> None:
+        if backend.plural not in self.informed:
+            self.informed.append(backend.plural)
+
+
+def test_an_allowed_kind_is_informed_only_once_its_crd_is_served(registry, monkeypatch):
+    everything = {(v, r) for v in ("list", "watch") for r in ("pytorchjobs", "trainjobs")}
+    cluster = InformedCluster(everything, served={"pytorchjobs"})
+    handlers.watch_training_jobs(cluster, handlers.Options())
+    assert cluster.informed == ["pytorchjobs"]  # no informer on a kind the API server does not serve (404s)
+
+    class Reconciler:
+        pass
+
+    reconciler = Reconciler()
+    reconciler.cluster = cluster
+    monkeypatch.setattr(handlers.RUNTIME, "reconciler", reconciler)
+    monkeypatch.setattr(handlers.RUNTIME, "queue", None)
+    cluster.served = {"pytorchjobs", "trainjobs"}
+    handlers.training_crd_event(name="trainjobs.trainer.kubeflow.org")
+    assert cluster.forgotten == 1 and cluster.informed == ["pytorchjobs", "trainjobs"]

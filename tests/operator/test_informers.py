@@ -176,3 +176,36 @@ def test_free_gpus_come_from_informed_nodes_and_pods(monkeypatch):
         informer.step()
     [pool] = cluster.pools(policy)
     assert pool.free_gpus == 8
+
+
+def test_a_namespaced_install_counts_gpu_pods_of_its_namespaces_without_a_cluster_wide_read(monkeypatch):
+    """A namespaced install may read pods only in its watched namespaces (chart RBAC): the GPU-pod
+    informer and the fallback read list there, never cluster-wide (that was 403 Forbidden)."""
+    import finetune_operator.controller as controller
+
+    monkeypatch.setattr(controller, "DISCOVERY_REFRESH_SECONDS", 0.0)
+    kube = FakeKube()
+    kube.put("Node", {"metadata": {"name": "gpu-1", "namespace": "", "labels": {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "topology.kubernetes.io/region": "eu-de-berlin",
+        "karpenter.sh/nodepool": "h100-berlin"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "8", "memory": "2048Gi", "cpu": "192"},
+                   "conditions": [{"type": "Ready", "status": "True"}]}})
+    kube.put("Pod", pod("ours", job=None, gpus=3, namespace="team-a"))
+    kube.put("Pod", pod("theirs", job=None, gpus=2, namespace="team-b"))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a namespaced install listed pods cluster-wide")
+
+    monkeypatch.setattr(kube.core, "list_pod_for_all_namespaces", forbidden)
+    policy = load_policy({"allowedRegions": ["eu-de-berlin"]})
+    cluster = Cluster(mock.MagicMock())
+    cluster.core, cluster.custom = kube.core, kube.custom
+    cluster.watched_namespaces = ["team-a"]
+    [pool] = cluster.pools(policy)  # before the informers have listed: the API, per namespace
+    assert pool.free_gpus == 5
+    cluster.cache = ClusterCache(kube.core, kube.custom, namespaces=["team-a"])
+    for informer in cluster.cache.all():
+        informer.step()
+    cluster._pool_cache = None
+    [pool] = cluster.pools(policy)
+    assert pool.free_gpus == 5  # team-b's pod is not visible to this install
