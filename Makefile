@@ -21,8 +21,11 @@ demo: install
 	$(PYTHON) -m e2e.demo
 
 # Every test: fast unit tests and the end-to-end scenarios on the lab cluster (built on first use, cached).
+# The tests without the lab on two workers, then the lab scenarios one at a time (each lab
+# is heavy, and they share one session lab).
 test: install lab-build
-	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest
+	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m "not e2e" -n 2
+	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e
 
 test-fast: install
 	$(PYTHON) -m pytest -m "not e2e and not slow"
