@@ -87,45 +87,10 @@ def build_report(exc: BaseException, progress: Progress, attempt: int | None) ->
     )
 
 
-def write_report(report: FailureReport, path: str | Path) -> bool:
-    """Write ``report`` unless a rank sharing this container already wrote a specific one.
-
-    All local ranks share one termination message. The rank that fails first is the
-    cause; the others usually fail afterwards with collective errors (Unknown), so a
-    report already there is kept unless it is Unknown and ours is specific.
-    """
-    path = Path(path)
-    try:
-        with open(path, "a+") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            handle.seek(0)
-            existing = handle.read().strip()
-            if existing:
-                try:
-                    previous = json.loads(existing).get("reason")
-                except ValueError:
-                    previous = None
-                if previous and (previous != FailureReason.UNKNOWN.value or report.reason is FailureReason.UNKNOWN):
-                    return False
-            handle.seek(0)
-            handle.truncate()
-            handle.write(report.to_termination_message())
-            handle.flush()
-            return True
-    except OSError as exc:
-        log_json("warning", message=f"cannot write failure report to {path}: {exc}")
-        return False
-
-
-def build_success(progress: Progress, attempt: int | None) -> "SuccessReport":
-    from .contract import SuccessReport
-
-    return SuccessReport(steps=progress.step, rank=rank(), world_size=world_size(), attempt=attempt, **device_memory())
-
-
-def write_success(report: "SuccessReport", path: str | Path) -> bool:
-    """Write the success summary (measured peaks, which the operator learns its calibration from)
-    unless a failure report or a local rank with a higher peak already wrote one."""
+def _replace_unless(path: str | Path, text: str, keep_existing, what: str) -> bool:
+    """Write ``text`` to the termination message shared by all local ranks, under a file lock,
+    unless ``keep_existing(previous)`` says the document already there (parsed JSON, or {} when
+    it is not JSON) wins. True when ``text`` was written."""
     path = Path(path)
     try:
         with open(path, "a+") as handle:
@@ -137,14 +102,45 @@ def write_success(report: "SuccessReport", path: str | Path) -> bool:
                     previous = json.loads(existing)
                 except ValueError:
                     previous = {}
-                if previous.get("outcome") != "Succeeded" or (
-                        (previous.get("peakAllocatedBytes") or 0) >= (report.peak_allocated_bytes or 0)):
+                if keep_existing(previous if isinstance(previous, dict) else {}):
                     return False
             handle.seek(0)
             handle.truncate()
-            handle.write(report.to_termination_message())
+            handle.write(text)
             handle.flush()
             return True
     except OSError as exc:
-        log_json("warning", message=f"cannot write success report to {path}: {exc}")
+        log_json("warning", message=f"cannot write {what} to {path}: {exc}")
         return False
+
+
+def write_report(report: FailureReport, path: str | Path) -> bool:
+    """Write ``report`` unless a rank sharing this container already wrote a specific one.
+
+    All local ranks share one termination message. The rank that fails first is the
+    cause; the others usually fail afterwards with collective errors (Unknown), so a
+    report already there is kept unless it is Unknown and ours is specific.
+    """
+
+    def keep(previous: dict) -> bool:
+        reason = previous.get("reason")
+        return bool(reason) and (reason != FailureReason.UNKNOWN.value or report.reason is FailureReason.UNKNOWN)
+
+    return _replace_unless(path, report.to_termination_message(), keep, "failure report")
+
+
+def build_success(progress: Progress, attempt: int | None) -> "SuccessReport":
+    from .contract import SuccessReport
+
+    return SuccessReport(steps=progress.step, rank=rank(), world_size=world_size(), attempt=attempt, **device_memory())
+
+
+def write_success(report: "SuccessReport", path: str | Path) -> bool:
+    """Write the success summary (measured peaks, which the operator learns its calibration from)
+    unless a failure report or a local rank with a higher peak already wrote one."""
+
+    def keep(previous: dict) -> bool:
+        return previous.get("outcome") != "Succeeded" or (
+            (previous.get("peakAllocatedBytes") or 0) >= (report.peak_allocated_bytes or 0))
+
+    return _replace_unless(path, report.to_termination_message(), keep, "success report")
