@@ -12,18 +12,17 @@ create is answered AlreadyExists and the existing object is adopted), then event
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import heapq
 import json
 import logging
-import random
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -34,7 +33,7 @@ from .progress_poller import ProgressPoller
 from .summary import status_reason
 from .children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Child, admission_of, child_of,
                        controlled_by, owned_workload)
-from .planning.capacity import Claim, with_claims
+from .planning.capacity import Claim, Waiting, movers, with_claims
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
 from .informers import ClusterCache, wait_synced
@@ -55,16 +54,14 @@ DISCOVERY_CACHE_SECONDS = 5.0
 # With informers (informers.py) discovery reads memory: it runs again when a node or GPU pod changed,
 # at most this often (a burst of plans shares one look; the claim book counts what is in between).
 DISCOVERY_REFRESH_SECONDS = 0.5
+# A waiting job woken because another pool has room is not woken again for this long (it may stay).
+WAKE_REPEAT_SECONDS = 10.0
+WOKEN_MEMORY = 4096
 # Attempts whose failed pods are remembered (oldest forgotten first).
 FAILED_POD_MEMORY = 512
 # The same event again within this time updates the first one's count (client-go: 10 minutes).
 EVENT_AGGREGATION_SECONDS = 600.0
 EVENT_MEMORY = 4096
-# Retries of a reconcile that met a transient error.
-BASE_BACKOFF_SECONDS = 0.5
-MAX_BACKOFF_SECONDS = 30.0
-# What a dead or restarting API server looks like to the client.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
 
 
 def _json(response: Any) -> dict[str, Any]:
@@ -219,12 +216,13 @@ class Cluster:
         return self.get_training_job(backend, namespace, name)
 
     def start_cache(self, namespaces: list[str] | None, on_job: Callable[[str, str], None] | None,
-                    sync_timeout: float = 30.0) -> ClusterCache:
+                    sync_timeout: float = 30.0, on_capacity: Callable[[], None] | None = None) -> ClusterCache:
         """Watch nodes, GPU pods and the jobs' pods instead of listing them (informers.py); training-job
         kinds join with `cache.watch_children`. Reads fall back to the API until an informer has listed."""
         self.watched_namespaces = namespaces
         self.cache = ClusterCache(self.core, self.custom, namespaces=namespaces, on_job=on_job,
-                                  on_pod=lambda pod, deleted: self.remember_failed_pod(pod, deleted=deleted)).start()
+                                  on_pod=lambda pod, deleted: self.remember_failed_pod(pod, deleted=deleted),
+                                  on_capacity=on_capacity).start()
         if not wait_synced(self.cache.all(), sync_timeout):
             log.warning("informers not listed after %.0f s; reading the API directly until they have", sync_timeout)
         return self.cache
@@ -415,6 +413,21 @@ class Cluster:
     # -- pools --------------------------------------------------------------
     def pools(self, policy: ClusterPolicy) -> list[NodePool]:
         """Catalog pools merged with what the Node objects show now (cached a few seconds)."""
+        return self.pool_snapshot(policy)[0]
+
+    def gpu_pods_counted(self, pods: list[dict[str, Any]]) -> bool:
+        """Whether discovery's inputs hold these (bound) pods, so a snapshot made from now on counts
+        their GPUs. Without informers the next list sees them."""
+        if self.cache is None:
+            return True
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if self.cache.holds_gpu_pod(meta.get("namespace") or "", meta.get("name") or "") is False:
+                return False
+        return True
+
+    def pool_snapshot(self, policy: ClusterPolicy) -> tuple[list[NodePool], float]:
+        """The pools and when (time.monotonic()) the look they come from was taken."""
         with self._pool_lock:
             now = time.monotonic()
             informed = self.cache.discovery_inputs() if self.cache is not None else None
@@ -424,7 +437,7 @@ class Cluster:
                 if seen is None or (seen[2] != (versions, id(policy)) and now - seen[0] > DISCOVERY_REFRESH_SECONDS):
                     self._pool_cache = (now, merge_pools(policy.catalog, discover_pools(nodes, pods, policy)),
                                         (versions, id(policy)))
-                return list(self._pool_cache[1])
+                return list(self._pool_cache[1]), self._pool_cache[0]
             if self._pool_cache is None or now - self._pool_cache[0] > DISCOVERY_CACHE_SECONDS:
                 nodes = _json(self.core.list_node(_preload_content=False))["items"]
                 active = "status.phase!=Succeeded,status.phase!=Failed"
@@ -436,7 +449,7 @@ class Cluster:
                         ns, field_selector=active, _preload_content=False))["items"]]
                 discovered = discover_pools(nodes, pods, policy)
                 self._pool_cache = (now, merge_pools(policy.catalog, discovered), None)
-            return list(self._pool_cache[1])
+            return list(self._pool_cache[1]), self._pool_cache[0]
 
     # -- events -------------------------------------------------------------
     def post_event(self, job_body: dict[str, Any], event: lifecycle.Event) -> None:
@@ -512,12 +525,17 @@ class Reconciler:
     profiles: Any = None
     # The learned memory calibration (calibration_store.py); None: plans use the built-in model only.
     calibration: Any = None
+    # The resourceVersions of our own status writes (handlers.py skips their watch events).
+    own_writes: OwnWrites = field(default_factory=lambda: OwnWrites())
+    _placement: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _woken: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)  # waiting_to_wake's memory
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """One look at one job. Returns seconds until the next look, or None (wait for events)."""
         body = self.cluster.get_job(namespace, name)
         if body is None:
             self.claims.forget((namespace, name))
+            self.own_writes.forget((namespace, name))
             if self.progress is not None:
                 self.progress.forget((namespace, name))
             return None
@@ -555,8 +573,6 @@ class Reconciler:
             foreign = self.cluster.foreign_objects(namespace, attempt_name(name, status.current_attempt), uid, backends)
         # Planning reads every node (cached); a running attempt does not need it.
         needs_plan = current is None or current.state in ("Failed", "Pending")
-        # Free GPUs count what other jobs' attempts already ask for and nodes do not show yet.
-        pools = with_claims(self.cluster.pools(policy), self.claims.others((namespace, name))) if needs_plan else []
         unusable: dict[str, str] = {}
         if needs_plan and TRAIN_JOB in backends and policy.training_backend != PYTORCHJOB \
                 and not self.cluster.runtime_exists(policy.train_job_runtime):
@@ -569,21 +585,56 @@ class Reconciler:
             except ApiException as error:
                 if error.status not in (403, 404):  # Kueue not installed (or not readable): run unqueued
                     raise
-        observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
-                                      foreign=foreign, invalid=problems, model_config=model_config,
-                                      waiting_for=waiting_for, backends=backends, default_queue=default_queue,
-                                      unusable=unusable,
-                                      profile=self.profiles.observe(job, model_config) if self.profiles else None,
-                                      learned=self.calibration.read() if self.calibration is not None else {})
-        decision = lifecycle.step(observed)
-        self._apply(body, job=job, decision=decision, policy=policy, current=current)
+        profile = self.profiles.observe(job, model_config) if self.profiles else None
+        learned = self.calibration.read() if self.calibration is not None else {}
+        key = (namespace, name)
+        regions = frozenset(job.spec.placement.regions) & frozenset(policy.allowed_regions)
+        held_before = self.claims.get(key)
+        # A decision that plans reads free GPUs and claims them in one step: two plans made at once
+        # would otherwise both take the same free GPUs (the scheduler's "assume" before its bind).
+        with self._placement if needs_plan else contextlib.nullcontext():
+            pools: list[NodePool] = []
+            if needs_plan:
+                # Free GPUs count what other jobs' attempts already ask for and nodes do not show yet.
+                snapshot, as_of = self.cluster.pool_snapshot(policy)
+                pools = with_claims(snapshot, self.claims.others(key, as_of))
+            observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
+                                          foreign=foreign, invalid=problems, model_config=model_config,
+                                          waiting_for=waiting_for, backends=backends, default_queue=default_queue,
+                                          unusable=unusable, profile=profile, learned=learned)
+            decision = lifecycle.step(observed)
+            self.claims.note(key, decision, current, pods, regions, self.cluster.gpu_pods_counted)
+        try:
+            self._apply(body, job=job, decision=decision, policy=policy, current=current)
+        except BaseException:
+            self.claims.restore(key, held_before)  # the decision did not happen
+            raise
         if self.calibration is not None and decision.learned:
             self.calibration.write(decision.learned)  # after the status: a run is learned at most once
-        self.claims.note((namespace, name), decision, current, pods)
         if self.progress is not None:  # memory only: which log to follow now
             self.progress.track((namespace, name), progress.target_of(namespace, name, decision.status, pods))
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
         return decision.requeue_after
+
+    def waiting_to_wake(self) -> list[tuple[str, str]]:
+        """Jobs whose attempts wait for a node while another pool in their regions has room now
+        (capacity.movers): their reconcile may move them there. Each is named at most once every
+        WAKE_REPEAT_SECONDS: one that stays (its plan prefers to wait) is not woken on every change."""
+        policy = self.policy.get()
+        snapshot, as_of = self.cluster.pool_snapshot(policy)
+        now = time.monotonic()
+        with self._placement:
+            pools = with_claims(snapshot, self.claims.others(None, as_of))
+            waiting = [Waiting(key, held.claim, held.regions, now - held.waiting_since)
+                       for key, held in self.claims.waiting()
+                       if now - self._woken.get(key, -math.inf) >= WAKE_REPEAT_SECONDS]
+        woken = movers(pools, waiting, min_wait_seconds=policy.unschedulable_timeout_seconds)
+        for key in woken:
+            self._woken[key] = now
+        if len(self._woken) > WOKEN_MEMORY:
+            for key in [k for k, at in self._woken.items() if now - at >= WAKE_REPEAT_SECONDS]:
+                del self._woken[key]
+        return woken
 
     def _status_unreadable(self, body: dict[str, Any], problem: str, now: datetime) -> None:
         """A status the operator cannot understand: say so on a condition and touch nothing else,
@@ -634,7 +685,15 @@ class Reconciler:
         reads correctly (see children.py)."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         uid = body["metadata"].get("uid")
-        stored = self.cluster.replace_job_status(body, _status_json(decision.status))
+        written = _status_json(decision.status)
+        if written == body.get("status") and not (decision.create or decision.delete or decision.set_suspend is not None):
+            # Nothing changed and nothing to do (a job waiting in line, looked at again): a PUT would be
+            # a no-op the API server still has to serve, a thousand times per resync at scale. Any
+            # create or delete still goes after a write: its resourceVersion guard proves the read current.
+            stored = body
+        else:
+            stored = self.cluster.replace_job_status(body, written)
+            self.own_writes.note((namespace, name), stored)
         for ref in decision.delete:
             self.cluster.delete(namespace, ref, uid)
         try:
@@ -669,51 +728,120 @@ class Reconciler:
                                         "NameConflict", message)
         else:
             refused = lifecycle.create_refused(job, decision.status, policy, now, kind, name, message)
-        self.cluster.replace_job_status(stored, _status_json(refused.status))
+        rewritten = self.cluster.replace_job_status(stored, _status_json(refused.status))
+        self.own_writes.note((job.metadata.namespace or "", job.metadata.name), rewritten)
         refused.events = decision.events + refused.events
         return refused
+
+
+class OwnWrites:
+    """The resourceVersion of each job's last status the operator wrote itself. The watch event of
+    that write shows the job as the reconcile that wrote it left it: reconciling it again would only
+    read and compare (at a thousand jobs, one wasted reconcile per write). Any other change has
+    another resourceVersion."""
+
+    def __init__(self) -> None:
+        self._written: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def note(self, key: tuple[str, str], stored: dict[str, Any]) -> None:
+        version = (stored.get("metadata") or {}).get("resourceVersion")
+        with self._lock:
+            if version:
+                self._written[key] = version
+            else:
+                self._written.pop(key, None)
+
+    def is_own(self, key: tuple[str, str], body: dict[str, Any]) -> bool:
+        """Whether `body` is the job as the operator's last status write stored it."""
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        with self._lock:
+            return version is not None and self._written.get(key) == version
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._written.pop(key, None)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One job's claim, with what wake-ups need: where the job may run and how long it has waited."""
+
+    claim: Claim
+    regions: frozenset[str]  # the regions the job may use (spec and policy)
+    waiting_since: float | None = None  # time.monotonic() its pods were first seen unbound (None: none yet)
+    counted_since: float | None = None  # when discovery's inputs first held all its pods (bound)
 
 
 class ClaimBook:
     """The GPUs each job's current attempt asks for that the nodes may not show yet (planning/
     capacity.py). Kept from one reconcile of a job to the next, read by the planning of others.
+    A claim is noted when the decision is made (before its writes, under the reconciler's placement
+    lock: two plans made at once must not take the same free GPUs), and dropped once a pool
+    snapshot made after discovery's inputs held the attempt's bound pods counts them: before that
+    the GPUs are missing, after it they would be counted twice.
     After a restart it fills again as every job is reconciled once."""
 
     def __init__(self) -> None:
-        self._claims: dict[tuple[str, str], tuple[Claim, float | None]] = {}
+        self._held: dict[tuple[str, str], Held] = {}
         self._lock = threading.Lock()
 
     def forget(self, key: tuple[str, str]) -> None:
         with self._lock:
-            self._claims.pop(key, None)
+            self._held.pop(key, None)
 
-    def others(self, key: tuple[str, str]) -> list[Claim]:
+    def get(self, key: tuple[str, str]) -> Held | None:
         with self._lock:
-            return [claim for other, (claim, _) in self._claims.items() if other != key]
+            return self._held.get(key)
+
+    def restore(self, key: tuple[str, str], held: Held | None) -> None:
+        """Put back what was held before a decision whose writes failed."""
+        with self._lock:
+            if held is None:
+                self._held.pop(key, None)
+            else:
+                self._held[key] = held
+
+    def others(self, key: tuple[str, str] | None, as_of: float = math.inf) -> list[Claim]:
+        """The claims of jobs other than `key` (None: every job) that a pool snapshot taken at
+        `as_of` does not count yet."""
+        with self._lock:
+            return [h.claim for other, h in self._held.items()
+                    if other != key and (h.counted_since is None or h.counted_since > as_of)]
+
+    def waiting(self) -> list[tuple[tuple[str, str], Held]]:
+        """Jobs whose attempt's pods wait for a node, longest waiting first."""
+        with self._lock:
+            found = [(k, h) for k, h in self._held.items() if h.waiting_since is not None]
+        return sorted(found, key=lambda item: item[1].waiting_since)
 
     def note(self, key: tuple[str, str], decision: lifecycle.Decision, current: Child | None,
-             pods: list[dict[str, Any]]) -> None:
-        """After a reconcile: does the job's attempt still ask for GPUs discovery may not count?"""
+             pods: list[dict[str, Any]], regions: frozenset[str], counted: Callable[[list[dict[str, Any]]], bool]) -> None:
+        """After a decision: does the job's attempt still ask for GPUs discovery may not count?
+        `counted(pods)`: whether discovery's inputs hold these bound pods (Cluster.gpu_pods_counted)."""
         status, plan = decision.status, decision.status.plan
+        now = time.monotonic()
         with self._lock:
+            previous = self._held.get(key)
             if plan is None or status.phase in ("Succeeded", "Failed", "Suspended", "Queued", "Pending"):
-                self._claims.pop(key, None)  # nothing asks; a queue (Kueue) owns admission
+                self._held.pop(key, None)  # nothing asks; a queue (Kueue) owns admission
                 return
             claim = Claim(plan.node_pool, plan.nodes, plan.gpus_per_node)
+            same = previous is not None and previous.claim == claim and not decision.create
             attempt_pods = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL)
                             == str(status.current_attempt)]
-            bound = sum(1 for p in attempt_pods if (p.get("spec") or {}).get("nodeName"))
-            created_now = bool(decision.create)
-            if created_now or current is None or bound < plan.nodes:
-                self._claims[key] = (claim, None)
+            bound = [p for p in attempt_pods if (p.get("spec") or {}).get("nodeName")]
+            if decision.create or current is None or len(bound) < plan.nodes:
+                # Planned, or pods not all bound: they wait for a node (or for being created).
+                waiting = previous.waiting_since if same and previous.waiting_since is not None else None
+                if waiting is None and not decision.create and current is not None:
+                    waiting = now
+                self._held[key] = Held(claim, regions, waiting_since=waiting)
                 return
-            # All pods are bound: discovery counts them once its cache is refreshed.
-            previous = self._claims.get(key)
-            since = previous[1] if previous is not None and previous[1] is not None else time.monotonic()
-            if time.monotonic() - since > DISCOVERY_CACHE_SECONDS:
-                self._claims.pop(key, None)
-            else:
-                self._claims[key] = (claim, since)
+            counted_since = previous.counted_since if same else None
+            if counted_since is None and counted(bound):
+                counted_since = now
+            self._held[key] = Held(claim, regions, counted_since=counted_since)
 
 
 class ForeignObject(Exception):
@@ -795,122 +923,3 @@ def _has_failed_container(pod: dict[str, Any]) -> bool:
             if terminated.get("exitCode") not in (None, 0):
                 return True
     return False
-
-
-class WorkQueue:
-    """Keys to reconcile, each worked on by one thread at a time, some after a delay (like client-go's)."""
-
-    def __init__(self, handle: Callable[[tuple[str, str]], float | None], workers: int = 4) -> None:
-        self._handle = handle
-        self._heap: list[tuple[float, int, tuple[str, str]]] = []
-        self._due: dict[tuple[str, str], float] = {}  # the earliest time each queued key is due
-        self._busy: set[tuple[str, str]] = set()
-        self._counter = 0
-        self._cv = threading.Condition()
-        self._stopped = False
-        self._active = True  # False while another replica leads: keys wait, nothing is reconciled
-        self._failures: dict[tuple[str, str], int] = {}
-        self._threads = [threading.Thread(target=self._work, name=f"reconcile-{i}", daemon=True) for i in range(workers)]
-
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-        for thread in self._threads:
-            thread.join(timeout=10)
-
-    def _backoff(self, key: tuple[str, str]) -> float:
-        """Exponential backoff per key with full jitter, like client-go's rate limiter: 0.5 s
-        doubling to 30 s, so an API-server restart is not hammered by every job at once."""
-        failures = self._failures[key] = self._failures.get(key, 0) + 1
-        ceiling = min(MAX_BACKOFF_SECONDS, BASE_BACKOFF_SECONDS * 2 ** (failures - 1))
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
-
-    def set_active(self, active: bool) -> None:
-        """Hand out keys (this replica leads) or hold them (it does not)."""
-        with self._cv:
-            self._active = active
-            self._cv.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no reconcile is running; False when `timeout` passed first."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(timeout=left)
-            return True
-
-    def add(self, key: tuple[str, str], delay: float = 0.0) -> None:
-        when = time.monotonic() + max(delay, 0.0)
-        with self._cv:
-            current = self._due.get(key)
-            if current is not None and current <= when:
-                return  # already due sooner
-            self._due[key] = when
-            self._counter += 1
-            heapq.heappush(self._heap, (when, self._counter, key))
-            self._cv.notify()
-
-    def _next(self) -> tuple[str, str] | None:
-        with self._cv:
-            while not self._stopped:
-                if not self._active:
-                    self._cv.wait(timeout=1.0)
-                    continue
-                now = time.monotonic()
-                ready = None
-                for index, (when, _, key) in enumerate(sorted(self._heap)):
-                    if when > now:
-                        break
-                    if self._due.get(key) == when and key not in self._busy:
-                        ready = (when, key)
-                        break
-                if ready is not None:
-                    when, key = ready
-                    self._heap = [entry for entry in self._heap if entry[2] != key or entry[0] != when]
-                    heapq.heapify(self._heap)
-                    del self._due[key]
-                    self._busy.add(key)
-                    return key
-                # Drop stale entries; wait for the next due time (busy keys wake us when done).
-                self._heap = [e for e in self._heap if self._due.get(e[2]) == e[0]]
-                heapq.heapify(self._heap)
-                future = [e[0] for e in self._heap if e[0] > now]
-                self._cv.wait(timeout=(min(future) - now) if future else 1.0)
-            return None
-
-    def _work(self) -> None:
-        while True:
-            key = self._next()
-            if key is None:
-                return
-            delay: float | None = None
-            try:
-                delay = self._handle(key)
-                self._failures.pop(key, None)
-            except ApiException as error:
-                if error.status == 409:  # the job changed under us: read it again now
-                    delay = 0.0
-                else:
-                    delay = self._backoff(key)
-                    log.warning("reconcile %s/%s: API error %s %s; retrying in %.1f s", *key, error.status, error.reason, delay)
-            except TRANSIENT_ERRORS as error:
-                # The API server is away (a restart, a network blip): one line, not a traceback.
-                delay = self._backoff(key)
-                log.warning("reconcile %s/%s: API unreachable (%s); retrying in %.1f s", *key,
-                            type(error).__name__, delay)
-            except Exception:  # a bug must not kill the worker; the job is retried with backoff
-                log.exception("reconcile %s/%s failed; retrying", *key)
-                delay = 30.0
-            with self._cv:
-                self._busy.discard(key)
-                self._cv.notify_all()
-            if delay is not None:
-                self.add(key, delay)

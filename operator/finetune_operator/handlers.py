@@ -2,7 +2,7 @@
 
 Every FineTuneJob event (kopf) and every change of a job's pods or training jobs (the
 informers of `informers.py`, which also keep what the reconciler reads in memory) puts the
-job's key on the work queue (`controller.WorkQueue`); the queue runs `Reconciler.reconcile`,
+job's key on the work queue (`workqueue.WorkQueue`); the queue runs `Reconciler.reconcile`,
 which reads the world, calls the pure lifecycle and writes the result. No kopf handler keeps progress on the
 object and none needs a finalizer: children go by ownerReference.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,8 @@ from kubernetes import client, config
 from . import api, metrics
 from .calibration_store import CalibrationStore
 from .profiling_shell import ProfileShell
-from .controller import Cluster, PolicyHolder, Reconciler, WorkQueue
+from .controller import Cluster, PolicyHolder, Reconciler
+from .workqueue import WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
 from .progress_poller import (DEFAULT_INTERVAL_SECONDS, PollerSettings, ProgressOnlyChanges, ProgressPoller,
@@ -70,6 +70,8 @@ class Runtime:
     leadership: Leadership | None = None
     progress: ProgressPoller | None = None
     progress_only: ProgressOnlyChanges = field(default_factory=ProgressOnlyChanges)
+    # Set by the node and GPU-pod informers: GPUs may have freed up (see _wake_waiting).
+    capacity_changed: threading.Event = field(default_factory=threading.Event)
 
 
 RUNTIME = Runtime()
@@ -125,7 +127,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.policy.set(_read_policy(cluster, options))
     # Nodes, GPU pods, our pods and training jobs are informed (informers.py): reads come from memory
     # and every change queues its job. Every replica informs, so a standby takes over with a warm cache.
-    cluster.start_cache(None if options.clusterwide else list(options.namespaces), on_job=_enqueue)
+    cluster.start_cache(None if options.clusterwide else list(options.namespaces), on_job=_enqueue,
+                        on_capacity=RUNTIME.capacity_changed.set)
     watch_training_jobs(cluster, options)
     if options.progress_interval > 0:
         RUNTIME.progress = ProgressPoller(read_pod_log(cluster.core), patch_progress(cluster.custom),
@@ -143,6 +146,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
             on_started=_lead, on_stopped=_follow)
         RUNTIME.leadership.start()
     RUNTIME.queue.start()
+    threading.Thread(target=_wake_waiting, args=(RUNTIME.stop,), name="wake-waiting", daemon=True).start()
     if options.policy_configmap:
         threading.Thread(target=_poll_policy, args=(cluster, options, RUNTIME.stop), name="policy", daemon=True).start()
     if options.metrics_port:
@@ -155,8 +159,10 @@ def _lead() -> None:
     if RUNTIME.queue is None:
         return
     RUNTIME.queue.set_active(True)
+    # Every known job once, behind whatever happens now: a job applied while the leader was away
+    # (queued urgent by its event) gets its child first, not after hundreds of look-agains.
     for key in list(RUNTIME.known):
-        RUNTIME.queue.add(key)
+        RUNTIME.queue.add(key, urgent=False)
 
 
 def _follow() -> None:
@@ -224,8 +230,11 @@ def finetunejob_event(event: dict[str, Any], namespace: str, name: str, status: 
         metrics.track_phase(namespace, name, None)
         return
     metrics.track_phase(namespace, name, (status or {}).get("phase") or "Pending", status=status)
-    # A progress write (progress_poller.py) changes only status.progress: nothing to reconcile.
-    if RUNTIME.progress_only.only_progress((namespace, name), event.get("object") or {}):
+    # A progress write (progress_poller.py) changes only status.progress, and our own status write
+    # shows what its reconcile left: nothing to reconcile.
+    body = event.get("object") or {}
+    only_progress = RUNTIME.progress_only.only_progress((namespace, name), body)
+    if only_progress or (RUNTIME.reconciler is not None and RUNTIME.reconciler.own_writes.is_own((namespace, name), body)):
         RUNTIME.known.add((namespace, name))
         return
     _enqueue(namespace, name)
@@ -288,7 +297,7 @@ def training_crd_event(name: str, **_: Any) -> None:
                 cluster.cache.watch_children(backend)  # no-op when already informed
     if RUNTIME.queue is not None:
         for key in list(RUNTIME.known):
-            RUNTIME.queue.add(key)
+            RUNTIME.queue.add(key, urgent=False)
 
 
 @kopf.on.event("", "v1", "configmaps", when=lambda name, namespace, **_: (
@@ -316,7 +325,32 @@ def apply_policy_text(text: str | None) -> None:
     log.info("policy reloaded: regions %s, %d catalog pools", policy.allowed_regions, len(policy.catalog))
     if RUNTIME.queue is not None:
         for key in list(RUNTIME.known):
-            RUNTIME.queue.add(key)
+            RUNTIME.queue.add(key, urgent=False)
+
+
+# A burst of node and pod changes (a wave of pods ending) is looked at once, this long after the first.
+WAKE_DEBOUNCE_SECONDS = 0.2
+# Looked at this often anyway: a waiting attempt passes the policy's bound without any change.
+WAKE_INTERVAL_SECONDS = 5.0
+
+
+def _wake_waiting(stop: threading.Event) -> None:
+    """Wake the jobs whose attempts wait for a node when another pool in their regions has room
+    (Reconciler.waiting_to_wake): GPUs freed in one region must not idle while another region's
+    line waits for its next resync. Only the leader looks; the reconcile decides the move."""
+    while not stop.is_set():
+        RUNTIME.capacity_changed.wait(WAKE_INTERVAL_SECONDS)
+        if stop.wait(WAKE_DEBOUNCE_SECONDS):
+            return
+        RUNTIME.capacity_changed.clear()
+        queue, reconciler = RUNTIME.queue, RUNTIME.reconciler
+        if queue is None or reconciler is None or not queue.active:
+            continue
+        try:
+            for key in reconciler.waiting_to_wake():
+                queue.add(key)
+        except Exception as error:  # memory only, but never let the thread die
+            log.warning("could not look for waiting jobs to move: %r", error)
 
 
 def _poll_policy(cluster: Cluster, options: Options, stop: threading.Event) -> None:

@@ -386,25 +386,29 @@ class ClusterCache:
     Cluster-wide: nodes and pods that hold GPUs (for free GPUs). Cluster-wide or per watched
     namespace: the pods and training jobs that carry the job label (label-selected by the API
     server). `on_job(namespace, name)` is called for every change of a job's pod or training job
-    (after the store holds it); `on_pod(pod, deleted)` first, for every change of a job's pod.
+    (after the store holds it); `on_pod(pod, deleted)` first, for every change of a job's pod;
+    `on_capacity()` for every change of a node or of a pod that holds GPUs.
     """
 
     def __init__(self, core: Any, custom: Any, *, namespaces: list[str] | None = None,
                  on_job: Callable[[str, str], None] | None = None,
-                 on_pod: Callable[[Obj, bool], None] | None = None) -> None:
+                 on_pod: Callable[[Obj, bool], None] | None = None,
+                 on_capacity: Callable[[], None] | None = None) -> None:
         self.core, self.custom = core, custom
         self.namespaces = namespaces  # None: cluster-wide
-        self.on_job, self.on_pod = on_job, on_pod
-        self.nodes = Informer("nodes", core.list_node, project=node_facts)
+        self.on_job, self.on_pod, self.on_capacity = on_job, on_pod, on_capacity
+        self.nodes = Informer("nodes", core.list_node, project=node_facts, on_change=self._capacity_changed)
         # GPUs held by pods count against free capacity. A namespaced install may read pods only in
         # its watched namespaces (its RBAC says so): there it counts those, and other tenants'
         # pods stay unseen (the scheduler still decides; the plan's "free now" may be optimistic).
         if namespaces is None:
             self.gpu_pods = {None: Informer("gpu-pods", core.list_pod_for_all_namespaces,
-                                            selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts)}
+                                            selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts,
+                                            on_change=self._capacity_changed)}
         else:
             self.gpu_pods = {ns: Informer(f"gpu-pods[{ns}]", partial(core.list_namespaced_pod, ns),
-                                          selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts)
+                                          selectors={"field_selector": ACTIVE_PODS}, project=gpu_pod_facts,
+                                          on_change=self._capacity_changed)
                              for ns in namespaces}
         self.pods = self._scoped("pods", lambda ns: partial(core.list_namespaced_pod, ns),
                                  core.list_pod_for_all_namespaces, self._pod_changed)
@@ -472,6 +476,14 @@ class ClusterCache:
         versions = (self.nodes.version, *(i.version for i in gpu_pods))
         return versions, self.nodes.items(), [pod for i in gpu_pods for pod in i.items()]
 
+    def holds_gpu_pod(self, namespace: str, name: str) -> bool | None:
+        """Whether discovery's store counts the pod (bound to a node and not finished); None: the GPU
+        pods are not informed (yet)."""
+        informer = _pick(self.gpu_pods, namespace)
+        if informer is None or not informer.synced.is_set():
+            return None
+        return informer.get(namespace, name) is not None
+
     # -- the operator's own writes -------------------------------------------------
     def _informer_of(self, kind: str, namespace: str) -> Informer | None:
         if kind == "Pod":
@@ -492,6 +504,11 @@ class ClusterCache:
             informer.note_deleted(namespace, name)
 
     # -- changes -------------------------------------------------------------------
+    def _capacity_changed(self, kind: str, obj: Obj) -> None:
+        """A node or a pod holding GPUs changed (GPUs may have freed up)."""
+        if self.on_capacity is not None:
+            self.on_capacity()
+
     def _pod_changed(self, kind: str, pod: Obj) -> None:
         if self.on_pod is not None:
             self.on_pod(pod, kind == "DELETED")

@@ -333,6 +333,11 @@ def test_a_slow_or_failing_log_read_never_blocks_or_breaks_a_reconcile():
         assert world.status["phase"] == "Running"
     finally:
         release.set()
+        # The released read fails on the poller's thread: wait for it to be counted (stop() does
+        # not wait for a read in flight; asserting at once failed under load).
+        deadline = time.monotonic() + 10
+        while world.poller.stats["read_errors"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         world.poller.stop()
     assert "progress" not in world.status
     assert world.poller.stats["read_errors"] >= 1

@@ -3,6 +3,10 @@ refused creates, and a stateful property test over random histories of faults.""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -421,3 +425,49 @@ def test_an_attempt_just_planned_counts_against_the_free_gpus_of_the_next_plan()
     world.reconciler.reconcile(NAMESPACE, "second")
     second = world.kube.get("FineTuneJob", NAMESPACE, "second")["status"]["plan"]
     assert not (second["nodePool"] == first["nodePool"] and second["needsScaleUp"] is False), (first, second)
+
+
+def test_a_look_that_changes_nothing_writes_nothing_and_our_own_write_is_known():
+    world = ReconcileWorld(job_document())
+    world.reconcile()
+    child = world.newest_child()
+    world.run(child)
+    world.reconcile()
+    writes = len(world.kube.writes)
+    # Running, nothing new: looking again costs no write (a PUT of the same status was one per resync).
+    world.reconcile()
+    world.reconcile()
+    assert len(world.kube.writes) == writes, world.kube.writes[writes:]
+    # The job as our last status write stored it is ours; any other change is not.
+    assert world.reconciler.own_writes.is_own((NAMESPACE, world.name), world.job)
+    world.kube.touch(world.job)
+    assert not world.reconciler.own_writes.is_own((NAMESPACE, world.name), world.job)
+
+
+def test_a_claim_holds_until_discovery_counts_the_bound_pods_then_goes():
+    """The GPUs of an attempt are counted once: as a claim until discovery's inputs hold its bound
+    pods and a pool snapshot made after that counts them, then only by discovery."""
+    from finetune_operator.controller import ClaimBook
+
+    book = ClaimBook()
+    key = (NAMESPACE, "job")
+    plan = SimpleNamespace(node_pool="h100-berlin", nodes=1, gpus_per_node=2)
+    status = SimpleNamespace(phase="Launching", current_attempt=1, plan=plan)
+    decision = SimpleNamespace(status=status, create=[{"kind": "PyTorchJob"}])
+    regions = frozenset({"eu-de-berlin"})
+    book.note(key, decision, None, [], regions, counted=lambda pods: True)
+    assert book.others(None) and not book.others(key)
+    assert book.waiting() == []  # just created: not waiting yet
+    pod = {"metadata": {"name": "p", "namespace": NAMESPACE, "labels": {ATTEMPT_LABEL: "1"}}, "spec": {}}
+    child = mock.MagicMock()
+    steady = SimpleNamespace(status=status, create=[])
+    book.note(key, steady, child, [pod], regions, counted=lambda pods: True)
+    [(waiting_key, held)] = book.waiting()
+    assert waiting_key == key and held.waiting_since is not None
+    bound = dict(pod, spec={"nodeName": "n1"})
+    book.note(key, steady, child, [bound], regions, counted=lambda pods: False)
+    assert book.others(None, as_of=time.monotonic() + 60), "discovery does not hold the pods yet: still claimed"
+    book.note(key, steady, child, [bound], regions, counted=lambda pods: True)
+    counted_at = book.get(key).counted_since
+    assert book.others(None, as_of=counted_at - 1), "a snapshot older than the count does not see them"
+    assert not book.others(None, as_of=counted_at), "a snapshot made since counts them: no second count"

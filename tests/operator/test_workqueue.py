@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from finetune_operator.controller import WorkQueue
+from finetune_operator.workqueue import WorkQueue
 
 
 def _run(queue: WorkQueue, seconds: float) -> None:
@@ -86,3 +86,83 @@ def test_a_failing_reconcile_is_retried_not_fatal():
     queue.stop()
     assert calls == ["bad", "good"]  # "bad" is retried only after its 30 s backoff
 
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _queue_on(clock, monkeypatch) -> WorkQueue:
+    """A queue with no worker threads, on a clock the test moves: _next/_done are called by hand."""
+    import finetune_operator.workqueue as wq
+
+    monkeypatch.setattr(wq, "time", clock)
+    return WorkQueue(lambda key: None, workers=0)
+
+
+def test_a_job_that_something_happened_to_goes_before_every_look_again(monkeypatch):
+    """A new leader queues every known job as a look-again; a job applied meanwhile (its event is
+    urgent) is handed out first, and the look-agains then in the order they came."""
+    queue = _queue_on(_Clock(), monkeypatch)
+    for i in range(300):
+        queue.add(("ns", f"known-{i}"), urgent=False)
+    queue.add(("ns", "new"))
+    assert queue._next() == ("ns", "new")
+    assert [queue._next() for _ in range(3)] == [("ns", "known-0"), ("ns", "known-1"), ("ns", "known-2")]
+    # A look-again that something then happens to is promoted, and handed out once.
+    queue.add(("ns", "known-200"))
+    assert queue._next() == ("ns", "known-200")
+    handed = [queue._next() for _ in range(296)]
+    assert ("ns", "known-200") not in handed and len(set(handed)) == 296 and len(queue) == 0
+
+
+def test_a_delayed_key_is_a_look_again_when_due_and_a_busy_key_runs_again_after(monkeypatch):
+    clock = _Clock()
+    queue = _queue_on(clock, monkeypatch)
+    queue.add(("ns", "timer"), delay=5)
+    queue.add(("ns", "timer"), delay=9)  # later: the earlier time stays
+    queue.add(("ns", "busy"))
+    assert queue._next() == ("ns", "busy")
+    queue.add(("ns", "busy"))  # while busy: not handed out twice at once ...
+    clock.now += 5
+    queue.add(("ns", "event"))
+    assert queue._next() == ("ns", "event")  # urgent before the timer that came due
+    assert queue._next() == ("ns", "timer")
+    assert len(queue) == 1  # ... but kept
+    queue._done(("ns", "busy"), delay=30)
+    assert queue._next() == ("ns", "busy")  # ... and ready again once its reconcile ended
+    queue._done(("ns", "busy"), delay=None)
+    assert len(queue) == 0
+
+
+def test_random_adds_hand_out_every_key_once_urgent_first(monkeypatch):
+    import random
+
+    rng = random.Random(5)
+    for _ in range(50):
+        clock = _Clock()
+        queue = _queue_on(clock, monkeypatch)
+        urgent, bulk = set(), set()
+        for _ in range(rng.randint(1, 60)):
+            key = ("ns", f"j{rng.randint(0, 25)}")
+            if rng.random() < 0.3:
+                queue.add(key, delay=rng.choice([1.0, 3.0]))
+                if key not in urgent:
+                    bulk.add(key)
+            elif rng.random() < 0.5:
+                queue.add(key)
+                urgent.add(key)
+                bulk.discard(key)
+            else:
+                queue.add(key, urgent=False)
+                if key not in urgent:
+                    bulk.add(key)
+        clock.now += 10
+        handed = [queue._next() for _ in range(len(urgent | bulk))]
+        assert len(handed) == len(set(handed)) and set(handed) == urgent | bulk
+        assert set(handed[:len(urgent)]) == urgent
+        assert len(queue) == 0

@@ -209,7 +209,7 @@ def test_free_gpus_now_win_a_cost_tie(order):
 def test_cost_beats_free_capacity():
     result = plan(spec(), [pool("free-but-dear", freeGpus=8, price=6.0), pool("cheap", freeGpus=0, price=3.0)])
     assert isinstance(result, Plan) and result.pool.name == "cheap" and result.needs_scale_up
-    assert "must scale up" in result.reason
+    assert "must free GPUs or scale up" in result.reason
 
 
 def test_pool_without_price_ranks_at_the_highest_known_price():
@@ -358,9 +358,10 @@ def test_branch_and_bound_matches_exhaustive_search(preference):
 
 
 def test_branch_and_bound_matches_exhaustive_whatever_is_free_now():
-    """Free GPUs and the start-time margin decide between plans of different shapes: the pruning must
-    never skip a group that can start now and costs less than the current choice (it once compared
-    tie-break prefixes against the start-now choice and chose a plan with fewer GPUs that cost more)."""
+    """Free GPUs, queues and the start-time margin decide between plans of different shapes: the
+    pruning must never skip a group that can start now and costs less than the current choice (it
+    once compared tie-break prefixes against the start-now choice and chose a plan with fewer GPUs
+    that cost more), nor one whose pool's queue is shorter when nothing can start now."""
     rng = random.Random(23)
     kinds = [("H100-80GB", 3.3), ("A100-80GB", 2.0), ("A100-40GB", 1.45), ("L40S-48GB", 1.05), ("H200-141GB", 4.3)]
     checked = 0
@@ -372,6 +373,9 @@ def test_branch_and_bound_matches_exhaustive_whatever_is_free_now():
                 nodes = rng.choice([1, 2, 4])
                 free = rng.choice([None, 0, per_node // 2, per_node, per_node * nodes])
                 extra: dict[str, Any] = {"maxNodes": nodes, "freeGpus": free}
+                if free is not None:  # nodes up now and a queue of other jobs' work (capacity.py)
+                    extra["nodesNow"] = rng.choice([0, nodes, nodes])
+                    extra["queuedGpus"] = rng.choice([0, 0, per_node, per_node * 3, per_node * 10])
                 if free is not None and nodes > 1 and rng.random() < 0.5:
                     extra["freeGpusPerNode"] = [min(per_node, max(0, free - k * per_node)) for k in range(nodes)]
                 pools.append(pool(f"{gpu.lower()}-{i}", gpu=gpu, region=region,
@@ -522,3 +526,48 @@ def test_when_nothing_can_start_now_the_margin_changes_nothing():
     pools = [pool("a", price=3.0), pool("b", region="eu-fr-paris", price=3.3)]  # free GPUs unknown
     for preference in ("cost", "startTime"):
         assert plan(spec(), pools, POLICY.model_copy(update={"placement_preference": preference})).pool.name == "a"
+
+
+def test_branch_and_bound_matches_exhaustive_when_every_pool_queues():
+    """Nothing can start now anywhere: the choice is the shortest queue within the margin, and the
+    pruning must still find it (a group is sized when its pool's queue is no longer than the
+    current choice's)."""
+    rng = random.Random(41)
+    kinds = [("H100-80GB", 3.3), ("A100-80GB", 2.0), ("A100-40GB", 1.45), ("H200-141GB", 4.3)]
+    checked = moved = 0
+    for _ in range(30):
+        pools = []
+        for i, region in enumerate(["eu-de-berlin", "eu-fr-paris"]):
+            for gpu, price in rng.sample(kinds, 2):
+                nodes = rng.choice([1, 2, 4])
+                pools.append(pool(f"{gpu.lower()}-{i}", gpu=gpu, region=region, price=price, maxNodes=nodes,
+                                  nodesNow=nodes, freeGpus=0, queuedGpus=rng.choice([0, 8, 24, 80, 160])))
+        policy = POLICY.model_copy(update={"placement_preference": "startTime",
+                                           "start_time_cost_margin": rng.choice([0.25, 0.6, 1.0, 2.0])})
+        for _ in range(4):
+            job = _random_job(rng)
+            fast = plan(job, pools, policy)
+            slow = exhaustive_plan(job, pools, policy, estimator=simple_estimate)
+            assert type(fast) is type(slow)
+            if isinstance(fast, Plan):
+                assert fast.key == slow.key, (fast.summary(), slow.summary())
+                cheapest = plan(job, pools, policy.model_copy(update={"placement_preference": "cost"}))
+                moved += fast.pool.name != cheapest.pool.name
+                checked += 1
+    assert checked >= 60 and moved >= 10, (checked, moved)
+
+
+def test_when_every_pool_queues_the_shortest_queue_within_the_margin_wins_and_says_so():
+    full = {"freeGpus": 0, "nodesNow": 2, "maxNodes": 2}
+    berlin = pool("h100-b", price=3.3, queuedGpus=96, **full)
+    paris = pool("a100-p", gpu="A100-80GB", region="eu-fr-paris", price=2.0, queuedGpus=8, **full)
+    job = spec(**{"placement.regions": ["eu-de-berlin", "eu-fr-paris"], "resources.maxGPUs": 1})
+    start_time = POLICY.model_copy(update={"placement_preference": "startTime", "start_time_cost_margin": 1.0})
+    cost_first = POLICY.model_copy(update={"placement_preference": "cost"})
+    assert plan(job, [berlin, paris], cost_first).pool.name == "h100-b"
+    chosen = plan(job, [berlin, paris], start_time)
+    assert chosen.pool.name == "a100-p", chosen.summary()
+    assert "shorter queue" in chosen.reason and "96 GPUs" in chosen.reason, chosen.reason
+    # An equal queue is no reason to pay more.
+    level = paris.model_copy(update={"queued_gpus": 96})
+    assert plan(job, [berlin, level], start_time).pool.name == "h100-b"

@@ -193,7 +193,7 @@ def fit_index(ask: Ask, group: Group, probe: Callable[[int], Any], calibration: 
 def leader(found: list[Candidate], window: float) -> Candidate:
     """The winner: choice.py's rule over the candidates."""
     return choose_cheapest_or_startable(found, cost=lambda c: c.cost_per_step, startable=lambda c: not c.needs_scale_up,
-                                        tie_break=Candidate.rank_key, window=window)
+                                        tie_break=Candidate.rank_key, window=window, wait=lambda c: c.wait_share)
 
 
 def choose(found: list[Candidate], window: float) -> tuple[Candidate, list[Candidate]]:

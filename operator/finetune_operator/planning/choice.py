@@ -15,17 +15,26 @@ T = TypeVar("T")
 
 
 def choose_cheapest_or_startable(items: Sequence[T], *, cost: Callable[[T], float], startable: Callable[[T], bool],
-                                 tie_break: Callable[[T], Any], window: float) -> T:
+                                 tie_break: Callable[[T], Any], window: float,
+                                 wait: Callable[[T], float] | None = None) -> T:
     """The planner's choice rule, for its own candidates and for recovery's finished plans:
     the best `tie_break` among items within COST_TIE of the cheapest; when that one must wait
     for its pool and the policy prefers starting now (`window` wider than COST_TIE, see
-    `cost_window_of`), the cheapest within `window` that can start now."""
+    `cost_window_of`), the cheapest within `window` that can start now; when none can, and
+    `wait` says how long each would wait (capacity.py's queue share), the one within `window`
+    that waits least, if it waits less than the cheapest: a burst of jobs then fills every
+    allowed pool instead of queueing on the cheapest while the others idle."""
     lowest = min(cost(i) for i in items)
     best = min((i for i in items if cost(i) <= lowest * (1 + COST_TIE)), key=tie_break)
     if not startable(best) and window > COST_TIE:
-        now = [i for i in items if startable(i) and cost(i) <= lowest * (1 + window)]
+        within = [i for i in items if cost(i) <= lowest * (1 + window)]
+        now = [i for i in within if startable(i)]
         if now:
             return min(now, key=lambda i: (cost(i), tie_break(i)))
+        if wait is not None:
+            sooner = min(within, key=lambda i: (wait(i), cost(i), tie_break(i)))
+            if wait(sooner) < wait(best):
+                return sooner
     return best
 
 

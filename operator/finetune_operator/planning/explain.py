@@ -39,6 +39,11 @@ def choice_words(ask: Ask, winner: Candidate, others: list[Candidate]) -> str:
     if cheapest is None or cheapest.cost_per_step >= winner.cost_per_step * (1 - COST_TIE):
         return "is the cheapest feasible plan"
     pct = (winner.cost_per_step / cheapest.cost_per_step - 1) * 100
+    if winner.needs_scale_up:  # nothing starts now: chosen for its shorter queue (choice.py)
+        return (f"has the shorter queue: it costs {pct:.0f}% more than the cheapest plan ({shape(cheapest.group)} in"
+                f" {cheapest.group.pool.name}), whose pool has {queue_words(cheapest.group.pool)}, this one"
+                f" {queue_words(winner.group.pool)} (the policy prefers starting sooner within {ask.cost_window:.0%}"
+                " of the cheapest cost)")
     return (f"starts now: it costs {pct:.0f}% more than the cheapest plan ({shape(cheapest.group)} in"
             f" {cheapest.group.pool.name}), whose pool must scale up or free GPUs first (the policy prefers"
             f" starting now within {ask.cost_window:.0%} of the cheapest cost)")
@@ -50,6 +55,8 @@ def why_lost(ask: Ask, winner: Candidate, other: Candidate) -> str:
         return f"costs {pct:.0f}% more"
     if other.cost_per_step < winner.cost_per_step * (1 - COST_TIE) and other.needs_scale_up:
         pct = (1 - other.cost_per_step / winner.cost_per_step) * 100
+        if winner.needs_scale_up:
+            return f"costs {pct:.0f}% less, but its pool's queue is longer ({queue_words(other.group.pool)})"
         return f"costs {pct:.0f}% less, but its pool must scale up or free GPUs first"
     if other.needs_scale_up and not winner.needs_scale_up:
         return "as cheap, but its pool must scale up"
@@ -60,6 +67,10 @@ def why_lost(ask: Ask, winner: Candidate, other: Candidate) -> str:
     if len(other.changes) > len(winner.changes):
         return "as cheap, but changes more of what the job asked (" + ", ".join(other.changes) + ")"
     return "as cheap; lost the final tie-break on exact cost"
+
+
+def queue_words(pool) -> str:
+    return f"{pool.queued_gpus} GPUs queued on {pool.nodes_now * pool.gpus_per_node} up"
 
 
 def runner_up_line(ask: Ask, winner: Candidate, other: Candidate) -> str:
@@ -115,9 +126,10 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
     free_words = (
         f"the pool has {pool.free_gpus} GPUs free now"
         if not winner.needs_scale_up
-        else "the pool must scale up first (" + (
+        else "the pool must free GPUs or scale up first (" + (
             "free GPUs unknown" if pool.free_gpus is None
-            else f"{pool.free_gpus} free now, not {g.nodes} node(s) with {g.gpus_per_node} free each") + ")"
+            else f"{pool.free_gpus} free now, not {g.nodes} node(s) with {g.gpus_per_node} free each"
+            + (f"; {queue_words(pool)}" if pool.queued_gpus else "")) + ")"
     )
     cost_words = f"{hours * g.world:,.1f} GPU-hours" if hours is not None else "cost per step"
     if cost is not None:

@@ -10,6 +10,7 @@ there). Two pools that differ in GPU type therefore never select the same node.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -78,6 +79,9 @@ class NodePool(BaseModel):
     """GPUs free right now (None: unknown, e.g. a catalog pool nobody has looked at)."""
     free_gpus_per_node: list[int] = []
     """Free GPUs of each node up now, most first (discovery fills it; empty: only the total is known)."""
+    queued_gpus: int = Field(default=0, ge=0)
+    """GPUs that attempts planned on the pool ask for and that found no free GPUs: the pool's queue
+    (capacity.py fills it from the operator's claims; pods of other tenants are not counted)."""
     nodes_now: int = Field(default=0, ge=0)
     """Nodes up right now."""
     price_per_gpu_hour: float | None = Field(default=None, ge=0)
@@ -150,6 +154,17 @@ class NodePool(BaseModel):
             return sum(1 for free in self.free_gpus_per_node if free >= gpus_per_node) >= nodes
         # Only the total is known: assume it is where it is needed.
         return self.free_gpus is not None and self.free_gpus >= nodes * gpus_per_node
+
+    def wait_share(self, nodes: int, gpus_per_node: int) -> float:
+        """How long a job of this shape waits here, in run lengths of the pool's work: 0 when it can
+        start now, else the GPUs queued ahead of it and its own over the GPUs the pool has up now
+        (infinite when nothing is known: a pool with no nodes up must scale up first)."""
+        if self.fits_now(nodes, gpus_per_node):
+            return 0.0
+        capacity = self.nodes_now * self.gpus_per_node
+        if self.free_gpus is None or capacity <= 0:
+            return math.inf
+        return (self.queued_gpus + nodes * gpus_per_node) / capacity
 
     def selects(self, labels: dict[str, str], region_label_key: str) -> bool:
         """Whether a node with `labels` is one of the pool's nodes: its region, its selector, its GPU."""

@@ -121,6 +121,11 @@ class Candidate:
     def world(self) -> int:
         return self.group.world
 
+    @property
+    def wait_share(self) -> float:
+        """How long it would wait for its pool (NodePool.wait_share; 0: starts now)."""
+        return self.group.pool.wait_share(self.group.nodes, self.group.gpus_per_node)
+
     def rank_key(self) -> tuple:
         g = self.group
         # At equal cost: free now, fewer GPUs and nodes, then what the plan gives up (the levers'
