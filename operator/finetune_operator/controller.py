@@ -525,6 +525,8 @@ class Reconciler:
     profiles: Any = None
     # The learned memory calibration (calibration_store.py); None: plans use the built-in model only.
     calibration: Any = None
+    # The jobs as the watch last showed them (handlers.py feeds it); None: a GET per reconcile.
+    bodies: JobBodies | None = None
     # The resourceVersions of our own status writes (handlers.py skips their watch events).
     own_writes: OwnWrites = field(default_factory=lambda: OwnWrites())
     _placement: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -532,7 +534,12 @@ class Reconciler:
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """One look at one job. Returns seconds until the next look, or None (wait for events)."""
-        body = self.cluster.get_job(namespace, name)
+        key = (namespace, name)
+        body = self.bodies.get(key) if self.bodies is not None else None
+        if body is None:
+            body = self.cluster.get_job(namespace, name)
+            if self.bodies is not None:
+                self.bodies.must_read(key, False)
         if body is None:
             self.claims.forget((namespace, name))
             self.own_writes.forget((namespace, name))
@@ -587,7 +594,6 @@ class Reconciler:
                     raise
         profile = self.profiles.observe(job, model_config) if self.profiles else None
         learned = self.calibration.read() if self.calibration is not None else {}
-        key = (namespace, name)
         regions = frozenset(job.spec.placement.regions) & frozenset(policy.allowed_regions)
         held_before = self.claims.get(key)
         # A decision that plans reads free GPUs and claims them in one step: two plans made at once
@@ -692,8 +698,15 @@ class Reconciler:
             # create or delete still goes after a write: its resourceVersion guard proves the read current.
             stored = body
         else:
-            stored = self.cluster.replace_job_status(body, written)
+            try:
+                stored = self.cluster.replace_job_status(body, written)
+            except ApiException as error:
+                if error.status == 409 and self.bodies is not None:
+                    self.bodies.must_read((namespace, name))  # the body was stale: read the job next time
+                raise
             self.own_writes.note((namespace, name), stored)
+            if self.bodies is not None:
+                self.bodies.seen((namespace, name), stored)
         for ref in decision.delete:
             self.cluster.delete(namespace, ref, uid)
         try:
@@ -730,8 +743,58 @@ class Reconciler:
             refused = lifecycle.create_refused(job, decision.status, policy, now, kind, name, message)
         rewritten = self.cluster.replace_job_status(stored, _status_json(refused.status))
         self.own_writes.note((job.metadata.namespace or "", job.metadata.name), rewritten)
+        if self.bodies is not None:
+            self.bodies.seen((job.metadata.namespace or "", job.metadata.name), rewritten)
         refused.events = decision.events + refused.events
         return refused
+
+
+class JobBodies:
+    """The newest FineTuneJob each watch event or own status write showed (the kopf watch feeds it):
+    a reconcile reads the job from here instead of a GET per look (at a thousand jobs, most of the
+    operator's reads). A stale body is safe: every write is guarded by the body's resourceVersion,
+    and creates and deletes come only after such a write, so a decision made on an old version
+    fails with 409 before it acts; the job is then read from the API once (`must_read`), and every
+    change brings an event that queues the job again with the newer body."""
+
+    def __init__(self) -> None:
+        self._bodies: dict[tuple[str, str], dict[str, Any]] = {}
+        self._must_read: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def seen(self, key: tuple[str, str], body: dict[str, Any] | None) -> None:
+        """A watch event (None: the job was deleted) or the job as our write stored it."""
+        with self._lock:
+            if body is None:
+                self._bodies.pop(key, None)
+            elif not _older(body, self._bodies.get(key)):
+                self._bodies[key] = body
+
+    def get(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        """The body to reconcile from, or None: read the API."""
+        with self._lock:
+            if key in self._must_read:
+                return None
+            return self._bodies.get(key)
+
+    def must_read(self, key: tuple[str, str], read: bool = True) -> None:
+        with self._lock:
+            if read:
+                self._must_read.add(key)
+            else:
+                self._must_read.discard(key)
+
+
+def _older(body: dict[str, Any], than: dict[str, Any] | None) -> bool:
+    """Whether `body` is an older version than `than`: a watch event that arrives after the job as our
+    own write stored it (read by a GET before the watch caught up). resourceVersions are opaque to
+    clients; etcd's are increasing integers, and anything else is taken as newer (a stale body only
+    costs a 409 and one read)."""
+    if than is None:
+        return False
+    mine, theirs = (b.get("metadata", {}).get("resourceVersion") for b in (body, than))
+    return isinstance(mine, str) and isinstance(theirs, str) and mine.isdigit() and theirs.isdigit() \
+        and int(mine) < int(theirs)
 
 
 class OwnWrites:

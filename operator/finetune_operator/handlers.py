@@ -27,7 +27,7 @@ from kubernetes import client, config
 from . import api, metrics
 from .calibration_store import CalibrationStore
 from .profiling_shell import ProfileShell
-from .controller import Cluster, PolicyHolder, Reconciler
+from .controller import Cluster, JobBodies, PolicyHolder, Reconciler
 from .workqueue import WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
@@ -135,6 +135,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
                                           PollerSettings(interval=options.progress_interval))
         RUNTIME.progress.start()
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress,
+                                    bodies=JobBodies(),
                                     profiles=ProfileShell(cluster, options.policy_namespace),
                                     calibration=CalibrationStore(cluster, options.policy_namespace))
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
@@ -224,6 +225,8 @@ def _enqueue(namespace: str | None, name: str | None) -> None:
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 def finetunejob_event(event: dict[str, Any], namespace: str, name: str, status: dict[str, Any], **_: Any) -> None:
+    if RUNTIME.reconciler is not None and RUNTIME.reconciler.bodies is not None:
+        RUNTIME.reconciler.bodies.seen((namespace, name), None if event.get("type") == "DELETED" else event.get("object"))
     if event.get("type") == "DELETED":
         RUNTIME.known.discard((namespace, name))
         RUNTIME.progress_only.forget((namespace, name))

@@ -150,6 +150,15 @@ class ControlLoop(RuleBasedStateMachine):
         self.created_attempts: list[int] = []
         self.seen_writes = 0
         self.resumed_unmarked = 0
+        # The reconciler reads the job from a watch cache that may lag (JobBodies): a stale body must
+        # never act (its writes are refused with 409 first).
+        self.shown: list[dict] = []
+        self._fresh_cache()
+
+    def _fresh_cache(self) -> None:
+        from finetune_operator.controller import JobBodies
+
+        self.world.reconciler.bodies = JobBodies()
 
     # -- the operator --------------------------------------------------------
     @rule()
@@ -166,15 +175,35 @@ class ControlLoop(RuleBasedStateMachine):
         self.world.kube.fail_after_writes = writes
         try:
             self.world.reconcile()
-        except RuntimeError:
-            pass
+        except Exception as error:  # the injected crash, or a 409 when the watch cache was stale
+            if getattr(error, "status", None) != 409 and not isinstance(error, RuntimeError):
+                raise
         self.world.kube.fail_after_writes = None
         self._note_writes()
         self.world.restart()
+        self._fresh_cache()
 
     @rule()
     def restart(self) -> None:
         self.world.restart()
+        self._fresh_cache()
+
+    @rule()
+    def the_watch_shows_the_job(self) -> None:
+        import copy
+
+        body = copy.deepcopy(self.world.job)
+        self.shown.append(body)
+        self.world.reconciler.bodies.seen((NAMESPACE, self.world.name), body)
+
+    @precondition(lambda self: bool(self.shown))
+    @rule(back=st.integers(min_value=1, max_value=4))
+    def the_watch_shows_an_old_version(self, back: int) -> None:
+        import copy
+
+        old = copy.deepcopy(self.shown[-min(back, len(self.shown))])
+        old["metadata"]["resourceVersion"] = f"lagging-{old['metadata']['resourceVersion']}"  # not comparable: taken
+        self.world.reconciler.bodies.seen((NAMESPACE, self.world.name), old)
 
     @rule(seconds=st.sampled_from([1, 5, 30]))
     def time_passes(self, seconds: int) -> None:
@@ -332,6 +361,7 @@ class InformedControlLoop(ControlLoop):
         self.world = ReconcileWorld(job_document(recovery={"maxAttempts": self.max_attempts,
                                                            "backoff": {"initialSeconds": 1, "maxSeconds": 4}}),
                                     informed=True)
+        self._fresh_cache()
 
     @rule(lagging=st.booleans())
     def the_informers_fall_behind_or_catch_up(self, lagging: bool) -> None:
@@ -471,3 +501,34 @@ def test_a_claim_holds_until_discovery_counts_the_bound_pods_then_goes():
     counted_at = book.get(key).counted_since
     assert book.others(None, as_of=counted_at - 1), "a snapshot older than the count does not see them"
     assert not book.others(None, as_of=counted_at), "a snapshot made since counts them: no second count"
+
+
+def test_a_stale_job_from_the_watch_cache_never_acts_it_meets_a_409_and_the_job_is_read_again():
+    import copy
+
+    from kubernetes.client.rest import ApiException
+
+    from finetune_operator.controller import JobBodies
+
+    world = ReconcileWorld(job_document())
+    bodies = world.reconciler.bodies = JobBodies()
+    key = (NAMESPACE, world.name)
+    stale = copy.deepcopy(world.job)
+    world.reconcile()  # plans and creates attempt 1 (read from the API: nothing cached yet)
+    assert len(world.ours("PyTorchJob")) == 1
+    # The watch then shows an old version (a lagging event, a resourceVersion that cannot be compared):
+    stale["metadata"]["resourceVersion"] = "not-a-number"
+    bodies.seen(key, stale)
+    writes = len(world.kube.writes)
+    with pytest.raises(ApiException) as conflict:
+        world.reconcile()  # it would plan attempt 1 again: the status write is refused first
+    assert conflict.value.status == 409 and len(world.kube.writes) == writes and len(world.ours("PyTorchJob")) == 1
+    world.reconcile()  # read from the API this time
+    assert len(world.ours("PyTorchJob")) == 1 and world.status["currentAttempt"] == 1
+    # An older numbered version never replaces a newer one.
+    newer = world.job
+    bodies.seen(key, newer)
+    older = copy.deepcopy(newer)
+    older["metadata"]["resourceVersion"] = str(int(newer["metadata"]["resourceVersion"]) - 1)
+    bodies.seen(key, older)
+    assert bodies.get(key) is newer
