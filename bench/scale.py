@@ -211,7 +211,7 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
         for w in watches:
             w.synced.wait(30)
         (workdir / "replica-0").mkdir()
-        operator = h.OperatorProcess(lab, workdir / "replica-0")
+        operator = h.OperatorProcess(lab, workdir / "replica-0", tuple(args.operator_args.split()))
         operators.append(operator)
         operator.start()
         rss = RssSampler(lambda: operator.proc.pid if operator.proc and operator.proc.poll() is None else None, stop)
@@ -320,7 +320,7 @@ def measure_failover(lab: Any, workdir: Path, leader: h.OperatorProcess, operato
         return lease.spec.holder_identity
 
     (workdir / "replica-1").mkdir(exist_ok=True)
-    standby = h.OperatorProcess(lab, workdir / "replica-1")
+    standby = h.OperatorProcess(lab, workdir / "replica-1", leader.extra_args)
     operators.append(standby)
     standby.start()
     by_identity = {leader.identity: leader, standby.identity: standby}
@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin", type=float, default=1.0, help="policy startTimeCostMargin")
     parser.add_argument("--unschedulable-timeout", type=int, default=30, help="policy unschedulableTimeoutSeconds")
     parser.add_argument("--failover", action="store_true", help="measure failover on the first job count's lab")
+    parser.add_argument("--operator-args", default="", help="more `finetune-operator run` flags, e.g. '--workers 8'")
     parser.add_argument("--json-out", type=Path, default=RESULTS / "scale.json")
     args = parser.parse_args(argv)
     import logging
@@ -392,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results), flush=True)
     document = {"source": source + ("+dirty" if dirty else ""), "cpus": os.cpu_count(),
                 "settings": {"run_seconds": args.run_seconds, "deadline_s": args.deadline, "margin": args.margin,
-                             "unschedulable_timeout_s": args.unschedulable_timeout},
+                             "unschedulable_timeout_s": args.unschedulable_timeout,
+                             "operator_args": args.operator_args},
                 "results": results}
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(document, indent=2) + "\n")

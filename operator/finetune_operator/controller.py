@@ -525,6 +525,8 @@ class Reconciler:
     profiles: Any = None
     # The learned memory calibration (calibration_store.py); None: plans use the built-in model only.
     calibration: Any = None
+    # Posts Events off the reconcile path (events.py); None: posted before the reconcile ends.
+    events: Any = None
     # The jobs as the watch last showed them (handlers.py feeds it); None: a GET per reconcile.
     bodies: JobBodies | None = None
     # The resourceVersions of our own status writes (handlers.py skips their watch events).
@@ -728,7 +730,10 @@ class Reconciler:
             self.cluster.set_suspend(namespace, attempt_name(name, decision.status.current_attempt), decision.set_suspend,
                                      kind)
         for event in decision.events:
-            self.cluster.post_event(body, event)
+            if self.events is not None:
+                self.events.record(body, event)
+            else:
+                self.cluster.post_event(body, event)
             log.info("%s/%s %s: %s", namespace, name, event.reason, event.message)
 
     def _after_refused_create(self, stored: dict[str, Any], job: api.FineTuneJob, decision: lifecycle.Decision,

@@ -28,6 +28,7 @@ from . import api, metrics
 from .calibration_store import CalibrationStore
 from .profiling_shell import ProfileShell
 from .controller import Cluster, JobBodies, PolicyHolder, Reconciler
+from .events import EventRecorder
 from .workqueue import WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
 from .planning.policy import ClusterPolicy, PolicyError, load_policy
@@ -50,7 +51,7 @@ class Options:
     policy_namespace: str = "default"
     policy_file: str | None = None  # for running outside a cluster
     metrics_port: int | None = 9090
-    workers: int = 4
+    workers: int = 16
     lease: str | None = "finetune-operator"  # the Lease of the leader election; None: act alone, no election
     identity: str | None = None  # this replica's name in the election (default: $POD_NAME, else the host name)
     clusterwide: bool = True
@@ -78,7 +79,19 @@ RUNTIME = Runtime()
 
 
 def kube_api_client(options: Options) -> client.ApiClient:
-    """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount."""
+    """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount, with a connection
+    for every reconcile worker and background thread (the client's default, 5 per CPU, made the
+    workers beyond it open and close a TLS connection per request)."""
+    cfg = _client_configuration(options)
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, options.workers + EXTRA_CONNECTIONS)
+    return client.ApiClient(cfg)
+
+
+# Connections beyond the workers: the progress poller, the wake-ups, the policy poll, the Lease, events.
+EXTRA_CONNECTIONS = 8
+
+
+def _client_configuration(options: Options) -> client.Configuration:
     if options.kubeconfig:
         cfg = client.Configuration()
         config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
@@ -89,7 +102,7 @@ def kube_api_client(options: Options) -> client.ApiClient:
         except config.ConfigException:
             cfg = client.Configuration()
             config.load_kube_config(client_configuration=cfg)
-    return client.ApiClient(cfg)
+    return cfg
 
 
 def _read_policy(cluster: Cluster, options: Options) -> ClusterPolicy:
@@ -135,7 +148,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
                                           PollerSettings(interval=options.progress_interval))
         RUNTIME.progress.start()
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress,
-                                    bodies=JobBodies(),
+                                    bodies=JobBodies(), events=EventRecorder(cluster.post_event).start(),
                                     profiles=ProfileShell(cluster, options.policy_namespace),
                                     calibration=CalibrationStore(cluster, options.policy_namespace))
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
@@ -209,6 +222,8 @@ def shutdown(**_: Any) -> None:
         # Let running reconciles end before the Lease goes to a standby.
         RUNTIME.queue.set_active(False)
         RUNTIME.queue.wait_idle(timeout=10)
+    if RUNTIME.reconciler is not None and RUNTIME.reconciler.events is not None:
+        RUNTIME.reconciler.events.stop()  # what the last reconciles said goes out before the Lease does
     if RUNTIME.leadership is not None:
         RUNTIME.leadership.stop()
     if RUNTIME.queue is not None:

@@ -66,6 +66,8 @@ JOBS_FINISHED = Counter(
     "FineTuneJobs that ended: Succeeded, or Failed for good, with the reason of the Failed condition",
     ["result", "reason"],
 )
+EVENTS_DROPPED = Counter("finetune_events_dropped_total",
+                         "Events not posted because the line to the API server was full (events.py)")
 RECONCILE_SECONDS = Histogram("finetune_reconcile_seconds", "Time of one reconcile", ["planned"])
 PLANNING_SECONDS = Histogram(
     "finetune_planning_seconds",
