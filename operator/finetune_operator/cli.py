@@ -135,6 +135,10 @@ def _run_operator(args: argparse.Namespace) -> int:
         quiet=args.log_level in ("warning", "error"),
     )
     logging.getLogger().setLevel(args.log_level.upper())
+    if args.log_level != "debug":
+        # kopf logs every handler call ("Handler 'finetunejob_event' succeeded."): at a thousand jobs
+        # thousands of lines that say nothing; its warnings and errors stay.
+        logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, logging.getLogger().level))
     handlers.RUNTIME.options = handlers.Options(
         policy_configmap=args.policy_configmap,
         policy_namespace=args.policy_namespace or os.environ.get("POD_NAMESPACE", "default"),

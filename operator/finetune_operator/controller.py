@@ -36,7 +36,7 @@ from .children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Chil
 from .planning.capacity import Claim, Waiting, movers, with_claims
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
-from .informers import ClusterCache, wait_synced
+from .informers import ClusterCache, slim, wait_synced
 from .rendering.names import attempt_name, label_value
 from .rendering.backend import BACKENDS, PYTORCH_JOB, PYTORCHJOB, TRAIN_JOB, Backend, backend_of_kind, missing_runtime
 from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
@@ -773,7 +773,7 @@ class JobBodies:
             if body is None:
                 self._bodies.pop(key, None)
             elif not _older(body, self._bodies.get(key)):
-                self._bodies[key] = body
+                self._bodies[key] = slim(body)  # managedFields: often half the object, never read
 
     def get(self, key: tuple[str, str]) -> dict[str, Any] | None:
         """The body to reconcile from, or None: read the API."""
