@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -411,14 +412,26 @@ class Replica:
         assert self.proc.poll() is None, f"the operator exited with {self.proc.returncode}:\n{self.text()[-3000:]}"
         return _healthz(self.health_port)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+
+    def wait_stopped(self, deadline: float) -> None:
+        """After terminate(): wait until `deadline` (time.monotonic()) for its exit, then SIGKILL."""
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def stop_replicas(replicas: list[Replica], grace: float = 30) -> None:
+    """SIGTERM every replica at once, as a Deployment's pods are stopped, then give them `grace` together."""
+    for replica in replicas:
+        replica.terminate()
+    deadline = time.monotonic() + grace
+    for replica in replicas:
+        replica.wait_stopped(deadline)
 
 
 @pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
@@ -476,8 +489,7 @@ def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_accou
         # Whatever namespaces are watched, the operator polls the policy ConfigMap itself.
         wait_for(reloaded, 60, "the active replica to reload the policy")
     finally:
-        for replica in replicas:
-            replica.stop()
+        stop_replicas(replicas)
         helm("uninstall", release, "--namespace", ns, check=False)
         lab.kubectl("delete", "namespace", ns, *watched, "--wait=false", check=False)
 

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.e2e
 ALLOWED = {"eu-de-berlin", "eu-fr-paris"}
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: stopped when this module ends, so a later module's operator (with its own flags,
+# e.g. test_progress.py's 2 s log reads) takes the Lease instead of this one serving its jobs.
+@pytest.fixture(scope="module")
 def operator(lab, ftj_crd, tmp_path_factory):
     h.install_chart(lab)
     process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator"))
