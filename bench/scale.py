@@ -102,6 +102,19 @@ class Observer:
         self.children: dict[str, str] = {}  # child uid -> pool
         self.pods: dict[str, tuple[tuple[str, str], str, int, bool]] = {}  # pod uid -> (job, phase, GPUs, bound)
 
+    @staticmethod
+    def listed(on_event: Any) -> Any:
+        """A list's items as ADDED events (a first sighting is timed when the list is read: later
+        than it happened, never earlier)."""
+        return lambda items: [on_event("ADDED", item) for item in items]
+
+    def pods_listed(self, items: list[dict]) -> None:
+        """The pods a list shows replace those seen (pods deleted between two watches go)."""
+        with self.lock:
+            self.pods.clear()
+        for item in items:
+            self.on_pod("ADDED", item)
+
     def on_child(self, kind: str, obj: dict) -> None:
         meta = obj.get("metadata") or {}
         job = (meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL))
@@ -200,11 +213,15 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
             wait_for(lambda: core.read_namespaced_service_account("default", ns), 60, f"ServiceAccount {ns}/default")
             h.volumes(lab, ns, ["models", "data"])
         seen = Observer()
+        # Each watch lists again when it ends (every 30 s): what the list shows counts too, else a
+        # child created between a watch's end and the next list was never seen (998 of 1000 once).
         watches = [
             ch.ResourceWatch("pytorchjobs", lab.api_client(), "pytorchjobs", label_selector=JOB_LABEL,
-                             on_event=seen.on_child, stop=stop),
-            ch.ResourceWatch("finetunejobs", lab.api_client(), "finetunejobs", on_event=seen.on_job, stop=stop),
-            ch.ResourceWatch("pods", lab.api_client(), "pods", label_selector=JOB_LABEL, on_event=seen.on_pod, stop=stop),
+                             on_event=seen.on_child, on_sync=seen.listed(seen.on_child), stop=stop),
+            ch.ResourceWatch("finetunejobs", lab.api_client(), "finetunejobs", on_event=seen.on_job,
+                             on_sync=seen.listed(seen.on_job), stop=stop),
+            ch.ResourceWatch("pods", lab.api_client(), "pods", label_selector=JOB_LABEL, on_event=seen.on_pod,
+                             on_sync=seen.pods_listed, stop=stop),
         ]
         for w in watches:
             w.start()

@@ -112,7 +112,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease", default="finetune-operator",
                    help="Lease (in the policy namespace) that elects the one active replica ('' for a single replica, no election)")
     p.add_argument("--identity", default=None, help="this replica's name in the election (default: $POD_NAME, else the host name)")
-    p.add_argument("--workers", type=int, default=16,
+    p.add_argument("--workers", type=int, default=64,
                    help="jobs reconciled in parallel (a reconcile mostly waits for the API server; bench/scale.py)")
     p.add_argument("--progress-interval", type=float, default=20.0,
                    help="seconds between two reads of a running job's rank-0 pod log for status.progress (0: off)")

@@ -51,7 +51,7 @@ class Options:
     policy_namespace: str = "default"
     policy_file: str | None = None  # for running outside a cluster
     metrics_port: int | None = 9090
-    workers: int = 16
+    workers: int = 64
     lease: str | None = "finetune-operator"  # the Lease of the leader election; None: act alone, no election
     identity: str | None = None  # this replica's name in the election (default: $POD_NAME, else the host name)
     clusterwide: bool = True
