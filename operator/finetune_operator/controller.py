@@ -262,10 +262,11 @@ class Cluster:
                 foreign.append(ref)
         return foreign
 
-    def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        """The job's pods of every attempt, plus failed ones seen in watch events that are gone since."""
+    def list_job_pods(self, namespace: str, job: str, *, fresh: bool = False) -> list[dict[str, Any]]:
+        """The job's pods of every attempt, plus failed ones seen in watch events that are gone since.
+        `fresh`: as the API server has them now, not the informer's memory."""
         selector = f"{JOB_LABEL}={label_value(job)}"
-        pods = self.cache.job_pods(namespace, label_value(job)) if self.cache else None
+        pods = self.cache.job_pods(namespace, label_value(job)) if self.cache and not fresh else None
         if pods is None:
             pods = _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
         present = {p["metadata"]["name"] for p in pods}
@@ -571,6 +572,13 @@ class Reconciler:
         children = self.cluster.list_children(namespace, name, uid, backends)
         pods = self.cluster.list_job_pods(namespace, name)
         current = next((c for c in children if c.attempt == status.current_attempt), None)
+        if current is not None and current.state == "Failed" and self.cluster.cache is not None \
+                and _alive_pods_of(pods, current.attempt):
+            # The training jobs' watch and the pods' are two streams: the job's Failed condition can
+            # arrive before its pod's failure (the training operator wrote the pod first). Judged on
+            # the remembered pods, the attempt would look "gone without a trace" (Evicted) instead of,
+            # say, out of memory: read the pods as the API server has them now.
+            pods = self.cluster.list_job_pods(namespace, name, fresh=True)
         if current is not None and current.queue and current.live:
             # Kueue's Workload says why a queued child waits (quota, flavor, a missing LocalQueue).
             admitted = self.cluster.admission(namespace, current)
@@ -703,8 +711,9 @@ class Reconciler:
             try:
                 stored = self.cluster.replace_job_status(body, written)
             except ApiException as error:
-                if error.status == 409 and self.bodies is not None:
-                    self.bodies.must_read((namespace, name))  # the body was stale: read the job next time
+                if error.status in (404, 409) and self.bodies is not None:
+                    # The body was stale (409) or the job is gone (404): read it from the API next time.
+                    self.bodies.must_read((namespace, name))
                 raise
             self.own_writes.note((namespace, name), stored)
             if self.bodies is not None:
@@ -956,6 +965,17 @@ def _readable_plan(plan: Any) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def _alive_pods_of(pods: list[dict[str, Any]], attempt: int) -> bool:
+    """Whether a pod of the attempt looks neither finished nor going."""
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if (meta.get("labels") or {}).get(ATTEMPT_LABEL) != str(attempt) or meta.get("deletionTimestamp"):
+            continue
+        if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            return True
+    return False
 
 
 def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:

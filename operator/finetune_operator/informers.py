@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import socket
 import threading
 from functools import partial
 from typing import Any, Callable, Hashable, Iterable
@@ -139,6 +140,14 @@ class Informer:
         self._stop.set()
         response = self._response
         if response is not None:
+            # Shut the socket down first: the watch thread blocks in a read holding the response's
+            # buffer lock, so close() alone waits for the next event or the watch's timeout.
+            sock = getattr(getattr(response, "connection", None), "sock", None)
+            if sock is not None:
+                try:
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
             try:
                 response.close()
             except Exception:  # closing a socket another thread reads: best effort
@@ -155,6 +164,8 @@ class Informer:
             except Gone:
                 continue  # step() has dropped the resourceVersion: the next step lists
             except (ApiException, *TRANSIENT) as error:
+                if self._stop.is_set():
+                    break  # stop() cut the watch's connection
                 failures += 1
                 if failures == 1:
                     log.warning("%s: %s; retrying with backoff", self.name, _short(error))

@@ -209,3 +209,66 @@ def test_a_namespaced_install_counts_gpu_pods_of_its_namespaces_without_a_cluste
     cluster._pool_cache = None
     [pool] = cluster.pools(policy)
     assert pool.free_gpus == 5  # team-b's pod is not visible to this install
+
+
+def test_stop_ends_a_watch_that_waits_for_events_at_once():
+    """An informer's thread sits in a blocking read of its watch; stop() must cut it, not wait for the
+    next event or the watch's timeout (the operator hung 20 s on SIGTERM and never handed the Lease
+    back)."""
+    import http.server
+    import json as _json
+    import threading as _threading
+    import time as _time
+
+    import urllib3
+
+    from finetune_operator.informers import Informer
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            if "watch=1" not in self.path:
+                body = _json.dumps({"metadata": {"resourceVersion": "1"}, "items": []}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.flush()
+            _time.sleep(30)  # no event, as a quiet watch
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    server.daemon_threads = True
+    _threading.Thread(target=server.serve_forever, daemon=True).start()
+    pool = urllib3.PoolManager()
+    url = f"http://127.0.0.1:{server.server_address[1]}/things"
+
+    class Page:
+        def __init__(self, data):
+            self.data = data
+
+    def list_fn(watch=False, _preload_content=False, **kwargs):
+        if watch:
+            return pool.request("GET", url + "?watch=1", preload_content=False, timeout=urllib3.Timeout(connect=5, read=60))
+        return Page(pool.request("GET", url).data)
+
+    informer = Informer("things", list_fn).start()
+    try:
+        assert informer.synced.wait(5)
+        deadline = _time.monotonic() + 5
+        while informer._response is None and _time.monotonic() < deadline:
+            _time.sleep(0.01)
+        assert informer._response is not None, "the informer never started watching"
+        started = _time.monotonic()
+        informer.stop()
+        informer._thread.join(timeout=10)
+        assert not informer._thread.is_alive() and _time.monotonic() - started < 3
+    finally:
+        server.shutdown()

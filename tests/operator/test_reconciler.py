@@ -532,3 +532,45 @@ def test_a_stale_job_from_the_watch_cache_never_acts_it_meets_a_409_and_the_job_
     older["metadata"]["resourceVersion"] = str(int(newer["metadata"]["resourceVersion"]) - 1)
     bodies.seen(key, older)
     assert bodies.get(key) is newer
+
+
+def test_a_failed_training_job_seen_before_its_pods_failure_is_judged_on_the_pods_as_they_are_now():
+    """Two watches, two streams: the PyTorchJob's Failed condition reaches the informer before the
+    pod's failure does. The attempt is an out-of-memory failure, not 'gone without a trace'."""
+    world = ReconcileWorld(job_document(), informed=True)
+    world.reconcile()
+    child = world.newest_child()
+    world.run(child)
+    world.reconcile()
+    assert world.status["phase"] == "Running"
+    world.gpu_oom(child)
+    cache = world.reconciler.cluster.cache
+    for informer in cache.all():
+        if informer not in cache.pods.values():
+            informer.step()  # the training job's watch delivers; the pods' lags behind
+    assert cache.job_pods(NAMESPACE, world.name)[0]["status"]["phase"] == "Running"
+    world.lagging = True
+    world.reconcile()
+    first = world.status["attempts"][0]
+    assert first["outcome"] == "GPUOutOfMemory", first
+
+
+def test_a_job_deleted_behind_the_watch_cache_is_read_again_and_forgotten():
+    from kubernetes.client.rest import ApiException
+
+    from finetune_operator.controller import JobBodies
+
+    world = ReconcileWorld(job_document())
+    bodies = world.reconciler.bodies = JobBodies()
+    world.reconcile()
+    child = world.newest_child()
+    world.run(child)
+    world.reconcile()
+    key = (NAMESPACE, world.name)
+    bodies.seen(key, world.job)
+    world.succeed(child)  # something to write ...
+    world.kube.remove("FineTuneJob", NAMESPACE, world.name)  # ... about a job already gone (no DELETED event yet)
+    with pytest.raises(ApiException) as gone:
+        world.reconcile()  # from the cached body: the write meets a 404
+    assert gone.value.status == 404
+    assert world.reconcile() is None  # read from the API: gone, forgotten, not retried
