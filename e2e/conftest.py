@@ -8,6 +8,8 @@
   instead of starting one (and leaves it running).
 - `namespace` (per test): a fresh namespace whose `default` ServiceAccount exists; deleted after.
 - `ftj_crd` (session): the FineTuneJob CRD from crds/finetunejob.yaml, installed and Established.
+- `operators_stop_cleanly` (module, autouse): the module fails when an operator it ran through
+  e2e/operator_harness.py did not exit 0 within its grace after SIGTERM.
 """
 
 from __future__ import annotations
@@ -83,6 +85,19 @@ def namespace(lab, request):
         core.delete_namespace(name)
     except ApiException:
         pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def operators_stop_cleanly():
+    """Fails the module when an operator it ran (e2e/operator_harness.py) did not exit 0 soon after
+    SIGTERM: a hung shutdown keeps the Lease and its informers after a pod is told to stop."""
+    from e2e import operator_harness as h
+
+    seen = len(h.unclean_stops)
+    yield
+    unclean = h.unclean_stops[seen:]
+    if unclean:
+        pytest.fail("an operator did not stop cleanly on SIGTERM:\n" + "\n".join(unclean), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,13 @@ RELEASE = "ft"
 RELEASE_NAMESPACE = "finetune-system"
 
 
+# How long an operator may take to exit after SIGTERM: its cleanup lets running reconciles end
+# (up to 10 s) and hands the Lease back; an idle one exits in well under a second.
+STOP_GRACE_SECONDS = 20.0
+# Each stop of an OperatorProcess that did not end with exit 0 within its grace (see stop()).
+unclean_stops: list[str] = []
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -97,14 +104,25 @@ class OperatorProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM, as the kubelet stops a pod: the operator must exit 0 within `grace` (its
+        cleanup hands the Lease back). Otherwise SIGKILL, and the stop is recorded in
+        `unclean_stops`, which e2e/conftest.py turns into a failure of the module."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
+            start = time.monotonic()
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
+                unclean_stops.append(f"{self.identity or self.workdir.name}: still running {grace:.0f} s after "
+                                     f"SIGTERM, SIGKILLed (log {self.log_path}):\n{self.logs()[-2000:]}")
+                return
+            if self.proc.returncode != 0:
+                unclean_stops.append(f"{self.identity or self.workdir.name}: exit {self.proc.returncode} "
+                                     f"{time.monotonic() - start:.1f} s after SIGTERM (log {self.log_path}):\n"
+                                     f"{self.logs()[-2000:]}")
 
     def logs(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

@@ -416,22 +416,28 @@ class Replica:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
-    def wait_stopped(self, deadline: float) -> None:
-        """After terminate(): wait until `deadline` (time.monotonic()) for its exit, then SIGKILL."""
+    def wait_stopped(self, deadline: float) -> str | None:
+        """After terminate(): wait until `deadline` (time.monotonic()) for its exit, then SIGKILL.
+        Returns what was wrong (still running at the deadline, or an exit code other than 0), or None."""
         try:
             self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+            return f"{self.pod_name} still ran at the deadline after SIGTERM:\n{self.text()[-2000:]}"
+        if self.proc.returncode != 0:
+            return f"{self.pod_name} exited {self.proc.returncode} after SIGTERM:\n{self.text()[-2000:]}"
+        return None
 
 
-def stop_replicas(replicas: list[Replica], grace: float = 30) -> None:
-    """SIGTERM every replica at once, as a Deployment's pods are stopped, then give them `grace` together."""
-    for replica in replicas:
+def stop_replicas(replicas: list[Replica], grace: float = 30) -> list[str]:
+    """SIGTERM every replica at once, as a Deployment's pods are stopped, then give them `grace`
+    together; returns what went wrong (see Replica.wait_stopped). Replicas already stopped are skipped."""
+    running = [r for r in replicas if r.proc.poll() is None]
+    for replica in running:
         replica.terminate()
     deadline = time.monotonic() + grace
-    for replica in replicas:
-        replica.wait_stopped(deadline)
+    return [problem for replica in running if (problem := replica.wait_stopped(deadline))]
 
 
 @pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
@@ -488,6 +494,10 @@ def test_two_replicas_elect_one_and_reload_the_policy_as_the_chart_service_accou
 
         # Whatever namespaces are watched, the operator polls the policy ConfigMap itself.
         wait_for(reloaded, 60, "the active replica to reload the policy")
+        # Stopped as a Deployment's pods are: each exits 0 within the grace (its cleanup hands the
+        # leader's Lease back; a hung shutdown held it and its watches for the whole grace).
+        unclean = stop_replicas(replicas, grace=20)
+        assert not unclean, "\n".join(unclean)
     finally:
         stop_replicas(replicas)
         helm("uninstall", release, "--namespace", ns, check=False)
