@@ -276,6 +276,11 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
         elapsed = now() - t_apply
         with seen.lock:
             to_child = [seen.first_child[k] - t for k, t in seen.applied.items() if k in seen.first_child]
+            # apply -> child by when the job was applied (tenths of the apply): where the tail lies
+            order = sorted((t, seen.first_child[k] - t) for k, t in seen.applied.items() if k in seen.first_child)
+            tenth = max(1, len(order) // 10)
+            by_tenth = [round(percentile([d for _, d in order[i:i + tenth]], 99) or 0, 2)
+                        for i in range(0, len(order), tenth)]
             to_done = [seen.succeeded[k] - t for k, t in seen.applied.items() if k in seen.succeeded]
             phases: dict[str, int] = {}
             for key in seen.applied:
@@ -290,7 +295,8 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
             "apply_seconds": apply_seconds,
             "elapsed_seconds": elapsed,
             "with_child": len(to_child),
-            "apply_to_child_s": {"p50": percentile(to_child, 50), "p99": percentile(to_child, 99), "max": max(to_child, default=None)},
+            "apply_to_child_s": {"p50": percentile(to_child, 50), "p99": percentile(to_child, 99), "max": max(to_child, default=None),
+                                 "p99_by_tenth_of_the_apply": by_tenth},
             "succeeded": len(to_done),
             "apply_to_succeeded_s": {"p50": percentile(to_done, 50), "p99": percentile(to_done, 99)},
             "phases_at_end": phases,

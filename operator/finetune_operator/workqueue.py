@@ -10,6 +10,10 @@ Why two: a replica that takes over the lease looks at every job it knows (hundre
 of applied jobs comes with as many timers; in one line a job applied then waited behind all of
 them (bench/scale.py: 15 s from the leader's death to the child of a job applied right after).
 
+Ahead of both, a third line holds jobs nobody has looked at yet (applied, no status): in a burst of
+a thousand applied jobs their first look (plan, create) goes before the pod and training-job events
+of the jobs already started, whose looks only follow what happened.
+
 Every operation is O(log n): ready keys sit in deques, delayed ones in a heap whose stale entries
 (a key re-added sooner, or handed out meanwhile) are skipped when they reach its top.
 """
@@ -30,7 +34,7 @@ from kubernetes.client.rest import ApiException
 log = logging.getLogger("finetune_operator.workqueue")
 
 Key = tuple[str, str]
-URGENT, BULK = 0, 1
+FIRST, URGENT, BULK = 0, 1, 2
 
 # Retries of a reconcile that met a transient error.
 BASE_BACKOFF_SECONDS = 0.5
@@ -44,7 +48,7 @@ class WorkQueue:
 
     def __init__(self, handle: Callable[[Key], float | None], workers: int = 4) -> None:
         self._handle = handle
-        self._lines: tuple[deque[Key], deque[Key]] = (deque(), deque())
+        self._lines: tuple[deque[Key], ...] = (deque(), deque(), deque())
         self._ready: dict[Key, int] = {}  # key -> the line it waits in (its entries elsewhere are stale)
         self._heap: list[tuple[float, int, Key, int]] = []  # (due, counter, key, line)
         self._due: dict[Key, tuple[float, int]] = {}  # the earliest (due, line) of each delayed key
@@ -102,10 +106,11 @@ class WorkQueue:
         with self._cv:
             return len(set(self._ready) | set(self._due) | set(self._again))
 
-    def add(self, key: Key, delay: float = 0.0, *, urgent: bool = True) -> None:
-        """Queue `key` now (`urgent`: ahead of the bulk line) or after `delay` seconds (it joins the
-        bulk line then). A key already waiting keeps its earliest time and its better line."""
-        line = URGENT if urgent and delay <= 0 else BULK
+    def add(self, key: Key, delay: float = 0.0, *, urgent: bool = True, first: bool = False) -> None:
+        """Queue `key` now (`urgent`: ahead of the bulk line; `first`: a job never looked at, ahead of
+        both) or after `delay` seconds (it joins the bulk line then). A key already waiting keeps its
+        earliest time and its best line."""
+        line = BULK if delay > 0 or not (urgent or first) else FIRST if first else URGENT
         with self._cv:
             if delay > 0:
                 when = time.monotonic() + delay
@@ -157,7 +162,7 @@ class WorkQueue:
                     continue
                 now = time.monotonic()
                 next_due = self._promote_due(now)
-                for line in (URGENT, BULK):
+                for line in (FIRST, URGENT, BULK):
                     waiting = self._lines[line]
                     while waiting:
                         key = waiting.popleft()

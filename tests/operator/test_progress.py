@@ -385,7 +385,7 @@ def test_the_watch_handler_does_not_reconcile_for_a_progress_write(monkeypatch):
     added = []
 
     class Queue:
-        def add(self, key, delay=0.0):
+        def add(self, key, delay=0.0, urgent=True, first=False):
             added.append(key)
 
     monkeypatch.setattr(handlers.RUNTIME, "queue", Queue())

@@ -166,3 +166,15 @@ def test_random_adds_hand_out_every_key_once_urgent_first(monkeypatch):
         assert len(handed) == len(set(handed)) and set(handed) == urgent | bulk
         assert set(handed[:len(urgent)]) == urgent
         assert len(queue) == 0
+
+
+def test_a_job_never_looked_at_goes_before_events_of_started_jobs(monkeypatch):
+    queue = _queue_on(_Clock(), monkeypatch)
+    for i in range(50):
+        queue.add(("ns", f"started-{i}"))  # pod and training-job events
+    queue.add(("ns", "timer"), urgent=False)
+    queue.add(("ns", "applied"), first=True)
+    queue.add(("ns", "started-7"), first=True)  # promoted, handed out once
+    assert queue._next() == ("ns", "applied") and queue._next() == ("ns", "started-7")
+    handed = [queue._next() for _ in range(50)]
+    assert handed[-1] == ("ns", "timer") and ("ns", "started-7") not in handed and len(queue) == 0
