@@ -4,6 +4,7 @@ rule fails the scenario instead of hiding behind the lab's admin credentials."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -134,6 +135,18 @@ class OperatorProcess:
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
         return b"".join(chunks).decode()
+
+
+@contextlib.contextmanager
+def running_operator(lab: Any, workdir: Path, extra_args: tuple[str, ...] = ()) -> Iterator[OperatorProcess]:
+    """An operator started for a module's scenarios, stopped (and its log named) when they end."""
+    process = OperatorProcess(lab, workdir, extra_args=extra_args)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+        print(f"operator log: {process.log_path}")
 
 
 def volumes(lab: Any, namespace: str, claims: list[str]) -> None:

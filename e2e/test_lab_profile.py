@@ -40,11 +40,8 @@ CONFIG = {"model_type": "gpt_neox", "vocab_size": 512, "hidden_size": 64, "inter
 @pytest.fixture(scope="module")
 def operator(lab, ftj_crd, tmp_path_factory):
     h.install_chart(lab)
-    process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator-profile"))
-    process.start()
-    yield process
-    process.stop()
-    print(f"operator log: {process.log_path}")
+    with h.running_operator(lab, tmp_path_factory.mktemp("operator-profile")) as process:
+        yield process
     # Leave the lab as a new cluster: later modules plan with the built-in model, not what this one taught.
     lab.kubectl("delete", "configmap", "finetune-operator-calibration", "finetune-operator-profiles",
                 "-n", h.RELEASE_NAMESPACE, "--ignore-not-found", check=False)

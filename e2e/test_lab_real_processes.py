@@ -97,11 +97,8 @@ def _progress_step(lab, namespace: str, job: str, attempt: int) -> int:
 @pytest.fixture(scope="module")
 def operator(lab, ftj_crd, tmp_path_factory):
     h.install_chart(lab, *rp.chart_args())
-    process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator-real"))
-    process.start()
-    yield process
-    process.stop()
-    print(f"operator log: {process.log_path}")
+    with h.running_operator(lab, tmp_path_factory.mktemp("operator-real")) as process:
+        yield process
     h.install_chart(lab)  # the chart's own policy again (without lab-local), for the modules after this one
 
 

@@ -44,10 +44,8 @@ def operator(lab, ftj_crd, tmp_path_factory):
     policy = yaml.safe_load(original)
     policy["unschedulableTimeoutSeconds"] = BOUND_S
     _set_policy(lab, yaml.safe_dump(policy))
-    process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator-replan"))
-    process.start()
-    yield process
-    process.stop()
+    with h.running_operator(lab, tmp_path_factory.mktemp("operator-replan")) as process:
+        yield process
     _set_policy(lab, original)  # the chart's own policy again, for the modules after this one
     print(f"operator log: {process.log_path}")
 

@@ -66,11 +66,8 @@ def operator(lab, ftj_crd, s3, tmp_path_factory):
     """The chart with a policy whose objectStorage lists the lab's server in Paris, and Virginia's."""
     storage = [{"endpoint": s3.endpoint, "region": "eu-fr-paris"}, {"endpoint": VIRGINIA, "region": "us-east-virginia"}]
     h.install_chart(lab, "--set-json", f"policy.objectStorage={json.dumps(storage)}")
-    process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator-s3"))
-    process.start()
-    yield process
-    process.stop()
-    print(f"operator log: {process.log_path}")
+    with h.running_operator(lab, tmp_path_factory.mktemp("operator-s3")) as process:
+        yield process
 
 
 

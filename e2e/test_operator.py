@@ -25,11 +25,8 @@ ALLOWED = {"eu-de-berlin", "eu-fr-paris"}
 @pytest.fixture(scope="module")
 def operator(lab, ftj_crd, tmp_path_factory):
     h.install_chart(lab)
-    process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator"))
-    process.start()
-    yield process
-    process.stop()
-    print(f"operator log: {process.log_path}")
+    with h.running_operator(lab, tmp_path_factory.mktemp("operator")) as process:
+        yield process
 
 
 def _fast(job: dict, attempts: int = 4) -> dict:

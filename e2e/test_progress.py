@@ -28,12 +28,8 @@ def operator(lab, ftj_crd, tmp_path_factory):
     # Reads each job's log every 2 s here (20 s by default). When an operator of an earlier module
     # still holds the Lease, that one serves this module's job at its own interval: the waits allow it.
     h.install_chart(lab)
-    process = h.OperatorProcess(lab, tmp_path_factory.mktemp("operator-progress"),
-                                extra_args=("--progress-interval", "2"))
-    process.start()
-    yield process
-    process.stop()
-    print(f"operator log: {process.log_path}")
+    with h.running_operator(lab, tmp_path_factory.mktemp("operator-progress"), ("--progress-interval", "2")) as process:
+        yield process
 
 
 def _cri(line: str) -> str:

@@ -45,7 +45,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess

@@ -609,11 +609,7 @@ class Reconciler:
         # A decision that plans reads free GPUs and claims them in one step: two plans made at once
         # would otherwise both take the same free GPUs (the scheduler's "assume" before its bind).
         with self._placement if needs_plan else contextlib.nullcontext():
-            pools: list[NodePool] = []
-            if needs_plan:
-                # Free GPUs count what other jobs' attempts already ask for and nodes do not show yet.
-                snapshot, as_of = self.cluster.pool_snapshot(policy)
-                pools = with_claims(snapshot, self.claims.others(key, as_of))
+            pools = self._free_pools(policy, key) if needs_plan else []
             observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
                                           foreign=foreign, invalid=problems, model_config=model_config,
                                           waiting_for=waiting_for, backends=backends, default_queue=default_queue,
@@ -632,15 +628,20 @@ class Reconciler:
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
         return decision.requeue_after
 
+    def _free_pools(self, policy: ClusterPolicy, key: tuple[str, str] | None) -> list[NodePool]:
+        """(Under the placement lock.) The pools, their free GPUs net of what the attempts of jobs
+        other than `key` ask for and the nodes do not show yet."""
+        snapshot, as_of = self.cluster.pool_snapshot(policy)
+        return with_claims(snapshot, self.claims.others(key, as_of))
+
     def waiting_to_wake(self) -> list[tuple[str, str]]:
         """Jobs whose attempts wait for a node while another pool in their regions has room now
         (capacity.movers): their reconcile may move them there. Each is named at most once every
         WAKE_REPEAT_SECONDS: one that stays (its plan prefers to wait) is not woken on every change."""
         policy = self.policy.get()
-        snapshot, as_of = self.cluster.pool_snapshot(policy)
         now = time.monotonic()
         with self._placement:
-            pools = with_claims(snapshot, self.claims.others(None, as_of))
+            pools = self._free_pools(policy, None)
             waiting = [Waiting(key, held.claim, held.regions, now - held.waiting_since)
                        for key, held in self.claims.waiting()
                        if now - self._woken.get(key, -math.inf) >= WAKE_REPEAT_SECONDS]
@@ -887,10 +888,9 @@ class ClaimBook:
                     if other != key and (h.counted_since is None or h.counted_since > as_of)]
 
     def waiting(self) -> list[tuple[tuple[str, str], Held]]:
-        """Jobs whose attempt's pods wait for a node, longest waiting first."""
+        """Jobs whose attempt's pods wait for a node (capacity.movers orders them)."""
         with self._lock:
-            found = [(k, h) for k, h in self._held.items() if h.waiting_since is not None]
-        return sorted(found, key=lambda item: item[1].waiting_since)
+            return [(k, h) for k, h in self._held.items() if h.waiting_since is not None]
 
     def note(self, key: tuple[str, str], decision: lifecycle.Decision, current: Child | None,
              pods: list[dict[str, Any]], regions: frozenset[str], counted: Callable[[list[dict[str, Any]]], bool]) -> None:

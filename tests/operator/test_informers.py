@@ -147,16 +147,21 @@ def test_the_shell_reads_the_informers_not_the_api():
     assert world.queued and world.queued[-1] == (NAMESPACE, world.name)  # the pod's change queued the job
 
 
+def _h100_node() -> dict:
+    """One ready node of 8 H100s in the pool h100-berlin."""
+    return {"metadata": {"name": "gpu-1", "namespace": "", "labels": {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "topology.kubernetes.io/region": "eu-de-berlin",
+        "karpenter.sh/nodepool": "h100-berlin"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "8", "memory": "2048Gi", "cpu": "192"},
+                   "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
 def test_free_gpus_come_from_informed_nodes_and_pods(monkeypatch):
     import finetune_operator.controller as controller
 
     monkeypatch.setattr(controller, "DISCOVERY_REFRESH_SECONDS", 0.0)
     kube = FakeKube()
-    kube.put("Node", {"metadata": {"name": "gpu-1", "namespace": "", "labels": {
-        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "topology.kubernetes.io/region": "eu-de-berlin",
-        "karpenter.sh/nodepool": "h100-berlin"}},
-        "status": {"allocatable": {"nvidia.com/gpu": "8", "memory": "2048Gi", "cpu": "192"},
-                   "conditions": [{"type": "Ready", "status": "True"}]}})
+    kube.put("Node", _h100_node())
     kube.put("Pod", pod("other", job=None, gpus=3))
     cluster = Cluster(mock.MagicMock())
     cluster.core, cluster.custom = kube.core, kube.custom
@@ -185,11 +190,7 @@ def test_a_namespaced_install_counts_gpu_pods_of_its_namespaces_without_a_cluste
 
     monkeypatch.setattr(controller, "DISCOVERY_REFRESH_SECONDS", 0.0)
     kube = FakeKube()
-    kube.put("Node", {"metadata": {"name": "gpu-1", "namespace": "", "labels": {
-        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "topology.kubernetes.io/region": "eu-de-berlin",
-        "karpenter.sh/nodepool": "h100-berlin"}},
-        "status": {"allocatable": {"nvidia.com/gpu": "8", "memory": "2048Gi", "cpu": "192"},
-                   "conditions": [{"type": "Ready", "status": "True"}]}})
+    kube.put("Node", _h100_node())
     kube.put("Pod", pod("ours", job=None, gpus=3, namespace="team-a"))
     kube.put("Pod", pod("theirs", job=None, gpus=2, namespace="team-b"))
 

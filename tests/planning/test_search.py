@@ -333,6 +333,19 @@ def _random_job(rng: random.Random) -> api.FineTuneJobSpec:
     return spec(**changes)
 
 
+def _agrees_with_exhaustive(job: api.FineTuneJobSpec, pools: list[NodePool], policy: ClusterPolicy) -> Plan | None:
+    """The pruned search's plan, checked against brute force (same plan, same cost); None when
+    neither finds one."""
+    fast = plan(job, pools, policy)
+    slow = exhaustive_plan(job, pools, policy, estimator=simple_estimate)
+    assert type(fast) is type(slow)
+    if not isinstance(fast, Plan):
+        return None
+    assert fast.key == slow.key, (fast.summary(), slow.summary())
+    assert fast.cost_per_step == pytest.approx(slow.cost_per_step)
+    return fast
+
+
 @pytest.mark.parametrize("preference", ["cost", "startTime"])
 def test_branch_and_bound_matches_exhaustive_search(preference):
     policy = POLICY.model_copy(update={"placement_preference": preference})
@@ -342,18 +355,7 @@ def test_branch_and_bound_matches_exhaustive_search(preference):
         pool("l40s-b", gpu="L40S-48GB", price=1.0, intraNode="pcie"),
         pool("h100-p", region="eu-fr-paris", price=3.2, freeGpus=4), pool("a40-p", gpu="A100-40GB", region="eu-fr-paris", price=1.4),
     ]
-    agreed = infeasible = 0
-    for _ in range(60):
-        job = _random_job(rng)
-        fast = plan(job, pools, policy)
-        slow = exhaustive_plan(job, pools, policy, estimator=simple_estimate)
-        assert type(fast) is type(slow)
-        if isinstance(fast, Plan):
-            assert fast.key == slow.key, (fast.summary(), slow.summary())
-            assert fast.cost_per_step == pytest.approx(slow.cost_per_step)
-            agreed += 1
-        else:
-            infeasible += 1
+    agreed = sum(_agrees_with_exhaustive(_random_job(rng), pools, policy) is not None for _ in range(60))
     assert agreed >= 30
 
 
@@ -383,13 +385,7 @@ def test_branch_and_bound_matches_exhaustive_whatever_is_free_now():
         policy = POLICY.model_copy(update={"placement_preference": rng.choice(["cost", "startTime"]),
                                            "start_time_cost_margin": rng.choice([0.05, 0.25, 0.6, 1.0])})
         for _ in range(4):
-            job = _random_job(rng)
-            fast = plan(job, pools, policy)
-            slow = exhaustive_plan(job, pools, policy, estimator=simple_estimate)
-            assert type(fast) is type(slow)
-            if isinstance(fast, Plan):
-                assert fast.key == slow.key, (fast.summary(), slow.summary())
-                checked += 1
+            checked += _agrees_with_exhaustive(_random_job(rng), pools, policy) is not None
     assert checked >= 60
 
 
@@ -546,11 +542,8 @@ def test_branch_and_bound_matches_exhaustive_when_every_pool_queues():
                                            "start_time_cost_margin": rng.choice([0.25, 0.6, 1.0, 2.0])})
         for _ in range(4):
             job = _random_job(rng)
-            fast = plan(job, pools, policy)
-            slow = exhaustive_plan(job, pools, policy, estimator=simple_estimate)
-            assert type(fast) is type(slow)
-            if isinstance(fast, Plan):
-                assert fast.key == slow.key, (fast.summary(), slow.summary())
+            fast = _agrees_with_exhaustive(job, pools, policy)
+            if fast is not None:
                 cheapest = plan(job, pools, policy.model_copy(update={"placement_preference": "cost"}))
                 moved += fast.pool.name != cheapest.pool.name
                 checked += 1
