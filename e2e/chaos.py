@@ -4,8 +4,9 @@
 Everything here talks to the lab's real kube-apiserver with the admin credentials and checks
 the operator from the outside, by what the API shows:
 
-- `ResourceWatch`: list + watch of one resource in every namespace, relisting after errors
-  (the kube-apiserver is restarted under it), calling back with plain dicts.
+- `ResourceWatch`: list + watch of one resource in every namespace, resuming a watch the server
+  ends and relisting after errors (the kube-apiserver is restarted under it), calling back with
+  plain dicts.
 - `ChildTracker`: every PyTorchJob of a FineTuneJob, at every event: more than one live
   (not finished, not deleting) training job for one FineTuneJob is a duplicate; a new
   `<job>-aN` after `<job>-aM` with M > N is an attempt number that went backwards.
@@ -62,7 +63,8 @@ def now() -> float:
 
 
 class ResourceWatch(threading.Thread):
-    """List, then watch, one resource in all namespaces; relist on any error or expiry.
+    """List, then watch, one resource in all namespaces; a watch the server ends resumes where it
+    stopped, any error lists again.
 
     `on_sync(items)` gets the full list after every (re)list; `on_event(type, obj)` every
     ADDED/MODIFIED/DELETED. Objects are the API's JSON as dicts."""
@@ -97,26 +99,36 @@ class ResourceWatch(threading.Thread):
     def run(self) -> None:
         fn = self._list_fn()
         selector = {"label_selector": self.label_selector} if self.label_selector else {}
+        rv: str | None = None  # None: list first
         while not self.stop_event.is_set():
             try:
-                resp = fn(_preload_content=False, _request_timeout=20, **selector)
-                data = json.loads(resp.data)
-                self.relists += 1
-                if self.on_sync is not None:
-                    self.on_sync(data.get("items") or [])
-                self.synced.set()
-                rv = data["metadata"]["resourceVersion"]
+                if rv is None:
+                    resp = fn(_preload_content=False, _request_timeout=20, **selector)
+                    data = json.loads(resp.data)
+                    self.relists += 1
+                    if self.on_sync is not None:
+                        self.on_sync(data.get("items") or [])
+                    self.synced.set()
+                    rv = data["metadata"]["resourceVersion"]
+                # A watch the server ends (timeout_seconds) resumes from the last resourceVersion seen,
+                # as client-go's reflector does; only an error lists again. A list of a thousand
+                # objects every 30 s stalled this process for seconds, and what it saw meanwhile was
+                # timed late.
                 w = watch.Watch()
-                for event in w.stream(fn, resource_version=rv, timeout_seconds=30, _request_timeout=45, **selector):
+                for event in w.stream(fn, resource_version=rv, timeout_seconds=30, _request_timeout=45,
+                                      deserialize=False, **selector):
                     if self.stop_event.is_set():
                         w.stop()
                         break
-                    if event["type"] == "ERROR":
+                    raw = event.get("object")
+                    if event["type"] == "ERROR" or not isinstance(raw, dict):
+                        rv = None
                         break
-                    raw = event.get("raw_object")
-                    if isinstance(raw, dict):
+                    rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
+                    if event["type"] != "BOOKMARK":
                         self.on_event(event["type"], raw)
-            except Exception as exc:  # the apiserver restarts under us: relist
+            except Exception as exc:  # the apiserver restarts under us (or 410 Gone): relist
+                rv = None
                 self.errors += 1
                 log.debug("watch %s: %r; relisting", self.resource, exc)
                 self.stop_event.wait(0.5)
