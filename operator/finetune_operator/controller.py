@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -302,19 +303,37 @@ class Cluster:
             self.cache.note_written(obj["kind"], created)
         return created
 
+    def create_new(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """POST `obj`: the object created, or None when its name is taken (whose it is, and
+        whether it holds what `obj` does, is `create`'s to sort out)."""
+        try:
+            created = self._post(namespace, obj)
+        except ApiException as error:
+            if error.status == 409:
+                return None
+            raise
+        if self.cache is not None:
+            self.cache.note_written(obj["kind"], created)
+        return created
+
+    def _post(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+        kind = obj["kind"]
+        if kind == "ConfigMap":
+            return _json(self.core.create_namespaced_config_map(namespace, obj, _preload_content=False))
+        if kind == "Pod":  # the pre-flight profile pod (profiling/pod.py)
+            return _json(self.core.create_namespaced_pod(namespace, obj, _preload_content=False))
+        backend = backend_of_kind(kind)
+        if backend is None:
+            raise ValueError(f"cannot create a {kind}")
+        return _json(self.custom.create_namespaced_custom_object(
+            backend.group, backend.version, namespace, backend.plural, obj, _preload_content=False))
+
     def _create(self, namespace: str, obj: dict[str, Any], owner_uid: str | None) -> dict[str, Any]:
         """Create `obj`. If it exists already and is ours (a retry after a crash), return it;
         if it is someone else's, raise ForeignObject: never adopted, never changed."""
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
-            if kind == "ConfigMap":
-                return _json(self.core.create_namespaced_config_map(namespace, obj, _preload_content=False))
-            if kind == "Pod":  # the pre-flight profile pod (profiling/pod.py)
-                return _json(self.core.create_namespaced_pod(namespace, obj, _preload_content=False))
-            backend = backend_of_kind(kind)
-            if backend is not None:
-                return _json(self.custom.create_namespaced_custom_object(
-                    backend.group, backend.version, namespace, backend.plural, obj, _preload_content=False))
+            return self._post(namespace, obj)
         except ApiException as error:
             if error.status != 409:
                 raise
@@ -323,8 +342,21 @@ class Cluster:
                 raise  # deleted since: the next reconcile creates it
             if not controlled_by(existing, owner_uid):
                 raise ForeignObject(kind, name) from None
+            if kind == "ConfigMap" and (existing.get("data") or {}) != (obj.get("data") or {}):
+                return self._update_config_map(namespace, existing, obj)
             return existing
-        raise ValueError(f"cannot create a {kind}")
+
+    def _update_config_map(self, namespace: str, existing: dict[str, Any], obj: dict[str, Any]) -> dict[str, Any]:
+        """Our attempt's ConfigMap left by an earlier try whose training job was never created (a
+        crash between the two creates), holding another config: the plan or the policy changed
+        since. The training job about to be created must read this try's config, not that one's.
+        Guarded by the resourceVersion read: a 409 sends the reconcile round again."""
+        data = obj.get("data") or {}
+        patch = {"metadata": {"resourceVersion": existing["metadata"]["resourceVersion"]},
+                 "data": {key: data.get(key) for key in {*(existing.get("data") or {}), *data}}}
+        log.info("ConfigMap %s/%s holds an earlier try's config; updating it", namespace, obj["metadata"]["name"])
+        return _json(self.core.patch_namespaced_config_map(obj["metadata"]["name"], namespace, patch,
+                                                           _preload_content=False))
 
     def delete(self, namespace: str, ref: lifecycle.ObjectRef, owner_uid: str | None) -> bool:
         """`_delete`, and the informer forgets the object at once."""
@@ -514,6 +546,30 @@ class PolicyHolder:
             self._policy = policy
 
 
+class Pending(Protocol):
+    """A write under way beside the reconcile (concurrent.futures.Future has this shape)."""
+
+    def result(self) -> Any: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Later:
+    """`Reconciler.alongside` without threads: the call runs when its result is asked for, so the
+    writes go one after another (status, ConfigMap, training job), and a cancelled one never runs."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._call: Callable[[], Any] | None = call
+
+    def result(self) -> Any:
+        assert self._call is not None, "cancelled"
+        return self._call()
+
+    def cancel(self) -> bool:
+        self._call = None
+        return True
+
+
 @dataclass
 class Reconciler:
     cluster: Cluster
@@ -532,6 +588,9 @@ class Reconciler:
     bodies: JobBodies | None = None
     # The resourceVersions of our own status writes (handlers.py skips their watch events).
     own_writes: OwnWrites = field(default_factory=lambda: OwnWrites())
+    # How a write runs beside the status write (the attempt's ConfigMap): a thread pool's submit in
+    # the operator, which makes the path to the training job two API round trips long, not three.
+    alongside: Callable[[Callable[[], Any]], Pending] = Later
     _placement: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _woken: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)  # waiting_to_wake's memory
 
@@ -699,20 +758,25 @@ class Reconciler:
                policy: ClusterPolicy, current: Child | None = None) -> None:
         """Status first (it names the attempt and its plan), then deletes, creates and the
         suspend switch, then events: a kill between any two leaves a state the next reconcile
-        reads correctly (see children.py)."""
+        reads correctly (see children.py). The attempt's ConfigMap is posted alongside the status
+        write (`alongside`): the training job, whose pods mount it, still goes only after both."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         uid = body["metadata"].get("uid")
         written = _status_json(decision.status)
+        early, later = _early_creates(decision)
+        posted: list[Pending] = []
         if written == body.get("status") and not (decision.create or decision.delete or decision.set_suspend is not None):
             # Nothing changed and nothing to do (a job waiting in line, looked at again): a PUT would be
             # a no-op the API server still has to serve, a thousand times per resync at scale. Any
             # create or delete still goes after a write: its resourceVersion guard proves the read current.
             stored = body
         else:
+            posted = [self.alongside(functools.partial(self.cluster.create_new, namespace, obj)) for obj in early]
             try:
                 stored = self.cluster.replace_job_status(body, written)
-            except ApiException as error:
-                if error.status in (404, 409) and self.bodies is not None:
+            except BaseException as error:
+                self._take_back(namespace, early, posted, uid)
+                if isinstance(error, ApiException) and error.status in (404, 409) and self.bodies is not None:
                     # The body was stale (409) or the job is gone (404): read it from the API next time.
                     self.bodies.must_read((namespace, name))
                 raise
@@ -721,8 +785,14 @@ class Reconciler:
                 self.bodies.seen((namespace, name), stored)
         for ref in decision.delete:
             self.cluster.delete(namespace, ref, uid)
+        creating: dict[str, Any] = {"kind": "?", "metadata": {"name": "?"}}
         try:
-            for obj in decision.create:
+            for obj, result in zip(early, posted):
+                creating = obj
+                if result.result() is None:  # the name is taken: ours from an earlier try, or someone else's
+                    self.cluster.create(namespace, obj, uid)
+            for obj in later:
+                creating = obj
                 self.cluster.create(namespace, obj, uid)
         except ForeignObject as clash:
             assert job is not None
@@ -731,9 +801,8 @@ class Reconciler:
             if error.status is None or not 400 <= error.status < 500 or error.status in (409, 429):
                 raise  # transient (or a conflict): the work queue retries
             assert job is not None
-            obj = decision.create[0] if decision.create else {"kind": "?", "metadata": {"name": "?"}}
-            decision = self._after_refused_create(stored, job, decision, policy, obj["kind"], obj["metadata"]["name"],
-                                                  _api_message(error), foreign=False)
+            decision = self._after_refused_create(stored, job, decision, policy, creating["kind"],
+                                                  creating["metadata"]["name"], _api_message(error), foreign=False)
         if decision.set_suspend is not None and decision.status.current_attempt is not None:
             kind = current.kind if current is not None and current.attempt == decision.status.current_attempt \
                 else PYTORCH_JOB.kind
@@ -745,6 +814,21 @@ class Reconciler:
             else:
                 self.cluster.post_event(body, event)
             log.info("%s/%s %s: %s", namespace, name, event.reason, event.message)
+
+    def _take_back(self, namespace: str, early: list[dict[str, Any]], posted: list[Pending], uid: str | None) -> None:
+        """The status write failed, so the decision did not happen: the ConfigMaps meant to go
+        alongside it are not posted, or deleted when this call created them (a name already taken
+        is left as it was). Best effort: what stays is ours, named for the attempt and brought up
+        to date by the create that uses it."""
+        for obj, result in zip(early, posted):
+            if result.cancel():
+                continue
+            try:
+                if result.result() is not None:
+                    self.cluster.delete(namespace, lifecycle.ObjectRef("v1", obj["kind"], obj["metadata"]["name"]), uid)
+            except Exception as error:  # noqa: BLE001 - the status write's error is the one to raise
+                log.info("%s/%s: %s left after a failed status write: %r", namespace, obj["metadata"]["name"],
+                         obj["kind"], error)
 
     def _after_refused_create(self, stored: dict[str, Any], job: api.FineTuneJob, decision: lifecycle.Decision,
                               policy: ClusterPolicy, kind: str, name: str, message: str, *, foreign: bool) -> lifecycle.Decision:
@@ -983,6 +1067,18 @@ def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:
     `kubectl get` shows (summary.status_reason, derived from the conditions) is never stale."""
     return status.model_copy(update={"reason": status_reason(status), "progress": progress.for_status(status)}).model_dump(
         mode="json", by_alias=True, exclude_none=True)
+
+
+def _early_creates(decision: lifecycle.Decision) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The creates that may go alongside the status write, and the rest. A ConfigMap may: it runs
+    nothing, is named for the attempt and owned by the job, and a failed status write takes it back.
+    The training job and a profile pod may not: they start work, so only a decision whose status
+    landed may create them, after the ConfigMaps their pods mount. A ConfigMap this decision also
+    deletes (an earlier attempt's) waits for the delete."""
+    deleted = {(ref.kind, ref.name) for ref in decision.delete}
+    early = [obj for obj in decision.create
+             if obj["kind"] == "ConfigMap" and (obj["kind"], obj["metadata"]["name"]) not in deleted]
+    return early, [obj for obj in decision.create if not any(obj is e for e in early)]
 
 
 def _api_message(error: ApiException) -> str:

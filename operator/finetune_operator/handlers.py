@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +80,12 @@ RUNTIME = Runtime()
 
 
 def kube_api_client(options: Options) -> client.ApiClient:
-    """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount, with a connection
-    for every reconcile worker and background thread (the client's default, 5 per CPU, made the
-    workers beyond it open and close a TLS connection per request)."""
+    """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount, with two
+    connections for every reconcile worker (its own, and the ConfigMap it posts alongside a status
+    write) and one per background thread (the client's default, 5 per CPU, made the workers beyond
+    it open and close a TLS connection per request)."""
     cfg = _client_configuration(options)
-    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, options.workers + EXTRA_CONNECTIONS)
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, 2 * options.workers + EXTRA_CONNECTIONS)
     return client.ApiClient(cfg)
 
 
@@ -153,7 +155,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress,
                                     bodies=JobBodies(), events=EventRecorder(cluster.post_event).start(),
                                     profiles=ProfileShell(cluster, options.policy_namespace),
-                                    calibration=CalibrationStore(cluster, options.policy_namespace))
+                                    calibration=CalibrationStore(cluster, options.policy_namespace),
+                                    alongside=ThreadPoolExecutor(options.workers, "alongside").submit)
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
     if options.lease:
         RUNTIME.queue.set_active(False)  # until this replica leads

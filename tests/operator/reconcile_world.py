@@ -7,14 +7,14 @@ import copy
 import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from unittest import mock
 
 import yaml
 
 from finetune_operator import api
 from finetune_operator.children import PLAN_STATUS_ANNOTATION, SUSPENDED_BY_ANNOTATION
-from finetune_operator.controller import Cluster, PolicyHolder, Reconciler
+from finetune_operator.controller import Cluster, Later, PolicyHolder, Reconciler
 from finetune_operator.informers import ClusterCache
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.planning.pools import GiB
@@ -47,11 +47,37 @@ def live(pj: dict[str, Any]) -> bool:
     return conditions.get("Succeeded") != "True" and conditions.get("Failed") != "True"
 
 
+class Done:
+    """A write that already ran (its value, or its error for whoever asks for the result)."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.value, self.error = None, None
+        try:
+            self.value = call()
+        except Exception as error:  # noqa: BLE001 - handed to whoever asks for the result
+            self.error = error
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def cancel(self) -> bool:
+        return False
+
+
+def at_once(call: Callable[[], Any]) -> Done:
+    """`Reconciler.alongside` whose write lands before the status write (a thread pool may do that)."""
+    return Done(call)
+
+
 class ReconcileWorld:
-    def __init__(self, doc: dict[str, Any], policy=None, *, informed: bool = False) -> None:
+    def __init__(self, doc: dict[str, Any], policy=None, *, informed: bool = False, eager: bool = False) -> None:
         # informed: the shell reads pods and training jobs from informers (informers.py) on the fake's
         # watches, stepped before each reconcile unless `lagging` (then it reads what it last saw).
         self.informed = informed
+        # eager: the ConfigMap posted alongside the status write lands before it (`at_once`); else after.
+        self.alongside = at_once if eager else Later
         self.lagging = False
         self.queued: list[tuple[str, str]] = []
         self.kube = FakeKube()
@@ -71,7 +97,8 @@ class ReconcileWorld:
             cluster.cache = ClusterCache(self.kube.core, self.kube.custom, on_job=lambda ns, name: self.queued.append((ns, name)),
                                          on_pod=lambda pod, deleted: cluster.remember_failed_pod(pod, deleted=deleted))
             cluster.cache.watch_children(PYTORCH_JOB, start=False)
-        self.reconciler = Reconciler(cluster=cluster, policy=PolicyHolder(self.policy), clock=lambda: self.now)
+        self.reconciler = Reconciler(cluster=cluster, policy=PolicyHolder(self.policy), clock=lambda: self.now,
+                                     alongside=self.alongside)
         self.restarts += 1
 
     def reconcile(self) -> float | None:

@@ -21,8 +21,9 @@ from fake_kube import _error
 from reconcile_world import ALLOWED, NAMESPACE, ReconcileWorld, job_document, live
 
 
-def test_a_foreign_configmap_is_neither_adopted_nor_deleted_and_the_job_says_so():
-    world = ReconcileWorld(job_document())
+@pytest.mark.parametrize("eager", [False, True], ids=["status-first", "configmap-first"])
+def test_a_foreign_configmap_is_neither_adopted_nor_deleted_and_the_job_says_so(eager: bool):
+    world = ReconcileWorld(job_document(), eager=eager)
     foreign = world.foreign("ConfigMap", "support-bot-a1")
     world.reconcile()
     assert world.kube.get("ConfigMap", NAMESPACE, "support-bot-a1") == foreign
@@ -110,8 +111,25 @@ def test_a_crash_between_status_write_and_create_does_not_start_two_runs():
     assert [pj["metadata"]["name"] for pj in world.live_children()] == ["support-bot-a2"]
 
 
-def test_a_status_conflict_is_retried_not_lost():
+def test_a_configmap_left_by_a_crash_holds_the_config_of_the_try_that_creates_the_training_job():
     world = ReconcileWorld(job_document())
+    world.kube.fail_after_writes = 2  # the status write and the ConfigMap land, the training job does not
+    with pytest.raises(RuntimeError):
+        world.reconcile()
+    assert world.ours("PyTorchJob") == [] and len(world.ours("ConfigMap")) == 1
+    rendered = world.ours("ConfigMap")[0]["data"]
+    # What the next try renders differs (the plan's pool changed, the policy was edited): here the
+    # left ConfigMap is made to hold another config.
+    world.ours("ConfigMap")[0]["data"] = {key: "{}" for key in rendered} | {"stale.json": "{}"}
+    world.restart()
+    world.reconcile()
+    assert len(world.ours("PyTorchJob")) == 1
+    assert world.ours("ConfigMap")[0]["data"] == rendered
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["status-first", "configmap-first"])
+def test_a_status_conflict_is_retried_not_lost(eager: bool):
+    world = ReconcileWorld(job_document(), eager=eager)
     real = world.kube.custom.replace_namespaced_custom_object_status
     calls = []
 
@@ -126,8 +144,10 @@ def test_a_status_conflict_is_retried_not_lost():
         world.reconcile()
     assert getattr(error.value, "status", None) == 409
     assert world.ours("PyTorchJob") == []  # nothing created on a status that did not land
+    # The ConfigMap posted alongside the write is taken back (or, status first, never posted).
+    assert world.ours("ConfigMap") == []
     world.reconcile()
-    assert len(world.ours("PyTorchJob")) == 1
+    assert len(world.ours("PyTorchJob")) == 1 and len(world.ours("ConfigMap")) == 1
 
 
 # ---------------------------------------------------------------------------
@@ -187,6 +207,14 @@ class ControlLoop(RuleBasedStateMachine):
     def restart(self) -> None:
         self.world.restart()
         self._fresh_cache()
+
+    @rule(eager=st.booleans())
+    def the_configmap_post_overtakes_the_status_write(self, eager: bool) -> None:
+        from reconcile_world import at_once
+        from finetune_operator.controller import Later
+
+        self.world.alongside = at_once if eager else Later
+        self.world.reconciler.alongside = self.world.alongside
 
     @rule()
     def the_watch_shows_the_job(self) -> None:
@@ -274,6 +302,11 @@ class ControlLoop(RuleBasedStateMachine):
             if write.kind == "PyTorchJob" and write.verb == "create":
                 self.created_attempts.append(int(write.body["metadata"]["labels"][ATTEMPT_LABEL]))
                 self._check_pinned(write.body)
+                # Its pods mount the attempt's ConfigMap: it exists, and it is ours.
+                config_map = self.world.kube.get("ConfigMap", NAMESPACE, write.name)
+                assert config_map is not None and ("ConfigMap", write.name) not in self.foreign, write.name
+                assert [ref["uid"] for ref in config_map["metadata"]["ownerReferences"] if ref.get("controller")] == \
+                    [self.world.job["metadata"]["uid"]], write.name
             if write.kind == "PyTorchJob" and write.verb == "patch":
                 suspend = ((write.body.get("spec") or {}).get("runPolicy") or {}).get("suspend")
                 if suspend is False:
