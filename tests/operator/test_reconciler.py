@@ -89,6 +89,7 @@ def test_a_refused_create_is_a_condition_quoting_the_api_then_a_failure():
     world.reconcile()
     blocked = world.conditions()["Blocked"]
     assert blocked["reason"] == "CreateRejected" and "exceeded quota" in blocked["message"]
+    assert "PyTorchJob support-bot-a1" in blocked["message"]  # the object refused, not the ConfigMap before it
     events = [e["reason"] for e in world.kube.events]
     world.advance(60)
     world.reconcile()
