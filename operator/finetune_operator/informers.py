@@ -427,12 +427,14 @@ class ClusterCache:
         self._lock = threading.Lock()
 
     def _scoped(self, name: str, namespaced: Callable[[str], Callable[..., Any]], clusterwide: Callable[..., Any],
-                on_change: Callable[[str, Obj], None]) -> dict[str | None, Informer]:
+                on_change: Callable[[str, Obj], None], project: Callable[[Obj], Obj | None] = slim,
+                ) -> dict[str | None, Informer]:
         selectors = {"label_selector": JOB_LABEL}
         if self.namespaces is None:
-            return {None: Informer(name, clusterwide, selectors=selectors, index=job_bucket, on_change=on_change)}
+            return {None: Informer(name, clusterwide, selectors=selectors, index=job_bucket, on_change=on_change,
+                                   project=project)}
         return {ns: Informer(f"{name}[{ns}]", namespaced(ns), selectors=selectors, index=job_bucket,
-                             on_change=on_change) for ns in self.namespaces}
+                             on_change=on_change, project=project) for ns in self.namespaces}
 
     def start(self) -> "ClusterCache":
         for informer in (self.nodes, *self.gpu_pods.values(), *self.pods.values()):
@@ -458,7 +460,7 @@ class ClusterCache:
                 lambda ns: partial(self.custom.list_namespaced_custom_object, backend.group, backend.version, ns,
                                    backend.plural),
                 partial(self.custom.list_cluster_custom_object, backend.group, backend.version, backend.plural),
-                self._child_changed)
+                self._child_changed, project=backend.summary)
             self.children[backend.name] = scoped
         if start:
             for informer in scoped.values():

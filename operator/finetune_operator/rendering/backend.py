@@ -84,6 +84,25 @@ class Backend:
             node = (node or {}).get(key) if isinstance(node, Mapping) else None
         return bool(node)
 
+    def summary(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """What the operator reads of a training job it keeps in memory (the informer's store): kind,
+        metadata without managedFields, status, and of the spec only the suspend switch. The pod
+        templates, three quarters of a PyTorchJob (17 of its 24 KB in memory), are never read back:
+        at a thousand jobs they were the largest part of the operator's memory."""
+        meta = obj.get("metadata") or {}
+        spec: Any = obj.get("spec") or {}
+        kept: dict[str, Any] = {}
+        node, target = spec, kept
+        for key in self._suspend_path[1:-1]:
+            node = node.get(key) if isinstance(node, Mapping) else None
+            target = target.setdefault(key, {})
+        last = self._suspend_path[-1]
+        if isinstance(node, Mapping) and last in node:
+            target[last] = node[last]
+        return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+                "metadata": {k: v for k, v in meta.items() if k != "managedFields"},
+                "spec": kept, "status": obj.get("status") or {}}
+
     def suspend_patch(self, suspend: bool) -> dict[str, Any]:
         """The merge-patch body that sets the suspend switch."""
         body: dict[str, Any] = suspend  # type: ignore[assignment]
