@@ -213,8 +213,8 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
             wait_for(lambda: core.read_namespaced_service_account("default", ns), 60, f"ServiceAccount {ns}/default")
             h.volumes(lab, ns, ["models", "data"])
         seen = Observer()
-        # Each watch lists again when it ends (every 30 s): what the list shows counts too, else a
-        # child created between a watch's end and the next list was never seen (998 of 1000 once).
+        # A watch the server ends resumes from its last resourceVersion; only an error lists again, and
+        # then what the list shows counts too (a child created while no watch ran is still seen).
         watches = [
             ch.ResourceWatch("pytorchjobs", lab.api_client(), "pytorchjobs", label_selector=JOB_LABEL,
                              on_event=seen.on_child, on_sync=seen.listed(seen.on_child), stop=stop),
