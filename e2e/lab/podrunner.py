@@ -67,6 +67,9 @@ log = logging.getLogger("pod-runner")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAINER_PATH = REPO_ROOT / "images" / "trainer"
 IMAGE_BIN = Path(__file__).resolve().parent / "imagebin"
+# The trainer image's python: this interpreter's installation (a virtual environment and the
+# interpreter it was made from). `python` in a container's command runs it.
+PYTHON_PREFIXES = tuple(sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}))
 CGROUP_PARENT_NAME = "finetune-lab-pods"
 KWOK_GROUP, KWOK_VERSION, KWOK_LOGS = "kwok.x-k8s.io", "v1alpha1", "logs"
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
@@ -544,10 +547,13 @@ class PodRun:
             lines.append("127.0.0.1 " + " ".join(hosts_names))
         hosts.write_text("\n".join(lines) + "\n")
         mounts.append({"source": str(hosts), "target": "/etc/hosts", "readOnly": True})
-        # What the image brings (the trainer package, imagebin/) stays visible even when a pod
-        # volume is mounted over a folder above it: the scratch emptyDir at /tmp hides a checkout
-        # under /tmp (a CI clone) otherwise, and the trainer cannot be imported.
-        for image_path in (TRAINER_PATH, IMAGE_BIN):
+        # What the image brings (the trainer package, imagebin/, python) stays visible even when a
+        # pod volume is mounted over a folder above it: the scratch emptyDir at /tmp hides a checkout
+        # under /tmp (a CI clone) otherwise, and the trainer cannot be imported; a virtual
+        # environment under /tmp, and `python` is not found (exit 127).
+        volumes = [Path(m["target"]) for m in mounts]
+        python = [prefix for prefix in PYTHON_PREFIXES if any(prefix.is_relative_to(v) for v in volumes)]
+        for image_path in (TRAINER_PATH, IMAGE_BIN, *python):
             mounts.append({"source": str(image_path), "target": str(image_path), "readOnly": True})
         mounts.append({"source": str(run.message_file), "target": c.get("terminationMessagePath") or DEFAULT_TERMINATION_PATH,
                        "readOnly": False})
