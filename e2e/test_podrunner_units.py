@@ -186,3 +186,15 @@ def test_exceeding_the_memory_limit_is_a_real_oom_kill(tmp_path):
     run = _container(tmp_path, "oom", "x = []\nwhile True: x.append(bytearray(10**7))", 64 * 1024**2)
     assert (run.exit_code, run.reason) == (137, "OOMKilled")
     assert not run.cgroup.exists()  # removed after the container ended
+
+
+def test_python_stays_visible_where_a_pod_volume_covers_it():
+    from e2e.lab.podrunner import IMAGE_BIN, TRAINER_PATH, image_paths
+
+    venv, base = Path("/tmp/ci/venv"), Path("/usr")
+    # The scratch emptyDir at /tmp covers a virtual environment under /tmp: it is mounted back.
+    assert image_paths([Path("/tmp"), Path("/etc/hosts")], (base, venv)) == [TRAINER_PATH, IMAGE_BIN, venv]
+    assert image_paths([Path("/tmp/ci")], (base, venv)) == [TRAINER_PATH, IMAGE_BIN, venv]
+    # Nothing covers it: nothing more is mounted (a python under /usr is never mounted over itself).
+    assert image_paths([Path("/checkpoints"), Path("/tmp")], (base,)) == [TRAINER_PATH, IMAGE_BIN]
+    assert image_paths([Path("/tmp/civ")], (venv,)) == [TRAINER_PATH, IMAGE_BIN]

@@ -83,6 +83,16 @@ RENDEZVOUS_PORT = ("MASTER_PORT", "PET_MASTER_PORT")
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
 
+def image_paths(volume_targets: list[Path], prefixes: tuple[Path, ...] = PYTHON_PREFIXES) -> list[Path]:
+    """What the image brings, mounted over the pod's volumes so that it stays visible when a volume
+    covers a folder above it: the trainer package and imagebin/ always (the scratch emptyDir at /tmp
+    hides a checkout under /tmp, a CI clone, and the trainer cannot be imported), python's
+    installation where a volume covers it (a virtual environment under /tmp: `python` is not found,
+    exit 127)."""
+    python = [prefix for prefix in prefixes if any(prefix.is_relative_to(target) for target in volume_targets)]
+    return [TRAINER_PATH, IMAGE_BIN, *python]
+
+
 class PodConfigError(Exception):
     """The pod cannot be started as specified (a kubelet's CreateContainerConfigError)."""
 
@@ -547,13 +557,7 @@ class PodRun:
             lines.append("127.0.0.1 " + " ".join(hosts_names))
         hosts.write_text("\n".join(lines) + "\n")
         mounts.append({"source": str(hosts), "target": "/etc/hosts", "readOnly": True})
-        # What the image brings (the trainer package, imagebin/, python) stays visible even when a
-        # pod volume is mounted over a folder above it: the scratch emptyDir at /tmp hides a checkout
-        # under /tmp (a CI clone) otherwise, and the trainer cannot be imported; a virtual
-        # environment under /tmp, and `python` is not found (exit 127).
-        volumes = [Path(m["target"]) for m in mounts]
-        python = [prefix for prefix in PYTHON_PREFIXES if any(prefix.is_relative_to(v) for v in volumes)]
-        for image_path in (TRAINER_PATH, IMAGE_BIN, *python):
+        for image_path in image_paths([Path(m["target"]) for m in mounts]):
             mounts.append({"source": str(image_path), "target": str(image_path), "readOnly": True})
         mounts.append({"source": str(run.message_file), "target": c.get("terminationMessagePath") or DEFAULT_TERMINATION_PATH,
                        "readOnly": False})
