@@ -120,11 +120,9 @@ class ResourceWatch(threading.Thread):
                     if self.stop_event.is_set():
                         w.stop()
                         break
-                    raw = event.get("object")
-                    if event["type"] == "ERROR" or not isinstance(raw, dict):
-                        rv = None
-                        break
-                    rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
+                    # An ERROR event (410 Gone: rv too old) raises out of the client's stream: relisted below.
+                    raw = event["object"]
+                    rv = raw["metadata"].get("resourceVersion") or rv
                     if event["type"] != "BOOKMARK":
                         self.on_event(event["type"], raw)
             except Exception as exc:  # the apiserver restarts under us (or 410 Gone): relist

@@ -1076,9 +1076,12 @@ def _early_creates(decision: lifecycle.Decision) -> tuple[list[dict[str, Any]], 
     landed may create them, after the ConfigMaps their pods mount. A ConfigMap this decision also
     deletes (an earlier attempt's) waits for the delete."""
     deleted = {(ref.kind, ref.name) for ref in decision.delete}
-    early = [obj for obj in decision.create
-             if obj["kind"] == "ConfigMap" and (obj["kind"], obj["metadata"]["name"]) not in deleted]
-    return early, [obj for obj in decision.create if not any(obj is e for e in early)]
+    early: list[dict[str, Any]] = []
+    later: list[dict[str, Any]] = []
+    for obj in decision.create:
+        alongside = obj["kind"] == "ConfigMap" and (obj["kind"], obj["metadata"]["name"]) not in deleted
+        (early if alongside else later).append(obj)
+    return early, later
 
 
 def _api_message(error: ApiException) -> str:

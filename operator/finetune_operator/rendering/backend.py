@@ -90,18 +90,9 @@ class Backend:
         templates, three quarters of a PyTorchJob (17 of its 24 KB in memory), are never read back:
         at a thousand jobs they were the largest part of the operator's memory."""
         meta = obj.get("metadata") or {}
-        spec: Any = obj.get("spec") or {}
-        kept: dict[str, Any] = {}
-        node, target = spec, kept
-        for key in self._suspend_path[1:-1]:
-            node = node.get(key) if isinstance(node, Mapping) else None
-            target = target.setdefault(key, {})
-        last = self._suspend_path[-1]
-        if isinstance(node, Mapping) and last in node:
-            target[last] = node[last]
         return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
                 "metadata": {k: v for k, v in meta.items() if k != "managedFields"},
-                "spec": kept, "status": obj.get("status") or {}}
+                "status": obj.get("status") or {}, **self.suspend_patch(self.suspended(obj))}
 
     def suspend_patch(self, suspend: bool) -> dict[str, Any]:
         """The merge-patch body that sets the suspend switch."""
