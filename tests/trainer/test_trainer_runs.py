@@ -201,9 +201,11 @@ def test_injected_gpu_oom_on_one_rank_gives_the_report_and_exit_code(assets, tmp
     assert (report["microBatchSize"], report["sequenceLength"], report["exitCode"]) == (2, 64, EXIT_GPU_OOM)
     assert report["worldSize"] == 2 and report["attempt"] == 1
     assert sorted(run.losses()) == [1, 2]
-    # The other rank fails on the broken collective; it logs, but the cause stays in the report.
     assert run.of("failure", rank=1)[0]["reason"] == "GPUOutOfMemory"
-    assert run.of("failure", rank=0)[0]["reason"] == "Unknown"
+    # The other rank either fails on the broken collective first (and logs a failure of
+    # unknown cause) or is stopped by torchrun first (and logs none): a race between the
+    # peer's closed socket and torchrun's SIGTERM. Either way the report keeps rank 1's cause.
+    assert [event["reason"] for event in run.of("failure", rank=0)] in ([], ["Unknown"])
 
 
 @pytest.fixture
