@@ -258,10 +258,13 @@ def test_gpu_oom_in_the_real_trainer_then_a_changed_plan_resumes_from_its_checkp
     loss2 = rp.losses(rp.attempt_events(lab, namespace, "gpu-oom", 2, "progress"))
     assert max(loss1) == OOM_STEP - 1 and min(loss2) == last_checkpoint + 1, (loss1, loss2)
     redone = last_checkpoint + 1
-    # The same step on the same data from the same weights and optimizer state: the same loss
-    # (to a few percent), well below where attempt 1 started.
-    assert abs(loss2[redone] - loss1[redone]) <= 0.05 * loss1[redone], (loss1, loss2)
-    assert loss2[redone] < 0.9 * loss1[1], (loss1, loss2)
+    # The same step on the same data from the same weights and optimizer state: the same loss.
+    # Runs are seeded, so it matches to the last digits here; another micro-batch may change
+    # those elsewhere. Adapters started afresh at the resume gave 2% more on that step (3.66
+    # against 3.58).
+    assert abs(loss2[redone] - loss1[redone]) <= 0.01 * loss1[redone], (loss1, loss2)
+    # And the run goes on learning: its last loss is well below where attempt 1 started.
+    assert loss2[max(loss2)] < 0.9 * loss1[1], (loss1, loss2)
 
 
 def test_suspend_and_resume_continue_from_the_real_checkpoint(lab, runs):

@@ -657,7 +657,9 @@ class TrainingSpec(ApiModel):
     attention: Attention = "sdpa"
     """Attention kernel: `sdpa` (PyTorch), `flash` (flash-attention 2), `eager` (keeps the s x s scores)."""
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 42
-    """Random seed."""
+    """Random seed of the run: the sample order, the LoRA adapters' initial weights, dropout and stochastic
+    rounding. The same spec on the same software gives the same loss curve (checked on the CPU; GPU kernels
+    may differ in the last digits)."""
 
     @model_validator(mode="after")
     def _steps_and_batch(self) -> "TrainingSpec":

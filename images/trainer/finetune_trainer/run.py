@@ -195,6 +195,12 @@ def train(cfg: TrainerConfig) -> None:
         # world size; make it wrap the process group TrainingArguments started.
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     PROGRESS.enter(Phase.LOAD, plan.start_step)
+    # Seeded before the model is built: the LoRA adapters' random initialisation happens
+    # there, and the Trainer seeds only later, in its constructor. Without this, two runs of
+    # the same config (and the ranks of one run) start from different adapters.
+    from transformers import set_seed
+
+    set_seed(cfg.seed)
     model = load_model(cfg, world)
     if checkpoint is not None and not plan.restore_optimizer:
         checkpointing.load_weights(checkpoint, model, lora=cfg.method != "full")
