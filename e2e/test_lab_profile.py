@@ -23,10 +23,10 @@ import sys
 import time
 
 import pytest
+from finetune_operator import calibration as C
 
 from e2e import operator_harness as h
 from e2e.lab.waiting import wait_for
-from finetune_operator import calibration as C
 
 pytestmark = pytest.mark.e2e
 
@@ -127,7 +127,7 @@ def test_an_unknown_family_is_planned_through_the_profile(lab, operator, namespa
     wait_for(lambda: _profile_pod(lab, namespace, "neox") is None, 30, "the finished profile pod deleted")
     cache = json.loads(lab.kubectl("get", "configmap", "finetune-operator-profiles", "-n", h.RELEASE_NAMESPACE,
                                    "-o", "json").stdout)
-    assert sum(1 for k in cache["data"] if not k.endswith(".model")) >= 4
+    assert sum(1 for k in cache["data"] if not k.endswith((".model", ".written"))) >= 4
     described = lab.kubectl("describe", "ftj", "neox", "-n", namespace).stdout
     assert "Profiled" in described and "pre-flight profile" in described
 
@@ -178,3 +178,41 @@ def test_a_run_that_used_more_than_predicted_corrects_later_plans_of_its_kind(la
     assert f"learned from {entry.runs} run(s) of lora {kind.strategy} llama on {kind.gpu}" in plan["reason"], plan["reason"]
     described = " ".join(lab.kubectl("describe", "ftj", "student", "-n", namespace).stdout.split())
     assert f"learned from {entry.runs} run(s)" in described, described[-3000:]
+
+
+def test_the_profile_cache_stays_under_the_api_servers_size_limit(lab, namespace):
+    """The real API server, on what the unit tests' fake plays (tests/operator/fake_kube.py): a
+    ConfigMap over 1 MiB is refused with 422, and the cache write's merge patch deletes the models it
+    evicts (nulls) while it adds the new one, in one request."""
+    from finetune_operator.controller import Cluster
+    from finetune_operator.profiling.cache import (
+        CACHE_BUDGET_BYTES,
+        CACHE_CONFIGMAP,
+        data_bytes,
+        evictions,
+    )
+    from finetune_operator.profiling_shell import merge_into_config_map
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    cluster = Cluster(lab.api_client())
+    old = {}
+    # 200 models written on distinct days of 2025: values 1.5 KB short of the 1 MiB limit (the API
+    # server counts the values, not the keys).
+    for n in range(200):
+        old[f"{n:016x}.written"] = f"2025-{1 + n % 12:02d}-{1 + n // 12:02d}T00:00:00Z"
+        old[f"{n:016x}.model"] = "x" * 5215
+    cluster.core.create_namespaced_config_map(namespace, {"metadata": {"name": CACHE_CONFIGMAP}, "data": old})
+    new = {"ffffffffffffffff.model": "y" * 4000, "ffffffffffffffff.written": "2026-12-01T00:00:00Z"}
+    with pytest.raises(ApiException) as refused:
+        merge_into_config_map(cluster, namespace, CACHE_CONFIGMAP, new, "profile-cache")
+    assert refused.value.status == 422 and "Too long: may not be more than 1048576 bytes" in refused.value.body
+
+    data = merge_into_config_map(cluster, namespace, CACHE_CONFIGMAP, new, "profile-cache", evict=evictions)
+    stored = client.CoreV1Api(lab.api_client()).read_namespaced_config_map(CACHE_CONFIGMAP, namespace).data
+    assert stored == data and data_bytes(stored) <= CACHE_BUDGET_BYTES
+    assert stored["ffffffffffffffff.written"] == "2026-12-01T00:00:00Z"
+    gone = sorted(value for key, value in old.items() if key.endswith(".written") and key not in stored)
+    kept = sorted(value for key, value in stored.items() if key.endswith(".written") and value.startswith("2025"))
+    assert gone and kept and max(gone) < min(kept)
+    assert all(key.replace(".written", ".model") in stored for key in stored if key.endswith(".written"))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping
+import time
+from typing import Any, Callable, Mapping
 
 from kubernetes.client.rest import ApiException
 
@@ -20,7 +21,7 @@ from finetune_trainer.contract import parse_profile_report
 
 from . import api
 from .children import controlled_by
-from .profiling.cache import CACHE_CONFIGMAP, cache_entries, read_cache
+from .profiling.cache import CACHE_CONFIGMAP, cache_entries, evictions, read_cache
 from .profiling.pod import CONFIG_HASH_ANNOTATION, PROFILE_CONTAINER, profile_pod_name
 from .profiling.setups import NotProfilable
 from .profiling.state import ProfileObservation, ProfilePod, asks_for_profile, needs_profile, observation
@@ -30,9 +31,10 @@ CACHE_WRITE_ATTEMPTS = 5
 
 
 class ProfileShell:
-    def __init__(self, cluster: Any, namespace: str) -> None:
+    def __init__(self, cluster: Any, namespace: str, clock: Callable[[], float] = time.time) -> None:
         self.cluster = cluster  # controller.Cluster: get_config_map, core
         self.namespace = namespace
+        self.clock = clock  # stamps each model's `.written` entry, which orders evictions
 
     def observe(self, job: api.FineTuneJob, model_config: Mapping[str, Any] | None
                 ) -> ProfileObservation | NotProfilable | None:
@@ -47,7 +49,8 @@ class ProfileShell:
         pod = self._pod(job)
         if (pod is not None and pod.report is not None and pod.report.ok and pod.config_hash == seen.config_hash
                 and seen.cached.missing):
-            data = self._write_cache(cache_entries(seen.config_hash, pod.report))
+            written_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
+            data = self._write_cache(cache_entries(seen.config_hash, pod.report, written_at))
             seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups))
             assert not isinstance(seen, NotProfilable)
         return dataclasses.replace(seen, pod=pod)
@@ -73,20 +76,24 @@ class ProfileShell:
         return dict((config_map or {}).get("data") or {})
 
     def _write_cache(self, entries: dict[str, str]) -> dict[str, str]:
-        return merge_into_config_map(self.cluster, self.namespace, CACHE_CONFIGMAP, entries, "profile-cache")
+        return merge_into_config_map(self.cluster, self.namespace, CACHE_CONFIGMAP, entries, "profile-cache",
+                                     evict=evictions)
 
 
-def merge_into_config_map(cluster: Any, namespace: str, name: str, entries: dict[str, str], component: str
+def merge_into_config_map(cluster: Any, namespace: str, name: str, entries: dict[str, str], component: str,
+                          evict: Callable[[Mapping[str, str], Mapping[str, str]], dict[str, None]] | None = None
                           ) -> dict[str, str]:
     """Add `entries` to ConfigMap `name` (created when missing) with a JSON merge patch of its data.
 
     A merge patch only adds or replaces the keys it names, so two replicas (or two jobs) writing at
-    once never lose each other's keys, and the operator needs no `update` on ConfigMaps. Returns the
-    data after the write."""
+    once never lose each other's keys, and the operator needs no `update` on ConfigMaps. `evict`
+    (data read, entries) names keys the same patch deletes (as nulls) to keep the ConfigMap under the
+    API server's size limit. Returns the data after the write."""
     core = cluster.core
     for _ in range(CACHE_WRITE_ATTEMPTS):
         try:
-            if cluster.get_config_map(namespace, name) is None:
+            current = cluster.get_config_map(namespace, name)
+            if current is None:
                 body = {"apiVersion": "v1", "kind": "ConfigMap",
                         "metadata": {"name": name, "namespace": namespace,
                                      "labels": {"app.kubernetes.io/managed-by": "finetune-operator",
@@ -94,7 +101,11 @@ def merge_into_config_map(cluster: Any, namespace: str, name: str, entries: dict
                         "data": dict(entries)}
                 core.create_namespaced_config_map(namespace, body)
             else:
-                core.patch_namespaced_config_map(name, namespace, {"data": dict(entries)})
+                evicted = evict(current.get("data") or {}, entries) if evict else {}
+                if evicted:
+                    log.info("ConfigMap %s/%s: %d keys evicted to stay under its size limit",
+                             namespace, name, len(evicted))
+                core.patch_namespaced_config_map(name, namespace, {"data": {**evicted, **entries}})
             return dict((cluster.get_config_map(namespace, name) or {}).get("data") or {})
         except ApiException as error:
             if error.status not in (404, 409):  # created or deleted by another writer since the read

@@ -46,6 +46,20 @@ def _error(status: int, reason: str, message: str) -> ApiException:
     return error
 
 
+# The API server's limit on a ConfigMap's data: the values' bytes (keys not counted), as the lab's
+# kube-apiserver shows (e2e/test_lab_profile.py).
+CONFIG_MAP_LIMIT = 1024 * 1024
+
+
+def _refuse_invalid(kind: str, obj: dict[str, Any]) -> None:
+    """What the API server's validation refuses and the operator can run into."""
+    if kind == "ConfigMap":
+        size = sum(len(value.encode()) for value in (obj.get("data") or {}).values())
+        if size > CONFIG_MAP_LIMIT:
+            raise _error(422, "Invalid", f'ConfigMap "{obj["metadata"]["name"]}" is invalid: []: Too long: '
+                                         f"may not be more than {CONFIG_MAP_LIMIT} bytes")
+
+
 def _plain(body: Any) -> Any:
     """A kubernetes client model (V1DeleteOptions, CoreV1Event) or a dict, as a dict."""
     if body is None or isinstance(body, dict):
@@ -299,6 +313,7 @@ class FakeKube:
             raise self.refuse_create[kind]
         if self.get(kind, namespace, name) is not None:
             raise _error(409, "AlreadyExists", f'{kind} "{name}" already exists')
+        _refuse_invalid(kind, body)
         self._write(Write("create", kind, namespace, name, body))
         body["metadata"]["namespace"] = namespace
         body["metadata"].pop("uid", None)
@@ -357,14 +372,18 @@ class FakeKube:
         wanted = ((body.get("metadata") or {}).get("resourceVersion"))
         if wanted is not None and wanted != obj["metadata"]["resourceVersion"]:
             raise _error(409, "Conflict", "the object has been modified")
-        self._write(Write("status-patch" if status else "patch", kind, namespace, name, copy.deepcopy(body),
-                          before=copy.deepcopy(obj)))
         patch = copy.deepcopy(body)
         if status:
             patch = {"status": patch.get("status") or {}}
         else:
             patch.pop("status", None)
             (patch.get("metadata") or {}).pop("resourceVersion", None)
+        if kind == "ConfigMap":  # validated as it would be after the patch, before anything changes
+            merged = copy.deepcopy(obj)
+            _merge(merged, patch)
+            _refuse_invalid(kind, merged)
+        self._write(Write("status-patch" if status else "patch", kind, namespace, name, copy.deepcopy(body),
+                          before=copy.deepcopy(obj)))
         _merge(obj, patch)
         self.touch(obj)
         return _response(obj)

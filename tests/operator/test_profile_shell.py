@@ -9,7 +9,7 @@ import json
 from finetune_operator import metrics
 from finetune_operator.calibration import Learned
 from finetune_operator.calibration_store import CALIBRATION_CONFIGMAP, CalibrationStore
-from finetune_operator.profiling.cache import CACHE_CONFIGMAP
+from finetune_operator.profiling.cache import CACHE_BUDGET_BYTES, CACHE_CONFIGMAP, data_bytes
 from finetune_operator.profiling.setups import job_profile
 from finetune_operator.profiling_shell import ProfileShell
 from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileRequest, ProfileShape
@@ -66,18 +66,48 @@ def test_the_shell_profiles_caches_plans_and_cleans_up():
     assert len(first.setups) == 12 and first.config["model_type"] == "gpt_neox"
     world.reconcile()
     cache = world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)
-    assert cache is not None and len(cache["data"]) == 13  # twelve setups and the model
+    assert cache is not None and len(cache["data"]) == 14  # twelve setups, the model, when it was written
     assert not world.kube.of_kind("Pod", NAMESPACE) and not world.kube.of_kind("PyTorchJob", NAMESPACE)
     world.reconcile()
     [pod] = world.kube.of_kind("Pod", NAMESPACE)
     second = _finish(world, pod)
     assert len(second.setups) == 4 and not {s.key for s in second.setups} & {s.key for s in first.setups}
     world.reconcile()
-    assert len(world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)["data"]) == 17
+    assert len(world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)["data"]) == 18
     assert world.kube.of_kind("PyTorchJob", NAMESPACE), "planned from the profile"
     assert not world.kube.of_kind("Pod", NAMESPACE), "the finished profile pod is deleted"
     status = world.kube.get("FineTuneJob", NAMESPACE, world.name)["status"]
     assert {c["type"]: c["status"] for c in status["conditions"]}["Profiled"] == "True"
+
+
+def test_a_full_cache_evicts_the_least_recently_written_models_to_take_a_new_one():
+    """The API server refuses a ConfigMap over 1 MiB (so does the fake): without evictions the
+    cache write would fail on every reconcile and the job would never be planned."""
+    world = _world()
+    world.reconciler.profiles.clock = lambda: 1796083200.0  # 2026-12-01T00:00:00Z
+    old = {}
+    for n in range(200):  # 200 models written on distinct days of 2025, 1.5 KB short of the 1 MiB limit
+        digest = f"{n:016x}"
+        old[f"{digest}.written"] = f"2025-{1 + n % 12:02d}-{1 + n // 12:02d}T00:00:00Z"
+        old[f"{digest}.model"] = "x" * 5215
+    assert 1024 * 1024 - 2048 < sum(len(value) for value in old.values()) < 1024 * 1024
+    world.kube.put("ConfigMap", {"metadata": {"name": CACHE_CONFIGMAP, "namespace": OPERATOR_NS}, "data": old})
+    world.reconcile()
+    [pod] = world.kube.of_kind("Pod", NAMESPACE)
+    _finish(world, pod)
+    world.reconcile()
+    data = world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)["data"]
+    assert data_bytes(data) <= CACHE_BUDGET_BYTES
+    new = {key.split(".")[0] for key in data} - {key.split(".")[0] for key in old}
+    [digest] = new
+    assert len([key for key in data if key.startswith(digest)]) == 14
+    assert data[f"{digest}.written"] == "2026-12-01T00:00:00Z"
+    kept = sorted(data[key] for key in data if key.endswith(".written") and not key.startswith(digest))
+    evicted = sorted(value for key, value in old.items() if key.endswith(".written") and key not in data)
+    assert evicted and kept and max(evicted) < min(kept), "the least recently written models went first"
+    assert all(f"{key.split('.')[0]}.model" in data for key in data if key.endswith(".written")), "whole models"
+    world.reconcile()
+    assert len(world.kube.of_kind("Pod", NAMESPACE)) == 1, "the next pod, for the four setups left"
 
 
 def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():

@@ -25,6 +25,7 @@ from test_lifecycle import POLICY, POOLS, T0, example  # noqa: E402
 
 CONFIG = {"model_type": "gpt_neox", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096}
+WRITTEN = "2026-11-30T12:00:00Z"  # when the shell wrote a model's entries (orders evictions)
 SHAPE = ProfileShape(model_type="gpt_neox", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
                      num_key_value_heads=4, head_dim=32, intermediate_size=512)
 
@@ -133,7 +134,7 @@ def test_cache_round_trip_and_what_is_missing():
     profile = job_profile(job(gradientCheckpointing=True).spec)
     report = _report(profile, lambda ph, w, b, s: 1000 * b)
     setups = profile.setups()
-    data = cache_entries("abc", report.model_copy(update={"measurements": report.measurements[:-1]}))
+    data = cache_entries("abc", report.model_copy(update={"measurements": report.measurements[:-1]}), WRITTEN)
     assert all(k.replace(".", "").replace("-", "").replace("_", "").isalnum() for k in data)
     cached = read_cache(data, "abc", setups)
     assert cached.model is not None and [s.key for s in cached.missing] == [setups[-1].key]
@@ -194,7 +195,7 @@ def test_an_unknown_family_is_profiled_once_then_planned_from_the_figures():
     profile = job_profile(j.spec)
     report = _report(profile, lambda ph, w, b, s: 10**8 * b + 10**9 // w)
     done = _finished(pod, report)
-    data = cache_entries(done.config_hash, report)  # every pod's, as the shell writes them before the step
+    data = cache_entries(done.config_hash, report, WRITTEN)  # every pod's, as the shell writes them before the step
     planned = _step(j, data, done)
     assert planned.status.phase == "Launching"
     assert _conditions(planned)["Profiled"][:2] == ("True", "Profiled")
@@ -246,5 +247,5 @@ def test_a_job_may_ask_for_the_profile_of_a_family_the_analytic_model_knows():
     [pod] = first.create
     report = _report(job_profile(j.spec), lambda ph, w, b, s: 10**9 * b + 10**10 // w)
     done = _finished(pod, report)
-    planned = step(cache_entries(done.config_hash, report), done)  # every pod's, as the shell cached them
+    planned = step(cache_entries(done.config_hash, report, WRITTEN), done)  # every pod's, as the shell cached them
     assert planned.status.phase == "Launching" and "measured" in planned.status.plan.breakdown

@@ -4,7 +4,12 @@ The ConfigMap `finetune-operator-profiles` lives in the operator's namespace. Ea
 `<config hash>.<hash of the setup key>` (ConfigMap keys allow only [-._a-zA-Z0-9]) and holds a
 ProfileMeasurement as JSON; `<config hash>.model` holds the model's shape and parameter counts.
 A model is profiled once per setup, whichever job asks. Reading and writing it is the shell's
-(controller.py); this module only encodes and decodes.
+(profiling_shell.py); this module encodes, decodes and chooses what to evict.
+
+The API server refuses a ConfigMap whose data passes 1 MiB, and a model's entries take about
+4.5 KB, so the cache is bounded: `<config hash>.written` holds when the model's entries were last
+written, and a write that would take the data past CACHE_BUDGET_BYTES first deletes whole models,
+least recently written first (evictions). An evicted model is profiled again when a job needs it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ def setup_entry(config_hash: str, setup_key: str) -> str:
 
 def model_entry(config_hash: str) -> str:
     return f"{config_hash}.model"
+
+
+def written_entry(config_hash: str) -> str:
+    return f"{config_hash}.written"
+
+
+# The API server's limit on a ConfigMap's data (keys and values) is 1 MiB; the rest is headroom
+# for writers that evict from an older read, and for the object's metadata.
+CACHE_BUDGET_BYTES = 768 * 1024
 
 
 @dataclass(frozen=True)
@@ -63,12 +77,13 @@ def read_cache(data: Mapping[str, str] | None, config_hash: str, setups: list[Pr
     return CachedProfile(model if model is not None and model.ok else None, found, missing)
 
 
-def cache_entries(config_hash: str, report: ProfileReport) -> dict[str, str]:
-    """The ConfigMap keys a successful report adds."""
+def cache_entries(config_hash: str, report: ProfileReport, written_at: str) -> dict[str, str]:
+    """The ConfigMap keys a successful report adds; `written_at` (RFC 3339, UTC) orders evictions."""
     if not report.ok:
         return {}
     entries = {model_entry(config_hash): report.model_copy(update={"measurements": []})
-               .model_dump_json(by_alias=True, exclude_none=True)}
+               .model_dump_json(by_alias=True, exclude_none=True),
+               written_entry(config_hash): written_at}
     for m in report.measurements:
         entries[setup_entry(config_hash, m.key)] = m.model_dump_json(by_alias=True, exclude_none=True)
     return entries
@@ -81,3 +96,35 @@ def as_report(cached: CachedProfile) -> ProfileReport | None:
 
 
 __all__ = ["CACHE_CONFIGMAP", "CachedProfile", "as_report", "cache_entries", "read_cache"]
+
+
+def data_bytes(data: Mapping[str, str]) -> int:
+    """Every key's and value's bytes: a little more than the API server counts against a ConfigMap's
+    limit (the values), so a budget in these bytes keeps under it."""
+    return sum(len(key.encode()) + len(value.encode()) for key, value in data.items())
+
+
+def evictions(data: Mapping[str, str], entries: Mapping[str, str],
+              budget: int = CACHE_BUDGET_BYTES) -> dict[str, None]:
+    """The keys to delete (as merge-patch nulls) so that `data` with `entries` written fits `budget`:
+    whole models, least recently written first (a model without a `.written` key first of all),
+    never a model `entries` writes. Empty when it fits already."""
+    after = {**data, **entries}
+    size = data_bytes(after)
+    if size <= budget:
+        return {}
+    writing = {key.split(".", 1)[0] for key in entries}
+    models: dict[str, list[str]] = {}
+    for key in after:
+        digest = key.split(".", 1)[0]
+        if digest not in writing:
+            models.setdefault(digest, []).append(key)
+    oldest_first = sorted(models, key=lambda digest: (after.get(written_entry(digest), ""), digest))
+    evicted: dict[str, None] = {}
+    for digest in oldest_first:
+        if size <= budget:
+            break
+        for key in models[digest]:
+            evicted[key] = None
+            size -= len(key.encode()) + len(after[key].encode())
+    return evicted
