@@ -23,10 +23,10 @@ import sys
 import time
 
 import pytest
-from finetune_operator import calibration as C
 
 from e2e import operator_harness as h
 from e2e.lab.waiting import wait_for
+from finetune_operator import calibration as C
 
 pytestmark = pytest.mark.e2e
 
@@ -185,12 +185,7 @@ def test_the_profile_cache_stays_under_the_api_servers_size_limit(lab, namespace
     ConfigMap over 1 MiB is refused with 422, and the cache write's merge patch deletes the models it
     evicts (nulls) while it adds the new one, in one request."""
     from finetune_operator.controller import Cluster
-    from finetune_operator.profiling.cache import (
-        CACHE_BUDGET_BYTES,
-        CACHE_CONFIGMAP,
-        data_bytes,
-        evictions,
-    )
+    from finetune_operator.profiling.cache import CACHE_BUDGET_BYTES, CACHE_CONFIGMAP, data_bytes, evictions
     from finetune_operator.profiling_shell import merge_into_config_map
     from kubernetes import client
     from kubernetes.client.rest import ApiException

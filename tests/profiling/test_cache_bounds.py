@@ -15,6 +15,10 @@ def _model(digest: str, size: int, written: str | None) -> dict[str, str]:
     return entries
 
 
+def _models(keys) -> set[str]:
+    return {key.split(".")[0] for key in keys}
+
+
 _days = st.one_of(st.none(), st.dates().map(lambda d: f"{d.isoformat()}T00:00:00Z"))
 
 
@@ -29,24 +33,26 @@ def test_a_write_evicts_whole_models_least_recently_written_first_until_it_fits(
     digest = "0000" if rewrite and cached else "ffff"
     entries = _model(digest, new_size, "2030-01-01T00:00:00Z")
     evicted = evictions(data, entries, budget)
+
+    def age(model: str) -> str:
+        return data.get(written_entry(model), "")
+
     after = {key: value for key, value in {**data, **entries}.items() if key not in evicted}
 
     assert all(value is None for value in evicted.values())
     assert not any(key.startswith(digest + ".") for key in evicted), "never the model being written"
-    models = lambda keys: {key.split(".")[0] for key in keys}  # noqa: E731
-    assert not models(evicted) & models(after), "whole models go"
+    assert not _models(evicted) & _models(after), "whole models go"
     if data_bytes({**data, **entries}) <= budget:
         assert evicted == {}
     else:
-        others = models(after) - {digest}
+        others = _models(after) - {digest}
         assert data_bytes(after) <= budget or not others, "fits, or only the model being written is left"
         # Least recently written first; a model that never said when it was written counts as oldest.
-        age = lambda d: data.get(written_entry(d), "")  # noqa: E731
         if evicted and others:
-            assert max(age(d) for d in models(evicted)) <= min(age(d) for d in others)
+            assert max(age(d) for d in _models(evicted)) <= min(age(d) for d in others)
         # And no more than needed: keeping the last model evicted would not have fitted.
         if evicted:
-            last = max(models(evicted), key=lambda d: (age(d), d))
+            last = max(_models(evicted), key=lambda d: (age(d), d))
             back = {key: value for key, value in data.items() if key.startswith(last + ".")}
             assert data_bytes({**after, **back}) > budget
 

@@ -6,8 +6,8 @@ ProfileMeasurement as JSON; `<config hash>.model` holds the model's shape and pa
 A model is profiled once per setup, whichever job asks. Reading and writing it is the shell's
 (profiling_shell.py); this module encodes, decodes and chooses what to evict.
 
-The API server refuses a ConfigMap whose data passes 1 MiB, and a model's entries take about
-4.5 KB, so the cache is bounded: `<config hash>.written` holds when the model's entries were last
+The API server refuses a ConfigMap whose values pass 1 MiB, and a job's grid of 16 setups takes
+about 3.8 KB, so the cache is bounded: `<config hash>.written` holds when the model's entries were last
 written, and a write that would take the data past CACHE_BUDGET_BYTES first deletes whole models,
 least recently written first (evictions). An evicted model is profiled again when a job needs it.
 """
@@ -37,8 +37,8 @@ def written_entry(config_hash: str) -> str:
     return f"{config_hash}.written"
 
 
-# The API server's limit on a ConfigMap's data (keys and values) is 1 MiB; the rest is headroom
-# for writers that evict from an older read, and for the object's metadata.
+# The API server's limit on a ConfigMap's values is 1 MiB; the rest is headroom for writers that
+# evict from an older read (data_bytes counts the keys too).
 CACHE_BUDGET_BYTES = 768 * 1024
 
 
@@ -95,8 +95,6 @@ def as_report(cached: CachedProfile) -> ProfileReport | None:
     return cached.model.model_copy(update={"measurements": list(cached.measurements.values())})
 
 
-__all__ = ["CACHE_CONFIGMAP", "CachedProfile", "as_report", "cache_entries", "read_cache"]
-
 
 def data_bytes(data: Mapping[str, str]) -> int:
     """Every key's and value's bytes: a little more than the API server counts against a ConfigMap's
@@ -128,3 +126,7 @@ def evictions(data: Mapping[str, str], entries: Mapping[str, str],
             evicted[key] = None
             size -= len(key.encode()) + len(after[key].encode())
     return evicted
+
+
+__all__ = ["CACHE_BUDGET_BYTES", "CACHE_CONFIGMAP", "CachedProfile", "as_report", "cache_entries", "data_bytes",
+           "evictions", "read_cache", "written_entry"]
