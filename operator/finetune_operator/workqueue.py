@@ -46,8 +46,12 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (urllib3.exceptions.HTTPErro
 class WorkQueue:
     """Keys to reconcile, each worked on by one thread at a time, some after a delay."""
 
-    def __init__(self, handle: Callable[[Key], float | None], workers: int = 4) -> None:
+    def __init__(self, handle: Callable[[Key], float | None], workers: int = 4,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._handle = handle
+        # Due times are read from this clock (injected so that tests move time instead of sleeping);
+        # waits on the condition variable stay in real seconds.
+        self._clock = clock
         self._lines: tuple[deque[Key], ...] = (deque(), deque(), deque())
         self._ready: dict[Key, int] = {}  # key -> the line it waits in (its entries elsewhere are stale)
         self._heap: list[tuple[float, int, Key, int]] = []  # (due, counter, key, line)
@@ -92,10 +96,10 @@ class WorkQueue:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no reconcile is running; False when `timeout` passed first."""
-        deadline = time.monotonic() + timeout
+        deadline = self._clock() + timeout
         with self._cv:
             while self._busy:
-                left = deadline - time.monotonic()
+                left = deadline - self._clock()
                 if left <= 0:
                     return False
                 self._cv.wait(timeout=left)
@@ -113,7 +117,7 @@ class WorkQueue:
         line = BULK if delay > 0 or not (urgent or first) else FIRST if first else URGENT
         with self._cv:
             if delay > 0:
-                when = time.monotonic() + delay
+                when = self._clock() + delay
                 if key in self._ready or key in self._again:
                     return  # due now anyway
                 current = self._due.get(key)
@@ -154,24 +158,37 @@ class WorkQueue:
             self._make_ready(key, line)
         return None
 
+    def _take(self) -> tuple[Key | None, float | None]:
+        """(Under the lock.) Hand out the next ready key, best line first, marking it busy; else
+        None and the time the next delayed key is due (None: none is delayed)."""
+        next_due = self._promote_due(self._clock())
+        for line in (FIRST, URGENT, BULK):
+            waiting = self._lines[line]
+            while waiting:
+                key = waiting.popleft()
+                if self._ready.get(key) != line:
+                    continue  # stale: promoted to the urgent line, or already handed out
+                del self._ready[key]
+                self._busy.add(key)
+                return key, None
+        return None, next_due
+
+    def take_ready(self) -> Key | None:
+        """The next ready key without waiting (None when none is ready): `_next` without the wait,
+        for a caller that drives the queue itself."""
+        with self._cv:
+            return self._take()[0] if self._active else None
+
     def _next(self) -> Key | None:
         with self._cv:
             while not self._stopped:
                 if not self._active:
                     self._cv.wait(timeout=1.0)
                     continue
-                now = time.monotonic()
-                next_due = self._promote_due(now)
-                for line in (FIRST, URGENT, BULK):
-                    waiting = self._lines[line]
-                    while waiting:
-                        key = waiting.popleft()
-                        if self._ready.get(key) != line:
-                            continue  # stale: promoted to the urgent line, or already handed out
-                        del self._ready[key]
-                        self._busy.add(key)
-                        return key
-                self._cv.wait(timeout=(next_due - now) if next_due is not None else 1.0)
+                key, next_due = self._take()
+                if key is not None:
+                    return key
+                self._cv.wait(timeout=(next_due - self._clock()) if next_due is not None else 1.0)
             return None
 
     def _done(self, key: Key, delay: float | None) -> None:

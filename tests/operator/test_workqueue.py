@@ -8,17 +8,23 @@ import time
 from finetune_operator.workqueue import WorkQueue
 
 
-def _run(queue: WorkQueue, seconds: float) -> None:
-    queue.start()
-    time.sleep(seconds)
-    queue.stop()
+def _wait_for(condition, timeout: float = 20.0) -> None:
+    """Wait until `condition()` holds; the timeout only bounds a failing test, it is no window the
+    queue must meet (a loaded CI machine may take its time)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the queue did not get there"
+        time.sleep(0.005)
 
 
 def test_the_same_key_never_runs_twice_at_once():
+    """Adds of a key that is being reconciled are merged into one more reconcile after it, never a
+    second one beside it, while another key goes on meanwhile (four real worker threads)."""
     running: dict[tuple[str, str], int] = {}
     overlaps: list[tuple[str, str]] = []
     calls: list[tuple[str, str]] = []
     lock = threading.Lock()
+    release = threading.Event()
 
     def handle(key):
         with lock:
@@ -26,49 +32,62 @@ def test_the_same_key_never_runs_twice_at_once():
             if running[key] > 1:
                 overlaps.append(key)
             calls.append(key)
-        time.sleep(0.05)
+        if key == ("ns", "a") and calls.count(key) == 1:
+            release.wait(timeout=20)  # the first reconcile of "a" is held until every add is in
         with lock:
             running[key] -= 1
         return None
 
     queue = WorkQueue(handle, workers=4)
     queue.start()
+    queue.add(("ns", "a"))
+    _wait_for(lambda: calls.count(("ns", "a")) == 1)
     for _ in range(20):
-        queue.add(("ns", "a"))
+        queue.add(("ns", "a"))  # busy: merged into one run after this one
         queue.add(("ns", "b"))
-        time.sleep(0.005)
-    time.sleep(0.5)
+    _wait_for(lambda: ("ns", "b") in calls)  # another key is not held up by the busy one
+    release.set()
+    _wait_for(lambda: calls.count(("ns", "a")) == 2 and len(queue) == 0)
+    assert queue.wait_idle(timeout=20)
     queue.stop()
     assert overlaps == []
-    assert 1 <= calls.count(("ns", "a")) < 20  # merged, yet an add while busy is not lost
-    assert calls.count(("ns", "b")) >= 1
+    assert calls.count(("ns", "a")) == 2  # merged, yet an add while busy is not lost
 
 
 def test_requeue_after_is_honoured():
-    times: list[float] = []
-
-    def handle(key):
-        times.append(time.monotonic())
-        return 0.3 if len(times) < 3 else None
-
-    queue = WorkQueue(handle, workers=2)
+    """A reconcile's requeue-after makes the key due that much later on the queue's clock, not sooner."""
+    clock = _Clock()
+    queue = WorkQueue(lambda key: None, workers=0, clock=clock.monotonic)
     queue.add(("ns", "job"))
-    _run(queue, 1.2)
-    assert len(times) == 3
-    assert times[1] - times[0] >= 0.28 and times[2] - times[1] >= 0.28
+    for _ in range(3):
+        assert queue.take_ready() == ("ns", "job")
+        queue._done(("ns", "job"), delay=0.3)
+        clock.now += 0.29
+        assert queue.take_ready() is None  # not due yet
+        clock.now += 0.01
+    assert queue.take_ready() == ("ns", "job")
+    queue._done(("ns", "job"), delay=None)  # no requeue: gone
+    clock.now += 100
+    assert queue.take_ready() is None and len(queue) == 0
 
 
 def test_an_earlier_add_wins_over_a_later_delay():
-    times: list[float] = []
-    queue = WorkQueue(lambda key: times.append(time.monotonic()), workers=1)
-    start = time.monotonic()
+    clock = _Clock()
+    queue = WorkQueue(lambda key: None, workers=0, clock=clock.monotonic)
     queue.add(("ns", "job"), delay=5.0)
     queue.add(("ns", "job"), delay=0.1)
-    _run(queue, 0.6)
-    assert len(times) == 1 and times[0] - start < 0.5
+    queue.add(("ns", "job"), delay=3.0)  # later than the one waiting: changes nothing
+    clock.now += 0.1
+    assert queue.take_ready() == ("ns", "job")
+    queue._done(("ns", "job"), delay=None)
+    clock.now += 10
+    assert queue.take_ready() is None  # the stale 5 s and 3 s entries hand out nothing
 
 
 def test_a_failing_reconcile_is_retried_not_fatal():
+    """An exception in a reconcile neither kills the worker nor drops the key: it is retried after
+    a 30 s backoff (on the queue's clock), and the worker goes on with the next key."""
+    clock = _Clock()
     calls: list[str] = []
 
     def handle(key):
@@ -77,15 +96,16 @@ def test_a_failing_reconcile_is_retried_not_fatal():
             raise RuntimeError("boom")
         return None
 
-    queue = WorkQueue(handle, workers=1)
+    queue = WorkQueue(handle, workers=1, clock=clock.monotonic)
     queue.start()
     queue.add(("ns", "bad"))
-    time.sleep(0.2)
+    _wait_for(lambda: calls == ["bad"] and len(queue) == 1)  # failed, and waiting for its retry
     queue.add(("ns", "good"))  # the single worker survived the exception
-    time.sleep(0.3)
+    _wait_for(lambda: calls == ["bad", "good"])
+    assert queue.wait_idle(timeout=20)
+    assert queue._due[("ns", "bad")][0] == clock.now + 30.0
     queue.stop()
-    assert calls == ["bad", "good"]  # "bad" is retried only after its 30 s backoff
-
+    assert calls == ["bad", "good"]
 
 
 class _Clock:
@@ -98,10 +118,7 @@ class _Clock:
 
 def _queue_on(clock, monkeypatch) -> WorkQueue:
     """A queue with no worker threads, on a clock the test moves: _next/_done are called by hand."""
-    import finetune_operator.workqueue as wq
-
-    monkeypatch.setattr(wq, "time", clock)
-    return WorkQueue(lambda key: None, workers=0)
+    return WorkQueue(lambda key: None, workers=0, clock=clock.monotonic)
 
 
 def test_a_job_that_something_happened_to_goes_before_every_look_again(monkeypatch):
