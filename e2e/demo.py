@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from e2e.lab.build import build
     from e2e.lab.cluster import up
 
-    say("building (or reusing) the lab's binaries")
-    build(say=say)
+    say("building (or reusing) the lab's binaries (not the S3 server, JobSet, Trainer v2 or Kueue: the demo starts none)")
+    build(say=say, optional=False)
     say("starting the lab: etcd, kube-apiserver, scheduler, controller-manager, kwok, training operator")
     lab = up(die_with_parent=not args.keep)
     operator = None
