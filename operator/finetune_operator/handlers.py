@@ -138,8 +138,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Only our pods and PyTorchJobs, filtered by the API server rather than in the operator.
     settings.watching.label_selectors["pods"] = JOB_LABEL
     settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = JOB_LABEL
-    if options.policy_configmap:
-        settings.watching.field_selectors["configmaps"] = f"metadata.name={options.policy_configmap}"
 
     cluster = Cluster(kube_api_client(options))
     RUNTIME.policy.set(_read_policy(cluster, options))
@@ -167,6 +165,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         RUNTIME.leadership.start()
     RUNTIME.queue.start()
     threading.Thread(target=_wake_waiting, args=(RUNTIME.stop,), name="wake-waiting", daemon=True).start()
+    threading.Thread(target=_sweep_profiles, args=(RUNTIME.stop,), name="profile-sweep", daemon=True).start()
     if options.policy_configmap:
         threading.Thread(target=_poll_policy, args=(cluster, options, RUNTIME.stop), name="policy", daemon=True).start()
     if options.metrics_port:
@@ -325,16 +324,6 @@ def training_crd_event(name: str, **_: Any) -> None:
             RUNTIME.queue.add(key, urgent=False)
 
 
-@kopf.on.event("", "v1", "configmaps", when=lambda name, namespace, **_: (
-    RUNTIME.options.policy_configmap == name and RUNTIME.options.policy_namespace == namespace))
-def policy_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
-    """The platform changed the policy (helm upgrade): use it from now on, no restart."""
-    if event.get("type") == "DELETED":
-        log.warning("the policy ConfigMap was deleted; keeping the last policy")
-        return
-    apply_policy_text((body.get("data") or {}).get(POLICY_KEY))
-
-
 def apply_policy_text(text: str | None) -> None:
     """Use a new policy if it is valid and different; jobs waiting for a fit are looked at again."""
     if text is None:
@@ -378,9 +367,26 @@ def _wake_waiting(stop: threading.Event) -> None:
             log.warning("could not look for waiting jobs to move: %r", error)
 
 
+# The leader looks this often for profile pods whose job is gone (no garbage collector removes them).
+PROFILE_SWEEP_SECONDS = 60.0
+
+
+def _sweep_profiles(stop: threading.Event) -> None:
+    """Delete the profile pods of deleted jobs (profiling_shell.ProfileShell.sweep); only the leader."""
+    while not stop.wait(PROFILE_SWEEP_SECONDS):
+        queue, reconciler = RUNTIME.queue, RUNTIME.reconciler
+        if queue is None or reconciler is None or reconciler.profiles is None or not queue.active:
+            continue
+        try:
+            reconciler.profiles.sweep()
+        except Exception as error:  # the API may be briefly away; the next sweep tries again
+            log.warning("could not sweep profile pods: %r", error)
+
+
 def _poll_policy(cluster: Cluster, options: Options, stop: threading.Event) -> None:
-    """Read the policy ConfigMap every few seconds. kopf's watch sees it only when the operator
-    serves the release namespace; this poll sees it whatever namespaces are watched."""
+    """Read the policy ConfigMap every few seconds, whatever namespaces are watched: one GET by name,
+    so the operator needs no list or watch of ConfigMaps anywhere (a watch of every ConfigMap of the
+    cluster, for one of them, was what a kopf handler here used to cost)."""
     while not stop.wait(POLICY_POLL_SECONDS):
         try:
             apply_policy_text(cluster.read_config_map_key(options.policy_namespace, options.policy_configmap, POLICY_KEY))
