@@ -26,6 +26,7 @@ import yaml
 from kubernetes import client, config
 
 from . import api, metrics
+from .apiclient import LEASE_TIMEOUT, bounded_client
 from .calibration_store import CalibrationStore
 from .profiling_shell import ProfileShell
 from .controller import Cluster, JobBodies, PolicyHolder, Reconciler
@@ -83,10 +84,16 @@ def kube_api_client(options: Options) -> client.ApiClient:
     """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount, with two
     connections for every reconcile worker (its own, and the ConfigMap it posts alongside a status
     write) and one per background thread (the client's default, 5 per CPU, made the workers beyond
-    it open and close a TLS connection per request)."""
+    it open and close a TLS connection per request). Every request is bounded (apiclient.py)."""
     cfg = _client_configuration(options)
     cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, 2 * options.workers + EXTRA_CONNECTIONS)
-    return client.ApiClient(cfg)
+    return bounded_client(cfg)
+
+
+def lease_api_client(options: Options) -> client.ApiClient:
+    """The leader election's own client: its requests bounded by LEASE_TIMEOUT, one attempt each, on
+    connections of their own (a reconcile burst never makes a renew wait for a pooled connection)."""
+    return bounded_client(_client_configuration(options), LEASE_TIMEOUT, retries=False)
 
 
 # Connections beyond the workers: the progress poller, the wake-ups, the policy poll, the Lease, events.
@@ -159,7 +166,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if options.lease:
         RUNTIME.queue.set_active(False)  # until this replica leads
         RUNTIME.leadership = Leadership(
-            cluster.api_client, LeaseSettings(namespace=options.policy_namespace, name=options.lease,
+            lease_api_client(options), LeaseSettings(namespace=options.policy_namespace, name=options.lease,
                                               identity=options.identity or ""),
             on_started=_lead, on_stopped=_follow)
         RUNTIME.leadership.start()
@@ -193,6 +200,27 @@ def _follow() -> None:
         RUNTIME.progress.clear()  # the next leader writes progress
     if not RUNTIME.queue.wait_idle(timeout=LEASE_DURATION_SECONDS):
         log.warning("a reconcile still runs after losing the lease; its writes stay guarded by resourceVersion and uid")
+
+
+@kopf.on.probe(id="threads")
+def threads_alive(**_: Any) -> str:
+    """The liveness probe (/healthz) fails, and the kubelet restarts the container, when a thread the
+    operator cannot work without has died: a reconcile worker, an informer, the leader election."""
+    dead = dead_threads()
+    if dead:
+        raise kopf.PermanentError(f"threads died: {', '.join(dead)}")
+    return "alive"
+
+
+def dead_threads() -> list[str]:
+    dead: list[str] = []
+    if RUNTIME.queue is not None:
+        dead += RUNTIME.queue.dead()
+    if RUNTIME.reconciler is not None and RUNTIME.reconciler.cluster.cache is not None:
+        dead += RUNTIME.reconciler.cluster.cache.dead()
+    if RUNTIME.leadership is not None and RUNTIME.leadership.dead():
+        dead.append("leader-election")
+    return dead
 
 
 @kopf.on.login()
