@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import urllib3
 from kubernetes import client
@@ -77,31 +77,35 @@ class LeaseSettings:
 UNANSWERED = (urllib3.exceptions.HTTPError, OSError)
 
 
+@dataclass(frozen=True)
+class NoAnswer:
+    """What `get` returns for a read that got no answer, in the shape the library reads an API error
+    in (`body`, `reason`): it tries again next period."""
+
+    reason: str
+    body: None = None
+
+
 class BoundedLeaseLock(LeaseLock):
     """The client library's LeaseLock, where a request that got no answer is a failed try, as an API
     error is: the renew loop tries again until its deadline, instead of the leader stepping down (and
     every job being looked at again when it leads again) on the first slow request."""
 
     def get(self, name, namespace):  # noqa: ANN001, ANN201 - the library's signature
-        try:
-            return super().get(name, namespace)
-        except UNANSWERED as error:
-            log.info("lease %s/%s: no answer to a read: %r", namespace, name, error)
-            return False, error
+        return self._answered("read", lambda error: (False, NoAnswer(repr(error))), super().get, name, namespace)
 
     def create(self, name, namespace, election_record):  # noqa: ANN001, ANN201
-        try:
-            return super().create(name, namespace, election_record)
-        except UNANSWERED as error:
-            log.info("lease %s/%s: no answer to a create: %r", namespace, name, error)
-            return False
+        return self._answered("create", lambda error: False, super().create, name, namespace, election_record)
 
     def update(self, name, namespace, updated_record):  # noqa: ANN001, ANN201
+        return self._answered("renew", lambda error: False, super().update, name, namespace, updated_record)
+
+    def _answered(self, what: str, failed: Callable[[BaseException], Any], call: Callable[..., Any], *args: Any) -> Any:
         try:
-            return super().update(name, namespace, updated_record)
+            return call(*args)
         except UNANSWERED as error:
-            log.info("lease %s/%s: no answer to a renew: %r", namespace, name, error)
-            return False
+            log.info("lease %s/%s: no answer to a %s: %r", self.namespace, self.name, what, error)
+            return failed(error)
 
 
 class Leadership:

@@ -188,6 +188,22 @@ def test_a_lease_request_that_gets_no_answer_is_a_failed_try_within_its_bound():
     assert took < LEASE_TIMEOUT.worst_case + 0.5, took
 
 
+def test_an_election_whose_lease_reads_get_no_answer_keeps_trying():
+    """Through the library's own loop: a try that got no answer is a failed try (no exception out of
+    the election, which would make the replica step down and start over)."""
+    from kubernetes.leaderelection import electionconfig, leaderelection
+
+    with silent_server() as port:
+        lock = BoundedLeaseLock("finetune-operator", "ns", "me")
+        lock.api_instance = client.CoordinationV1Api(bounded_client(_configuration(port), LEASE_TIMEOUT, retries=False))
+        config = electionconfig.Config(lock, lease_duration=15, renew_deadline=10, retry_period=1,
+                                       onstarted_leading=lambda: None, onstopped_leading=lambda: None)
+        election = leaderelection.LeaderElection(config)
+        took, error = _call_returns_within(lambda: [election.try_acquire_or_renew() for _ in range(2)], 10)
+    assert error is None, repr(error)
+    assert took < 2 * LEASE_TIMEOUT.worst_case + 0.5, took
+
+
 # --- the liveness probe ----------------------------------------------------------------------------
 
 
