@@ -91,7 +91,7 @@ def test_policy_matches_creates_and_spec_changes_and_is_bound_to_deny(render, de
     assert policy["spec"]["matchConstraints"]["resourceRules"] == [
         {"apiGroups": ["finetune.dev"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
          "resources": ["finetunejobs"]}]
-    # Only spec changes: the operator's own metadata patches (it may not read Secrets) must pass.
+    # Only creates and spec changes: a label, an annotation, a finalizer name nothing new.
     (condition,) = policy["spec"]["matchConditions"]
     assert condition["expression"] == "request.operation == 'CREATE' || object.spec != oldObject.spec"
     binding = r.one("ValidatingAdmissionPolicyBinding", POLICY)
