@@ -22,56 +22,24 @@ import statistics
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "images" / "trainer"))
 
 from kubernetes import client  # noqa: E402
 from kubernetes.leaderelection import electionconfig, leaderelection  # noqa: E402
 
+from e2e.chaos import LeaseEndpoint  # noqa: E402
 from finetune_operator.apiclient import LEASE_TIMEOUT, bounded_client  # noqa: E402
 from finetune_operator.leadership import (LEASE_DURATION_SECONDS, RENEW_DEADLINE_SECONDS,  # noqa: E402
                                           RETRY_PERIOD_SECONDS, BoundedLeaseLock)
 
-PATH = "/apis/coordination.k8s.io/v1/namespaces/bench/leases/bench"
-
-
 def serve(port_queue: multiprocessing.Queue) -> None:
-    """A Lease endpoint: GET returns the stored Lease (404 before the first create), POST and PUT store it."""
-    lease: dict = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def _send(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802
-            if not lease:
-                self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
-            else:
-                self._send(200, lease)
-
-        def _store(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            body.setdefault("metadata", {})["resourceVersion"] = str(time.time_ns())
-            lease.clear()
-            lease.update(body)
-            self._send(200, lease)
-
-        do_POST = do_PUT = _store  # noqa: N815
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    """The Lease endpoint, in a process of its own (as the API server is)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LeaseEndpoint)
     port_queue.put(server.server_address[1])
     server.serve_forever()
 

@@ -776,3 +776,47 @@ class FreezingProxy:
                     sock.close()
                 except OSError:
                     pass
+
+
+class LeaseEndpoint(BaseHTTPRequestHandler):
+    """A stand-in for the API server's one Lease (GET it, 404 before the first create; POST or PUT
+    it), for checks of the leader election without a lab (tests/operator/test_bounded_api.py,
+    bench/lease_renew.py). `written` holds when it was last written (time.monotonic)."""
+
+    protocol_version = "HTTP/1.1"
+    lease: dict = {}
+    written: list[float] = []
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.lease:
+            self._send(200, self.lease)
+        else:
+            self._send(404, {"kind": "Status", "apiVersion": "v1", "code": 404, "reason": "NotFound"})
+
+    def _store(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body.setdefault("metadata", {})["resourceVersion"] = str(time.time_ns())
+        self.lease.clear()
+        self.lease.update(body)
+        self.written.append(time.monotonic())
+        self._send(200, self.lease)
+
+    do_POST = do_PUT = _store  # noqa: N815
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class QuietServer(ThreadingHTTPServer):
+    """A threading HTTP server that does not print a traceback for a connection closed under it."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass

@@ -263,56 +263,16 @@ def test_liveness_fails_when_a_reconcile_worker_dies(monkeypatch):
 # --- a deposed leader, through a proxy that stops forwarding ----------------------------------------
 
 
-class _LeaseServer(BaseHTTPRequestHandler):
-    """One Lease: GET it (404 before the first create), POST or PUT it; notes when it was last written."""
-
-    protocol_version = "HTTP/1.1"
-    lease: dict = {}
-    written: list[float] = []
-
-    def _send(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:  # noqa: N802
-        if self.lease:
-            self._send(200, self.lease)
-        else:
-            self._send(404, {"kind": "Status", "apiVersion": "v1", "code": 404, "reason": "NotFound"})
-
-    def _store(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        body.setdefault("metadata", {})["resourceVersion"] = str(time.time_ns())
-        self.lease.clear()
-        self.lease.update(body)
-        self.written.append(time.monotonic())
-        self._send(200, self.lease)
-
-    do_POST = do_PUT = _store  # noqa: N815
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request, client_address) -> None:  # a connection the proxy closed at the end
-        pass
-
-
 def test_a_leader_behind_a_frozen_connection_stops_within_its_bound_and_leads_again():
     """The chaos case at the Lease: a proxy between the replica and the API server stops forwarding
     without closing. The leader stops reconciling within deposed_within() of its last renew (here with
     an 8/4/1 s lease, to keep the test short; the same sum holds for 15/10/2), and leads again once the
     proxy forwards again."""
-    from e2e.chaos import FreezingProxy
+    from e2e.chaos import FreezingProxy, LeaseEndpoint, QuietServer
     from finetune_operator.leadership import Leadership, LeaseSettings
 
-    _LeaseServer.lease, _LeaseServer.written = {}, []
-    server = _QuietServer(("127.0.0.1", 0), _LeaseServer)
+    LeaseEndpoint.lease, LeaseEndpoint.written = {}, []
+    server = QuietServer(("127.0.0.1", 0), LeaseEndpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     proxy = FreezingProxy(("127.0.0.1", server.server_address[1]))
     started, stopped = [], []
@@ -334,7 +294,7 @@ def test_a_leader_behind_a_frozen_connection_stops_within_its_bound_and_leads_ag
         while not stopped and time.monotonic() < deadline:
             time.sleep(0.05)
         assert stopped, "a leader that could not renew for 20 s still leads"
-        last_renew = max(t for t in _LeaseServer.written if t < stopped[0])
+        last_renew = max(t for t in LeaseEndpoint.written if t < stopped[0])
         assert stopped[0] - last_renew <= deposed_within(8, 4, 1) + 0.5, stopped[0] - last_renew
         print(f"frozen connection: stopped leading {stopped[0] - last_renew:.2f} s after the last renew "
               f"(bound {deposed_within(8, 4, 1):.1f} s, lease 8 s)")
