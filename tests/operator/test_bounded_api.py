@@ -308,3 +308,41 @@ def test_a_leader_behind_a_frozen_connection_stops_within_its_bound_and_leads_ag
         leadership.stop()
         proxy.close()
         server.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_liveness_sees_a_dead_informer_and_a_dead_election(monkeypatch):
+    """An informer whose thread died (its store would never change again) and an election thread that
+    ended (the replica would never lead, or never notice it lost the Lease) are named by the probe."""
+    from finetune_operator.informers import ClusterCache
+    from finetune_operator.leadership import Leadership, LeaseSettings
+
+    def dies(**_):
+        raise SystemExit("gone")  # past the informer's `except Exception`
+
+    class Core:
+        list_node = list_pod_for_all_namespaces = staticmethod(dies)
+
+    cache = ClusterCache(Core(), None).start()
+    monkeypatch.setattr("kubernetes.leaderelection.leaderelection.LeaderElection.run", lambda self: dies())
+    leadership = Leadership(bounded_client(_configuration(1), LEASE_TIMEOUT, retries=False),
+                            LeaseSettings(namespace="ns", identity="me"), on_started=lambda: None, on_stopped=lambda: None)
+    leadership.start()
+
+    class Reconciler:
+        class cluster:  # noqa: N801 - the attribute the probe reads
+            pass
+
+    Reconciler.cluster.cache = cache
+    monkeypatch.setattr(handlers.RUNTIME, "queue", None)
+    monkeypatch.setattr(handlers.RUNTIME, "reconciler", Reconciler)
+    monkeypatch.setattr(handlers.RUNTIME, "leadership", leadership)
+    expected = sorted([informer.name for informer in cache.all()] + ["leader-election"])
+    deadline = time.monotonic() + 5
+    while len(handlers.dead_threads()) < len(expected) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(handlers.dead_threads()) == expected
+    assert _healthz_status() == 500
+    cache.stop()
+    leadership.stop()
+    assert handlers.dead_threads() == []
