@@ -21,6 +21,9 @@ the operator from the outside, by what the API shows:
   their spec/data/metadata, a delete, or a replacement is recorded.
 - `JobTracker`: every FineTuneJob's phase, attempt and conditions over time.
 - status faults (`patch_status_*`), evictions and pod deletes.
+- `FreezingProxy`: a TCP proxy between a client and the API server that can stop forwarding
+  without closing anything (a half-open connection: a stuck load balancer, a lost route), and
+  forward again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import select
+import socket
 import ssl
 import tempfile
 import threading
@@ -694,3 +699,124 @@ def preserve_unknown_status_fields(lab: Any, crd: str = "finetunejobs.finetune.d
     ops = [{"op": "add", "path": f"{base}/x-kubernetes-preserve-unknown-fields", "value": True},
            {"op": "add", "path": f"{base}/properties/attempts/items/x-kubernetes-preserve-unknown-fields", "value": True}]
     lab.kubectl("patch", "crd", crd, "--type=json", "-p", json.dumps(ops))
+
+
+# ---------------------------------------------------------------------------
+# A TCP proxy that stops forwarding without closing
+
+
+class FreezingProxy:
+    """Listens on 127.0.0.1 and forwards each connection to `target` (host, port), byte for byte
+    (TLS passes through untouched). `freeze()` stops forwarding in both directions and leaves every
+    connection open, new ones accepted and never answered: what a client sees of a half-open
+    connection. `thaw()` forwards again (bytes held meanwhile go through)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self.port = self._listener.getsockname()[1]
+        self._forwarding = threading.Event()
+        self._forwarding.set()
+        self._stop = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
+
+    def freeze(self) -> None:
+        self._forwarding.clear()
+
+    def thaw(self) -> None:
+        self._forwarding.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._forwarding.set()
+        with self._lock:
+            for sock in [self._listener, *self._sockets]:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                downstream, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(downstream,), name="proxy-pipe", daemon=True).start()
+
+    def _pipe(self, downstream: socket.socket) -> None:
+        self._forwarding.wait()  # frozen: accepted, never connected upstream, never answered
+        try:
+            upstream = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            downstream.close()
+            return
+        with self._lock:
+            self._sockets += [downstream, upstream]
+        peers = {downstream: upstream, upstream: downstream}
+        try:
+            while not self._stop.is_set():
+                readable, _, _ = select.select(list(peers), [], [], 0.2)
+                for sock in readable:
+                    self._forwarding.wait()  # frozen: hold the bytes, close nothing
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    peers[sock].sendall(data)
+        except OSError:
+            return
+        finally:
+            for sock in peers:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+
+class LeaseEndpoint(BaseHTTPRequestHandler):
+    """A stand-in for the API server's one Lease (GET it, 404 before the first create; POST or PUT
+    it), for checks of the leader election without a lab (tests/operator/test_bounded_api.py,
+    bench/lease_renew.py). `written` holds when it was last written (time.monotonic)."""
+
+    protocol_version = "HTTP/1.1"
+    lease: dict = {}
+    written: list[float] = []
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.lease:
+            self._send(200, self.lease)
+        else:
+            self._send(404, {"kind": "Status", "apiVersion": "v1", "code": 404, "reason": "NotFound"})
+
+    def _store(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body.setdefault("metadata", {})["resourceVersion"] = str(time.time_ns())
+        self.lease.clear()
+        self.lease.update(body)
+        self.written.append(time.monotonic())
+        self._send(200, self.lease)
+
+    do_POST = do_PUT = _store  # noqa: N815
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class QuietServer(ThreadingHTTPServer):
+    """A threading HTTP server that does not print a traceback for a connection closed under it."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass

@@ -125,10 +125,10 @@ def _resource_arg(group: str, resource: str) -> tuple[str, str | None]:
     return (f"{base}.{group}" if group else base), (sub or None)
 
 
-def expected_access(lease: str, *, kueue: bool = True) -> list[tuple[str, str, str | None, str]]:
+def expected_access(lease: str, *, kueue: bool = True, watch_all: bool = True) -> list[tuple[str, str, str | None, str]]:
     """(verb, kubectl resource[/name], subresource, scope) for every need of operator_access.yaml
-    that applies to a release with trainingBackend auto and `kueue` as its kueue.enabled; scopes
-    "lease" and "state" are asked in the release namespace."""
+    that applies to a release with trainingBackend auto, `kueue` as its kueue.enabled and `watch_all`
+    as its watch.allNamespaces; scopes "lease", "state" and "profile" are asked in the release namespace."""
     out = []
     for need in ACCESS["needs"]:
         when = need.get("when") or {}
@@ -136,6 +136,8 @@ def expected_access(lease: str, *, kueue: bool = True) -> list[tuple[str, str, s
             continue  # the `installed` release runs trainingBackend auto (both backends) with kueue.enabled
         if when.get("kueue") and not kueue:
             continue
+        if when.get("watchList") and watch_all:
+            continue  # serving all namespaces, kopf neither lists nor watches them
         arg, sub = _resource_arg(need["group"], need["resource"])
         if need.get("resourceName") == "LEASE":
             arg = f"{arg}/{lease}"
@@ -272,7 +274,7 @@ def test_service_account_can_do_what_the_operator_needs(lab, installed, namespac
     missing = []
     for verb, resource, sub, scope in expected_access(installed["lease"]):
         wheres = {"namespaced": (namespace, None), "cluster": (None,), "lease": (installed["namespace"],),
-                  "state": (installed["namespace"],)}[scope]
+                  "state": (installed["namespace"],), "profile": (installed["namespace"],)}[scope]
         for where in wheres:
             if not can_i(lab, sa, verb, resource, where, sub):
                 missing.append(f"{verb} {resource}{'/' + sub if sub else ''} in {where or 'cluster'}")
@@ -328,6 +330,18 @@ def test_service_account_token_does_the_work(lab, installed, namespace, tmp_path
                     check=False)
     assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
     lab.kubectl("delete", "lease", installed["lease"], other["metadata"]["name"], "-n", ns)
+    # The escalation paths, tried for real with the token: a pod in a tenant's namespace (it could mount
+    # any Secret there), a Secret, a ServiceAccount token, a RoleBinding to admin.
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "escalate", "namespace": namespace},
+           "spec": {"containers": [{"name": "c", "image": "registry.eu.example/anything:1"}]}}
+    lab.kubectl("create", "secret", "generic", "tenant-secret", "-n", namespace, "--from-literal=k=v")
+    for attempt in (("create", "-f", "-"), ("get", "secret", "tenant-secret", "-n", namespace),
+                    ("create", "token", "default", "-n", namespace),
+                    ("create", "rolebinding", "escalate", "--clusterrole=admin",
+                     f"--serviceaccount={ns}:{full}", "-n", namespace)):
+        refused = as_sa(*attempt, input=json.dumps(pod) if attempt[0] == "create" and "-f" in attempt else None,
+                        check=False)
+        assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), (attempt, refused.stderr)
     event = {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "chart-e2e-", "namespace": namespace},
              "involvedObject": {"kind": "FineTuneJob", "apiVersion": "finetune.dev/v1alpha1", "name": "x",
                                 "namespace": namespace},
@@ -522,10 +536,10 @@ def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_cr
             assert _exists(lab, "role", full, "-n", ns) and _exists(lab, "rolebinding", full, "-n", ns)
 
         where = {"namespaced": lambda ns: ns, "cluster": lambda ns: None, "lease": lambda ns: release_ns,
-                 "state": lambda ns: release_ns}
+                 "state": lambda ns: release_ns, "profile": lambda ns: release_ns}
         missing = [
             f"{verb} {resource} in {where[scope](ns) or 'cluster'}"
-            for verb, resource, sub, scope in expected_access(lease, kueue=False)  # no kueue.enabled here
+            for verb, resource, sub, scope in expected_access(lease, kueue=False, watch_all=False)  # no kueue here
             for ns in (team_a, team_b)
             if not can_i(lab, sa, verb, resource, where[scope](ns), sub)
         ]
@@ -539,11 +553,16 @@ def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_cr
                                ("create", "configmaps"), ("list", "pods")):
             assert not can_i(lab, sa, verb, resource, other), f"{verb} {resource} in an unwatched namespace"
             assert not can_i(lab, sa, verb, resource, None), f"{verb} {resource} cluster-wide"
-        assert can_i(lab, sa, "watch", "configmaps", release_ns)
-        # At home it creates only its own state ConfigMaps (the profile cache and the learned
-        # calibration, Role <fullname>-state); it may not list them, nor pods there.
+        # At home it reads its policy by name (a poll: no list, no watch), creates only its own state
+        # ConfigMaps (the profile cache and the learned calibration, Role <fullname>-state), and runs
+        # the profile pods (Role <fullname>-profile), the only pods it may create anywhere.
+        assert can_i(lab, sa, "get", f"configmaps/{full}-policy", release_ns)
+        assert not can_i(lab, sa, "watch", "configmaps", release_ns)
+        assert not can_i(lab, sa, "list", "configmaps", release_ns)
         assert can_i(lab, sa, "create", "configmaps", release_ns)
-        assert not can_i(lab, sa, "list", "pods", release_ns)
+        assert can_i(lab, sa, "create", "pods", release_ns)
+        for ns in (team_a, other, None):
+            assert not can_i(lab, sa, "create", "pods", ns), f"create pods in {ns or 'all namespaces'}"
         assert can_i(lab, sa, "list", "nodes", None)
 
         helm("uninstall", release, "--namespace", release_ns, "--wait")
@@ -555,7 +574,8 @@ def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_cr
         for kind, name in (("deployment", full), ("serviceaccount", full), ("configmap", f"{full}-policy"),
                            ("service", f"{full}-metrics"), ("role", f"{full}-policy-reader"),
                            ("role", f"{full}-leader-election"), ("rolebinding", f"{full}-leader-election"),
-                           ("role", f"{full}-state"), ("rolebinding", f"{full}-state")):
+                           ("role", f"{full}-state"), ("rolebinding", f"{full}-state"),
+                           ("role", f"{full}-profile"), ("rolebinding", f"{full}-profile")):
             if _exists(lab, kind, name, "-n", release_ns):
                 leftovers.append(f"{release_ns}/{kind}/{name}")
         for kind in ("clusterrole", "clusterrolebinding"):

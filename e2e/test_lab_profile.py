@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+from finetune_operator.profiling.pod import PROFILE_UID_LABEL, profile_pod_name
+
 from e2e import operator_harness as h
 from e2e.lab.waiting import wait_for
 from finetune_operator import calibration as C
@@ -70,7 +72,9 @@ def _neox_job(name: str, namespace: str) -> dict:
 
 
 def _profile_pod(lab, namespace: str, name: str) -> dict | None:
-    out = lab.kubectl("get", "pod", f"{name}-profile", "-n", namespace, "-o", "json", check=False)
+    """The job's profile pod: in the operator's namespace, never the tenant's."""
+    pod_name = profile_pod_name(namespace, name)
+    out = lab.kubectl("get", "pod", pod_name, "-n", h.RELEASE_NAMESPACE, "-o", "json", check=False)
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
@@ -112,7 +116,11 @@ def test_an_unknown_family_is_planned_through_the_profile(lab, operator, namespa
     assert "nvidia.com/gpu" not in json.dumps(spec["containers"][0]["resources"])
     assert spec["automountServiceAccountToken"] is False and spec["activeDeadlineSeconds"] > 0
     assert spec["securityContext"]["runAsNonRoot"] is True
-    assert pod["metadata"]["ownerReferences"][0]["kind"] == "FineTuneJob"
+    # In the operator's namespace, labelled with its job's uid (no ownerReference crosses namespaces);
+    # nothing was created in the tenant's namespace, where the operator may create no pod at all.
+    assert pod["metadata"]["namespace"] == h.RELEASE_NAMESPACE and "ownerReferences" not in pod["metadata"]
+    assert pod["metadata"]["labels"][PROFILE_UID_LABEL] == job["metadata"]["uid"]
+    assert not json.loads(lab.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
     traced = time.monotonic()
     report = _run_profile_as_its_kubelet(lab, pod, tmp_path)
     assert report["ok"] and report["shape"]["modelType"] == "gpt_neox" and len(report["measurements"]) == 4

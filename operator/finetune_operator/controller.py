@@ -38,6 +38,7 @@ from .planning.capacity import Claim, Waiting, movers, with_claims
 from .planning.policy import ClusterPolicy
 from .planning.pools import NodePool, discover_pools, merge_pools
 from .informers import ClusterCache, slim, wait_synced
+from .profiling.pod import is_profile_pod_of
 from .rendering.names import attempt_name, label_value
 from .rendering.backend import BACKENDS, PYTORCH_JOB, PYTORCHJOB, TRAIN_JOB, Backend, backend_of_kind, missing_runtime
 from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
@@ -340,7 +341,7 @@ class Cluster:
             existing = self._get(namespace, kind, name)
             if existing is None:
                 raise  # deleted since: the next reconcile creates it
-            if not controlled_by(existing, owner_uid):
+            if not _ours(kind, existing, owner_uid):
                 raise ForeignObject(kind, name) from None
             if kind == "ConfigMap" and (existing.get("data") or {}) != (obj.get("data") or {}):
                 return self._update_config_map(namespace, existing, obj)
@@ -371,7 +372,7 @@ class Cluster:
         existing = self._get(namespace, ref.kind, ref.name)
         if existing is None:
             return False
-        if not controlled_by(existing, owner_uid):
+        if not _ours(ref.kind, existing, owner_uid):
             log.warning("not deleting %s %s/%s: it is not controlled by this FineTuneJob", ref.kind, namespace, ref.name)
             return False
         options = client.V1DeleteOptions(
@@ -784,7 +785,7 @@ class Reconciler:
             if self.bodies is not None:
                 self.bodies.seen((namespace, name), stored)
         for ref in decision.delete:
-            self.cluster.delete(namespace, ref, uid)
+            self.cluster.delete(ref.namespace or namespace, ref, uid)
         creating: dict[str, Any] = {"kind": "?", "metadata": {"name": "?"}}
         try:
             for obj, result in zip(early, posted):
@@ -793,7 +794,8 @@ class Reconciler:
                     self.cluster.create(namespace, obj, uid)
             for obj in later:
                 creating = obj
-                self.cluster.create(namespace, obj, uid)
+                # A profile pod names the operator's namespace; everything else is in the job's.
+                self.cluster.create(obj["metadata"].get("namespace") or namespace, obj, uid)
         except ForeignObject as clash:
             assert job is not None
             decision = self._after_refused_create(stored, job, decision, policy, clash.kind, clash.name, str(clash), foreign=True)
@@ -1067,6 +1069,13 @@ def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:
     `kubectl get` shows (summary.status_reason, derived from the conditions) is never stale."""
     return status.model_copy(update={"reason": status_reason(status), "progress": progress.for_status(status)}).model_dump(
         mode="json", by_alias=True, exclude_none=True)
+
+
+def _ours(kind: str, obj: dict[str, Any], owner_uid: str | None) -> bool:
+    """Whether the job with `owner_uid` owns `obj`: its controller ownerReference, or for the one pod
+    the operator creates, the profile pod (in the operator's namespace, where no ownerReference can
+    reach the job), its uid label."""
+    return is_profile_pod_of(obj, owner_uid) if kind == "Pod" else controlled_by(obj, owner_uid)
 
 
 def _early_creates(decision: lifecycle.Decision) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -26,6 +26,7 @@ import yaml
 from kubernetes import client, config
 
 from . import api, metrics
+from .apiclient import LEASE_TIMEOUT, bounded_client
 from .calibration_store import CalibrationStore
 from .profiling_shell import ProfileShell
 from .controller import Cluster, JobBodies, PolicyHolder, Reconciler
@@ -83,10 +84,16 @@ def kube_api_client(options: Options) -> client.ApiClient:
     """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount, with two
     connections for every reconcile worker (its own, and the ConfigMap it posts alongside a status
     write) and one per background thread (the client's default, 5 per CPU, made the workers beyond
-    it open and close a TLS connection per request)."""
+    it open and close a TLS connection per request). Every request is bounded (apiclient.py)."""
     cfg = _client_configuration(options)
     cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, 2 * options.workers + EXTRA_CONNECTIONS)
-    return client.ApiClient(cfg)
+    return bounded_client(cfg)
+
+
+def lease_api_client(options: Options) -> client.ApiClient:
+    """The leader election's own client: its requests bounded by LEASE_TIMEOUT, one attempt each, on
+    connections of their own (a reconcile burst never makes a renew wait for a pooled connection)."""
+    return bounded_client(_client_configuration(options), LEASE_TIMEOUT, retries=False)
 
 
 # Connections beyond the workers: the progress poller, the wake-ups, the policy poll, the Lease, events.
@@ -138,8 +145,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Only our pods and PyTorchJobs, filtered by the API server rather than in the operator.
     settings.watching.label_selectors["pods"] = JOB_LABEL
     settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = JOB_LABEL
-    if options.policy_configmap:
-        settings.watching.field_selectors["configmaps"] = f"metadata.name={options.policy_configmap}"
 
     cluster = Cluster(kube_api_client(options))
     RUNTIME.policy.set(_read_policy(cluster, options))
@@ -161,12 +166,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if options.lease:
         RUNTIME.queue.set_active(False)  # until this replica leads
         RUNTIME.leadership = Leadership(
-            cluster.api_client, LeaseSettings(namespace=options.policy_namespace, name=options.lease,
+            lease_api_client(options), LeaseSettings(namespace=options.policy_namespace, name=options.lease,
                                               identity=options.identity or ""),
             on_started=_lead, on_stopped=_follow)
         RUNTIME.leadership.start()
     RUNTIME.queue.start()
     threading.Thread(target=_wake_waiting, args=(RUNTIME.stop,), name="wake-waiting", daemon=True).start()
+    threading.Thread(target=_sweep_profiles, args=(RUNTIME.stop,), name="profile-sweep", daemon=True).start()
     if options.policy_configmap:
         threading.Thread(target=_poll_policy, args=(cluster, options, RUNTIME.stop), name="policy", daemon=True).start()
     if options.metrics_port:
@@ -194,6 +200,27 @@ def _follow() -> None:
         RUNTIME.progress.clear()  # the next leader writes progress
     if not RUNTIME.queue.wait_idle(timeout=LEASE_DURATION_SECONDS):
         log.warning("a reconcile still runs after losing the lease; its writes stay guarded by resourceVersion and uid")
+
+
+@kopf.on.probe(id="threads")
+def threads_alive(**_: Any) -> str:
+    """The liveness probe (/healthz) fails, and the kubelet restarts the container, when a thread the
+    operator cannot work without has died: a reconcile worker, an informer, the leader election."""
+    dead = dead_threads()
+    if dead:
+        raise kopf.PermanentError(f"threads died: {', '.join(dead)}")
+    return "alive"
+
+
+def dead_threads() -> list[str]:
+    dead: list[str] = []
+    if RUNTIME.queue is not None:
+        dead += RUNTIME.queue.dead()
+    if RUNTIME.reconciler is not None and RUNTIME.reconciler.cluster.cache is not None:
+        dead += RUNTIME.reconciler.cluster.cache.dead()
+    if RUNTIME.leadership is not None and RUNTIME.leadership.dead():
+        dead.append("leader-election")
+    return dead
 
 
 @kopf.on.login()
@@ -325,16 +352,6 @@ def training_crd_event(name: str, **_: Any) -> None:
             RUNTIME.queue.add(key, urgent=False)
 
 
-@kopf.on.event("", "v1", "configmaps", when=lambda name, namespace, **_: (
-    RUNTIME.options.policy_configmap == name and RUNTIME.options.policy_namespace == namespace))
-def policy_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
-    """The platform changed the policy (helm upgrade): use it from now on, no restart."""
-    if event.get("type") == "DELETED":
-        log.warning("the policy ConfigMap was deleted; keeping the last policy")
-        return
-    apply_policy_text((body.get("data") or {}).get(POLICY_KEY))
-
-
 def apply_policy_text(text: str | None) -> None:
     """Use a new policy if it is valid and different; jobs waiting for a fit are looked at again."""
     if text is None:
@@ -378,9 +395,26 @@ def _wake_waiting(stop: threading.Event) -> None:
             log.warning("could not look for waiting jobs to move: %r", error)
 
 
+# The leader looks this often for profile pods whose job is gone (no garbage collector removes them).
+PROFILE_SWEEP_SECONDS = 60.0
+
+
+def _sweep_profiles(stop: threading.Event) -> None:
+    """Delete the profile pods of deleted jobs (profiling_shell.ProfileShell.sweep); only the leader."""
+    while not stop.wait(PROFILE_SWEEP_SECONDS):
+        queue, reconciler = RUNTIME.queue, RUNTIME.reconciler
+        if queue is None or reconciler is None or reconciler.profiles is None or not queue.active:
+            continue
+        try:
+            reconciler.profiles.sweep()
+        except Exception as error:  # the API may be briefly away; the next sweep tries again
+            log.warning("could not sweep profile pods: %r", error)
+
+
 def _poll_policy(cluster: Cluster, options: Options, stop: threading.Event) -> None:
-    """Read the policy ConfigMap every few seconds. kopf's watch sees it only when the operator
-    serves the release namespace; this poll sees it whatever namespaces are watched."""
+    """Read the policy ConfigMap every few seconds, whatever namespaces are watched: one GET by name,
+    so the operator needs no list or watch of ConfigMaps anywhere (a watch of every ConfigMap of the
+    cluster, for one of them, was what a kopf handler here used to cost)."""
     while not stop.wait(POLICY_POLL_SECONDS):
         try:
             apply_policy_text(cluster.read_config_map_key(options.policy_namespace, options.policy_configmap, POLICY_KEY))

@@ -136,6 +136,11 @@ class Informer:
         self._thread.start()
         return self
 
+    def dead(self) -> bool:
+        """Started, not stopped, and its thread is gone: its store would never change again."""
+        thread = self._thread
+        return thread is not None and not self._stop.is_set() and not thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         response = self._response
@@ -444,6 +449,10 @@ class ClusterCache:
     def stop(self) -> None:
         for informer in self.all():
             informer.stop()
+
+    def dead(self) -> list[str]:
+        """The informers whose thread died (the liveness probe fails on them)."""
+        return [informer.name for informer in self.all() if informer.dead()]
 
     def all(self) -> list[Informer]:
         with self._lock:

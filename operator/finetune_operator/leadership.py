@@ -5,8 +5,10 @@ reconciles. The Lease is the one Kubernetes controllers use, through the client 
 `leaderelection` (optimistic updates of the Lease's holder and renew time):
 
 - the leader renews every `retry_period` seconds; when it cannot renew for `renew_deadline`
-  seconds it stops reconciling at once (before any standby may take over) and becomes a
-  candidate again;
+  seconds it stops reconciling at once and becomes a candidate again. Its Lease requests are
+  bounded (apiclient.LEASE_TIMEOUT, no retries), so it has stopped `deposed_within()` seconds after
+  its last renew, before any standby may take over (a request that got no answer is a failed try,
+  like an API error);
 - a standby takes over `lease_duration` seconds after the last renew it saw, so a leader
   that dies is replaced within about `lease_duration + retry_period` seconds;
 - the identity is the pod's name: a replica restarted in the same pod (a crash, an OOM kill)
@@ -24,22 +26,36 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import urllib3
 from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
+
+from .apiclient import LEASE_TIMEOUT
 
 log = logging.getLogger("finetune_operator.leadership")
 # The library logs every renew attempt at info level; its failures are reported here instead.
 logging.getLogger("leaderelection").setLevel(logging.WARNING)
 
-# A standby acts within about 2 to 4 s of the leader's death (measured on the lab: 2.3-3.5 s
-# with a 3 s lease; worst case lease + two retry periods). The client library refuses a retry
-# period under 1 s and a renew deadline under 1.2 retry periods.
-LEASE_DURATION_SECONDS = 2
-RENEW_DEADLINE_SECONDS = 1.5
-RETRY_PERIOD_SECONDS = 1
+# client-go's defaults (15/10/2 s), which a loaded, GIL-bound process holds: a leader is deposed
+# only after 10 s without a renew, where the earlier 2/1.5/1 s deposed one that stalled for 1.5 s
+# (a burst of reconciles holding the GIL, a slow API server). The price is the failover after a
+# crash: a standby takes the Lease 15 to 17 s after the leader's last renew (a leader that stops,
+# SIGTERM, hands the Lease back and the standby takes it on its next try, within 2 s).
+LEASE_DURATION_SECONDS = 15
+RENEW_DEADLINE_SECONDS = 10
+RETRY_PERIOD_SECONDS = 2
+
+
+def deposed_within(lease_duration: float = LEASE_DURATION_SECONDS, renew_deadline: float = RENEW_DEADLINE_SECONDS,
+                   retry_period: float = RETRY_PERIOD_SECONDS, request_bound: float = LEASE_TIMEOUT.worst_case) -> float:
+    """Seconds after its last successful renew by which a leader that can no longer renew has stopped
+    reconciling: it sleeps a retry period, tries for the renew deadline, and its last try (a get and
+    an update, each bounded by the Lease client's timeout, no retries) may start just before the
+    deadline. It must be under the lease duration, after which a standby may take over."""
+    return retry_period + renew_deadline + 2 * request_bound
 
 
 def default_identity() -> str:
@@ -55,6 +71,41 @@ class LeaseSettings:
     lease_duration: float = LEASE_DURATION_SECONDS
     renew_deadline: float = RENEW_DEADLINE_SECONDS
     retry_period: float = RETRY_PERIOD_SECONDS
+
+
+# What a Lease request that got no answer raises (a timeout, a refused or reset connection).
+UNANSWERED = (urllib3.exceptions.HTTPError, OSError)
+
+
+@dataclass(frozen=True)
+class NoAnswer:
+    """What `get` returns for a read that got no answer, in the shape the library reads an API error
+    in (`body`, `reason`): it tries again next period."""
+
+    reason: str
+    body: None = None
+
+
+class BoundedLeaseLock(LeaseLock):
+    """The client library's LeaseLock, where a request that got no answer is a failed try, as an API
+    error is: the renew loop tries again until its deadline, instead of the leader stepping down (and
+    every job being looked at again when it leads again) on the first slow request."""
+
+    def get(self, name, namespace):  # noqa: ANN001, ANN201 - the library's signature
+        return self._answered("read", lambda error: (False, NoAnswer(repr(error))), super().get, name, namespace)
+
+    def create(self, name, namespace, election_record):  # noqa: ANN001, ANN201
+        return self._answered("create", lambda error: False, super().create, name, namespace, election_record)
+
+    def update(self, name, namespace, updated_record):  # noqa: ANN001, ANN201
+        return self._answered("renew", lambda error: False, super().update, name, namespace, updated_record)
+
+    def _answered(self, what: str, failed: Callable[[BaseException], Any], call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return call(*args)
+        except UNANSWERED as error:
+            log.info("lease %s/%s: no answer to a %s: %r", self.namespace, self.name, what, error)
+            return failed(error)
 
 
 class Leadership:
@@ -74,6 +125,11 @@ class Leadership:
 
     def start(self) -> None:
         self._thread.start()
+
+    def dead(self) -> bool:
+        """The election thread ended while electing: this replica would never lead, or never notice
+        it lost the Lease (the liveness probe fails on it)."""
+        return self._thread.ident is not None and not self._stop.is_set() and not self._thread.is_alive()
 
     def stop(self) -> None:
         """Stop electing; a leader hands the Lease back at once (a rolling update or a drain
@@ -97,7 +153,7 @@ class Leadership:
             log.warning("could not hand the lease back: %s", error)
 
     def _lock(self) -> LeaseLock:
-        lock = LeaseLock(self.settings.name, self.settings.namespace, self.identity)
+        lock = BoundedLeaseLock(self.settings.name, self.settings.namespace, self.identity)
         # The library builds its client from the default configuration; use ours (kubeconfig,
         # ServiceAccount) so the Lease is written with the operator's own identity.
         lock.api_instance = client.CoordinationV1Api(self._api_client)

@@ -79,6 +79,7 @@ class ObjectRef:
     api_version: str
     kind: str
     name: str
+    namespace: str | None = None  # None: the job's (a profile pod lives in the operator's)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ def _learn(decision: Decision, observed: Observed) -> Decision:
 def _profile_objects(decision: Decision, observed: Observed, resolved: Any) -> None:
     """The profile pod to create or delete, and the Profiled condition (profiling/state.py decides)."""
     job, status = observed.job, decision.status
-    decision.delete += [ObjectRef("v1", "Pod", name) for name in resolved.delete]
+    decision.delete += [ObjectRef("v1", "Pod", name, resolved.pod_namespace or None) for name in resolved.delete]
     if isinstance(resolved, profiling.Profiled):
         set_condition(status, profiling.COND_PROFILED, "True", "Profiled", resolved.message, observed.now,
                       job.metadata.generation)
@@ -243,7 +244,7 @@ def _profiling(decision: Decision, observed: Observed, step: Any) -> Decision:
         set_condition(result.status, profiling.COND_PROFILED, *step.condition, now, generation)
         set_condition(result.status, api.COND_FAILED, "True", reason, step.condition[2], now, generation)
         result.events = [Event("Warning", reason, step.condition[2])]
-        result.delete += [ObjectRef("v1", "Pod", name) for name in step.delete]
+        result.delete += [ObjectRef("v1", "Pod", name, step.pod_namespace or None) for name in step.delete]
         return result
     status.phase = "Pending"
     status.observed_generation = generation

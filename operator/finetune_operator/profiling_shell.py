@@ -3,9 +3,13 @@ writes a finished pod's measurements into the cache (the decisions are profiling
 
 The cache is the ConfigMap `finetune-operator-profiles` in the operator's namespace (RBAC: get and
 patch on it by name, create; the chart's `<fullname>-state` Role). Writes are JSON merge patches of
-its data, so two replicas or two jobs of the same model never lose each other's entries. Only a pod whose controller owner is the job is read;
-a foreign pod with the profile pod's name is left for the lifecycle's create to report
-(NameConflict), never read or deleted.
+its data, so two replicas or two jobs of the same model never lose each other's entries.
+
+Profile pods run in the operator's namespace too (profiling/pod.py; RBAC: the chart's
+`<fullname>-profile` Role there, the only place the operator may create pods). Only a pod labelled
+with the job's uid is read; a foreign pod with the profile pod's name is left for the lifecycle's
+create to report (NameConflict), never read or deleted. No garbage collector removes a profile pod
+whose job is deleted (an ownerReference cannot cross namespaces): `sweep` does.
 """
 
 from __future__ import annotations
@@ -15,18 +19,20 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from finetune_trainer.contract import parse_profile_report
 
 from . import api
-from .children import controlled_by
 from .profiling.cache import CACHE_CONFIGMAP, cache_entries, evictions, read_cache
-from .profiling.pod import CONFIG_HASH_ANNOTATION, PROFILE_CONTAINER, profile_pod_name
+from .profiling.pod import (CONFIG_HASH_ANNOTATION, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, PROFILE_CONTAINER,
+                           PROFILE_UID_LABEL, is_profile_pod_of, profile_pod_name)
 from .profiling.setups import NotProfilable
 from .profiling.state import ProfileObservation, ProfilePod, asks_for_profile, needs_profile, observation
 
 log = logging.getLogger("finetune_operator.profiling")
+PROFILE_SELECTOR = f"{PROFILE_UID_LABEL},app.kubernetes.io/component=profile"
 CACHE_WRITE_ATTEMPTS = 5
 
 
@@ -53,22 +59,46 @@ class ProfileShell:
             data = self._write_cache(cache_entries(seen.config_hash, pod.report, written_at))
             seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups))
             assert not isinstance(seen, NotProfilable)
-        return dataclasses.replace(seen, pod=pod)
+        return dataclasses.replace(seen, pod=pod, pod_namespace=self.namespace)
 
     # -- the pod ---------------------------------------------------------------
     def _pod(self, job: api.FineTuneJob) -> ProfilePod | None:
-        namespace = job.metadata.namespace or "default"
-        name = profile_pod_name(job.metadata.name)
+        name = profile_pod_name(job.metadata.namespace or "default", job.metadata.name)
         try:
-            body = self.cluster.core.read_namespaced_pod(name, namespace, _preload_content=False)
+            body = self.cluster.core.read_namespaced_pod(name, self.namespace, _preload_content=False)
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
         pod = _as_dict(body)
-        if not controlled_by(pod, job.metadata.uid):
+        if not is_profile_pod_of(pod, job.metadata.uid):
             return None
         return pod_state(pod)
+
+    def sweep(self) -> int:
+        """Delete the profile pods whose job is gone (or was replaced: another uid under its name).
+        The leader calls it now and then; returns how many it deleted."""
+        pods = _as_dict(self.cluster.core.list_namespaced_pod(self.namespace, label_selector=PROFILE_SELECTOR,
+                                                              _preload_content=False))
+        deleted = 0
+        for pod in pods.get("items") or []:
+            meta = pod.get("metadata") or {}
+            annotations = meta.get("annotations") or {}
+            if not annotations.get(JOB_NAMESPACE_ANNOTATION) or not annotations.get(JOB_NAME_ANNOTATION):
+                continue  # not a pod this operator rendered: not ours to judge
+            job = self.cluster.get_job(annotations.get(JOB_NAMESPACE_ANNOTATION, ""), annotations.get(JOB_NAME_ANNOTATION, ""))
+            if job is not None and is_profile_pod_of(pod, (job.get("metadata") or {}).get("uid")):
+                continue
+            try:
+                self.cluster.core.delete_namespaced_pod(meta["name"], self.namespace, body=client.V1DeleteOptions(
+                    preconditions=client.V1Preconditions(uid=meta.get("uid"))))
+                deleted += 1
+                log.info("deleted profile pod %s/%s: its job %s/%s is gone", self.namespace, meta["name"],
+                         annotations.get(JOB_NAMESPACE_ANNOTATION), annotations.get(JOB_NAME_ANNOTATION))
+            except ApiException as error:
+                if error.status not in (404, 409):  # gone, or replaced since the list
+                    raise
+        return deleted
 
     # -- the cache ---------------------------------------------------------------
     def _cache_data(self) -> dict[str, str]:

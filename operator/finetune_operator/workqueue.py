@@ -69,6 +69,14 @@ class WorkQueue:
         for thread in self._threads:
             thread.start()
 
+    def dead(self) -> list[str]:
+        """The worker threads that ended while the queue runs (an error escaped a worker): the
+        liveness probe fails on them, since their keys would never be handed out again."""
+        with self._cv:
+            if self._stopped:
+                return []
+        return [t.name for t in self._threads if t.ident is not None and not t.is_alive()]
+
     def stop(self) -> None:
         with self._cv:
             self._stopped = True

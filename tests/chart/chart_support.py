@@ -151,18 +151,22 @@ def granted(rules: list[dict[str, Any]]) -> set[Grant]:
     return out
 
 
-def applies(need: dict[str, Any], backend: str = "auto", kueue: bool = False) -> bool:
-    """Whether a need of operator_access.yaml is granted under policy.trainingBackend `backend` and kueue.enabled."""
+def applies(need: dict[str, Any], backend: str = "auto", kueue: bool = False, watch_list: bool = False) -> bool:
+    """Whether a need of operator_access.yaml is granted under policy.trainingBackend `backend`, kueue.enabled
+    and watch.allNamespaces (`watch_list`: false, serving a list of namespaces)."""
     when = need.get("when") or {}
-    return backend in when.get("backends", [backend]) and (kueue or not when.get("kueue", False))
+    return (backend in when.get("backends", [backend]) and (kueue or not when.get("kueue", False))
+            and (watch_list or not when.get("watchList", False)))
 
 
-def needed(scope: str, lease_name: str = "finetune-operator", backend: str = "auto", kueue: bool = False) -> set[Grant]:
-    """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease, state), under the chart's
-    policy.trainingBackend and kueue.enabled values (the defaults: auto, false)."""
+def needed(scope: str, lease_name: str = "finetune-operator", backend: str = "auto", kueue: bool = False,
+           watch_list: bool = False) -> set[Grant]:
+    """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease, state, profile), under
+    the chart's policy.trainingBackend, kueue.enabled and watch.allNamespaces values (the defaults: auto,
+    false, true)."""
     out: set[Grant] = set()
     for need in operator_access()["needs"]:
-        if need["scope"] != scope or not applies(need, backend, kueue):
+        if need["scope"] != scope or not applies(need, backend, kueue, watch_list):
             continue
         name = lease_name if need.get("resourceName") == "LEASE" else need.get("resourceName", "")
         for verb in need["verbs"]:

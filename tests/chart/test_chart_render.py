@@ -81,12 +81,14 @@ def test_default_objects(render, default_values):
     r = render(default_values)
     assert r.kinds() == sorted([
         "ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
-        "PodDisruptionBudget", "Role", "RoleBinding", "Role", "RoleBinding",
+        "PodDisruptionBudget", "Role", "RoleBinding", "Role", "RoleBinding", "Role", "RoleBinding",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])
-    # The leader election's Role and the state Role (profile cache, calibration), with their bindings, in the
-    # release namespace; no kopf peering objects.
+    # The leader election's Role, the state Role (profile cache, calibration) and the profile pods' Role,
+    # with their bindings, in the release namespace; no kopf peering objects.
     assert sorted((o["metadata"]["namespace"], o["metadata"]["name"]) for o in r.of_kind("Role")) == [
-        (RELEASE_NS, f"{FULLNAME}-leader-election"), (RELEASE_NS, f"{FULLNAME}-state")]
+        (RELEASE_NS, f"{FULLNAME}-leader-election"), (RELEASE_NS, f"{FULLNAME}-profile"),
+        (RELEASE_NS, f"{FULLNAME}-state")]
     assert not any(o["apiVersion"].startswith("kopf.dev/") for o in r.objects)
 
 
@@ -346,6 +348,7 @@ def test_all_namespaces_rbac_grants_exactly_what_the_operator_needs(render, defa
     assert _rules(r.one("ClusterRole")) == needed("namespaced") | needed("cluster")
     _assert_lease_role(r)
     _assert_state_role(r)
+    _assert_profile_role(r)
     binding = r.one("ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": r.one("ClusterRole")["metadata"]["name"]}
@@ -359,6 +362,15 @@ def _assert_state_role(r: Rendered) -> None:
     assert _rules(r.one("Role", f"{FULLNAME}-state", RELEASE_NS)) == needed("state")
     binding = r.one("RoleBinding", f"{FULLNAME}-state", RELEASE_NS)
     assert binding["roleRef"]["name"] == f"{FULLNAME}-state"
+
+
+def _assert_profile_role(r: Rendered) -> None:
+    """The profile pods' Role: pods in the release namespace only, bound to the operator's ServiceAccount."""
+    assert _rules(r.one("Role", f"{FULLNAME}-profile", RELEASE_NS)) == needed("profile")
+    binding = r.one("RoleBinding", f"{FULLNAME}-profile", RELEASE_NS)
+    assert binding["roleRef"]["name"] == f"{FULLNAME}-profile"
+    sa = r.one("ServiceAccount")["metadata"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": RELEASE_NS}]
 
 
 def _assert_lease_role(r: Rendered, lease: str = "finetune-operator") -> None:
@@ -377,7 +389,7 @@ def test_namespaced_rbac_grants_only_in_the_watched_namespaces(render, default_v
     r = render(value_sets(default_values)["namespaced"])
     args = _container(r)["args"]
     assert "--all-namespaces" not in args and _flag(args, "--namespace") == ["team-a", "team-b"]
-    assert _rules(r.one("ClusterRole")) == needed("cluster")
+    assert _rules(r.one("ClusterRole")) == needed("cluster", watch_list=True)
     sa = r.one("ServiceAccount")["metadata"]
     for ns in ("team-a", "team-b"):
         role = r.one("Role", FULLNAME, ns)
@@ -387,17 +399,18 @@ def test_namespaced_rbac_grants_only_in_the_watched_namespaces(render, default_v
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": RELEASE_NS}]
     # The release namespace is not served, but the operator reads its policy there.
     reader = r.one("Role", f"{FULLNAME}-policy-reader", RELEASE_NS)
-    assert _rules(reader) == {("", "configmaps", v, "") for v in ("get", "list", "watch")}
+    assert _rules(reader) == {("", "configmaps", "get", f"{FULLNAME}-policy")}
     r.one("RoleBinding", f"{FULLNAME}-policy-reader", RELEASE_NS)
     _assert_lease_role(r)
     _assert_state_role(r)
+    _assert_profile_role(r)
 
 
 def test_namespaced_rbac_without_extra_reader_when_release_namespace_is_watched(render, default_values):
     r = render(value_sets(default_values)["namespaced-incl-release-ns"])
     roles = sorted((o["metadata"]["namespace"], o["metadata"]["name"]) for o in r.of_kind("Role"))
     assert roles == sorted([("team-a", FULLNAME), (RELEASE_NS, FULLNAME), (RELEASE_NS, f"{FULLNAME}-leader-election"),
-                            (RELEASE_NS, f"{FULLNAME}-state")])
+                            (RELEASE_NS, f"{FULLNAME}-state"), (RELEASE_NS, f"{FULLNAME}-profile")])
 
 
 def test_rbac_never_grants_wildcards_secrets_or_writes_to_nodes(render, default_values):
@@ -413,6 +426,11 @@ def test_rbac_never_grants_wildcards_secrets_or_writes_to_nodes(render, default_
                 # Leases only in the leader election's Role (checked by _assert_lease_role).
                 assert resource != "leases" or obj["metadata"]["name"] == f"{FULLNAME}-leader-election"
                 assert not (resource == "nodes" and verb not in ("get", "list", "watch")), (name, verb)
+                # Pods are written only in the release namespace (the profile pods): creating a pod in a
+                # tenant's namespace could mount any of its Secrets, as good as reading them.
+                assert not (resource == "pods" and verb not in ("get", "list", "watch")
+                            and (obj["kind"] == "ClusterRole" or obj["metadata"]["name"] != f"{FULLNAME}-profile")), (
+                    name, obj["kind"], obj["metadata"]["name"], verb)
                 assert verb not in ("escalate", "bind", "impersonate", "deletecollection"), (name, verb)
 
 
@@ -443,8 +461,8 @@ def test_leader_election_off_renders_no_lease_rules_and_one_replica_at_most(helm
     r = render(off)
     assert _flag(_container(r)["args"], "--lease") == [""]
     assert not any(res == "leases" for obj in r.of_kind("ClusterRole") + r.of_kind("Role") for _, res, _, _ in _rules(obj))
-    assert [o["metadata"]["name"] for o in r.of_kind("Role")] == [f"{FULLNAME}-state"]
-    assert [o["metadata"]["name"] for o in r.of_kind("RoleBinding")] == [f"{FULLNAME}-state"]
+    assert [o["metadata"]["name"] for o in r.of_kind("Role")] == [f"{FULLNAME}-state", f"{FULLNAME}-profile"]
+    assert [o["metadata"]["name"] for o in r.of_kind("RoleBinding")] == [f"{FULLNAME}-state", f"{FULLNAME}-profile"]
     render(with_values(off, replicaCount=0))
     proc = helm.template(with_values(off, replicaCount=2), tmp_path, namespace=RELEASE_NS)
     assert proc.returncode != 0
@@ -459,7 +477,8 @@ def test_access_file_lists_a_reason_for_every_need():
     access = operator_access()
     for need in access["needs"]:
         assert need["why"].strip() and need["verbs"], need
-        assert need["scope"] in ("namespaced", "cluster", "lease", "state"), need
+        assert need["scope"] in ("namespaced", "cluster", "lease", "state", "profile"), need
+        assert need["code"].strip(), need  # what in the operator (or kopf) uses it
     assert access["forbidden"]
 
 

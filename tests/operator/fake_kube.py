@@ -313,6 +313,8 @@ class FakeKube:
             raise self.refuse_create[kind]
         if self.get(kind, namespace, name) is not None:
             raise _error(409, "AlreadyExists", f'{kind} "{name}" already exists')
+        if body["metadata"].get("namespace") not in (None, namespace):  # as the API server refuses it
+            raise _error(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
         _refuse_invalid(kind, body)
         self._write(Write("create", kind, namespace, name, body))
         body["metadata"]["namespace"] = namespace

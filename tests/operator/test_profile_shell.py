@@ -10,6 +10,7 @@ from finetune_operator import metrics
 from finetune_operator.calibration import Learned
 from finetune_operator.calibration_store import CALIBRATION_CONFIGMAP, CalibrationStore
 from finetune_operator.profiling.cache import CACHE_BUDGET_BYTES, CACHE_CONFIGMAP, data_bytes
+from finetune_operator.profiling.pod import PROFILE_UID_LABEL, profile_pod_name
 from finetune_operator.profiling.setups import job_profile
 from finetune_operator.profiling_shell import ProfileShell
 from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileRequest, ProfileShape
@@ -56,26 +57,29 @@ def _finish(world: ReconcileWorld, pod: dict) -> ProfileRequest:
 def test_the_shell_profiles_caches_plans_and_cleans_up():
     world = _world()
     world.reconcile()
-    [pod] = world.kube.of_kind("Pod", NAMESPACE)
-    assert pod["metadata"]["ownerReferences"][0]["uid"] == world.kube.get("FineTuneJob", NAMESPACE, world.name)["metadata"]["uid"]
+    # The profile pod runs in the operator's namespace (no pod is ever created in the tenant's), labelled
+    # with its job's uid.
+    assert not world.kube.of_kind("Pod", NAMESPACE)
+    [pod] = world.kube.of_kind("Pod", OPERATOR_NS)
+    assert pod["metadata"]["labels"][PROFILE_UID_LABEL] == world.kube.get("FineTuneJob", NAMESPACE, world.name)["metadata"]["uid"]
     assert not world.kube.of_kind("PyTorchJob", NAMESPACE)
     world.reconcile()  # still running: nothing new
-    assert len(world.kube.of_kind("Pod", NAMESPACE)) == 1
+    assert len(world.kube.of_kind("Pod", OPERATOR_NS)) == 1
     # micro-batch 1, 2, 4, 8 x GPUs 1, 2, 4, 8: 16 setups, 12 in the first pod, the rest in a second.
     first = _finish(world, pod)
     assert len(first.setups) == 12 and first.config["model_type"] == "gpt_neox"
     world.reconcile()
     cache = world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)
     assert cache is not None and len(cache["data"]) == 14  # twelve setups, the model, when it was written
-    assert not world.kube.of_kind("Pod", NAMESPACE) and not world.kube.of_kind("PyTorchJob", NAMESPACE)
+    assert not world.kube.of_kind("Pod", OPERATOR_NS) and not world.kube.of_kind("PyTorchJob", NAMESPACE)
     world.reconcile()
-    [pod] = world.kube.of_kind("Pod", NAMESPACE)
+    [pod] = world.kube.of_kind("Pod", OPERATOR_NS)
     second = _finish(world, pod)
     assert len(second.setups) == 4 and not {s.key for s in second.setups} & {s.key for s in first.setups}
     world.reconcile()
     assert len(world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)["data"]) == 18
     assert world.kube.of_kind("PyTorchJob", NAMESPACE), "planned from the profile"
-    assert not world.kube.of_kind("Pod", NAMESPACE), "the finished profile pod is deleted"
+    assert not world.kube.of_kind("Pod", OPERATOR_NS), "the finished profile pod is deleted"
     status = world.kube.get("FineTuneJob", NAMESPACE, world.name)["status"]
     assert {c["type"]: c["status"] for c in status["conditions"]}["Profiled"] == "True"
 
@@ -93,7 +97,7 @@ def test_a_full_cache_evicts_the_least_recently_written_models_to_take_a_new_one
     assert 1024 * 1024 - 2048 < sum(len(value) for value in old.values()) < 1024 * 1024
     world.kube.put("ConfigMap", {"metadata": {"name": CACHE_CONFIGMAP, "namespace": OPERATOR_NS}, "data": old})
     world.reconcile()
-    [pod] = world.kube.of_kind("Pod", NAMESPACE)
+    [pod] = world.kube.of_kind("Pod", OPERATOR_NS)
     _finish(world, pod)
     world.reconcile()
     data = world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)["data"]
@@ -107,7 +111,7 @@ def test_a_full_cache_evicts_the_least_recently_written_models_to_take_a_new_one
     assert evicted and kept and max(evicted) < min(kept), "the least recently written models went first"
     assert all(f"{key.split('.')[0]}.model" in data for key in data if key.endswith(".written")), "whole models"
     world.reconcile()
-    assert len(world.kube.of_kind("Pod", NAMESPACE)) == 1, "the next pod, for the four setups left"
+    assert len(world.kube.of_kind("Pod", OPERATOR_NS)) == 1, "the next pod, for the four setups left"
 
 
 def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():
@@ -117,7 +121,8 @@ def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():
     # Someone else's pod under the profile pod's name, even with a failure report for this very config:
     # its report must not fail the job, and it is never deleted.
     lie = ProfileReport(ok=False, error="not ours", error_field="config").to_termination_message()
-    world.kube.put("Pod", {"metadata": {"name": "support-bot-profile", "namespace": NAMESPACE,
+    name = profile_pod_name(NAMESPACE, world.name)
+    world.kube.put("Pod", {"metadata": {"name": name, "namespace": OPERATOR_NS,
                                         "annotations": {"finetune.dev/profile-config": config_hash(CONFIG)}},
                            "status": {"phase": "Failed", "containerStatuses": [{"name": "profile", "state": {
                                "terminated": {"exitCode": 78, "message": lie}}}]}})
@@ -125,8 +130,27 @@ def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():
     status = world.kube.get("FineTuneJob", NAMESPACE, world.name)["status"]
     assert status["phase"] != "Failed"
     blocked = {c["type"]: c for c in status["conditions"]}.get("Blocked")
-    assert blocked is not None and blocked["reason"] == "NameConflict" and "support-bot-profile" in blocked["message"]
-    assert world.kube.get("Pod", NAMESPACE, "support-bot-profile") is not None
+    assert blocked is not None and blocked["reason"] == "NameConflict" and name in blocked["message"]
+    assert world.kube.get("Pod", OPERATOR_NS, name) is not None
+    world.reconciler.profiles.sweep()
+    assert world.kube.get("Pod", OPERATOR_NS, name) is not None, "a pod the operator did not render is not swept"
+
+
+def test_the_sweep_deletes_profile_pods_whose_job_is_gone():
+    """No garbage collector follows a job into the operator's namespace: a job deleted while its profile
+    runs (or replaced by another of its name) leaves a pod that the leader's sweep deletes."""
+    world = _world()
+    world.reconcile()
+    [pod] = world.kube.of_kind("Pod", OPERATOR_NS)
+    assert world.reconciler.profiles.sweep() == 0, "its job exists: kept"
+    job = world.kube.get("FineTuneJob", NAMESPACE, world.name)
+    world.kube.remove("FineTuneJob", NAMESPACE, world.name)
+    world.kube.put("FineTuneJob", {**job, "metadata": {**job["metadata"], "uid": "another-uid"}})
+    assert world.reconciler.profiles.sweep() == 1, "the job of that name is another one"
+    assert not world.kube.of_kind("Pod", OPERATOR_NS)
+    world.kube.remove("FineTuneJob", NAMESPACE, world.name)
+    world.kube.put("Pod", pod)
+    assert world.reconciler.profiles.sweep() == 1 and not world.kube.of_kind("Pod", OPERATOR_NS)
 
 
 def test_the_calibration_store_merges_its_keys_and_shows_them():

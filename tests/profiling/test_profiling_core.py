@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from finetune_operator import lifecycle
+from finetune_operator.profiling import pod as ps_pod
 from finetune_operator.profiling import state as ps
 from finetune_operator.profiling.cache import cache_entries, read_cache, setup_entry
 from finetune_operator.profiling.estimate import profiled_architecture
@@ -145,9 +146,12 @@ def test_cache_round_trip_and_what_is_missing():
 # --- the lifecycle ------------------------------------------------------------
 
 
+OPERATOR_NS = "finetune-system"  # where the shell runs profile pods
+
+
 def _observe(spec, data, pod=None):
     seen = ps.observation(spec, CONFIG, lambda digest, setups: read_cache(data, digest, setups))
-    return dataclasses.replace(seen, pod=pod)
+    return dataclasses.replace(seen, pod=pod, pod_namespace=OPERATOR_NS)
 
 
 def _step(j, data, pod=None):
@@ -177,7 +181,13 @@ def test_an_unknown_family_is_profiled_once_then_planned_from_the_figures():
     assert first.status.phase == "Pending" and not first.status.plan
     assert _conditions(first)["Profiled"][:2] == ("Unknown", "Profiling")
     [pod] = first.create
-    assert pod["kind"] == "Pod" and pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    # In the operator's namespace, not the tenant's: no ownerReference (none can cross namespaces), the
+    # job's uid as a label, the policy's trainer image whatever the job's spec.image says.
+    assert pod["kind"] == "Pod" and pod["metadata"]["namespace"] == OPERATOR_NS
+    assert "ownerReferences" not in pod["metadata"] and pod["metadata"]["labels"][ps_pod.PROFILE_UID_LABEL] == "uid-1"
+    assert ps_pod.is_profile_pod_of(pod, "uid-1") and not ps_pod.is_profile_pod_of(pod, "uid-2")
+    assert pod["metadata"]["annotations"][ps_pod.JOB_NAMESPACE_ANNOTATION] == j.metadata.namespace
+    assert pod["spec"]["containers"][0]["image"] == POLICY.trainer_image
     spec = pod["spec"]
     assert spec["automountServiceAccountToken"] is False and spec["activeDeadlineSeconds"] > 0
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -199,7 +209,8 @@ def test_an_unknown_family_is_profiled_once_then_planned_from_the_figures():
     planned = _step(j, data, done)
     assert planned.status.phase == "Launching"
     assert _conditions(planned)["Profiled"][:2] == ("True", "Profiled")
-    assert [ref.name for ref in planned.delete if ref.kind == "Pod"] == [pod["metadata"]["name"]]
+    assert [(ref.name, ref.namespace) for ref in planned.delete if ref.kind == "Pod"] == [
+        (pod["metadata"]["name"], OPERATOR_NS)]
     assert planned.status.plan.breakdown and "measured" in planned.status.plan.breakdown
     # Another job of the same model: the cache answers, no pod.
     other = _step(job(gradientCheckpointing=True), data)
@@ -239,7 +250,8 @@ def test_a_job_may_ask_for_the_profile_of_a_family_the_analytic_model_knows():
     assert ps.needs_profile(j.spec, None) is None  # not asked: the analytic model sizes it
 
     def step(data, pod=None):
-        seen = dataclasses.replace(ps.observation(j.spec, config, lambda d, s: read_cache(data, d, s)), pod=pod)
+        seen = dataclasses.replace(ps.observation(j.spec, config, lambda d, s: read_cache(data, d, s)), pod=pod,
+                                   pod_namespace=OPERATOR_NS)
         return lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, profile=seen))
 
     first = step({})

@@ -4,10 +4,13 @@
 - apiGroups: [""]
   resources: [nodes]
   verbs: [get, list, watch]
-# kopf lists and watches namespaces to resolve the namespaces it serves.
+{{- if not .Values.watch.allNamespaces }}
+# Serving a list of namespaces, kopf lists and watches namespaces to follow them (serving all, it
+# does not).
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
+{{- end }}
 # kopf scans custom resources at startup and when CRDs change; the operator looks again at which
 # training-job CRDs are served when one changes.
 - apiGroups: [apiextensions.k8s.io]
@@ -23,14 +26,16 @@
 
 {{/* Rules on namespaced resources, granted cluster-wide or per watched namespace. */}}
 {{- define "finetune-operator.namespacedRules" -}}
-# The operator's own resource: kopf watches it, and patches finalizers and its progress annotations.
+# The operator's own resource, read only: kopf lists and watches it, a reconcile reads it (no
+# finalizer, no annotation: the operator never writes the object itself).
 - apiGroups: [finetune.dev]
   resources: [finetunejobs]
-  verbs: [get, list, watch, patch, update]
-# Phase, conditions, plan and attempts are written to the status subresource.
+  verbs: [get, list, watch]
+# Phase, conditions, plan, attempts (update, guarded by resourceVersion) and progress (patch) are
+# written to the status subresource.
 - apiGroups: [finetune.dev]
   resources: [finetunejobs/status]
-  verbs: [get, patch, update]
+  verbs: [patch, update]
 {{- $backend := .Values.policy.trainingBackend | default "auto" }}
 {{- if has $backend (list "auto" "pytorchjob") }}
 # Each attempt is a PyTorchJob the operator creates, watches, suspends (patch) and deletes before the next attempt.
@@ -53,24 +58,24 @@
   resources: [localqueues]
   verbs: [get]
 {{- end }}
-# The trainer config of each attempt is a ConfigMap mounted into its pods; the policy is one too.
+# The trainer config of each attempt is a ConfigMap mounted into its pods: created, updated by a merge
+# patch when an earlier try left another config, deleted with its attempt; a job's configMapRef is
+# read (get). Nothing lists or watches ConfigMaps (the policy is polled by name).
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [get, list, watch, create, delete, patch]
-# Training pods are read (never written) to classify failures from their termination state; the one
-# pod the operator creates and deletes is a job's CPU-only pre-flight profile pod (owned by the job).
+  verbs: [get, create, delete, patch]
+# Training pods are read (never written) to classify failures from their termination state. No pod is
+# created here: the profile pod runs in the release namespace (the <fullname>-profile Role).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete]
+  verbs: [get, list, watch]
 # status.progress: the trainer's progress line is read from the rank-0 pod's log (logs only: no exec, no attach).
 - apiGroups: [""]
   resources: [pods/log]
   verbs: [get]
-# kopf and the operator explain what they do with Events on the FineTuneJob.
+# kopf and the operator explain what they do with Events on the FineTuneJob, both through the core
+# API (kopf creates; the operator creates, and patches the count of a repeated one).
 - apiGroups: [""]
-  resources: [events]
-  verbs: [create, patch]
-- apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
 {{- end -}}

@@ -5,9 +5,15 @@ memory limits (fake tensors hold no data: the model's config and Python's own me
 requested, no service-account token, no Secret, no volume but a scratch emptyDir, non-root with
 every capability dropped, `HF_HUB_OFFLINE=1` (transformers never reaches for the Hub; the request
 carries the config.json, so nothing needs fetching). The pod is pinned by required node affinity to
-the regions the job may use, like every pod of the job. It is a child of the FineTuneJob
-(controller ownerReference): created and deleted ownership-checked by the shell, gone with the job.
-It carries no job/attempt label, so it is never mistaken for a training pod.
+the regions the job may use, like every pod of the job.
+
+It runs in the operator's own namespace, not the job's: it needs nothing of the tenant's (no volume,
+no Secret, its config.json travels in its environment), so the operator needs no right to create pods
+in any tenant namespace (a right as good as reading every Secret there). An ownerReference cannot
+cross namespaces, so the pod names its job by labels (PROFILE_UID_LABEL: the job's uid, what the shell
+checks before it reads or deletes the pod) and annotations (namespace and name), and the shell
+deletes it when done, and sweeps those whose job is gone. It carries no job/attempt label, so it is
+never mistaken for a training pod.
 """
 
 from __future__ import annotations
@@ -18,43 +24,51 @@ from finetune_trainer.contract import DEFAULT_REPORT_PATH, PROFILE_REQUEST_ENV, 
 
 from .. import api
 from ..planning.policy import ClusterPolicy
-from ..rendering.names import DNS1035_LABEL, label_value, short_hash
+from ..rendering.names import label_value, short_hash
 from ..rendering.pod import container_security_context, pod_security_context
-from ..rendering.renderer import owner_reference
 
 PROFILE_LABEL = "finetune.dev/profile-of"
+# The job's uid: the profile pod's owner, which an ownerReference cannot name across namespaces.
+PROFILE_UID_LABEL = "finetune.dev/profile-of-uid"
+JOB_NAMESPACE_ANNOTATION = "finetune.dev/job-namespace"
+JOB_NAME_ANNOTATION = "finetune.dev/job-name"
 CONFIG_HASH_ANNOTATION = "finetune.dev/profile-config"
 PROFILE_CONTAINER = "profile"
 PROFILE_DEADLINE_SECONDS = 1800
 PROFILE_RESOURCES = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
 
 
-def profile_pod_name(job_name: str) -> str:
-    """`<job>-profile` (a DNS-1035 label; shortened with a hash like attempt names when needed)."""
-    plain = f"{job_name}-profile"
-    if len(plain) <= 63 and DNS1035_LABEL.fullmatch(plain):
-        return plain
+def profile_pod_name(namespace: str, job_name: str) -> str:
+    """`<job>-<hash of namespace/job>-profile`: profile pods of all namespaces share the operator's, so
+    the name carries a hash of both (a DNS-1035 label, the job's name shortened when needed)."""
     base = "".join(c if c.isalnum() or c == "-" else "-" for c in job_name.lower()).lstrip("-0123456789") or "j"
-    return f"{base[:40].rstrip('-')}-{short_hash(job_name)}-profile"
+    return f"{base[:40].rstrip('-')}-{short_hash(f'{namespace}/{job_name}')}-profile"
+
+
+def is_profile_pod_of(pod: dict[str, Any], job_uid: str | None) -> bool:
+    """Whether `pod` is the profile pod of the job with `job_uid` (by label: it has no ownerReference)."""
+    meta = pod.get("metadata") or {}
+    return bool(job_uid) and (meta.get("labels") or {}).get(PROFILE_UID_LABEL) == job_uid
 
 
 def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_hash: str,
-                       policy: ClusterPolicy) -> dict[str, Any]:
+                       policy: ClusterPolicy, namespace: str) -> dict[str, Any]:
+    """The profile pod of `job`, in `namespace` (the operator's)."""
     regions = [r for r in job.spec.placement.regions if r in set(policy.allowed_regions)]
-    owner = owner_reference(job)
+    job_namespace = job.metadata.namespace or "default"
     metadata: dict[str, Any] = {
-        "name": profile_pod_name(job.metadata.name),
-        "namespace": job.metadata.namespace,
+        "name": profile_pod_name(job_namespace, job.metadata.name),
+        "namespace": namespace,
         "labels": {
             "app.kubernetes.io/part-of": "finetune-operator",
             "app.kubernetes.io/managed-by": "finetune-operator",
             "app.kubernetes.io/component": "profile",
             PROFILE_LABEL: label_value(job.metadata.name),
+            PROFILE_UID_LABEL: job.metadata.uid or "",
         },
-        "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
+        "annotations": {CONFIG_HASH_ANNOTATION: config_hash, JOB_NAMESPACE_ANNOTATION: job_namespace,
+                        JOB_NAME_ANNOTATION: job.metadata.name},
     }
-    if owner is not None:
-        metadata["ownerReferences"] = [owner]
     env = [
         {"name": PROFILE_REQUEST_ENV, "value": request.model_dump_json(by_alias=True, exclude_none=True)},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
@@ -77,7 +91,9 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
                 {"matchExpressions": [{"key": policy.region_label_key, "operator": "In", "values": regions}]}]}}},
             "containers": [{
                 "name": PROFILE_CONTAINER,
-                "image": job.spec.image or policy.trainer_image,
+                # The policy's image, never the job's: the pod runs in the operator's namespace and its
+                # report feeds the cache every tenant's jobs are sized from.
+                "image": policy.trainer_image,
                 "imagePullPolicy": "IfNotPresent",
                 "command": ["python", "-m", "finetune_trainer.profile", f"--report-path={DEFAULT_REPORT_PATH}"],
                 "env": env,

@@ -45,7 +45,7 @@ PROFILE_POLL_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class ProfilePod:
-    """The job's profile pod as the shell read it (owned by the job; others are never read)."""
+    """The job's profile pod as the shell read it (labelled with the job's uid; others are never read)."""
 
     name: str
     phase: str  # Pending | Running | Succeeded | Failed
@@ -61,6 +61,7 @@ class ProfileObservation:
     profile: JobProfile
     cached: CachedProfile
     pod: ProfilePod | None = None
+    pod_namespace: str = ""  # where the shell runs profile pods: the operator's namespace
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Profiled:
     architecture: ProfiledArchitecture
     delete: list[str]
     message: str
+    pod_namespace: str = ""  # where the pods in `delete` are
 
 
 @dataclass
@@ -81,6 +83,7 @@ class ProfileStep:
     delete: list[str] = field(default_factory=list)  # pod names
     failure: api.FieldProblem | None = None  # terminal: the model cannot be profiled
     event: tuple[str, str, str] | None = None
+    pod_namespace: str = ""  # where the pods in `delete` are
 
 
 def model_config_of(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
@@ -115,7 +118,7 @@ def observation(spec: api.FineTuneJobSpec, config: Mapping[str, Any], cached_rea
 
 def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | None, unknown: UnknownArchitecture,
             policy: ClusterPolicy) -> Profiled | ProfileStep:
-    name = profile_pod_name(job.metadata.name)
+    name = profile_pod_name(job.metadata.namespace or "default", job.metadata.name)
     family = unknown.model_type
     if isinstance(seen, NotProfilable):
         message = (f"model_type {family!r} is not in the analytic memory model and this job cannot be profiled: "
@@ -135,7 +138,7 @@ def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | Non
         arch = profiled_architecture(report, seen.profile, seen.cached.measurements, seen.config_hash,
                                      name=job.spec.model.name)
         done = [pod.name] if pod is not None and pod.phase in ("Succeeded", "Failed") else []
-        return Profiled(arch, stale + done, profiled_message(arch))
+        return Profiled(arch, stale + done, profiled_message(arch), seen.pod_namespace)
     if pod is not None and pod.phase in ("Succeeded", "Failed"):
         if pod.report is not None and not pod.report.ok:
             where = pod.report.error_field
@@ -152,19 +155,20 @@ def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | Non
         # lost): the next pod traces the rest.
         done = len(seen.cached.measurements)
         return ProfileStep(("Unknown", "Profiling", f"profiled {done} of {done + len(seen.cached.missing)} setups; "
-                            "the next profile pod traces the rest"), delete=stale + [pod.name])
+                            "the next profile pod traces the rest"), delete=stale + [pod.name],
+                           pod_namespace=seen.pod_namespace)
     if pod is not None:
         message = (f"profiling model_type {family!r} on the CPU ({len(seen.cached.missing)} setups) in pod {pod.name} "
                    "before any GPU is requested")
-        return ProfileStep(("Unknown", "Profiling", message), delete=stale)
+        return ProfileStep(("Unknown", "Profiling", message), delete=stale, pod_namespace=seen.pod_namespace)
     request = profile_request(job.spec, seen.config, seen.cached.missing)
-    manifest = render_profile_pod(job, request, seen.config_hash, policy)
+    manifest = render_profile_pod(job, request, seen.config_hash, policy, seen.pod_namespace)
     why = ("the job asks for a measured profile" if isinstance(unknown, ProfileRequested)
            else f"model_type {family!r} is not in the analytic memory model")
     message = (f"{why}: profiling it on the CPU ({len(request.setups)} setups) in pod {name} "
                "before any GPU is requested")
     return ProfileStep(("Unknown", "Profiling", message), create=[manifest], delete=stale,
-                       event=("Normal", "Profiling", message))
+                       event=("Normal", "Profiling", message), pod_namespace=seen.pod_namespace)
 
 
 def profiled_message(arch: ProfiledArchitecture) -> str:

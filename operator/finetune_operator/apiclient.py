@@ -1,0 +1,72 @@
+"""The one place where the operator's Kubernetes API clients are made: every request bounded, TCP
+keepalive on every socket.
+
+The client library waits forever by default: a request on a half-open connection (a proxy or load
+balancer that stopped forwarding, a node that lost its route, an API server that froze) never
+returns, so the reconcile worker holding it, and the job's key with it, stays busy for good, and a
+leader renewing its Lease never notices it lost it. Here every request that does not name its own
+`_request_timeout` (watches and log reads do) gets DEFAULT_TIMEOUT; the Lease's requests get
+LEASE_TIMEOUT and no retries, short enough that a leader steps down before a standby may take over
+(leadership.py states the sum). Keepalive probes (the client library's, with client-go's timings)
+find a dead peer on an idle pooled connection or a watch.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.rest import tcp_keepalive_socket_options
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds a request may take to connect, and to wait for each read of its answer."""
+
+    connect: float
+    read: float
+
+    @property
+    def worst_case(self) -> float:
+        """The longest one attempt of a request can block."""
+        return self.connect + self.read
+
+    def as_request_timeout(self) -> tuple[float, float]:
+        return (self.connect, self.read)
+
+
+# A reconcile's reads and writes, the policy poll, events, the profile shell: an API server that has
+# not answered for 30 s is not going to; the work queue retries the key.
+DEFAULT_TIMEOUT = Timeouts(connect=5, read=30)
+# The Lease (leadership.py): a renew on a healthy, even loaded, API server takes milliseconds.
+LEASE_TIMEOUT = Timeouts(connect=0.5, read=0.5)
+
+
+class BoundedApiClient(client.ApiClient):
+    """An ApiClient whose requests without a `_request_timeout` of their own get `default_timeout`.
+    Every generated API class (CoreV1Api, CustomObjectsApi, CoordinationV1Api, ...) calls `call_api`."""
+
+    def __init__(self, configuration: client.Configuration, default_timeout: Timeouts = DEFAULT_TIMEOUT) -> None:
+        super().__init__(configuration)
+        self.default_timeout = default_timeout
+
+    def call_api(self, method: str, url: str, header_params: Any = None, body: Any = None, post_params: Any = None,
+                 _request_timeout: Any = None) -> Any:
+        if _request_timeout is None:
+            _request_timeout = self.default_timeout.as_request_timeout()
+        return super().call_api(method, url, header_params, body, post_params, _request_timeout=_request_timeout)
+
+
+def bounded_client(configuration: client.Configuration, timeout: Timeouts = DEFAULT_TIMEOUT,
+                   retries: bool = True) -> BoundedApiClient:
+    """An API client for `configuration` (a copy: the caller's is left as it was) with `timeout` on
+    every request and TCP keepalive; `retries=False` makes one attempt per request (the Lease: its
+    bound is the sum of the attempts)."""
+    cfg = copy.deepcopy(configuration)
+    cfg.socket_options = tcp_keepalive_socket_options()
+    if not retries:
+        cfg.retries = urllib3.Retry(total=0, connect=0, read=0, redirect=0, status=0, other=0)
+    return BoundedApiClient(cfg, timeout)
