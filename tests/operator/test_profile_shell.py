@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from finetune_operator import metrics
-from finetune_operator.calibration import Learned
+from finetune_operator.calibration import Kind, Learned
 from finetune_operator.calibration_store import CALIBRATION_CONFIGMAP, CalibrationStore
 from finetune_operator.profiling.cache import CACHE_BUDGET_BYTES, CACHE_CONFIGMAP, data_bytes
 from finetune_operator.profiling.setups import job_profile
@@ -118,7 +118,8 @@ def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():
     # its report must not fail the job, and it is never deleted.
     lie = ProfileReport(ok=False, error="not ours", error_field="config").to_termination_message()
     world.kube.put("Pod", {"metadata": {"name": "support-bot-profile", "namespace": NAMESPACE,
-                                        "annotations": {"finetune.dev/profile-config": config_hash(CONFIG)}},
+                                        "annotations": {"finetune.dev/profile-config":
+                                                            config_hash(CONFIG, world.policy.trainer_image)}},
                            "status": {"phase": "Failed", "containerStatuses": [{"name": "profile", "state": {
                                "terminated": {"exitCode": 78, "message": lie}}}]}})
     world.reconcile()
@@ -129,13 +130,22 @@ def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():
     assert world.kube.get("Pod", NAMESPACE, "support-bot-profile") is not None
 
 
-def test_the_calibration_store_merges_its_keys_and_shows_them():
+def test_the_calibration_store_merges_its_keys_and_shows_them(caplog):
     world = ReconcileWorld(job_document())
     store = CalibrationStore(world.reconciler.cluster, OPERATOR_NS, clock=lambda: 0.0)
     assert store.read() == {}
-    store.write({"H100-80GB.llama.lora.ddp": Learned(1.2, 1, 1.2)})
-    store.write({"A100-80GB.llama.full.fsdp": Learned(1.1, 2, 1.05)})
+    lora = Kind("H100-80GB", "llama", "lora", "ddp", "registry.example/trainer:1")
+    full = Kind("A100-80GB", "llama", "full", "fsdp", "registry.example/trainer:1")
+    store.write({lora.key: Learned(1.2, 1, 1.2)})
+    store.write({full.key: Learned(1.1, 2, 1.05)})
     data = world.kube.get("ConfigMap", OPERATOR_NS, CALIBRATION_CONFIGMAP)["data"]
-    assert set(data) == {"H100-80GB.llama.lora.ddp", "A100-80GB.llama.full.fsdp"}
-    assert metrics.CALIBRATION.labels("H100-80GB", "llama", "lora", "ddp")._value.get() == 1.2
-    assert metrics.CALIBRATION_RUNS.labels("A100-80GB", "llama", "full", "fsdp")._value.get() == 2
+    assert set(data) == {lora.key, full.key}
+    assert metrics.CALIBRATION.labels("H100-80GB", "llama", "lora", "ddp", lora.image_hash)._value.get() == 1.2
+    assert metrics.CALIBRATION_RUNS.labels("A100-80GB", "llama", "full", "fsdp", full.image_hash)._value.get() == 2
+    # A factor outside its bounds in the ConfigMap (written by hand, or by anything but the rule) is refused.
+    forged = Kind("H100-80GB", "llama", "lora", "fsdp", "registry.example/trainer:1")
+    world.kube.get("ConfigMap", OPERATOR_NS, CALIBRATION_CONFIGMAP)["data"][forged.key] = Learned(0.2, 9, 0.2).to_json()
+    store._table = None
+    with caplog.at_level("WARNING", logger="finetune_operator.calibration"):
+        assert set(store.read()) == {lora.key, full.key}
+    assert "refused" in caplog.text and "0.2" in caplog.text

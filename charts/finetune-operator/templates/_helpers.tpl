@@ -83,6 +83,7 @@ renders it with toYaml, so values reach the operator as data, never as text spli
   "placementPreference" $p.placementPreference
   "startTimeCostMargin" $p.startTimeCostMargin
   "trainerImage" (include "finetune-operator.trainerImage" .)
+  "allowedImages" ($p.allowedImages | default list)
   "catalog" $p.catalog
   "objectStorage" ($p.objectStorage | default list)
   "trainingBackend" ($p.trainingBackend | default "auto")

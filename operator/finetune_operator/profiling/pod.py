@@ -77,7 +77,8 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
                 {"matchExpressions": [{"key": policy.region_label_key, "operator": "In", "values": regions}]}]}}},
             "containers": [{
                 "name": PROFILE_CONTAINER,
-                "image": job.spec.image or policy.trainer_image,
+                # Always the platform's image: its report feeds the cluster-wide cache (not the job's spec.image).
+                "image": policy.trainer_image,
                 "imagePullPolicy": "IfNotPresent",
                 "command": ["python", "-m", "finetune_trainer.profile", f"--report-path={DEFAULT_REPORT_PATH}"],
                 "env": env,

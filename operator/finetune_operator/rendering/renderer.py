@@ -12,7 +12,7 @@ from ..planning import ClusterPolicy, Plan
 from . import layout as paths
 from . import pod
 from .errors import RenderError
-from .layout import layout_of
+from .layout import layout_of, training_image
 from .names import attempt_name, label_value
 from .templating import render_json_template
 from .trainer_config import build_trainer_config
@@ -100,7 +100,7 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     region = pod.pinned_region(job, plan, policy)
     labels = common_labels(job, attempt)
     owner = owner_reference(job)
-    image = job.spec.image or policy.trainer_image
+    image = training_image(job.spec, policy)
     limits = pod.resources(plan)
     config_map, trainer_config = render_config_map(job, plan, attempt, policy)
 
