@@ -19,7 +19,7 @@ from finetune_trainer.contract import DEFAULT_REPORT_PATH, PROFILE_REQUEST_ENV, 
 from .. import api
 from ..planning.policy import ClusterPolicy
 from ..rendering.names import DNS1035_LABEL, label_value, short_hash
-from ..rendering.pod import container_security_context, pod_security_context
+from ..rendering.pod import container_security_context, pod_security_context, scanner_skips, scratch_env
 from ..rendering.renderer import owner_reference
 
 PROFILE_LABEL = "finetune.dev/profile-of"
@@ -51,7 +51,7 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
             "app.kubernetes.io/component": "profile",
             PROFILE_LABEL: label_value(job.metadata.name),
         },
-        "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
+        "annotations": {CONFIG_HASH_ANNOTATION: config_hash, **scanner_skips(credentials=False)},
     }
     if owner is not None:
         metadata["ownerReferences"] = [owner]
@@ -60,8 +60,7 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
         {"name": "CUDA_VISIBLE_DEVICES", "value": ""},
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": "/tmp/huggingface"},
+        *scratch_env(),  # HOME and the caches on the scratch emptyDir: the root filesystem is read-only
     ]
     return {
         "apiVersion": "v1",
@@ -83,7 +82,7 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
                 "command": ["python", "-m", "finetune_trainer.profile", f"--report-path={DEFAULT_REPORT_PATH}"],
                 "env": env,
                 "resources": {k: dict(v) for k, v in PROFILE_RESOURCES.items()},
-                "securityContext": {**container_security_context(), "readOnlyRootFilesystem": True},
+                "securityContext": container_security_context(),
                 "terminationMessagePolicy": "FallbackToLogsOnError",
                 "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
             }],

@@ -128,6 +128,7 @@ def render_trainjob(
             "annotations": {
                 PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
                 JOB_NAME_ANNOTATION: job.metadata.name,
+                **pod.scanner_skips(pod.takes_credentials([{"env": pod.env(layout)}])),
             },
         },
         "spec": {
@@ -142,7 +143,7 @@ def render_trainjob(
                 }
             },
             "tolerations": pod.tolerations(plan),
-            "volumes": pod.volumes(name, layout),
+            "volumes": pod.volumes(name, layout, plan),
             "containers": [
                 {
                     "name": TRAINER_CONTAINER,
