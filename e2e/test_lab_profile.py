@@ -29,6 +29,7 @@ from finetune_operator.profiling.pod import PROFILE_UID_LABEL, profile_pod_name
 from e2e import operator_harness as h
 from e2e.lab.waiting import wait_for
 from finetune_operator import calibration as C
+from finetune_operator.planning.policy import load_policy
 
 pytestmark = pytest.mark.e2e
 
@@ -157,7 +158,11 @@ def test_a_run_that_used_more_than_predicted_corrects_later_plans_of_its_kind(la
     done = h.wait_phase(lab, namespace, "teacher", ("Succeeded", "Failed"), timeout=120)
     first = done["status"]["attempts"][0]
     assert first["outcome"] == "GPUOutOfMemory" and first["observedPeak"], first
-    kind = C.Kind(first["plan"]["gpuType"], "llama", first["plan"]["method"], first["plan"]["strategy"])
+    # The kind is keyed by the image the job ran: the chart's trainer image (the example names none).
+    policy = json.loads(lab.kubectl("get", "configmap", f"{h.RELEASE}-finetune-operator-policy", "-n",
+                                    h.RELEASE_NAMESPACE, "-o", "json").stdout)["data"]["policy.yaml"]
+    image = load_policy(policy).trainer_image
+    kind = C.Kind(first["plan"]["gpuType"], "llama", first["plan"]["method"], first["plan"]["strategy"], image)
 
     def learned():
         out = lab.kubectl("get", "configmap", "finetune-operator-calibration", "-n", h.RELEASE_NAMESPACE, "-o", "json",

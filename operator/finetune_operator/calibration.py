@@ -7,6 +7,12 @@ keeps one correction per kind of run, (GPU product, model family, method, strate
 to later plans of the same kind: a new cluster plans with the built-in model; a cluster that has run
 jobs plans tighter and safer.
 
+Each kind is also keyed by the trainer image the runs ran (`Kind.image`): another image's trainer is
+another trainer, and its figures teach nothing about this one. Only plausible figures are learned: a
+run whose ratio is outside [MIN_PLAUSIBLE_RATIO, MAX_PLAUSIBLE_RATIO] (no estimate is that far off; a
+figure like that is a broken or forged report) is refused and logged, and a stored factor outside
+[MIN_FACTOR, MAX_FACTOR] is refused when read (logged), never clamped into use.
+
 The rule, in one place:
 * a kind's first run sets the factor to its ratio observed / predicted; each later run moves it by
   EWMA_WEIGHT towards the new ratio (an exponentially weighted moving average);
@@ -21,7 +27,9 @@ The rule, in one place:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -34,6 +42,9 @@ from .planning.plan import Plan
 
 MIN_FACTOR = 1.0
 MAX_FACTOR = 1.5
+MIN_PLAUSIBLE_RATIO = 0.25
+MAX_PLAUSIBLE_RATIO = 4.0
+log = logging.getLogger("finetune_operator.calibration")
 EWMA_WEIGHT = 0.3
 # Outcomes whose observed peak says how much the plan really needed.
 LEARNING_OUTCOMES = ("Succeeded", "GPUOutOfMemory")
@@ -45,11 +56,17 @@ class Kind:
     family: str
     method: str
     strategy: str
+    image: str  # the trainer image the runs ran (the job's spec.image, else the policy's trainer image)
+
+    @property
+    def image_hash(self) -> str:
+        return hashlib.sha256(self.image.encode()).hexdigest()[:12]
 
     @property
     def key(self) -> str:
-        """A ConfigMap key ([-._a-zA-Z0-9]): gpu.family.method.strategy."""
-        return ".".join(re.sub(r"[^-_a-zA-Z0-9]", "-", p) for p in (self.gpu, self.family, self.method, self.strategy))
+        """A ConfigMap key ([-._a-zA-Z0-9]): gpu.family.method.strategy.<hash of the image>."""
+        parts = (self.gpu, self.family, self.method, self.strategy)
+        return ".".join([*(re.sub(r"[^-_a-zA-Z0-9]", "-", p) for p in parts), self.image_hash])
 
     def words(self) -> str:
         return f"{self.method} {self.strategy} {self.family} on {self.gpu}"
@@ -73,7 +90,11 @@ class Learned:
             return None
         if not (math.isfinite(learned.factor) and learned.runs >= 0):
             return None
-        return cls(bounded(learned.factor), learned.runs, learned.last_ratio)
+        if not MIN_FACTOR <= learned.factor <= MAX_FACTOR:
+            log.warning("learned calibration %s refused: factor %s is outside [%s, %s]", text[:200],
+                        learned.factor, MIN_FACTOR, MAX_FACTOR)
+            return None
+        return learned
 
 
 def bounded(factor: float) -> float:
@@ -89,8 +110,8 @@ def update(previous: Learned | None, ratio: float) -> Learned:
     return Learned(bounded(previous.factor + EWMA_WEIGHT * (ratio - previous.factor)), previous.runs + 1, ratio)
 
 
-def kind_of(plan: api.PlanStatus | Any, family: str) -> Kind:
-    return Kind(plan.gpu_type, family, plan.method, plan.strategy)
+def kind_of(plan: api.PlanStatus | Any, family: str, image: str) -> Kind:
+    return Kind(plan.gpu_type, family, plan.method, plan.strategy, image)
 
 
 @dataclass(frozen=True)
@@ -100,8 +121,10 @@ class Observation:
     attempt: int
 
 
-def observations(before: api.FineTuneJobStatus | None, after: api.FineTuneJobStatus, family: str) -> list[Observation]:
-    """Runs that ended with an observed peak in `after` and had not in `before`: each is learned once."""
+def observations(before: api.FineTuneJobStatus | None, after: api.FineTuneJobStatus, family: str, image: str
+                 ) -> list[Observation]:
+    """Runs that ended with an observed peak in `after` and had not in `before`: each is learned once.
+    `image` is the trainer image the job's pods run."""
     seen = {a.attempt for a in (before.attempts if before is not None else [])
             if a.outcome in LEARNING_OUTCOMES and a.observed_peak_gi_b}
     out = []
@@ -110,7 +133,8 @@ def observations(before: api.FineTuneJobStatus | None, after: api.FineTuneJobSta
             continue
         if not a.observed_peak_gi_b or not a.predicted_peak_gi_b:
             continue
-        out.append(Observation(kind_of(a.plan, family), a.observed_peak_gi_b / a.predicted_peak_gi_b, a.attempt))
+        out.append(Observation(kind_of(a.plan, family, image), a.observed_peak_gi_b / a.predicted_peak_gi_b,
+                               a.attempt))
     return out
 
 
@@ -118,6 +142,10 @@ def learn(table: Mapping[str, Learned], seen: Iterable[Observation]) -> dict[str
     """The entries `seen` changes (to merge into the store)."""
     changed: dict[str, Learned] = {}
     for obs in seen:
+        if not (MIN_PLAUSIBLE_RATIO <= obs.ratio <= MAX_PLAUSIBLE_RATIO):
+            log.warning("attempt %s of %s: observed / predicted peak %.4g is outside [%s, %s]; not learned",
+                        obs.attempt, obs.kind.words(), obs.ratio, MIN_PLAUSIBLE_RATIO, MAX_PLAUSIBLE_RATIO)
+            continue
         changed[obs.kind.key] = update(changed.get(obs.kind.key) or table.get(obs.kind.key), obs.ratio)
     return changed
 
@@ -131,8 +159,8 @@ def read_table(data: Mapping[str, str] | None) -> dict[str, Learned]:
     return out
 
 
-def plan_with_learning(plan: Callable[[float], Any], base: float, table: Mapping[str, Learned], family: str
-                       ) -> tuple[Any, Learned | None, Kind | None]:
+def plan_with_learning(plan: Callable[[float], Any], base: float, table: Mapping[str, Learned], family: str,
+                       image: str) -> tuple[Any, Learned | None, Kind | None]:
     """Plan with `base` (the job's own floor); while the winner's kind has learned a larger factor than
     the plan carries, plan again with it. Returns (result, the learned entry applied, its kind)."""
     factor, applied, applied_kind = base, None, None
@@ -140,7 +168,7 @@ def plan_with_learning(plan: Callable[[float], Any], base: float, table: Mapping
         result = plan(factor)
         if not isinstance(result, Plan):
             return result, applied, applied_kind  # Infeasible
-        kind = Kind(result.gpu_type, family, result.method, result.strategy)
+        kind = Kind(result.gpu_type, family, result.method, result.strategy, image)
         learned = table.get(kind.key)
         if learned is None or learned.factor <= factor + 1e-9:
             return result, applied, applied_kind

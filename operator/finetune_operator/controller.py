@@ -662,7 +662,7 @@ class Reconciler:
             except ApiException as error:
                 if error.status not in (403, 404):  # Kueue not installed (or not readable): run unqueued
                     raise
-        profile = self.profiles.observe(job, model_config) if self.profiles else None
+        profile = self.profiles.observe(job, model_config, policy.trainer_image) if self.profiles else None
         learned = self.calibration.read() if self.calibration is not None else {}
         regions = frozenset(job.spec.placement.regions) & frozenset(policy.allowed_regions)
         held_before = self.claims.get(key)

@@ -215,7 +215,8 @@ def step(observed: Observed) -> Decision:
 def _learn(decision: Decision, observed: Observed) -> Decision:
     """Runs that ended this step with an observed peak teach the cluster's calibration (calibration.py)."""
     if observed.architecture is not None:
-        seen = calibration.observations(observed.job.status, decision.status, observed.architecture.family)
+        seen = calibration.observations(observed.job.status, decision.status, observed.architecture.family,
+                                        observed.policy.image_for(observed.job.spec.image))
         decision.learned = calibration.learn(observed.learned, seen)
     return decision
 
@@ -408,7 +409,8 @@ def _new_attempt(decision: Decision, observed: Observed, *, attempt: int, note: 
         lambda factor: plan_job(job.spec, list(observed.pools), observed.policy, exclude=excluded,
                                 calibration=factor, architecture=observed.architecture),
         learned_calibration(status.attempts), observed.learned,
-        observed.architecture.family if observed.architecture is not None else "")
+        observed.architecture.family if observed.architecture is not None else "",
+        observed.policy.image_for(job.spec.image))
     if learned is not None and not isinstance(result, Infeasible):
         result = result.model_copy(update={"reason": f"{result.reason} {calibration.applied_words(learned, kind)}."})
     if isinstance(result, Infeasible):

@@ -85,12 +85,12 @@ CALIBRATION = Gauge(
     "finetune_memory_calibration_factor",
     "The memory correction learned from observed / predicted peaks per kind of run, applied to later plans of "
     "that kind (bounded to [1.0, 1.5]; calibration.py)",
-    ["gpu", "family", "method", "strategy"],
+    ["gpu", "family", "method", "strategy", "image"],
 )
 CALIBRATION_RUNS = Gauge(
     "finetune_memory_calibration_runs",
     "Runs the learned memory correction of a kind of run was learned from",
-    ["gpu", "family", "method", "strategy"],
+    ["gpu", "family", "method", "strategy", "image"],
 )
 
 
@@ -98,7 +98,7 @@ def show_calibration(table: dict) -> None:
     """Export the learned corrections (calibration_store.py calls this after each read and write)."""
     for key, learned in table.items():
         parts = key.split(".")
-        if len(parts) != 4:
+        if len(parts) != 5:  # gpu.family.method.strategy.<image hash> (calibration.Kind.key)
             continue
         CALIBRATION.labels(*parts).set(learned.factor)
         CALIBRATION_RUNS.labels(*parts).set(learned.runs)

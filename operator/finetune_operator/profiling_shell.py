@@ -42,22 +42,23 @@ class ProfileShell:
         self.namespace = namespace
         self.clock = clock  # stamps each model's `.written` entry, which orders evictions
 
-    def observe(self, job: api.FineTuneJob, model_config: Mapping[str, Any] | None
+    def observe(self, job: api.FineTuneJob, model_config: Mapping[str, Any] | None, trainer_image: str
                 ) -> ProfileObservation | NotProfilable | None:
-        """What the lifecycle needs to decide about the profile; None when the job needs none."""
+        """What the lifecycle needs to decide about the profile; None when the job needs none.
+        `trainer_image` (the policy's) measures the profile and keys the cache."""
         config = needs_profile(job.spec, model_config, asked=asks_for_profile(job))
         if config is None:
             return None
         data = self._cache_data()
-        seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups))
+        seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups), trainer_image)
         if isinstance(seen, NotProfilable):
             return seen
         pod = self._pod(job)
         if (pod is not None and pod.report is not None and pod.report.ok and pod.config_hash == seen.config_hash
                 and seen.cached.missing):
             written_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
-            data = self._write_cache(cache_entries(seen.config_hash, pod.report, written_at))
-            seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups))
+            data = self._write_cache(cache_entries(seen.config_hash, pod.report, written_at, seen.profile.setups()))
+            seen = observation(job.spec, config, lambda digest, setups: read_cache(data, digest, setups), trainer_image)
             assert not isinstance(seen, NotProfilable)
         return dataclasses.replace(seen, pod=pod, pod_namespace=self.namespace)
 

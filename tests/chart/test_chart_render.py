@@ -250,6 +250,20 @@ def test_object_storage_reaches_the_operator(render, default_values):
     assert (paris.endpoint, paris.usable_regions) == ("http://127.0.0.1:8333", ["eu-fr-paris", "eu-de-berlin"])
 
 
+def test_allowed_images_reach_the_operator(render, default_values):
+    """policy.allowedImages: empty by default (only the trainer image), every schema field loads."""
+    assert load_policy(render(default_values).one("ConfigMap")["data"]["policy.yaml"]).allowed_images == []
+    entries = [{"prefix": "registry.eu-de-berlin.internal/ml/", "requireDigest": True}, {"prefix": "r.example/t"}]
+    schema = __import__("json").loads((CHART / "values.schema.json").read_text())
+    assert set(entries[0]) == set(schema["properties"]["policy"]["properties"]["allowedImages"]["items"]["properties"])
+    loaded = load_policy(render(with_values(default_values, **{"policy.allowedImages": entries}))
+                         .one("ConfigMap")["data"]["policy.yaml"])
+    assert [(e.prefix, e.require_digest) for e in loaded.allowed_images] == [
+        ("registry.eu-de-berlin.internal/ml/", True), ("r.example/t", False)]
+    assert loaded.image_problem("registry.eu-de-berlin.internal/ml/x:1") is not None  # no digest
+    assert loaded.image_problem("r.example/t:2") is None
+
+
 def test_every_catalog_field_the_schema_allows_reaches_the_operator(render, default_values):
     """The schema's pool fields and the operator's catalog loader agree: a pool using every field the
     schema allows loads, and keeps the values given."""

@@ -11,6 +11,8 @@ from finetune_operator import lifecycle
 from finetune_trainer import contract
 from test_lifecycle import POLICY, POOLS, T0, World, example
 
+IMAGE = POLICY.trainer_image  # the examples name no spec.image: their runs ran the trainer image
+
 
 @given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=30))
 def test_the_factor_stays_within_bounds_and_counts_every_run(ratios):
@@ -46,7 +48,7 @@ def test_a_successful_run_teaches_its_kind_once():
     _succeed(world, 1.1)
     decision = world.step()
     plan = world.job.status.plan
-    kind = C.Kind(plan.gpu_type, "llama", plan.method, plan.strategy)
+    kind = C.Kind(plan.gpu_type, "llama", plan.method, plan.strategy, IMAGE)
     assert world.job.status.phase == "Succeeded"
     assert world.job.status.attempts[-1].observed_peak_gi_b is not None
     assert list(decision.learned) == [kind.key] and abs(decision.learned[kind.key].factor - 1.1) < 0.01
@@ -57,7 +59,7 @@ def test_a_later_plan_of_the_same_kind_applies_the_correction_and_says_so():
     job = example("llama-8b-lora.yaml")
     first = lifecycle.step(lifecycle.Observed(job=job, now=T0, policy=POLICY, pools=POOLS))
     plan = first.status.plan
-    kind = C.Kind(plan.gpu_type, "llama", plan.method, plan.strategy)
+    kind = C.Kind(plan.gpu_type, "llama", plan.method, plan.strategy, IMAGE)
     table = {kind.key: C.Learned(1.25, 3, 1.3)}
     later = lifecycle.step(lifecycle.Observed(job=job, now=T0, policy=POLICY, pools=POOLS, learned=table))
     applied = later.status.plan
@@ -67,6 +69,6 @@ def test_a_later_plan_of_the_same_kind_applies_the_correction_and_says_so():
     planned = next(c for c in later.status.conditions if c.type == "Planned")
     assert "learned from 3 run(s)" in planned.message  # what kubectl describe shows
     # Another kind's correction does not touch this plan.
-    other = {C.Kind("NO-SUCH-GPU", "llama", "lora", "fsdp").key: C.Learned(1.5, 9, 1.5)}
+    other = {C.Kind("NO-SUCH-GPU", "llama", "lora", "fsdp", IMAGE).key: C.Learned(1.5, 9, 1.5)}
     same = lifecycle.step(lifecycle.Observed(job=job, now=T0, policy=POLICY, pools=POOLS, learned=other))
     assert same.status.plan.calibration == plan.calibration == 1.0

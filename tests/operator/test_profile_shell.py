@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from finetune_operator import metrics
-from finetune_operator.calibration import Learned
+from finetune_operator.calibration import Kind, Learned
 from finetune_operator.calibration_store import CALIBRATION_CONFIGMAP, CalibrationStore
 from finetune_operator.profiling.cache import CACHE_BUDGET_BYTES, CACHE_CONFIGMAP, data_bytes
 from finetune_operator.profiling.pod import PROFILE_UID_LABEL, profile_pod_name
@@ -123,7 +123,7 @@ def test_a_foreign_pod_holding_the_name_is_never_read_or_deleted():
     lie = ProfileReport(ok=False, error="not ours", error_field="config").to_termination_message()
     name = profile_pod_name(NAMESPACE, world.name)
     world.kube.put("Pod", {"metadata": {"name": name, "namespace": OPERATOR_NS,
-                                        "annotations": {"finetune.dev/profile-config": config_hash(CONFIG)}},
+                                        "annotations": {"finetune.dev/profile-config": config_hash(CONFIG, world.policy.trainer_image)}},
                            "status": {"phase": "Failed", "containerStatuses": [{"name": "profile", "state": {
                                "terminated": {"exitCode": 78, "message": lie}}}]}})
     world.reconcile()
@@ -153,13 +153,22 @@ def test_the_sweep_deletes_profile_pods_whose_job_is_gone():
     assert world.reconciler.profiles.sweep() == 1 and not world.kube.of_kind("Pod", OPERATOR_NS)
 
 
-def test_the_calibration_store_merges_its_keys_and_shows_them():
+def test_the_calibration_store_merges_its_keys_and_shows_them(caplog):
     world = ReconcileWorld(job_document())
     store = CalibrationStore(world.reconciler.cluster, OPERATOR_NS, clock=lambda: 0.0)
     assert store.read() == {}
-    store.write({"H100-80GB.llama.lora.ddp": Learned(1.2, 1, 1.2)})
-    store.write({"A100-80GB.llama.full.fsdp": Learned(1.1, 2, 1.05)})
+    lora = Kind("H100-80GB", "llama", "lora", "ddp", "registry.example/trainer:1")
+    full = Kind("A100-80GB", "llama", "full", "fsdp", "registry.example/trainer:1")
+    store.write({lora.key: Learned(1.2, 1, 1.2)})
+    store.write({full.key: Learned(1.1, 2, 1.05)})
     data = world.kube.get("ConfigMap", OPERATOR_NS, CALIBRATION_CONFIGMAP)["data"]
-    assert set(data) == {"H100-80GB.llama.lora.ddp", "A100-80GB.llama.full.fsdp"}
-    assert metrics.CALIBRATION.labels("H100-80GB", "llama", "lora", "ddp")._value.get() == 1.2
-    assert metrics.CALIBRATION_RUNS.labels("A100-80GB", "llama", "full", "fsdp")._value.get() == 2
+    assert set(data) == {lora.key, full.key}
+    assert metrics.CALIBRATION.labels("H100-80GB", "llama", "lora", "ddp", lora.image_hash)._value.get() == 1.2
+    assert metrics.CALIBRATION_RUNS.labels("A100-80GB", "llama", "full", "fsdp", full.image_hash)._value.get() == 2
+    # A factor outside its bounds in the ConfigMap (written by hand, or by anything but the rule) is refused.
+    forged = Kind("H100-80GB", "llama", "lora", "fsdp", "registry.example/trainer:1")
+    world.kube.get("ConfigMap", OPERATOR_NS, CALIBRATION_CONFIGMAP)["data"][forged.key] = Learned(0.2, 9, 0.2).to_json()
+    store._table = None
+    with caplog.at_level("WARNING", logger="finetune_operator.calibration"):
+        assert set(store.read()) == {lora.key, full.key}
+    assert "refused" in caplog.text and "0.2" in caplog.text

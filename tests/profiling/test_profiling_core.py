@@ -27,6 +27,7 @@ from test_lifecycle import POLICY, POOLS, T0, example  # noqa: E402
 CONFIG = {"model_type": "gpt_neox", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096}
 WRITTEN = "2026-11-30T12:00:00Z"  # when the shell wrote a model's entries (orders evictions)
+IMAGE = POLICY.trainer_image  # the policy's trainer image: profile pods run it, the cache is keyed by it
 SHAPE = ProfileShape(model_type="gpt_neox", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
                      num_key_value_heads=4, head_dim=32, intermediate_size=512)
 
@@ -76,13 +77,14 @@ def test_what_the_trace_cannot_run_is_refused_naming_the_field(change, field):
     assert error.value.field == field
 
 
-def _report(profile: JobProfile, peak) -> ProfileReport:
+def _report(profile: JobProfile, peak, total: int = 100) -> ProfileReport:
+    """Synthetic peaks; `total` parameters small enough that they are plausible (above the weights)."""
     ms = []
     for s in profile.setups():
         ms.append(ProfileMeasurement(key=s.key, peaks={ph: peak(ph, s.world_size, s.micro_batch_size, s)
                                                       for ph in PROFILE_PHASES},
                                      trainable_params=1000, ddp_bucket_bytes=4096))
-    return ProfileReport(ok=True, shape=SHAPE, params={"total": 10**9, "embedding": 10**8, "lmHead": 10**8},
+    return ProfileReport(ok=True, shape=SHAPE, params={"total": total, "embedding": total // 10, "lmHead": total // 10},
                          measurements=ms)
 
 
@@ -135,7 +137,7 @@ def test_cache_round_trip_and_what_is_missing():
     profile = job_profile(job(gradientCheckpointing=True).spec)
     report = _report(profile, lambda ph, w, b, s: 1000 * b)
     setups = profile.setups()
-    data = cache_entries("abc", report.model_copy(update={"measurements": report.measurements[:-1]}), WRITTEN)
+    data = cache_entries("abc", report.model_copy(update={"measurements": report.measurements[:-1]}), WRITTEN, setups)
     assert all(k.replace(".", "").replace("-", "").replace("_", "").isalnum() for k in data)
     cached = read_cache(data, "abc", setups)
     assert cached.model is not None and [s.key for s in cached.missing] == [setups[-1].key]
@@ -150,7 +152,7 @@ OPERATOR_NS = "finetune-system"  # where the shell runs profile pods
 
 
 def _observe(spec, data, pod=None):
-    seen = ps.observation(spec, CONFIG, lambda digest, setups: read_cache(data, digest, setups))
+    seen = ps.observation(spec, CONFIG, lambda digest, setups: read_cache(data, digest, setups), IMAGE)
     return dataclasses.replace(seen, pod=pod, pod_namespace=OPERATOR_NS)
 
 
@@ -205,7 +207,7 @@ def test_an_unknown_family_is_profiled_once_then_planned_from_the_figures():
     profile = job_profile(j.spec)
     report = _report(profile, lambda ph, w, b, s: 10**8 * b + 10**9 // w)
     done = _finished(pod, report)
-    data = cache_entries(done.config_hash, report, WRITTEN)  # every pod's, as the shell writes them before the step
+    data = cache_entries(done.config_hash, report, WRITTEN, profile.setups())  # every pod's, as the shell writes them before the step
     planned = _step(j, data, done)
     assert planned.status.phase == "Launching"
     assert _conditions(planned)["Profiled"][:2] == ("True", "Profiled")
@@ -235,7 +237,7 @@ def test_a_job_the_profile_cannot_trace_is_invalid_naming_the_field():
     j = example("llama-8b-lora.yaml", model={"name": "m", "architecture": {"configMapRef": {"name": "cfg"}},
                                               "source": {"pvc": {"claimName": "models"}}},
                 method="qlora")
-    seen = ps.observation(j.spec, CONFIG, lambda digest, setups: read_cache({}, digest, setups))
+    seen = ps.observation(j.spec, CONFIG, lambda digest, setups: read_cache({}, digest, setups), IMAGE)
     d = lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, model_config=CONFIG, profile=seen))
     assert d.status.phase == "Failed" and "spec.method" in _conditions(d)["Validated"][2]
     assert not d.create
@@ -250,14 +252,15 @@ def test_a_job_may_ask_for_the_profile_of_a_family_the_analytic_model_knows():
     assert ps.needs_profile(j.spec, None) is None  # not asked: the analytic model sizes it
 
     def step(data, pod=None):
-        seen = dataclasses.replace(ps.observation(j.spec, config, lambda d, s: read_cache(data, d, s)), pod=pod,
+        seen = dataclasses.replace(ps.observation(j.spec, config, lambda d, s: read_cache(data, d, s), IMAGE), pod=pod,
                                    pod_namespace=OPERATOR_NS)
         return lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, profile=seen))
 
     first = step({})
     assert first.status.phase == "Pending" and "asks for a measured profile" in _conditions(first)["Profiled"][2]
     [pod] = first.create
-    report = _report(job_profile(j.spec), lambda ph, w, b, s: 10**9 * b + 10**10 // w)
+    profile = job_profile(j.spec)
+    report = _report(profile, lambda ph, w, b, s: 10**9 * b + 10**10 // w)
     done = _finished(pod, report)
-    planned = step(cache_entries(done.config_hash, report, WRITTEN), done)  # every pod's, as the shell cached them
+    planned = step(cache_entries(done.config_hash, report, WRITTEN, profile.setups()), done)  # every pod's, as the shell cached them
     assert planned.status.phase == "Launching" and "measured" in planned.status.plan.breakdown

@@ -280,9 +280,12 @@ def test_pod_security_volumes_and_env(lora_job):
     job = job_of(lora_job, checkpoint={"pvc": {"claimName": "ckpt", "path": "demo"}})
     rendered = render_attempt(job, plan_for(job, predicted_peak_bytes=123), 1, policy())
     template = pods(rendered)["Master"]
+    from finetune_operator.rendering.pod import scanner_skips
+
     assert template["metadata"]["annotations"] == {
         "finetune.dev/predicted-peak-bytes": "123",
         "finetune.dev/job-name": job.metadata.name,
+        **scanner_skips(credentials=False),
     }
     spec = template["spec"]
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -292,7 +295,7 @@ def test_pod_security_volumes_and_env(lora_job):
     assert container["terminationMessagePath"] == "/dev/termination-log"
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and volumes["dshm"]["emptyDir"]["sizeLimit"].endswith("Mi")
     assert volumes["config"] == {"name": "config", "configMap": {"name": "demo-a1"}}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt", "readOnly": False}

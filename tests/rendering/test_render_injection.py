@@ -33,6 +33,7 @@ from upstream_crd import pytorchjob_schema, trainjob_schema
 from finetune_operator import api
 from finetune_operator.planning import ClusterPolicy, NodePool
 from finetune_operator.planning.pools import GFD_PRODUCT, GKE_ACCELERATOR, gpu_type_info, label_values_for
+from finetune_operator.rendering.pod import scanner_skips, takes_credentials
 from finetune_operator.rendering import RenderError, render_attempt, render_trainjob
 from finetune_operator.rendering.trainjob import _as_go_writes_it, pod_template_patch
 from finetune_operator.rendering.names import DNS1035_LABEL
@@ -322,6 +323,8 @@ def build(case: Case, s: Strings) -> tuple[api.FineTuneJob, ClusterPolicy, NodeP
         allowed_regions=list(case.policy_regions),
         region_label_key=case.region_label_key,
         trainer_image=s.policy_image,
+        # The job's own image is one the policy allows (a disallowed one is Invalid: test_trusted_images.py).
+        allowed_images=[{"prefix": s.image}] if case.image_override else [],
     )
     return job, policy, pool
 
@@ -341,7 +344,8 @@ def config_map_skeleton(config_map: dict[str, Any]) -> Any:
     return skeleton(parsed)
 
 
-POD_SPEC_KEYS = {"enableServiceLinks", "securityContext", "affinity", "tolerations", "containers", "volumes"}
+POD_SPEC_KEYS = {"enableServiceLinks", "automountServiceAccountToken", "securityContext", "affinity", "tolerations",
+                 "containers", "volumes"}
 CONTAINER_KEYS = {
     "name", "image", "imagePullPolicy", "command", "env", "ports", "resources", "volumeMounts",
     "securityContext", "terminationMessagePath", "terminationMessagePolicy",
@@ -403,11 +407,13 @@ def check(case: Case, schema: bool) -> None:
         assert set(template["metadata"]) == {"labels", "annotations"}
         assert set(template["metadata"]["labels"]) == LABEL_KEYS
         assert template["metadata"]["labels"]["finetune.dev/attempt"] == str(case.attempt)
+        pod = template["spec"]
         assert template["metadata"]["annotations"] == {
             "finetune.dev/predicted-peak-bytes": str(plan.predicted_peak_bytes),
             "finetune.dev/job-name": job.metadata.name,
+            # the scanner's skips (fixed text; the credential one only with a Hub token in the pod)
+            **scanner_skips(takes_credentials(pod.get("initContainers", []) + pod["containers"])),
         }
-        pod = template["spec"]
         assert set(pod) == POD_SPEC_KEYS | ({"initContainers"} if case.hf_model else set())
         # --- sovereignty: exactly one required term: the plan's one region, its GPU, then the pool
         affinity = pod["affinity"]

@@ -161,7 +161,7 @@ def test_a_hostile_key_is_one_argument_and_nothing_else(lora_job, key):
     (_, fetch_data) = master(rendered)["initContainers"]
     assert [a for a in fetch_data["command"] if a.startswith("--key=")] == [f"--key={key}"]
     assert len(fetch_data["command"]) == 10 and fetch_data["command"][-2:] == ["--dest=/mnt/data", "--phase=data"]
-    assert set(master(rendered)) == {"enableServiceLinks", "securityContext", "affinity", "tolerations",
+    assert set(master(rendered)) == {"enableServiceLinks", "automountServiceAccountToken", "securityContext", "affinity", "tolerations",
                                      "initContainers", "containers", "volumes"}
     assert attempt_errors(rendered.config_map, rendered.pytorch_job) == []
 

@@ -18,6 +18,10 @@ zero_to_fp32 and the optimizer starts fresh (logged as ``optimizerRestored: fals
 ``meta.json`` records the optimizer too: state of another optimizer (AdamW moments into
 an 8-bit optimizer, or the reverse) is never loaded; the weights, LR schedule, step and
 data position still are, and the resume says why the optimizer starts fresh.
+
+A checkpoint is on a volume the job's author writes: its pickled files are read only as
+data (``untrusted.py``), checked by ``check_files`` before the attempt loads anything, and
+a file that would run code is a ``DataError`` naming it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from . import untrusted
 from .reporting import log_json
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -248,6 +253,7 @@ def can_restore_optimizer(checkpoint: Checkpoint, strategy: str, world_size: int
 def load_full_state(checkpoint: Checkpoint, *, model, optimizer, deepspeed_engine, lora: bool) -> None:
     """Model and optimizer state, when ``can_restore_optimizer`` says so (collective)."""
     if checkpoint.meta.format == "deepspeed":
+        untrusted.check_deepspeed_files(checkpoint.path / DS_DIR)
         deepspeed_engine.load_checkpoint(
             str(checkpoint.path / DS_DIR),
             tag=DS_TAG,
@@ -260,14 +266,14 @@ def load_full_state(checkpoint: Checkpoint, *, model, optimizer, deepspeed_engin
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     plain = _plain_optimizer(optimizer)
-    saved = set(dcp.FileSystemReader(str(checkpoint.path / DCP_DIR)).read_metadata().state_dict_metadata)
+    saved = set(untrusted.safe_file_system_reader(checkpoint.path / DCP_DIR).read_metadata().state_dict_metadata)
     # Checkpoints written before the flattened layout number their param groups
     # ("optim.param_groups.0.lr"); they load into the same grouping, as they always did.
     flat = not any(re.match(r"optim\.param_groups\.\d+\.", key) for key in saved)
     model_sd, optim_sd = get_state_dict(model, plain, options=_options(lora, flatten_optimizer_state_dict=flat))
     state = {"model": model_sd, "optim": optim_sd}
     kept = _state_the_checkpoint_lacks(optim_sd, saved, checkpoint)
-    dcp.load(state, checkpoint_id=str(checkpoint.path / DCP_DIR))
+    dcp.load(state, storage_reader=untrusted.safe_file_system_reader(checkpoint.path / DCP_DIR))
     _put_back(optim_sd, kept)
     # Under LoRA the checkpoint holds only the adapters: the frozen base is not missing.
     result = set_state_dict(model, plain, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -316,12 +322,13 @@ def load_weights(checkpoint: Checkpoint, model, lora: bool) -> None:
             full = _dcp_full_state(checkpoint)
         else:
             model_sd = get_model_state_dict(model, options=_options(lora))
-            dcp.load({"model": model_sd}, checkpoint_id=str(checkpoint.path / DCP_DIR))
+            dcp.load({"model": model_sd}, storage_reader=untrusted.safe_file_system_reader(checkpoint.path / DCP_DIR))
             _set_model(model, model_sd, lora, full=False)
             return
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        untrusted.check_deepspeed_files(checkpoint.path / DS_DIR)
         full = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.path / DS_DIR), tag=DS_TAG)
     if _is_zero3_partitioned(model):
         _load_into_zero3(model, full)
@@ -344,14 +351,19 @@ def _check_loaded(result, lora: bool) -> None:
 
 
 def _dcp_full_state(checkpoint: Checkpoint) -> dict:
+    """The checkpoint's whole model state on the host (each rank reads it; no process group)."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    target = checkpoint.path / "consolidated.pt"
-    if _is_rank0() and not target.exists():
-        dcp_to_torch_save(str(checkpoint.path / DCP_DIR), str(target))
-    _barrier()
-    return torch.load(target, map_location="cpu", weights_only=True)["model"]
+    folder = checkpoint.path / DCP_DIR
+    metadata = untrusted.safe_file_system_reader(folder).read_metadata()
+    prefix = "model."
+    model = {key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    dcp.load({"model": model}, storage_reader=untrusted.safe_file_system_reader(folder), no_dist=True)
+    return model
 
 
 def _is_zero3_partitioned(model) -> bool:
@@ -371,10 +383,18 @@ def _load_into_zero3(model, state_dict: dict) -> None:
                     param.copy_(state_dict[name].to(param.dtype))
 
 
-def load_scheduler(checkpoint: Checkpoint, scheduler, optimizer) -> None:
-    import torch
+def check_files(checkpoint: Checkpoint) -> None:
+    """Every pickled file of the checkpoint read as data only, before anything loads it: a
+    file that would run code raises DataError naming it (untrusted.py)."""
+    untrusted.load_tensors(checkpoint.path / "scheduler.pt")
+    if checkpoint.meta.format == "dcp":
+        untrusted.load_dcp_metadata(checkpoint.path / DCP_DIR / ".metadata")
+    else:
+        untrusted.check_deepspeed_files(checkpoint.path / DS_DIR)
 
-    state = torch.load(checkpoint.path / "scheduler.pt", map_location="cpu", weights_only=False)
+
+def load_scheduler(checkpoint: Checkpoint, scheduler, optimizer) -> None:
+    state = untrusted.load_tensors(checkpoint.path / "scheduler.pt")
     groups = len(optimizer.param_groups)
     for key in ("base_lrs", "_last_lr"):
         saved = state.get(key)

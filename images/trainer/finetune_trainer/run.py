@@ -93,6 +93,8 @@ def usable_checkpoint(cfg: TrainerConfig):
         log_json("warning", message=f"checkpoint {checkpoint.path} is from method {checkpoint.meta.method}, "
                                     f"this attempt runs {cfg.method}: starting from the base model")
         return None
+    # Before anything reads it: a pickled file that would run code fails the attempt (DataError).
+    checkpointing.check_files(checkpoint)
     return checkpoint
 
 

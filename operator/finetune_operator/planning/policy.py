@@ -82,6 +82,33 @@ class ObjectStorageEndpoint(BaseModel):
         return list(self.accessible_from) or [self.region]
 
 
+_DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+# Where a repository prefix may end inside an image reference: "ghcr.io/org" must not allow
+# "ghcr.io/org-evil/trainer".
+_REFERENCE_BOUNDARIES = "/:@"
+
+
+class AllowedImage(BaseModel):
+    """Images jobs may name in `spec.image`: those under one repository prefix."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True, use_attribute_docstrings=True
+    )
+
+    prefix: str = Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")
+    """A registry and repository path, e.g. `registry.internal/ml/` (every repository under it) or
+    `registry.internal/ml/trainer` (that repository, any tag). Compared as text: a job must spell
+    the registry host as the prefix does (no implicit docker.io)."""
+    require_digest: bool = False
+    """Only references pinned by digest (`...@sha256:<64 hex>`): a tag can be moved to other content."""
+
+    def matches(self, image: str) -> bool:
+        if not image.startswith(self.prefix):
+            return False
+        rest = image[len(self.prefix):]
+        return self.prefix[-1] in _REFERENCE_BOUNDARIES or not rest or rest[0] in _REFERENCE_BOUNDARIES
+
+
 class ClusterPolicy(BaseModel):
     """What the platform allows jobs to use."""
 
@@ -100,7 +127,10 @@ class ClusterPolicy(BaseModel):
     zone_label_key: str = Field(default=DEFAULT_ZONE_LABEL_KEY, min_length=1, max_length=317)
     """Node label that holds the zone."""
     trainer_image: str = Field(default=DEFAULT_TRAINER_IMAGE, min_length=1, max_length=512)
-    """Default trainer image."""
+    """Default trainer image: the image of jobs that name none, and always the image of profile pods."""
+    allowed_images: list[AllowedImage] = []
+    """Images a job may name in `spec.image` besides `trainerImage`. Empty: none (every job runs the
+    trainer image). A job naming another image is Invalid, naming `spec.image`."""
     default_memory_headroom: float = Field(default=0.10, ge=0, le=0.5)
     """Fraction of GPU memory plans leave free when the job does not say."""
     default_max_attempts: int = Field(default=4, ge=1, le=20)
@@ -163,6 +193,24 @@ class ClusterPolicy(BaseModel):
         if twice:
             raise ValueError(f"endpoints listed twice: {', '.join(twice)}")
         return value
+
+    def image_for(self, image: str | None) -> str:
+        """The image a job's training pods run: its `spec.image`, else the trainer image."""
+        return image or self.trainer_image
+
+    def image_problem(self, image: str) -> str | None:
+        """Why a job may not run `image`; None when it may."""
+        if image == self.trainer_image:
+            return None
+        for rule in self.allowed_images:
+            if rule.matches(image):
+                if rule.require_digest and not _DIGEST.search(image):
+                    return (f"{image}: images under {rule.prefix} are allowed only pinned by digest "
+                            "(@sha256:<64 hex digits>)")
+                return None
+        allowed = ", ".join(r.prefix for r in self.allowed_images) or "none"
+        return (f"{image} is not an image the cluster policy allows (allowedImages: {allowed}; "
+                f"or the trainer image {self.trainer_image})")
 
     def object_storage_for(self, endpoint: str) -> ObjectStorageEndpoint | None:
         """The policy's entry for an endpoint, however it is spelled; None when not listed."""

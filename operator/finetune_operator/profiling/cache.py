@@ -10,11 +10,17 @@ The API server refuses a ConfigMap whose values pass 1 MiB, and a job's grid of 
 about 3.8 KB, so the cache is bounded: `<config hash>.written` holds when the model's entries were last
 written, and a write that would take the data past CACHE_BUDGET_BYTES first deletes whole models,
 least recently written first (evictions). An evicted model is profiled again when a job needs it.
+
+The cache is shared by every tenant, so it holds only figures the platform's own trainer image
+measured (the config hash is taken with the image, `setups.config_hash`) and only plausible ones:
+a measurement whose peak is below the size of the weights it trained (`implausible`) is refused,
+logged, neither written nor read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -23,6 +29,25 @@ from pydantic import ValidationError
 from finetune_trainer.contract import ProfileMeasurement, ProfileReport, ProfileSetup
 
 CACHE_CONFIGMAP = "finetune-operator-profiles"
+log = logging.getLogger("finetune_operator.profiling")
+
+
+def weights_bytes(total_params: int, setup: ProfileSetup) -> int:
+    """What the weights alone take on one GPU of the setup: fp32 for full fine-tuning (the plain step
+    the profile traces) and for fp32 precision, else the bf16 base; FSDP shards them over the GPUs."""
+    per_param = 4 if setup.method == "full" or setup.precision == "fp32" else 2
+    total = per_param * total_params
+    return total // setup.world_size if setup.strategy == "fsdp" else total
+
+
+def implausible(measurement: ProfileMeasurement, setup: ProfileSetup, total_params: int) -> str | None:
+    """Why a measurement cannot be true (its peak is below the weights' own size); None when it can."""
+    peak = max(measurement.peaks.values(), default=0)
+    floor = weights_bytes(total_params, setup)
+    if peak < floor:
+        return (f"setup {setup.key}: a peak of {peak} bytes is below the {floor} bytes of the weights "
+                f"({total_params} parameters)")
+    return None
 
 
 def setup_entry(config_hash: str, setup_key: str) -> str:
@@ -62,6 +87,7 @@ def read_cache(data: Mapping[str, str] | None, config_hash: str, setups: list[Pr
             model = None  # unreadable: profiled again, and overwritten
     found: dict[str, ProfileMeasurement] = {}
     missing: list[ProfileSetup] = []
+    total = model.params.get("total", 0) if model is not None and model.ok else 0
     for setup in setups:
         raw = data.get(setup_entry(config_hash, setup.key))
         measurement = None
@@ -70,6 +96,10 @@ def read_cache(data: Mapping[str, str] | None, config_hash: str, setups: list[Pr
                 measurement = ProfileMeasurement.model_validate_json(raw)
             except (ValidationError, ValueError):
                 measurement = None
+        why = implausible(measurement, setup, total) if measurement is not None else None
+        if why is not None:
+            log.warning("profile cache entry of config %s refused: %s", config_hash, why)
+            measurement = None
         if measurement is not None and measurement.key == setup.key:
             found[setup.key] = measurement
         else:
@@ -77,14 +107,33 @@ def read_cache(data: Mapping[str, str] | None, config_hash: str, setups: list[Pr
     return CachedProfile(model if model is not None and model.ok else None, found, missing)
 
 
-def cache_entries(config_hash: str, report: ProfileReport, written_at: str) -> dict[str, str]:
-    """The ConfigMap keys a successful report adds; `written_at` (RFC 3339, UTC) orders evictions."""
+def refused_measurements(report: ProfileReport, setups: list[ProfileSetup]) -> dict[str, str]:
+    """The report's measurements that are not plausible, by setup key, with why (`implausible`)."""
+    by_key = {setup.key: setup for setup in setups}
+    total = report.params.get("total", 0)
+    refused = {}
+    for m in report.measurements:
+        why = implausible(m, by_key[m.key], total) if m.key in by_key else f"setup {m.key} was not asked for"
+        if why is not None:
+            refused[m.key] = why
+    return refused
+
+
+def cache_entries(config_hash: str, report: ProfileReport, written_at: str,
+                  setups: list[ProfileSetup]) -> dict[str, str]:
+    """The ConfigMap keys a successful report adds; `written_at` (RFC 3339, UTC) orders evictions.
+    Measurements that are not plausible for `setups` are left out and logged."""
     if not report.ok:
         return {}
+    refused = refused_measurements(report, setups)
+    for why in refused.values():
+        log.warning("profile of config %s: measurement refused, not cached: %s", config_hash, why)
     entries = {model_entry(config_hash): report.model_copy(update={"measurements": []})
                .model_dump_json(by_alias=True, exclude_none=True),
                written_entry(config_hash): written_at}
     for m in report.measurements:
+        if m.key in refused:
+            continue
         entries[setup_entry(config_hash, m.key)] = m.model_dump_json(by_alias=True, exclude_none=True)
     return entries
 
@@ -129,4 +178,4 @@ def evictions(data: Mapping[str, str], entries: Mapping[str, str],
 
 
 __all__ = ["CACHE_BUDGET_BYTES", "CACHE_CONFIGMAP", "CachedProfile", "as_report", "cache_entries", "data_bytes",
-           "evictions", "read_cache", "written_entry"]
+           "evictions", "implausible", "read_cache", "refused_measurements", "weights_bytes", "written_entry"]

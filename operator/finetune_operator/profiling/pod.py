@@ -25,7 +25,7 @@ from finetune_trainer.contract import DEFAULT_REPORT_PATH, PROFILE_REQUEST_ENV, 
 from .. import api
 from ..planning.policy import ClusterPolicy
 from ..rendering.names import label_value, short_hash
-from ..rendering.pod import container_security_context, pod_security_context
+from ..rendering.pod import container_security_context, pod_security_context, scanner_skips, scratch_env
 
 PROFILE_LABEL = "finetune.dev/profile-of"
 # The job's uid: the profile pod's owner, which an ownerReference cannot name across namespaces.
@@ -67,15 +67,14 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
             PROFILE_UID_LABEL: job.metadata.uid or "",
         },
         "annotations": {CONFIG_HASH_ANNOTATION: config_hash, JOB_NAMESPACE_ANNOTATION: job_namespace,
-                        JOB_NAME_ANNOTATION: job.metadata.name},
+                        JOB_NAME_ANNOTATION: job.metadata.name, **scanner_skips(credentials=False)},
     }
     env = [
         {"name": PROFILE_REQUEST_ENV, "value": request.model_dump_json(by_alias=True, exclude_none=True)},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
         {"name": "CUDA_VISIBLE_DEVICES", "value": ""},
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": "/tmp/huggingface"},
+        *scratch_env(),  # HOME and the caches on the scratch emptyDir: the root filesystem is read-only
     ]
     return {
         "apiVersion": "v1",
@@ -98,7 +97,7 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
                 "command": ["python", "-m", "finetune_trainer.profile", f"--report-path={DEFAULT_REPORT_PATH}"],
                 "env": env,
                 "resources": {k: dict(v) for k, v in PROFILE_RESOURCES.items()},
-                "securityContext": {**container_security_context(), "readOnlyRootFilesystem": True},
+                "securityContext": container_security_context(),
                 "terminationMessagePolicy": "FallbackToLogsOnError",
                 "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
             }],

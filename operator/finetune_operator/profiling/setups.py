@@ -42,9 +42,10 @@ class NotProfilable(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-def config_hash(config: Mapping[str, Any]) -> str:
-    """Short stable hash of a config.json (key order and whitespace do not matter)."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+def config_hash(config: Mapping[str, Any], trainer_image: str) -> str:
+    """Short stable hash of a config.json (key order and whitespace do not matter) and of the trainer
+    image that measures it: another image's figures are another image's (the cache is keyed by both)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str) + "\n" + trainer_image
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

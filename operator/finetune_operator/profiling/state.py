@@ -18,7 +18,7 @@ from .. import api
 from ..sizing import UnknownArchitecture
 from ..sizing.from_job import architecture_of, config_json_of
 from ..planning.policy import ClusterPolicy
-from .cache import CachedProfile, as_report
+from .cache import CachedProfile, as_report, refused_measurements
 from .estimate import ProfiledArchitecture, profiled_architecture
 from .pod import profile_pod_name, render_profile_pod
 from .setups import JobProfile, NotProfilable, config_hash, job_profile, profile_request
@@ -106,13 +106,15 @@ def needs_profile(spec: api.FineTuneJobSpec, model_config: Mapping[str, Any] | N
     return None
 
 
-def observation(spec: api.FineTuneJobSpec, config: Mapping[str, Any], cached_reader) -> ProfileObservation | NotProfilable:
-    """Build the pure half of an observation; `cached_reader(config_hash, setups)` is the shell's read."""
+def observation(spec: api.FineTuneJobSpec, config: Mapping[str, Any], cached_reader, trainer_image: str
+                ) -> ProfileObservation | NotProfilable:
+    """Build the pure half of an observation; `cached_reader(config_hash, setups)` is the shell's read.
+    `trainer_image` is the policy's: the image profile pods run, part of the cache key."""
     try:
         profile = job_profile(spec)
     except NotProfilable as error:
         return error
-    digest = config_hash(config)
+    digest = config_hash(config, trainer_image)
     return ProfileObservation(config, digest, profile, cached_reader(digest, profile.setups()))
 
 
@@ -146,6 +148,13 @@ def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | Non
                 f"spec.model.architecture ({where})" if where else "spec.model.architecture")
             message = f"the pre-flight profile of model_type {family!r} failed: {pod.report.error}"
             return ProfileStep(("False", "ProfileFailed", message), failure=api.FieldProblem(path=path, message=message))
+        refused = refused_measurements(pod.report, seen.profile.setups()) if pod.report is not None else {}
+        if refused:
+            # The trainer image measured something impossible: profiling again would measure it again.
+            message = (f"the pre-flight profile of model_type {family!r} reported figures that cannot be true "
+                       f"(not cached): {'; '.join(sorted(refused.values()))}")
+            return ProfileStep(("False", "ProfileFailed", message), failure=api.FieldProblem(
+                path="spec.model.architecture", message=message))
         if pod.phase == "Failed":
             why = pod.message or "the pod failed without a report"
             message = f"the pre-flight profile pod {pod.name} of model_type {family!r} failed: {why}"

@@ -121,6 +121,17 @@ class Layout:
         return OUTPUT_DIR
 
 
+def training_image(spec: api.FineTuneJobSpec, policy: ClusterPolicy) -> str:
+    """The image the job's training, init and upload containers run: `spec.image` when the policy's
+    `allowedImages` allow it, else the trainer image. A disallowed image is an error naming `spec.image`
+    (that image would hold the job's Hub token and object-storage keys)."""
+    image = policy.image_for(spec.image)
+    problem = policy.image_problem(image)
+    if problem is not None:
+        raise RenderError("spec.image", problem)
+    return image
+
+
 def layout_of(spec: api.FineTuneJobSpec, policy: ClusterPolicy | None = None) -> Layout:
     """The layout for a job; sources the pods cannot read are errors naming the field.
 
@@ -128,6 +139,7 @@ def layout_of(spec: api.FineTuneJobSpec, policy: ClusterPolicy | None = None) ->
     list, or one no region the job may use may reach, is an error naming the endpoint field.
     """
     if policy is not None:
+        training_image(spec, policy)
         try:
             storage_regions(spec, policy)
         except StorageError as error:

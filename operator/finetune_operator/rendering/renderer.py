@@ -12,7 +12,7 @@ from ..planning import ClusterPolicy, Plan
 from . import layout as paths
 from . import pod
 from .errors import RenderError
-from .layout import layout_of
+from .layout import layout_of, training_image
 from .names import attempt_name, label_value
 from .templating import render_json_template
 from .trainer_config import build_trainer_config
@@ -100,7 +100,7 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     region = pod.pinned_region(job, plan, policy)
     labels = common_labels(job, attempt)
     owner = owner_reference(job)
-    image = job.spec.image or policy.trainer_image
+    image = training_image(job.spec, policy)
     limits = pod.resources(plan)
     config_map, trainer_config = render_config_map(job, plan, attempt, policy)
 
@@ -108,26 +108,29 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     if job.spec.queue_name is not None:
         object_labels[QUEUE_LABEL] = job.spec.queue_name
     container_security = pod.container_security_context()
+    init_containers = pod.init_containers(
+        job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}, layout
+    )
+    training_env = pod.env(layout)
     pod_data = {
         "labels": labels,
         "annotations": {
             PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
             JOB_NAME_ANNOTATION: job.metadata.name,
+            **pod.scanner_skips(pod.takes_credentials([*init_containers, {"env": training_env}])),
         },
         "security_context": pod.pod_security_context(),
         "match_expressions": pod.match_expressions(policy.region_label_key, region, plan),
         "tolerations": pod.tolerations(plan),
-        "init_containers": pod.init_containers(
-            job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}, layout
-        ),
+        "init_containers": init_containers,
         "image": image,
         "command": pod.trainer_command(plan, layout),
-        "env": pod.env(layout),
+        "env": training_env,
         "resources": limits,
         "volume_mounts": pod.volume_mounts(layout),
         "container_security_context": container_security,
         "report_path": DEFAULT_REPORT_PATH,
-        "volumes": pod.volumes(name, layout),
+        "volumes": pod.volumes(name, layout, plan),
     }
     replicas = [{"type": "Master", "count": 1}]
     if plan.nodes > 1:

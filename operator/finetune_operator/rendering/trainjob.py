@@ -37,7 +37,7 @@ from .. import api
 from ..planning import ClusterPolicy, Plan
 from . import pod
 from .errors import RenderError
-from .layout import layout_of
+from .layout import layout_of, training_image
 from .names import attempt_name
 from .renderer import (
     JOB_NAME_ANNOTATION,
@@ -86,7 +86,7 @@ def render_trainjob(
     region = pod.pinned_region(job, plan, policy)
     labels = common_labels(job, attempt)
     owner = owner_reference(job)
-    image = job.spec.image or policy.trainer_image
+    image = training_image(job.spec, policy)
     if len(image) > MAX_IMAGE_LENGTH:
         raise RenderError(
             "spec.image" if job.spec.image else "policy.trainerImage",
@@ -128,6 +128,7 @@ def render_trainjob(
             "annotations": {
                 PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
                 JOB_NAME_ANNOTATION: job.metadata.name,
+                **pod.scanner_skips(pod.takes_credentials([{"env": pod.env(layout)}])),
             },
         },
         "spec": {
@@ -142,7 +143,7 @@ def render_trainjob(
                 }
             },
             "tolerations": pod.tolerations(plan),
-            "volumes": pod.volumes(name, layout),
+            "volumes": pod.volumes(name, layout, plan),
             "containers": [
                 {
                     "name": TRAINER_CONTAINER,
