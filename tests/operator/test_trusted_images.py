@@ -89,7 +89,7 @@ def test_the_profile_pod_runs_the_trainer_image_whatever_the_job_names():
     job = example("llama-8b-lora.yaml", image="registry.eu.example/ml/trainer:2")
     policy = _policy(allowedImages=[{"prefix": "registry.eu.example/ml/"}])
     request = ProfileRequest(config={"model_type": "x"}, setups=[_setup()])
-    pod = render_profile_pod(job, request, "abc", policy)
+    pod = render_profile_pod(job, request, "abc", policy, "finetune-system")
     assert [c["image"] for c in pod["spec"]["containers"]] == [TRAINER]
 
 

@@ -110,7 +110,7 @@ def example_pods(namespace: str = "team-a") -> list[dict[str, Any]]:
     first = api.parse_job(_jobs()[0])
     setup = ProfileSetup(method="lora", sequence_length=512, micro_batch_size=1, gradient_checkpointing=True,
                          strategy="ddp", world_size=1)
-    profile = render_profile_pod(first, ProfileRequest(config={"model_type": "x"}, setups=[setup]), "abc", policy)
+    profile = render_profile_pod(first, ProfileRequest(config={"model_type": "x"}, setups=[setup]), "abc", policy, "finetune-system")
     profile["metadata"]["namespace"] = namespace
     pods.append(profile)
     return pods
