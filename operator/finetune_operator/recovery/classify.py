@@ -1,4 +1,4 @@
-"""Why did an attempt fail? Classification from the pods and the PyTorchJob of the attempt.
+"""Why did an attempt fail? Classification from the pods and the training job of the attempt.
 
 Sources, most trusted first:
 1. our trainer's failure report in a container's termination message (the contract);
@@ -36,6 +36,7 @@ from typing import Any, Iterable
 from finetune_trainer import contract
 from finetune_trainer.failures import FAILURES, FailureKind, Remedy
 
+from ..rendering.backend import trainer_containers
 from .redact import bounded, redact
 
 
@@ -43,12 +44,6 @@ from .redact import bounded, redact
 # `finetune_trainer.failures`: one table that the trainer's report, this classifier, the
 # lifecycle's attempt outcomes and the API's outcome enum all read.
 _SOURCE_TRUST = {"report": 3, "log": 2, "kubelet": 2, "pod": 1, "exit-code": 1, "job": 0}
-
-# The container that runs training: "pytorch" in a PyTorchJob replica, "node" in a TrainJob's pods
-# (the name Kubeflow Trainer v2's torch runtime gives its trainer container).
-TRAINING_CONTAINER = "pytorch"
-TRAINING_CONTAINERS = (TRAINING_CONTAINER, "node")
-
 
 @dataclass(frozen=True)
 class Failure:
@@ -149,7 +144,8 @@ def parse_cuda_oom(log_tail: str) -> dict[str, int | None] | None:
 def _terminated_states(pod: dict[str, Any]) -> Iterable[dict[str, Any]]:
     status = pod.get("status") or {}
     for cs in status.get("containerStatuses") or []:
-        if cs.get("name") not in TRAINING_CONTAINERS and len(status.get("containerStatuses") or []) > 1:
+        # A pod with a sidecar: only the container that runs the trainer (each backend names it) says why.
+        if cs.get("name") not in trainer_containers() and len(status.get("containerStatuses") or []) > 1:
             continue
         for key in ("state", "lastState"):
             terminated = ((cs.get(key) or {}).get("terminated")) or None
@@ -361,19 +357,19 @@ _most_specific = most_specific  # the name lifecycle.py imported first
 # ---------------------------------------------------------------------------
 
 
-def classify_attempt(pods: list[dict[str, Any]], pytorch_job: dict[str, Any] | None = None) -> Failure:
-    """The verdict on a failed attempt, from all its pods and its PyTorchJob."""
+def classify_attempt(pods: list[dict[str, Any]], training_job: dict[str, Any] | None = None) -> Failure:
+    """The verdict on a failed attempt, from all its pods and its training job (of any backend)."""
     verdicts = [v for v in (classify_pod(p) for p in pods) if v is not None]
     if verdicts:
         return most_specific(verdicts)
-    message = _job_failure_message(pytorch_job)
+    message = _job_failure_message(training_job)
     if pods == [] and message is None:
         message = "the attempt failed and its pods are gone"
     return Failure(FailureKind.UNKNOWN, message or "the attempt failed without a reason", "job")
 
 
-def _job_failure_message(pytorch_job: dict[str, Any] | None) -> str | None:
-    for condition in ((pytorch_job or {}).get("status") or {}).get("conditions") or []:
+def _job_failure_message(training_job: dict[str, Any] | None) -> str | None:
+    for condition in ((training_job or {}).get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Failed" and condition.get("status") == "True":
             return condition.get("message") or condition.get("reason")
     return None
