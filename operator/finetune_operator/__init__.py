@@ -2,7 +2,7 @@
 
 Where things are: `api` (the FineTuneJob models), `crd` (the generated CRD), `sizing/`
 (GPU memory estimates), `planning` (node pools and the plan search), `rendering/`
-(PyTorchJob and trainer config), `recovery` (failure classification and adjustments),
+(the training job and trainer config), `recovery` (failure classification and adjustments),
 `handlers` (the kopf shell), `cli` (the `finetune-operator` command).
 """
 

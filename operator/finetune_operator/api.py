@@ -29,7 +29,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from finetune_trainer.combinations import Choices, cel_rules, first_violation
+from finetune_trainer.combinations import STRATEGIES, Choices, cel_rules, first_violation
+from finetune_trainer.failures import ATTEMPT_OUTCOMES
 
 GROUP = "finetune.dev"
 VERSION = "v1alpha1"
@@ -677,7 +678,7 @@ class TrainingSpec(ApiModel):
 # spec.resources, placement, recovery, checkpoint, output
 # ---------------------------------------------------------------------------
 
-Strategy = Literal["auto", "ddp", "fsdp", "zero1", "zero2", "zero3"]
+Strategy = Literal[("auto", *STRATEGIES)]  # type: ignore[valid-type]  (combinations.STRATEGIES: the one list)
 Offload = Literal["auto", "none", "optimizer", "optimizer+params"]
 GpuType = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9.\-_]*$")]
 
@@ -1062,7 +1063,7 @@ class PlanStatus(StatusModel):
     """GPUs in all."""
     method: Method
     """Method (recovery may switch lora to qlora when allowed)."""
-    strategy: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+    strategy: Literal[STRATEGIES]  # type: ignore[valid-type]
     """Strategy."""
     offload: Literal["none", "optimizer", "optimizer+params"]
     """Offload."""
@@ -1145,6 +1146,10 @@ class PodFailure(StatusModel):
     """Micro-batch size the trainer ran with."""
 
 
+# How an attempt ended (or that it runs): the failure vocabulary's outcomes (finetune_trainer.failures).
+AttemptOutcome = Literal[ATTEMPT_OUTCOMES]  # type: ignore[valid-type]
+
+
 class AttemptStatus(StatusModel):
     """One attempt: a PyTorchJob run with one plan."""
 
@@ -1157,20 +1162,7 @@ class AttemptStatus(StatusModel):
     """The plan in one line."""
     plan: PlanStatus | None = None
     """The plan this attempt ran with."""
-    outcome: Literal[
-        "Running",
-        "Succeeded",
-        "GPUOutOfMemory",
-        "HostOutOfMemory",
-        "Evicted",
-        "NodeLost",
-        "DataError",
-        "ConfigError",
-        "Unschedulable",
-        "Hung",
-        "Failed",
-        "Unknown",
-    ] = "Running"
+    outcome: AttemptOutcome = "Running"
     """How it ended. Unschedulable: its pods found no node within the policy's bound, so it was
     moved or given up. Hung: it ran far longer than predicted (policy hungAfterFactor) and was
     restarted from its last checkpoint."""

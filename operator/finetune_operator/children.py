@@ -20,8 +20,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from . import api
-from .rendering.backend import PYTORCH_JOB, Backend
-from .rendering.backend import pytorch_job_state as pytorch_job_state  # noqa: F401  (the name tests import)
+from .rendering.backend import DEFAULT_BACKEND, Backend
 from .rendering.renderer import ATTEMPT_LABEL, QUEUE_LABEL
 
 log = logging.getLogger("finetune_operator.children")
@@ -59,8 +58,8 @@ class Child:
     queue: str | None  # the queue label, when a queueing system admits it
     plan: api.PlanStatus | None  # from the annotation; None when missing or unreadable
     body: dict[str, Any]
-    api_version: str = PYTORCH_JOB.api_version
-    kind: str = PYTORCH_JOB.kind
+    api_version: str = DEFAULT_BACKEND.api_version
+    kind: str = DEFAULT_BACKEND.kind
     admission: Admission | None = None  # Kueue's word on a queued child, when the shell could read it
 
     @property
@@ -75,11 +74,6 @@ def controlled_by(obj: dict[str, Any], owner_uid: str | None) -> bool:
         return False
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return any(r.get("uid") == owner_uid and r.get("controller") for r in refs)
-
-
-def child_of_pytorch_job(pj: dict[str, Any]) -> Child | None:
-    """The Child a PyTorchJob stands for; None when it carries no readable attempt label."""
-    return child_of(pj, PYTORCH_JOB)
 
 
 def child_of(pj: dict[str, Any], backend: Backend) -> Child | None:

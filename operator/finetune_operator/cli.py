@@ -245,7 +245,8 @@ def _run_render(args: argparse.Namespace) -> int:
     from .planning import plan_job
     from .planning.plan import Plan
     from .planning.report import PlanInputError, planning_inputs
-    from .rendering import RenderError, render_attempt
+    from .rendering import RenderError
+    from .rendering.backend import DEFAULT_BACKEND
     from .rendering.output import manifests_yaml
 
     if args.attempt < 1:
@@ -261,7 +262,7 @@ def _run_render(args: argparse.Namespace) -> int:
     if not isinstance(result, Plan):
         raise CliError(f"{args.job}: no plan fits: {result.message}")
     try:
-        rendered = render_attempt(job, result, args.attempt, policy)
+        rendered = DEFAULT_BACKEND.render(job, result, args.attempt, policy)
     except RenderError as error:
         raise CliError(f"{args.job}: cannot render: {error}") from None
     sys.stdout.write(manifests_yaml(rendered.objects))

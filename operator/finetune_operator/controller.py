@@ -40,12 +40,21 @@ from .planning.pools import NodePool, discover_pools, merge_pools
 from .informers import ClusterCache, slim, wait_synced
 from .profiling.pod import is_profile_pod_of
 from .rendering.names import attempt_name, label_value
-from .rendering.backend import BACKENDS, PYTORCH_JOB, PYTORCHJOB, TRAIN_JOB, Backend, backend_of_kind, missing_runtime
+from .rendering.backend import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEFAULT_SERVED,
+    Backend,
+    Preflight,
+    Prerequisite,
+    Suspendable,
+    backend_of_kind,
+    may_choose,
+)
 from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
 
 log = logging.getLogger("finetune_operator.controller")
 
-PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = PYTORCH_JOB.group, PYTORCH_JOB.version, PYTORCH_JOB.plural
 # Kueue's API (read only: a queued child's Workload and its LocalQueue).
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 # Which training-job kinds the API server serves, looked up again after this long (and at once when a
@@ -88,7 +97,7 @@ class Cluster:
         self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
         self._events_lock = threading.Lock()
         self._served: tuple[float, tuple[Backend, ...]] | None = None
-        self._runtimes: dict[str, tuple[float, bool]] = {}
+        self._prerequisites: dict[Prerequisite, tuple[float, bool]] = {}
         self._served_lock = threading.Lock()
 
     # -- which backends the cluster serves -----------------------------------
@@ -116,18 +125,19 @@ class Cluster:
         """A CRD changed: look again on the next reconcile."""
         with self._served_lock:
             self._served = None
-            self._runtimes.clear()
+            self._prerequisites.clear()
 
-    def runtime_exists(self, name: str) -> bool:
-        """Whether the ClusterTrainingRuntime `name` exists (cached like the served kinds). A read RBAC does
-        not allow counts as existing: Trainer's webhook then refuses the TrainJob, and the job says so."""
+    def prerequisite_met(self, needed: Prerequisite) -> bool:
+        """Whether the cluster object a backend needs (`Preflight`: TrainJob's ClusterTrainingRuntime) exists,
+        cached like the served kinds. A read RBAC does not allow counts as existing: the backend's own
+        admission (Trainer's webhook) then refuses the job, and the job says so."""
         with self._served_lock:
-            seen = self._runtimes.get(name)
+            seen = self._prerequisites.get(needed)
             now = time.monotonic()
             if seen is not None and now - seen[0] <= BACKEND_DISCOVERY_SECONDS:
                 return seen[1]
         try:
-            self.custom.get_cluster_custom_object(TRAIN_JOB.group, TRAIN_JOB.version, "clustertrainingruntimes", name,
+            self.custom.get_cluster_custom_object(needed.group, needed.version, needed.plural, needed.name,
                                                   _preload_content=False)
             exists = True
         except ApiException as error:
@@ -135,7 +145,7 @@ class Cluster:
                 raise
             exists = error.status == 403
         with self._served_lock:
-            self._runtimes[name] = (time.monotonic(), exists)
+            self._prerequisites[needed] = (time.monotonic(), exists)
         return exists
 
     def _serves(self, backend: Backend) -> bool:
@@ -176,15 +186,6 @@ class Cluster:
              "status": {"conditions": conditions, "reason": "StatusUnreadable"}})
 
     # -- the attempt's objects ---------------------------------------------
-    def get_pytorch_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return _json(self.custom.get_namespaced_custom_object(
-                PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, name, _preload_content=False))
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-
     def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
@@ -230,7 +231,7 @@ class Cluster:
         return self.cache
 
     def list_children(self, namespace: str, job: str, owner_uid: str | None,
-                      backends: tuple[Backend, ...] | list[Backend] = (PYTORCH_JOB,)) -> list[Child]:
+                      backends: tuple[Backend, ...] | list[Backend] = DEFAULT_SERVED) -> list[Child]:
         """The training jobs of every attempt that this FineTuneJob controls (by uid), of each kind in
         `backends` (those the cluster serves: a job may have children of both after a policy change)."""
         selector = f"{JOB_LABEL}={label_value(job)}"
@@ -254,7 +255,7 @@ class Cluster:
         return children
 
     def foreign_objects(self, namespace: str, name: str, owner_uid: str | None,
-                        backends: tuple[Backend, ...] | list[Backend] = (PYTORCH_JOB,)) -> list[lifecycle.ObjectRef]:
+                        backends: tuple[Backend, ...] | list[Backend] = DEFAULT_SERVED) -> list[lifecycle.ObjectRef]:
         """The objects that hold `name` (an attempt's ConfigMap and training job) without being ours."""
         foreign = []
         for ref in (lifecycle.ObjectRef("v1", "ConfigMap", name),
@@ -395,12 +396,14 @@ class Cluster:
             raise
         return True
 
-    def set_suspend(self, namespace: str, name: str, suspend: bool, kind: str = PYTORCH_JOB.kind) -> None:
+    def set_suspend(self, namespace: str, name: str, suspend: bool, kind: str = DEFAULT_BACKEND.kind) -> None:
         """Suspend or resume the training job for spec.suspend, marking it as suspended by us
         (the mark is what allows resuming it; a child suspended by a queue has none)."""
         backend = backend_of_kind(kind)
         if backend is None:
             raise ValueError(f"the operator does not manage {kind} objects")
+        if not isinstance(backend, Suspendable):
+            raise ValueError(f"a {kind} has no suspend switch")
         mark = SUSPENDED_BY_US if suspend else None
         self.custom.patch_namespaced_custom_object(
             backend.group, backend.version, namespace, backend.plural, name,
@@ -651,9 +654,11 @@ class Reconciler:
         # Planning reads every node (cached); a running attempt does not need it.
         needs_plan = current is None or current.state in ("Failed", "Pending")
         unusable: dict[str, str] = {}
-        if needs_plan and TRAIN_JOB in backends and policy.training_backend != PYTORCHJOB \
-                and not self.cluster.runtime_exists(policy.train_job_runtime):
-            unusable[TRAIN_JOB.name] = missing_runtime(policy)
+        for backend in backends if needs_plan else ():
+            # A backend the next attempt may use, which needs a cluster object besides its CRD.
+            needed = backend.prerequisite(policy) if isinstance(backend, Preflight) and may_choose(policy, backend) else None
+            if needed is not None and not self.cluster.prerequisite_met(needed):
+                unusable[backend.name] = needed.missing
         default_queue = None
         if needs_plan and job.spec.queue_name is None and policy.default_queue_name is not None:
             try:
@@ -807,7 +812,7 @@ class Reconciler:
                                                   creating["metadata"]["name"], _api_message(error), foreign=False)
         if decision.set_suspend is not None and decision.status.current_attempt is not None:
             kind = current.kind if current is not None and current.attempt == decision.status.current_attempt \
-                else PYTORCH_JOB.kind
+                else DEFAULT_BACKEND.kind
             self.cluster.set_suspend(namespace, attempt_name(name, decision.status.current_attempt), decision.set_suspend,
                                      kind)
         for event in decision.events:

@@ -142,9 +142,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.batching.batch_window = 0.01
     # One active replica through our own Lease (see the module docstring), not kopf peering.
     settings.peering.standalone = True
-    # Only our pods and PyTorchJobs, filtered by the API server rather than in the operator.
+    # Only our pods and training jobs, filtered by the API server rather than in the operator.
     settings.watching.label_selectors["pods"] = JOB_LABEL
-    settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = JOB_LABEL
+    for backend in BACKENDS:
+        settings.watching.label_selectors[backend.group, backend.plural] = JOB_LABEL
 
     cluster = Cluster(kube_api_client(options))
     RUNTIME.policy.set(_read_policy(cluster, options))

@@ -37,7 +37,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from .planning.discovery import _pod_gpu_request as pod_gpu_request
-from .rendering.backend import BACKENDS
+from .rendering.backend import backend_named
 from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator.informers")
@@ -552,5 +552,5 @@ def _pick(scoped: dict[str | None, Informer], namespace: str) -> Informer | None
 
 
 def _kind_of(backend_name: str) -> str | None:
-    backend = next((b for b in BACKENDS if b.name == backend_name), None)
+    backend = backend_named(backend_name)
     return None if backend is None else backend.kind

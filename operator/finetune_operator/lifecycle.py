@@ -1,7 +1,7 @@
 """The FineTuneJob state machine, as a pure function: what the shell saw in, what to do out.
 
 `step(observed)` is called whenever something about a job may have changed (the job, its
-PyTorchJob, its pods) and on a timer. It returns the new status, the objects to create or
+training job, its pods) and on a timer. It returns the new status, the objects to create or
 delete, and the events to post; the shell (`controller.py`) does the I/O. Everything here
 is deterministic in its input, so the lifecycle is tested without a cluster and the
 operator can be killed at any point: the next `step` sees what exists and carries on.
@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Mapping, Sequence
+
+from finetune_trainer.failures import outcome_of
 
 from . import api
 from .children import PLAN_STATUS_ANNOTATION, Child, plan_annotation
@@ -61,17 +63,6 @@ QUEUE_RETRY_SECONDS = 3.0
 BLOCKED_RETRY_SECONDS = 10.0
 # Longest message of a failed pod kept in status.
 MAX_EVIDENCE_MESSAGE = 512
-
-_OUTCOME_OF: dict[FailureKind, str] = {
-    FailureKind.GPU_OUT_OF_MEMORY: "GPUOutOfMemory",
-    FailureKind.HOST_OUT_OF_MEMORY: "HostOutOfMemory",
-    FailureKind.EVICTED: "Evicted",
-    FailureKind.NODE_LOST: "NodeLost",
-    FailureKind.HUNG: "Hung",
-    FailureKind.DATA_ERROR: "DataError",
-    FailureKind.CONFIG_ERROR: "ConfigError",
-    FailureKind.UNKNOWN: "Failed",
-}
 
 
 @dataclass(frozen=True)
@@ -869,7 +860,7 @@ def _recover(decision: Decision, observed: Observed, failure: Failure) -> Decisi
     generation = job.metadata.generation
     attempt = status.current_attempt or 1
     failed_plan = status.plan
-    outcome = _OUTCOME_OF[failure.kind]
+    outcome = outcome_of(failure.kind)
     observed_peak = round(failure.peak_allocated_bytes / GiB, 2) if failure.peak_allocated_bytes else None
 
     if failed_plan is None:

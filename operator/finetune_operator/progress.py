@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 from finetune_trainer.contract import ProgressReport, last_progress
 
 from . import api
+from .rendering.backend import is_rank0, trainer_containers
 from .rendering.renderer import ATTEMPT_LABEL
 
 # The rate is an exponential moving average over time with this time constant: a rate seen
@@ -24,16 +25,6 @@ from .rendering.renderer import ATTEMPT_LABEL
 RATE_TIME_CONSTANT_SECONDS = 300.0
 # No ETA before the attempt has done this many steps since its first line was read.
 MIN_STEPS_FOR_ETA = 2
-
-# The container that runs the trainer, by backend: PyTorchJob requires "pytorch"; the
-# Kubeflow Trainer v2 runtime's is "node".
-TRAINER_CONTAINERS = ("pytorch", "node")
-
-_REPLICA_TYPE = "training.kubeflow.org/replica-type"
-_JOB_ROLE = "training.kubeflow.org/job-role"
-_JOBSET_REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
-_JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
-_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 
 
 @dataclass(frozen=True)
@@ -49,22 +40,12 @@ class Target:
     ended: bool = False
 
 
-def _is_rank0(labels: Mapping[str, str]) -> bool:
-    """Rank 0 by the training operators' own labels: a PyTorchJob's Master, or the first pod of
-    the first Job of a TrainJob's JobSet (its node rank is the completion index)."""
-    if labels.get(_REPLICA_TYPE, "").lower() == "master" or labels.get(_JOB_ROLE) == "master":
-        return True
-    if _COMPLETION_INDEX in labels:
-        return (labels.get(_COMPLETION_INDEX) == "0" and labels.get(_JOBSET_JOB_INDEX, "0") == "0"
-                and labels.get(_JOBSET_REPLICATED_JOB, "node") == "node")
-    return False
-
-
 def trainer_container(pod: Mapping[str, Any]) -> str | None:
     containers = [c.get("name") for c in ((pod.get("spec") or {}).get("containers") or []) if c.get("name")]
     if len(containers) == 1:
         return containers[0]
-    return next((c for c in TRAINER_CONTAINERS if c in containers), None)
+    # Several containers (a sidecar): the one that runs the trainer, by the backends' names for it.
+    return next((c for c in trainer_containers() if c in containers), None)
 
 
 def target_of(namespace: str, job: str, status: api.FineTuneJobStatus,
@@ -77,7 +58,7 @@ def target_of(namespace: str, job: str, status: api.FineTuneJobStatus,
     for pod in pods:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
-        if labels.get(ATTEMPT_LABEL) != str(attempt) or not _is_rank0(labels):
+        if labels.get(ATTEMPT_LABEL) != str(attempt) or not is_rank0(labels):
             continue
         phase = (pod.get("status") or {}).get("phase")
         container = trainer_container(pod)

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from finetune_operator import api, lifecycle
-from finetune_operator.children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of_pytorch_job
+from finetune_operator.children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of
+from finetune_operator.rendering.pytorchjob import PYTORCH_JOB
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.planning.pools import GiB, load_catalog
 from finetune_trainer import contract
@@ -55,7 +56,7 @@ class World:
         self.pools = POOLS
 
     def children(self) -> list[Child]:
-        found = [child_of_pytorch_job(o) for k, o in self.objects.items() if k.startswith("PyTorchJob/")]
+        found = [child_of(o, PYTORCH_JOB) for k, o in self.objects.items() if k.startswith("PyTorchJob/")]
         return [c for c in found if c is not None]
 
     def step(self) -> lifecycle.Decision:

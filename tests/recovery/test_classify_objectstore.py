@@ -3,7 +3,7 @@ a missing object or refused credentials end the job as DataError, which recovery
 
 from __future__ import annotations
 
-from finetune_operator.recovery.classify import REMEDY, FailureKind, Remedy, classify_pod
+from finetune_operator.recovery.classify import FailureKind, Remedy, classify_pod
 from finetune_trainer import contract, objectstore
 from finetune_trainer.errors import DataError
 
@@ -28,7 +28,7 @@ def test_a_missing_object_in_the_fetch_init_container_is_a_data_error(tmp_path):
     failure = classify_pod(_pod({"exitCode": code, "reason": "Error", "message": log.read_text()}))
     assert failure is not None and failure.kind is FailureKind.DATA_ERROR and failure.source == "report"
     assert "s3://team-a/support/train.jsonl" in failure.message
-    assert REMEDY[failure.kind] is Remedy.GIVE_UP
+    assert failure.remedy is Remedy.GIVE_UP
 
 
 def test_an_unreachable_endpoint_is_unknown(tmp_path):

@@ -31,7 +31,7 @@ def terminated(draw) -> tuple[dict[str, Any], str]:
     message = f"{text}\n{tail}" if before else f"{tail}{text}\n"
     if draw(st.booleans()):
         # Our trainer's report, the credential in its message (an exception's text).
-        reason = draw(st.sampled_from(list(contract.FailureReason)))
+        reason = draw(st.sampled_from(contract.TRAINER_REPORTED))
         message = contract.FailureReport(
             reason=reason, phase="data", step=0, exit_code=contract.EXIT_CODE_FOR_REASON[reason],
             message=draw(st.text(max_size=200)) + "\n" + text,

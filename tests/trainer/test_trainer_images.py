@@ -65,8 +65,11 @@ def test_operator_image_has_no_torch():
     assert not any(h in install for h in HEAVY)
     copies = [args for kind, args in steps if kind == "COPY"]
     trainer_files = [p for c in copies for p in c.split() if p.startswith("images/trainer")]
+    # The modules the operator imports from the trainer package, and nothing of the training code.
     assert sorted(trainer_files) == ["images/trainer/finetune_trainer/__init__.py",
-                                     "images/trainer/finetune_trainer/contract.py"]
+                                     "images/trainer/finetune_trainer/combinations.py",
+                                     "images/trainer/finetune_trainer/contract.py",
+                                     "images/trainer/finetune_trainer/failures.py"]
     # What `pip install .` pulls in: the base dependencies.
     base = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in base}
@@ -86,12 +89,13 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_operator_code_and_the_contract_import_nothing_heavy():
     files = list((REPO / "operator" / "finetune_operator").rglob("*.py"))
-    shared = ["contract", "combinations"]  # the trainer modules the operator imports (pure Python)
+    shared = ["contract", "combinations", "failures"]  # the trainer modules the operator imports (pure Python)
     files += [REPO / "images" / "trainer" / "finetune_trainer" / f"{name}.py" for name in shared]
     for path in files:
         heavy = imported_modules(path) & HEAVY
         assert not heavy, f"{path.relative_to(REPO)} imports {heavy}"
-    # The operator reaches into the trainer package only for the contract and the combination rules.
+    # The operator reaches into the trainer package only for the contract, the combination rules and the
+    # failure vocabulary.
     allowed = {f"finetune_trainer.{name}" for name in shared}
     for path in files[:-len(shared)]:
         tree = ast.parse(path.read_text())

@@ -9,24 +9,8 @@ Two documents cross the boundary between the operator and the training pods:
   pod status.
 
 This module imports pydantic only (no torch), because the operator imports it too.
-Nothing here is defined a second time anywhere else.
-
-Exit codes (documented, distinct from the signal codes 137 = SIGKILL / kernel OOM kill
-and 143 = SIGTERM):
-
-====  ==================  =====================================================
-code  reason              meaning
-====  ==================  =====================================================
-0     -                   training finished
-1     Unknown             anything unclassified (a retry may help)
-65    DataError           the dataset cannot be read or parsed (retry cannot fix)
-71    HostOutOfMemory     Python raised MemoryError (host RAM), or the launcher saw
-                          a worker killed by SIGKILL while the container's memory
-                          cgroup counted an OOM kill; the kernel OOM killer taking
-                          the whole container shows as 137 with ``reason: OOMKilled``
-75    GPUOutOfMemory      ``torch.OutOfMemoryError`` (retry with less memory)
-78    ConfigError         the config is invalid or cannot run here (no retry)
-====  ==================  =====================================================
+Nothing here is defined a second time anywhere else. The failure reasons and the exit
+codes the trainer signals them with are the failure vocabulary's (`failures.py`).
 """
 
 from __future__ import annotations
@@ -46,7 +30,20 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from .combinations import Choices, describe, violations
+from .combinations import STRATEGIES, Choices, describe, violations
+from .failures import (  # noqa: F401  (the exit codes are the contract's names too)
+    EXIT_CONFIG_ERROR,
+    EXIT_DATA_ERROR,
+    EXIT_GPU_OOM,
+    EXIT_HOST_OOM,
+    EXIT_OK,
+    EXIT_SIGKILL,
+    EXIT_SIGTERM,
+    EXIT_UNKNOWN,
+    FAILURES,
+    TRAINER_REPORTED,
+    FailureKind,
+)
 
 DEFAULT_CONFIG_PATH = "/etc/finetune/config.json"
 DEFAULT_REPORT_PATH = "/dev/termination-log"
@@ -54,23 +51,9 @@ DEFAULT_REPORT_PATH = "/dev/termination-log"
 # JSON is never cut in the middle.
 TERMINATION_MESSAGE_LIMIT = 4096
 
-EXIT_OK = 0
-EXIT_UNKNOWN = 1
-EXIT_DATA_ERROR = 65
-EXIT_HOST_OOM = 71
-EXIT_GPU_OOM = 75
-EXIT_CONFIG_ERROR = 78
-# Not ours: what a signal death looks like, listed so no one reuses them.
-EXIT_SIGKILL = 137
-EXIT_SIGTERM = 143
-
-
-class FailureReason(str, Enum):
-    GPU_OUT_OF_MEMORY = "GPUOutOfMemory"
-    HOST_OUT_OF_MEMORY = "HostOutOfMemory"
-    DATA_ERROR = "DataError"
-    CONFIG_ERROR = "ConfigError"
-    UNKNOWN = "Unknown"
+# The trainer's name for the one failure vocabulary: a report carries one of the kinds the
+# trainer reports itself (failures.TRAINER_REPORTED).
+FailureReason = FailureKind
 
 
 class Phase(str, Enum):
@@ -84,11 +67,7 @@ class Phase(str, Enum):
 
 
 EXIT_CODE_FOR_REASON: dict[FailureReason, int] = {
-    FailureReason.GPU_OUT_OF_MEMORY: EXIT_GPU_OOM,
-    FailureReason.HOST_OUT_OF_MEMORY: EXIT_HOST_OOM,
-    FailureReason.DATA_ERROR: EXIT_DATA_ERROR,
-    FailureReason.CONFIG_ERROR: EXIT_CONFIG_ERROR,
-    FailureReason.UNKNOWN: EXIT_UNKNOWN,
+    kind: FAILURES[kind].exit_code for kind in TRAINER_REPORTED  # type: ignore[misc]
 }
 _REASON_FOR_EXIT_CODE = {code: reason for reason, code in EXIT_CODE_FOR_REASON.items()}
 
@@ -192,7 +171,7 @@ class FaultInjection(_Contract):
     rank: int | None = Field(None, ge=0)
 
 
-Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+Strategy = Literal[STRATEGIES]  # type: ignore[valid-type]  (combinations.STRATEGIES: the one list)
 Offload = Literal["none", "optimizer", "optimizer+params"]
 
 ZERO_STAGE: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -434,6 +413,16 @@ class FailureReport(_Contract):
     rank: int = Field(0, ge=0)
     world_size: int | None = Field(None, ge=1)
     attempt: int | None = Field(None, ge=1)
+
+    @field_validator("reason")
+    @classmethod
+    def _reported_by_the_trainer(cls, reason: FailureReason) -> FailureReason:
+        # The vocabulary also holds what only the operator observes (an eviction, a lost node, a
+        # hang): no trainer writes those, so a report that says so is not one of ours.
+        if reason not in TRAINER_REPORTED:
+            raise ValueError(f"{reason.value} is not a reason the trainer reports "
+                             f"({', '.join(k.value for k in TRAINER_REPORTED)})")
+        return reason
 
     def to_termination_message(self, limit: int = TERMINATION_MESSAGE_LIMIT) -> str:
         """Compact JSON that fits in ``limit`` bytes (UTF-8); the message is cut to fit."""

@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, NamedTuple, Union
 from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from finetune_trainer.combinations import STRATEGIES
+
 from .. import api
 from .pools import GiB, NodePool
 
 if TYPE_CHECKING:
     from .levers import Levers
 
-StrategyName = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  (combinations.STRATEGIES: the one list)
 OffloadName = Literal["none", "optimizer", "optimizer+params"]
 
 

@@ -1,4 +1,4 @@
-"""Why did an attempt fail? Classification from the pods and the PyTorchJob of the attempt.
+"""Why did an attempt fail? Classification from the pods and the training job of the attempt.
 
 Sources, most trusted first:
 1. our trainer's failure report in a container's termination message (the contract);
@@ -31,70 +31,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Iterable
 
 from finetune_trainer import contract
+from finetune_trainer.failures import FAILURES, FailureKind, Remedy
 
+from ..rendering.backend import trainer_containers
 from .redact import bounded, redact
 
 
-class FailureKind(str, Enum):
-    GPU_OUT_OF_MEMORY = "GPUOutOfMemory"
-    HOST_OUT_OF_MEMORY = "HostOutOfMemory"
-    EVICTED = "Evicted"
-    NODE_LOST = "NodeLost"
-    HUNG = "Hung"  # ran far past its predicted time: taken as hung (e.g. a collective that never returns)
-    DATA_ERROR = "DataError"
-    CONFIG_ERROR = "ConfigError"
-    UNKNOWN = "Unknown"
-
-
-class Remedy(str, Enum):
-    """What a failure of this kind calls for."""
-
-    ADJUST = "adjust"  # change the plan so it needs less memory
-    RETRY_SAME = "retry-same"  # nothing was wrong with the plan: run it again
-    GIVE_UP = "give-up"  # a retry cannot fix it (bad data, bad config)
-
-
-REMEDY: dict[FailureKind, Remedy] = {
-    FailureKind.GPU_OUT_OF_MEMORY: Remedy.ADJUST,
-    FailureKind.HOST_OUT_OF_MEMORY: Remedy.ADJUST,
-    FailureKind.EVICTED: Remedy.RETRY_SAME,
-    FailureKind.NODE_LOST: Remedy.RETRY_SAME,
-    FailureKind.HUNG: Remedy.RETRY_SAME,
-    FailureKind.DATA_ERROR: Remedy.GIVE_UP,
-    FailureKind.CONFIG_ERROR: Remedy.GIVE_UP,
-    FailureKind.UNKNOWN: Remedy.GIVE_UP,
-}
-
-# How specific each verdict is, when pods disagree (higher wins).
-_SPECIFICITY: dict[FailureKind, int] = {
-    FailureKind.GPU_OUT_OF_MEMORY: 60,
-    FailureKind.HOST_OUT_OF_MEMORY: 50,
-    FailureKind.DATA_ERROR: 40,
-    FailureKind.CONFIG_ERROR: 40,
-    FailureKind.NODE_LOST: 30,
-    FailureKind.EVICTED: 30,
-    FailureKind.HUNG: 20,
-    FailureKind.UNKNOWN: 0,
-}
+# The failure vocabulary (kinds, remedies, how specific each is) is the trainer package's
+# `finetune_trainer.failures`: one table that the trainer's report, this classifier, the
+# lifecycle's attempt outcomes and the API's outcome enum all read.
 _SOURCE_TRUST = {"report": 3, "log": 2, "kubelet": 2, "pod": 1, "exit-code": 1, "job": 0}
-
-_REPORT_KIND = {
-    contract.FailureReason.GPU_OUT_OF_MEMORY: FailureKind.GPU_OUT_OF_MEMORY,
-    contract.FailureReason.HOST_OUT_OF_MEMORY: FailureKind.HOST_OUT_OF_MEMORY,
-    contract.FailureReason.DATA_ERROR: FailureKind.DATA_ERROR,
-    contract.FailureReason.CONFIG_ERROR: FailureKind.CONFIG_ERROR,
-    contract.FailureReason.UNKNOWN: FailureKind.UNKNOWN,
-}
-
-# The container that runs training: "pytorch" in a PyTorchJob replica, "node" in a TrainJob's pods
-# (the name Kubeflow Trainer v2's torch runtime gives its trainer container).
-TRAINING_CONTAINER = "pytorch"
-TRAINING_CONTAINERS = (TRAINING_CONTAINER, "node")
-
 
 @dataclass(frozen=True)
 class Failure:
@@ -120,7 +69,7 @@ class Failure:
 
     @property
     def remedy(self) -> Remedy:
-        return REMEDY[self.kind]
+        return FAILURES[self.kind].remedy
 
     def describe(self) -> str:
         """One line for a person: 'GPU OOM in backward at step 0, 79.1 of 80.0 GiB'."""
@@ -195,7 +144,8 @@ def parse_cuda_oom(log_tail: str) -> dict[str, int | None] | None:
 def _terminated_states(pod: dict[str, Any]) -> Iterable[dict[str, Any]]:
     status = pod.get("status") or {}
     for cs in status.get("containerStatuses") or []:
-        if cs.get("name") not in TRAINING_CONTAINERS and len(status.get("containerStatuses") or []) > 1:
+        # A pod with a sidecar: only the container that runs the trainer (each backend names it) says why.
+        if cs.get("name") not in trainer_containers() and len(status.get("containerStatuses") or []) > 1:
             continue
         for key in ("state", "lastState"):
             terminated = ((cs.get(key) or {}).get("terminated")) or None
@@ -312,7 +262,7 @@ def _classify_terminated(terminated: dict[str, Any], pod: str | None) -> Failure
     # written the report before the kernel killed the whole container: the kill says more.
     if report is not None and not (reason == "OOMKilled" and report.reason is contract.FailureReason.UNKNOWN):
         return Failure(
-            _REPORT_KIND[report.reason],
+            report.reason,
             report.message,
             "report",
             pod=pod,
@@ -354,7 +304,7 @@ def _classify_terminated(terminated: dict[str, Any], pod: str | None) -> Failure
     tail = _tail(message)
     text = f"exit code {exit_code}" + (f" ({reason})" if reason and reason != "Error" else "")
     by_code = contract.reason_for_exit_code(int(exit_code))
-    kind = _REPORT_KIND.get(by_code, FailureKind.UNKNOWN) if by_code else FailureKind.UNKNOWN
+    kind = by_code or FailureKind.UNKNOWN
     if kind is not FailureKind.UNKNOWN and not _ran_our_trainer(message):
         # One of the contract's codes, but nothing shows the process was our trainer (it
         # would have written a report): other programs mean other things by it.
@@ -396,7 +346,7 @@ def most_specific(verdicts: list[Failure]) -> Failure:
     """The verdict that explains the others: the most specific kind, then the most trusted source."""
     if not verdicts:
         raise ValueError("most_specific: no verdicts")
-    return max(verdicts, key=lambda v: (_SPECIFICITY[v.kind], _SOURCE_TRUST.get(v.source, 0)))
+    return max(verdicts, key=lambda v: (FAILURES[v.kind].specificity, _SOURCE_TRUST.get(v.source, 0)))
 
 
 _most_specific = most_specific  # the name lifecycle.py imported first
@@ -407,19 +357,19 @@ _most_specific = most_specific  # the name lifecycle.py imported first
 # ---------------------------------------------------------------------------
 
 
-def classify_attempt(pods: list[dict[str, Any]], pytorch_job: dict[str, Any] | None = None) -> Failure:
-    """The verdict on a failed attempt, from all its pods and its PyTorchJob."""
+def classify_attempt(pods: list[dict[str, Any]], training_job: dict[str, Any] | None = None) -> Failure:
+    """The verdict on a failed attempt, from all its pods and its training job (of any backend)."""
     verdicts = [v for v in (classify_pod(p) for p in pods) if v is not None]
     if verdicts:
         return most_specific(verdicts)
-    message = _job_failure_message(pytorch_job)
+    message = _job_failure_message(training_job)
     if pods == [] and message is None:
         message = "the attempt failed and its pods are gone"
     return Failure(FailureKind.UNKNOWN, message or "the attempt failed without a reason", "job")
 
 
-def _job_failure_message(pytorch_job: dict[str, Any] | None) -> str | None:
-    for condition in ((pytorch_job or {}).get("status") or {}).get("conditions") or []:
+def _job_failure_message(training_job: dict[str, Any] | None) -> str | None:
+    for condition in ((training_job or {}).get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Failed" and condition.get("status") == "True":
             return condition.get("message") or condition.get("reason")
     return None

@@ -1,164 +1,84 @@
-"""The training-job backends behind one small interface: what differs between a Kubeflow PyTorchJob
-(training operator v1, `kubeflow.org/v1`) and a Kubeflow Trainer v2 TrainJob
-(`trainer.kubeflow.org/v1alpha1`) lives here, so the lifecycle never names a backend.
+"""The training backends' registry: which backends exist, and which one a new attempt uses.
 
-A `Backend` says, for its kind:
-- how an attempt is rendered (the ConfigMap is the same object on both; the training job differs),
-- how the cluster shows the child's state (PyTorchJob conditions Succeeded/Failed/Running; TrainJob
-  conditions Complete/Failed, and Running from its JobSet's ready jobs in `status.jobsStatus`),
-- where its suspend switch is (`spec.runPolicy.suspend` vs `spec.suspend`),
-- what it cannot run (a TrainJob cannot carry our fetch/upload init containers: runtime patches cannot
-  add init containers, see trainjob.py).
+A backend is one object behind the small interface of `backend_interface.py` (required: coordinates,
+render, state, trainer container; optional capabilities: suspend, init containers, progress source,
+preflight). The concrete ones live in their own modules, `pytorchjob.py` (Kubeflow training operator
+v1) and `trainjob.py` (Kubeflow Trainer v2), and are listed once, here, in `BACKENDS`. Everything
+else (the lifecycle, the shell, the informers, the classifier, the progress reader) goes through
+this module and the interface, so nothing outside the backend modules names a kind.
 
 `select_backend` is the one rule that picks the backend of a new attempt from the cluster policy's
-`trainingBackend` (auto | pytorchjob | trainjob) and the kinds the API server serves. `auto` prefers
+`trainingBackend` (auto | one backend's name) and the kinds the API server serves. `auto` prefers
 TrainJob when both are served (Kubeflow's direction: the training operator v1 is in maintenance), but
-takes the PyTorchJob for a job that needs init containers when the cluster serves it.
+takes a backend whose pods can carry init containers for a job that needs them, when one is served.
+
+Adding a backend: a module with its `Backend` subclass, its entry in `BACKENDS` (and `AUTO_ORDER`),
+its name in the policy's `trainingBackend` values (planning/policy.py), and the chart's RBAC for its
+resource.
 
 Pure code: the shell (controller.py) finds the served kinds through API discovery and does the I/O.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .. import api
-from ..planning import ClusterPolicy, Plan
-from . import pod, renderer, trainjob
+from ..planning import ClusterPolicy
+from . import pod
+from .backend_interface import (
+    AttemptObjects,
+    Backend,
+    CarriesInitContainers,
+    Preflight,
+    Prerequisite,
+    ProgressSource,
+    Suspendable,
+)
 from .errors import RenderError
 from .layout import layout_of
-from .names import attempt_name
+from .pytorchjob import PYTORCH_JOB
+from .trainjob import TRAIN_JOB
 
-AUTO, PYTORCHJOB, TRAINJOB = "auto", "pytorchjob", "trainjob"
+AUTO = "auto"
 
-
-@dataclass(frozen=True)
-class AttemptObjects:
-    """What the operator creates for one attempt, in creation order (the pods mount the ConfigMap)."""
-
-    name: str
-    config_map: dict[str, Any]
-    training_job: dict[str, Any]
-
-    @property
-    def objects(self) -> list[dict[str, Any]]:
-        return [self.config_map, self.training_job]
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One kind of training job the operator can create for an attempt."""
-
-    name: str  # the policy's value: pytorchjob | trainjob
-    group: str
-    version: str
-    plural: str
-    kind: str
-    product: str  # what to install when the cluster does not serve it
-    _render: Callable[[api.FineTuneJob, Plan, int, ClusterPolicy], dict[str, Any]]
-    _state: Callable[[Mapping[str, Any]], str]
-    _suspend_path: tuple[str, ...]  # where the suspend switch is, under the object
-
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}"
-
-    @property
-    def resource(self) -> str:
-        """`<plural>.<group>`, as `kubectl api-resources` and RBAC name it."""
-        return f"{self.plural}.{self.group}"
-
-    def render(self, job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy) -> AttemptObjects:
-        """The attempt's ConfigMap and training job. Raises RenderError naming the field."""
-        config_map, _ = renderer.render_config_map(job, plan, attempt, policy)
-        return AttemptObjects(attempt_name(job.metadata.name, attempt), config_map, self._render(job, plan, attempt, policy))
-
-    def state(self, obj: Mapping[str, Any]) -> str:
-        """Succeeded, Failed, Running or Pending, from the object as the API shows it."""
-        return self._state(obj)
-
-    def suspended(self, obj: Mapping[str, Any]) -> bool:
-        node: Any = obj
-        for key in self._suspend_path:
-            node = (node or {}).get(key) if isinstance(node, Mapping) else None
-        return bool(node)
-
-    def summary(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """What the operator reads of a training job it keeps in memory (the informer's store): kind,
-        metadata without managedFields, status, and of the spec only the suspend switch. The pod
-        templates, three quarters of a PyTorchJob (17 of its 24 KB in memory), are never read back:
-        at a thousand jobs they were the largest part of the operator's memory."""
-        meta = obj.get("metadata") or {}
-        return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
-                "metadata": {k: v for k, v in meta.items() if k != "managedFields"},
-                "status": obj.get("status") or {}, **self.suspend_patch(self.suspended(obj))}
-
-    def suspend_patch(self, suspend: bool) -> dict[str, Any]:
-        """The merge-patch body that sets the suspend switch."""
-        body: dict[str, Any] = suspend  # type: ignore[assignment]
-        for key in reversed(self._suspend_path):
-            body = {key: body}
-        return body
-
-
-def _conditions(obj: Mapping[str, Any]) -> dict[str, str]:
-    return {c.get("type"): c.get("status") for c in ((obj.get("status") or {}).get("conditions") or [])}
-
-
-def pytorch_job_state(obj: Mapping[str, Any]) -> str:
-    """From the training operator's conditions: Succeeded, Failed, Running, else Pending."""
-    conditions = _conditions(obj)
-    for state in ("Succeeded", "Failed", "Running"):
-        if conditions.get(state) == "True":
-            return state
-    return "Pending"
-
-
-def trainjob_state(obj: Mapping[str, Any]) -> str:
-    """From Trainer v2's conditions (Complete, Failed: copied from its JobSet) and, as a TrainJob has no
-    Running condition, from `status.jobsStatus`: Running once a replicated job has all its pods ready
-    (JobSet's `ready` counts such Jobs). Pending pods (unschedulable, pulling) are not Running, so the
-    lifecycle's bounded waits see them as they do a PyTorchJob's."""
-    conditions = _conditions(obj)
-    if conditions.get("Complete") == "True":
-        return "Succeeded"
-    if conditions.get("Failed") == "True":
-        return "Failed"
-    if (obj.get("spec") or {}).get("suspend"):
-        return "Pending"
-    for status in (obj.get("status") or {}).get("jobsStatus") or []:
-        if (status.get("ready") or 0) > 0:
-            return "Running"
-    return "Pending"
-
-
-def _render_pytorch_job(job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy) -> dict[str, Any]:
-    return renderer.render_attempt(job, plan, attempt, policy).pytorch_job
-
-
-PYTORCH_JOB = Backend(
-    name=PYTORCHJOB, group="kubeflow.org", version="v1", plural="pytorchjobs", kind="PyTorchJob",
-    product="the Kubeflow training operator v1 (PyTorchJob CRD)",
-    _render=_render_pytorch_job, _state=pytorch_job_state, _suspend_path=("spec", "runPolicy", "suspend"),
-)
-TRAIN_JOB = Backend(
-    name=TRAINJOB, group=trainjob.RUNTIME_API_GROUP, version="v1alpha1", plural="trainjobs", kind=trainjob.KIND,
-    product="Kubeflow Trainer v2 (TrainJob CRD) and the chart's ClusterTrainingRuntime (trainJobRuntime.enabled)",
-    _render=lambda job, plan, attempt, policy: trainjob.render_trainjob(job, plan, attempt, policy, policy.train_job_runtime),
-    _state=trainjob_state, _suspend_path=("spec", "suspend"),
-)
+# Every backend, in the order discovery looks them up and the informers watch them.
 BACKENDS: tuple[Backend, ...] = (PYTORCH_JOB, TRAIN_JOB)
+# `trainingBackend: auto`: the first served and usable of these (Kubeflow's direction first).
+AUTO_ORDER: tuple[Backend, ...] = (TRAIN_JOB, PYTORCH_JOB)
+# What a cluster serves when nothing else is known (the operator's first backend).
+DEFAULT_SERVED: tuple[Backend, ...] = (PYTORCH_JOB,)
+DEFAULT_BACKEND: Backend = DEFAULT_SERVED[0]
+
+__all__ = [
+    "AUTO", "AUTO_ORDER", "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_SERVED", "PYTORCH_JOB", "TRAIN_JOB", "AttemptObjects", "Backend",
+    "CarriesInitContainers", "NoBackend", "Preflight", "Prerequisite", "ProgressSource", "Suspendable",
+    "backend_named", "backend_of_kind", "is_rank0", "may_choose", "needs_init_containers", "select_backend",
+    "trainer_containers",
+]
 
 
-def missing_runtime(policy: ClusterPolicy) -> str:
-    """Why TrainJobs cannot be created when the policy's ClusterTrainingRuntime does not exist."""
-    return (f"the ClusterTrainingRuntime {policy.train_job_runtime} that TrainJobs refer to does not exist "
-            "(the chart installs it with trainJobRuntime.enabled)")
+def backend_named(name: str) -> Backend | None:
+    return next((b for b in BACKENDS if b.name == name), None)
 
 
 def backend_of_kind(kind: str) -> Backend | None:
     return next((b for b in BACKENDS if b.kind == kind), None)
+
+
+def may_choose(policy: ClusterPolicy, backend: Backend) -> bool:
+    """Whether the policy's trainingBackend lets a new attempt use `backend` (auto, or its name)."""
+    return policy.training_backend in (AUTO, backend.name)
+
+
+def trainer_containers() -> tuple[str, ...]:
+    """The containers that run the trainer, one per backend (the order the registry lists them)."""
+    return tuple(dict.fromkeys(b.trainer_container for b in BACKENDS))
+
+
+def is_rank0(labels: Mapping[str, str]) -> bool:
+    """Whether a pod with these labels is rank 0 of its training job, by its backend's controller labels."""
+    return any(b.is_rank0(labels) for b in BACKENDS if isinstance(b, ProgressSource))
 
 
 class NoBackend(Exception):
@@ -194,33 +114,31 @@ def select_backend(job: api.FineTuneJob, policy: ClusterPolicy, served: Sequence
     wanted = policy.training_backend
     unusable = dict(unusable or {})
     served_names = {b.name for b in served}
-    if wanted in (PYTORCHJOB, TRAINJOB):
-        backend = PYTORCH_JOB if wanted == PYTORCHJOB else TRAIN_JOB
-        if backend.name not in served_names:
+    chosen = backend_named(wanted)
+    if chosen is not None:
+        if chosen.name not in served_names:
             raise NoBackend(f"the cluster policy's trainingBackend is {wanted}, but the API server does not serve "
-                            f"{backend.resource}: install {backend.product}")
-        if backend.name in unusable:
-            raise NoBackend(f"the cluster policy's trainingBackend is {wanted}, but {unusable[backend.name]}")
-        candidates = [backend]
+                            f"{chosen.resource}: install {chosen.product}")
+        if chosen.name in unusable:
+            raise NoBackend(f"the cluster policy's trainingBackend is {wanted}, but {unusable[chosen.name]}")
+        candidates = [chosen]
     else:
-        candidates = [b for b in (TRAIN_JOB, PYTORCH_JOB) if b.name in served_names and b.name not in unusable]
+        candidates = [b for b in AUTO_ORDER if b.name in served_names and b.name not in unusable]
         if not candidates:
             why = "; ".join(unusable[b.name] for b in BACKENDS if b.name in served_names and b.name in unusable)
-            raise NoBackend("the API server serves neither trainjobs.trainer.kubeflow.org nor pytorchjobs.kubeflow.org "
-                            f"(trainingBackend auto): install {TRAIN_JOB.product}, or {PYTORCH_JOB.product}" if not why
+            raise NoBackend(f"the API server serves neither {' nor '.join(b.resource for b in AUTO_ORDER)} "
+                            f"(trainingBackend auto): install {', or '.join(b.product for b in AUTO_ORDER)}" if not why
                             else f"no training backend is usable (trainingBackend auto): {why}")
     field_ = needs_init_containers(job, policy)
     if field_ is None:
         return candidates[0]
-    usable = [b for b in candidates if b is not TRAIN_JOB]
+    usable = [b for b in candidates if isinstance(b, CarriesInitContainers)]
     if usable:
         return usable[0]
+    only = " and ".join(f"{b.kind}s" for b in candidates)
     raise NoBackend(
         f"needs an init container that fetches the model or the data (from the Hub or object storage), "
-        f"which a TrainJob cannot carry (a runtime patch cannot add init containers), and the cluster runs "
-        f"{'only TrainJobs' if wanted == AUTO else 'TrainJobs (trainingBackend: trainjob)'}: use a volume (pvc) source, "
-        f"or a cluster with the PyTorchJob backend", path=field_)
-
-
-# What a cluster serves when nothing else is known (the operator's first backend).
-DEFAULT_SERVED: tuple[Backend, ...] = (PYTORCH_JOB,)
+        f"which a {candidates[0].kind} cannot carry (a runtime patch cannot add init containers), and the cluster runs "
+        f"{f'only {only}' if wanted == AUTO else f'{only} (trainingBackend: {wanted})'}: use a volume (pvc) source, "
+        f"or a cluster with the {' or '.join(b.kind for b in BACKENDS if isinstance(b, CarriesInitContainers))} "
+        "backend", path=field_)

@@ -29,13 +29,14 @@ like the PyTorchJob (`names.attempt_name`, a DNS-1035 label, which the TrainJob 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from finetune_trainer.contract import DEFAULT_REPORT_PATH
 
 from .. import api
 from ..planning import ClusterPolicy, Plan
 from . import pod
+from .backend_interface import Backend, Preflight, Prerequisite, ProgressSource, Suspendable, conditions
 from .errors import RenderError
 from .layout import layout_of, training_image
 from .names import attempt_name
@@ -210,3 +211,71 @@ def pod_template_patch(train_job: dict[str, Any]) -> dict[str, Any]:
             if rjob["name"] == TRAINER_JOB:
                 return rjob["template"]["spec"]["template"]
     raise KeyError(f"no runtime patch of {PATCH_MANAGER} for the {TRAINER_JOB} job")
+
+
+# ---------------------------------------------------------------------------
+# The backend
+# ---------------------------------------------------------------------------
+
+# JobSet's and the Job controller's labels on a TrainJob's pods.
+_JOBSET_REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+_JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+def trainjob_state(obj: Mapping[str, Any]) -> str:
+    """From Trainer v2's conditions (Complete, Failed: copied from its JobSet) and, as a TrainJob has no
+    Running condition, from `status.jobsStatus`: Running once a replicated job has all its pods ready
+    (JobSet's `ready` counts such Jobs). Pending pods (unschedulable, pulling) are not Running, so the
+    lifecycle's bounded waits see them as they do a PyTorchJob's."""
+    found = conditions(obj)
+    if found.get("Complete") == "True":
+        return "Succeeded"
+    if found.get("Failed") == "True":
+        return "Failed"
+    if (obj.get("spec") or {}).get("suspend"):
+        return "Pending"
+    for status in (obj.get("status") or {}).get("jobsStatus") or []:
+        if (status.get("ready") or 0) > 0:
+            return "Running"
+    return "Pending"
+
+
+def missing_runtime(policy: ClusterPolicy) -> str:
+    """Why TrainJobs cannot be created when the policy's ClusterTrainingRuntime does not exist."""
+    return (f"the ClusterTrainingRuntime {policy.train_job_runtime} that TrainJobs refer to does not exist "
+            "(the chart installs it with trainJobRuntime.enabled)")
+
+
+class TrainJobBackend(Suspendable, ProgressSource, Preflight, Backend):
+    """No init containers: a runtime patch cannot add them (see the module docstring)."""
+
+    name = "trainjob"
+    group = RUNTIME_API_GROUP
+    version = "v1alpha1"
+    plural = "trainjobs"
+    kind = KIND
+    product = "Kubeflow Trainer v2 (TrainJob CRD) and the chart's ClusterTrainingRuntime (trainJobRuntime.enabled)"
+    trainer_container = TRAINER_CONTAINER
+    suspend_path = ("spec", "suspend")
+
+    def render_job(self, job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy) -> dict[str, Any]:
+        return render_trainjob(job, plan, attempt, policy, policy.train_job_runtime)
+
+    def state(self, obj: Mapping[str, Any]) -> str:
+        return trainjob_state(obj)
+
+    def is_rank0(self, labels: Mapping[str, str]) -> bool:
+        """The first pod of the first Job of the TrainJob's JobSet (its node rank is the completion index)."""
+        if _COMPLETION_INDEX not in labels:
+            return False
+        return (labels.get(_COMPLETION_INDEX) == "0" and labels.get(_JOBSET_JOB_INDEX, "0") == "0"
+                and labels.get(_JOBSET_REPLICATED_JOB, TRAINER_JOB) == TRAINER_JOB)
+
+    def prerequisite(self, policy: ClusterPolicy) -> Prerequisite:
+        """The ClusterTrainingRuntime every TrainJob refers to."""
+        return Prerequisite(RUNTIME_API_GROUP, self.version, "clustertrainingruntimes", policy.train_job_runtime,
+                            missing_runtime(policy))
+
+
+TRAIN_JOB = TrainJobBackend()
