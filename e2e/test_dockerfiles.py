@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from e2e.lab import images
 from e2e.lab.dockerfile import (
     DOCKERFILES,
     REPO_ROOT,
     Copy,
     DockerfileError,
+    Instruction,
     copied_files,
     copies,
     missing_imports,
@@ -110,3 +112,64 @@ def test_source_files_place_files_as_docker_does():
     assert "finetune_trainer/contract.py" in rels and "Dockerfile" in rels
     with pytest.raises(DockerfileError, match="does not exist"):
         source_files(Copy(("no/such/file",), "/x", 3))
+
+
+# ---- the image builder's pure parts -------------------------------------------------------------------
+
+def test_images_are_named_as_the_chart_and_the_renderer_name_them():
+    from finetune_operator.planning.policy import DEFAULT_TRAINER_IMAGE
+
+    names = images.image_names()
+    assert names["operator"] == ("ghcr.io/finetune-operator/operator:0.1.0",)
+    assert names["trainer"] == ("registry.eu-de-berlin.internal/finetune-operator/trainer:0.1.0", DEFAULT_TRAINER_IMAGE)
+
+
+def test_each_dockerfile_from_has_a_lab_base():
+    for spec in images.specs():
+        from e2e.lab.dockerfile import parse
+
+        assert images.base_for(parse(spec.dockerfile.read_text())[0].text).packages
+    with pytest.raises(images.ImageBuildError, match="no base for `FROM alpine:3`"):
+        images.base_for("alpine:3")
+
+
+def test_the_trainer_base_says_it_uses_the_host_python():
+    base = images.base_for("pytorch/pytorch:2.15.0-cuda13.2-cudnn9-devel")
+    assert base.host_python and "read-only" in base.why
+    assert images.base_for("python:3.11.7-slim-bookworm").host_python is False
+
+
+@pytest.mark.parametrize("text, words", [
+    ("A=1 B='two words'", {"A": "1", "B": "two words"}),
+])
+def test_env_instructions(text: str, words: dict):
+    assert images.parse_env(Instruction("ENV", text, 3)) == words
+
+
+@pytest.mark.parametrize("keyword, text, fn", [
+    ("ENV", "A 1", images.parse_env),
+    ("USER", "trainer", images.parse_user),
+    ("USER", "1000:x", images.parse_user),
+])
+def test_instructions_the_builder_cannot_follow_are_refused(keyword: str, text: str, fn):
+    with pytest.raises(images.ImageBuildError, match="line 7"):
+        fn(Instruction(keyword, text, 7))
+
+
+def test_user_defaults_its_group_to_the_uid():
+    assert images.parse_user(Instruction("USER", "65532", 1)) == "65532:65532"
+
+
+def test_the_image_key_follows_the_dockerfile_and_the_copied_files(tmp_path: Path, monkeypatch):
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM python:3.11.7-slim-bookworm\nCOPY pyproject.toml ./\n")
+    spec = images.ImageSpec("operator", dockerfile, ("x:1",))
+    key = images.image_key(spec)
+    assert images.image_key(spec) == key
+    dockerfile.write_text("FROM python:3.11.7-slim-bookworm\nCOPY pyproject.toml ./\nUSER 1\n")
+    assert images.image_key(spec) != key
+    dockerfile.write_text("FROM python:3.11.7-slim-bookworm\nCOPY pyproject.toml ./\n")
+    # A copied file's bytes are part of the key (read through the builder's own reader).
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: real(p) + b"#" if p.name == "pyproject.toml" else real(p))
+    assert images.image_key(spec) != key

@@ -9,6 +9,8 @@
     sync-tools   regenerate tools/go.mod and go.sum from versions.env (needs the Go proxy)
     versions     print the pinned versions and the cache directory
     prune        delete cached builds other than the current one
+    images       build the operator and trainer images from their Dockerfiles (mmdebstrap + umoci,
+                 no docker, no registry), or reuse the cached ones; see e2e/lab/images.py
 """
 
 from __future__ import annotations
@@ -127,6 +129,19 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def cmd_images(args) -> int:
+    from . import images
+
+    t0 = time.monotonic()
+    built = images.build_all(force=args.force, only=tuple(args.only or ()))
+    print(json.dumps({
+        "seconds": round(time.monotonic() - t0, 1),
+        "images": [{"image": b.spec.name, "names": list(b.spec.names), "archive": str(b.archive),
+                    "built_seconds": b.manifest()["seconds"], "base": b.manifest()["base"]} for b in built],
+    }, indent=2))
+    return 0
+
+
 def cmd_versions(args) -> int:
     v = load_versions()
     inst = lab_build.find_installation(v)
@@ -167,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=cmd_status)
     sub.add_parser("sync-tools", help="regenerate tools/go.mod from versions.env").set_defaults(fn=cmd_sync_tools)
     sub.add_parser("versions", help="print the pinned versions").set_defaults(fn=cmd_versions)
+    im = sub.add_parser("images", help="build the operator and trainer images from their Dockerfiles")
+    im.add_argument("--force", action="store_true", help="rebuild even if cached")
+    im.add_argument("--only", action="append", choices=("operator", "trainer"), help="build only this image")
+    im.set_defaults(fn=cmd_images)
     sub.add_parser("prune", help="delete cached builds of other versions").set_defaults(fn=cmd_prune)
     args = parser.parse_args(argv)
     return args.fn(args)
