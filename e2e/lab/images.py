@@ -120,8 +120,12 @@ def base_for(image_from: str) -> Base:
 
 
 # The trainer's base creates its virtual environment once the host's Python is mounted (a RUN step of
-# its own, before the Dockerfile's): the project installs into it, torch & co. are the host's.
-VENV_SETUP = "{python} -m venv --system-site-packages /opt/venv"
+# its own, before the Dockerfile's): the project installs into it, torch & co. are the host's. Without
+# ensurepip's pip and setuptools (an old setuptools there would shadow the host's for
+# --no-build-isolation builds); `pip` is the host's pip, run by the venv's interpreter.
+VENV_SETUP = ("{python} -m venv --system-site-packages --without-pip /opt/venv"
+              " && printf '#!/bin/sh\\nexec /opt/venv/bin/python -m pip \"$@\"\\n' > /opt/venv/bin/pip"
+              " && chmod 0755 /opt/venv/bin/pip")
 
 
 @dataclass(frozen=True)
