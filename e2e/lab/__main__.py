@@ -42,6 +42,8 @@ def _current_workdir(arg: str | None) -> Path:
 def cmd_build(args) -> int:
     t0 = time.monotonic()
     inst = lab_build.build(force=args.force)
+    if args.with_components and "kubelet" in args.with_components.split(","):
+        lab_build.build_node(force=args.force)
     print(json.dumps({"home": str(inst.home), "seconds": round(time.monotonic() - t0, 1), **inst.manifest()}, indent=2))
     return 0
 
@@ -51,6 +53,8 @@ def cmd_up(args) -> int:
 
     if args.build:
         lab_build.build()
+        if args.with_components and "kubelet" in args.with_components.split(","):
+            lab_build.build_node()
     lab = up(Path(args.workdir) if args.workdir else None, components=args.with_components,
              pytorchjob=not args.without_pytorchjob)
     if not args.workdir:
@@ -163,12 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build or reuse the cached binaries")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.add_argument("--with", dest="with_components", default=None,
+                   help="also build an optional component's binaries: kubelet (the real node)")
     b.set_defaults(fn=cmd_build)
     u = sub.add_parser("up", help="start a lab")
     u.add_argument("--workdir")
     u.add_argument("--build", action="store_true", help="build first if needed")
     u.add_argument("--with", dest="with_components", default=os.environ.get("FINETUNE_LAB_WITH"),
-                   help="optional components, comma-separated: trainer-v2 (JobSet + Kubeflow Trainer v2), kueue"
+                   help="optional components, comma-separated: trainer-v2 (JobSet + Kubeflow Trainer v2), kueue,"
+                        " kubelet (a real node: containerd, CNI bridge, kube-proxy, CoreDNS)"
                         " (default: $FINETUNE_LAB_WITH)")
     u.add_argument("--without-pytorchjob", action="store_true",
                    help="no PyTorchJob CRD and no training operator (a cluster with only TrainJob)")

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import yaml
 
+from .build import publish
 from .dockerfile import REPO_ROOT, Instruction, copy_of, parse, source_files
 from .versions import cache_root
 
@@ -443,9 +444,7 @@ def build_image(spec: ImageSpec, force: bool = False, say=None) -> BuiltImage:
                                    "cmd": config.cmd, "labels": config.labels},
                         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (stage / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            if home.exists():
-                shutil.rmtree(home)
-            stage.rename(home)
+            publish(stage, home)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         say(f"{spec.name} image in {manifest['seconds']:.0f}s ({manifest['size_bytes'] / 2**20:.0f} MiB): {home}")
@@ -475,9 +474,7 @@ def build_pause(pause_binary: Path, name: str, say=None) -> Path:
         stage.mkdir()
         with open(work / "build.log", "w") as log:
             package(rootfs, ImageConfig(user="65535:65535", entrypoint=["/pause"]), (name,), stage / "image.tar", work, log)
-        if home.exists():
-            shutil.rmtree(home)
-        stage.rename(home)
+        publish(stage, home)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     say(f"pause image: {home}")
