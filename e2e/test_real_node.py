@@ -29,7 +29,7 @@ def node_lab():
     build_node()
     images.build_all(only=("operator",))
     before = HostState.capture()
-    lab = up(die_with_parent=True, components=("kubelet",), pytorchjob=False)
+    lab = up(die_with_parent=True, components=("kubelet",))
     try:
         yield lab, before
     finally:
@@ -124,6 +124,32 @@ def test_crictl_sees_the_node_s_containers(node_lab):
                    " ps -a -o json").read()
     names = {c["metadata"]["name"] for c in json.loads(out)["containers"]}
     assert "main" in names
+
+
+def test_the_chart_runs_the_operator_as_real_pods(node_lab):
+    """`helm install` as a platform team would, pinned to the real node: two replicas of the operator
+    image, their ServiceAccount tokens, probes and one leader through the Lease."""
+    import subprocess
+
+    from e2e.lab.realnode import NODE_NAME, RUNNER_KUBELET, RUNNER_LABEL
+    from e2e.operator_harness import CHART, RELEASE, RELEASE_NAMESPACE
+
+    lab, _ = node_lab
+    t0 = time.monotonic()
+    proc = subprocess.run([
+        lab.binary("helm"), "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+        "--create-namespace", "--wait", "--timeout=5m",
+        "--set-json", json.dumps({RUNNER_LABEL: RUNNER_KUBELET}).join(["nodeSelector=", ""]),
+        "--set-json", "tolerations=" + json.dumps([{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}]),
+    ], env=lab.env(), capture_output=True, text=True, timeout=400)
+    pods = json.loads(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "json").stdout)["items"]
+    assert proc.returncode == 0, f"{proc.stderr}\n{json.dumps([p['status'] for p in pods])[:3000]}"
+    print(f"real node: chart installed, 2 operator pods Ready in {time.monotonic() - t0:.1f}s")
+    print(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide").stdout)
+    assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} == {NODE_NAME}
+    assert all(c["ready"] for p in pods for c in p["status"]["containerStatuses"])
+    lease = json.loads(lab.kubectl("get", "lease", "-n", RELEASE_NAMESPACE, "finetune-operator", "-o", "json").stdout)
+    assert lease["spec"]["holderIdentity"].startswith(tuple(p["metadata"]["name"] for p in pods))
 
 
 def test_down_puts_the_host_back(node_lab):

@@ -79,3 +79,18 @@ def test_the_kubernetes_service_points_at_the_gateway():
     assert eps["endpoints"][0]["addresses"] == [realnode.GATEWAY]
     assert eps["ports"][0]["port"] == 6443
     assert eps["metadata"]["labels"]["kubernetes.io/service-name"] == "kubernetes"
+
+
+def test_kubelet_is_a_lab_component_outside_the_v2_build():
+    from e2e.lab import components
+
+    assert components.parse_components("kubelet,kueue") == ("kueue", "kubelet")
+    assert components.REAL_NODE not in components.V2_COMPONENTS
+
+
+def test_an_empty_table_counts_as_no_table():
+    # What iptables-restore of an empty table leaves with the nf_tables backend when nft is absent.
+    empty_nat = "*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n"
+    assert _state(iptables={"iptables": ""}).differences(_state(iptables={"iptables": empty_nat})) == []
+    dropping = "*filter\n:INPUT DROP [0:0]\nCOMMIT\n"
+    assert _state(iptables={"iptables": ""}).differences(_state(iptables={"iptables": dropping}))

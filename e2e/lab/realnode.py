@@ -149,14 +149,25 @@ class HostState:
         return out
 
 
+BUILTIN_CHAINS = {"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
+
+
+def _tables(saved: str) -> set[str]:
+    return {line[1:] for line in saved.splitlines() if line.startswith("*")}
+
+
 def _rules(saved: str) -> set[str]:
-    """iptables-save's rules and chains, without its comments and packet counters."""
+    """iptables-save's rules and chains, without its comments and packet counters. An empty table (built-in
+    chains that accept, no rules) filters nothing: it counts as no table."""
     out = set()
     for line in saved.splitlines():
-        if line.startswith("#") or line == "COMMIT":
+        if line.startswith(("#", "*")) or line == "COMMIT":
             continue
         if line.startswith(":"):
-            line = line.split()[0]  # ":CHAIN POLICY [pkts:bytes]" -> ":CHAIN"
+            name, policy = line[1:].split()[:2]  # ":CHAIN POLICY [pkts:bytes]"
+            if name in BUILTIN_CHAINS and policy == "ACCEPT":
+                continue
+            line = f":{name} {policy}"
         out.add(line)
     return out
 
@@ -506,10 +517,18 @@ def restore_host(workdir: Path) -> list[str]:
         _run(["ip", "link", "delete", BRIDGE], check=False)
     for link in sorted(set(_links()) - set(before.links)):
         _run(["ip", "link", "delete", link], check=False)  # a pod's veth left by a killed shim
-    for table, saved in before.iptables.items():
-        proc = subprocess.run([f"{table}-restore"], input=saved, capture_output=True, text=True)
+    for tool, saved in before.iptables.items():
+        # iptables-restore replaces only the tables it is given: the ones the node brought (nat, mangle,
+        # ... on a host that had none) are given empty, which drops their rules and chains; with the
+        # nf_tables backend the then empty tables themselves are deleted too.
+        brought = sorted(_tables(_run([f"{tool}-save"]).stdout) - _tables(saved))
+        proc = subprocess.run([f"{tool}-restore"], input=saved + "".join(f"*{t}\nCOMMIT\n" for t in brought),
+                              capture_output=True, text=True)
         if proc.returncode != 0:
-            problems.append(f"{table}-restore failed: {proc.stderr.strip()}")
+            problems.append(f"{tool}-restore failed: {proc.stderr.strip()}")
+        if shutil.which("nft") and "nf_tables" in _run([tool, "--version"]).stdout:
+            for t in brought:
+                _run(["nft", "delete", "table", "ip" if tool == "iptables" else "ip6", t], check=False)
     for name, value in before.sysctls.items():
         try:
             if _sysctl_path(name).read_text().strip() != value:
