@@ -189,19 +189,24 @@ def _run(cmd: list[str], cwd: Path, env: dict, log) -> None:
         raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); see {log.name}")
 
 
-def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, float]:
-    bindir = staging / "bin"
-    share = staging / "share"
-    bindir.mkdir(parents=True)
-    share.mkdir()
-    timings: dict[str, float] = {}
-
+def _timer(timings: dict[str, float], say):
+    """step(name, fn): runs fn, saying so, and records its seconds under name in `timings` (build.json)."""
     def step(name: str, fn) -> None:
         say(f"building {name} ...")
         t0 = time.monotonic()
         fn()
         timings[name] = round(time.monotonic() - t0, 1)
         say(f"built {name} in {timings[name]:.0f}s")
+    return step
+
+
+def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, float]:
+    bindir = staging / "bin"
+    share = staging / "share"
+    bindir.mkdir(parents=True)
+    share.mkdir()
+    timings: dict[str, float] = {}
+    step = _timer(timings, say)
 
     k8s_cmds = list(toolsmod.KUBERNETES_COMMANDS)
     step(
@@ -365,35 +370,16 @@ def build_s3_server(force: bool = False, say=None) -> Path | None:
         say(f"reusing {existing}")
         return existing
     check_s3_module(v)
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
     home = s3_server_home(v)
-    with open(root / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        existing = find_s3_server(v)
-        if existing and not force:
-            return existing
-        home.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{home.name}.partial-", dir=home.parent))
-        log_path = home.parent / f"{home.name}.build.log"
-        say(f"building the S3 server (rclone {v.rclone} serve s3) into {home} (log: {log_path})")
-        t0 = time.monotonic()
-        try:
-            (staging / "bin").mkdir()
-            ldflags = f"-s -w -X github.com/rclone/rclone/fs.Version={v.rclone}"
-            with open(log_path, "w") as log:
-                _run(["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags={ldflags}",
-                      "-o", str(staging / "bin" / S3_BINARY), "."], S3_MODULE_DIR, dict(os.environ), log)
-            seconds = round(time.monotonic() - t0, 1)
-            manifest = {"rclone": v.rclone, "go": go_version(), "seconds": seconds,
-                        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            (staging / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            publish(staging, home)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-        say(f"built the S3 server in {seconds:.0f}s: {home / 'bin' / S3_BINARY}")
-        return home / "bin" / S3_BINARY
+    ldflags = f"-s -w -X github.com/rclone/rclone/fs.Version={v.rclone}"
+
+    def steps(staging: Path, log, timed) -> None:
+        timed(S3_BINARY, lambda: _run(["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags={ldflags}",
+                                       "-o", str(staging / "bin" / S3_BINARY), "."], S3_MODULE_DIR, dict(os.environ), log))
+
+    _cached_build(home, f"the S3 server (rclone {v.rclone} serve s3)", lambda: find_s3_server(v), force, say, steps,
+                  {"rclone": v.rclone})
+    return home / "bin" / S3_BINARY
 
 
 def publish(staging: Path, home: Path) -> None:
@@ -429,14 +415,7 @@ def _cached_build(home: Path, what: str, find, force: bool, say, steps, manifest
         say(f"building {what} into {home} (log: {log_path})")
         t0 = time.monotonic()
         timings: dict[str, float] = {}
-
-        def timed(name: str, fn) -> None:
-            say(f"building {name} ...")
-            s = time.monotonic()
-            fn()
-            timings[name] = round(time.monotonic() - s, 1)
-            say(f"built {name} in {timings[name]:.0f}s")
-
+        timed = _timer(timings, say)
         try:
             (staging / "bin").mkdir()
             with open(log_path, "w") as log:
