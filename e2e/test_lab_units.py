@@ -56,7 +56,7 @@ def test_cache_key_changes_with_any_version():
 def test_committed_tools_module_matches_versions_env():
     check_tools_module(load_versions())  # raises BuildError naming both sides on drift
     go_mod = (TOOLS_DIR / "go.mod").read_text()
-    for cmd in toolsmod.KUBERNETES_COMMANDS + (toolsmod.ETCD_COMMAND,):
+    for cmd in toolsmod.KUBERNETES_COMMANDS + (toolsmod.ETCD_COMMAND,) + toolsmod.NODE_COMMANDS:
         assert f"tool {cmd}\n" in go_mod
 
 

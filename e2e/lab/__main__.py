@@ -9,6 +9,8 @@
     sync-tools   regenerate tools/go.mod and go.sum from versions.env (needs the Go proxy)
     versions     print the pinned versions and the cache directory
     prune        delete cached builds other than the current one
+    images       build the operator and trainer images from their Dockerfiles (mmdebstrap + umoci,
+                 no docker, no registry), or reuse the cached ones; see e2e/lab/images.py
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def _current_workdir(arg: str | None) -> Path:
 def cmd_build(args) -> int:
     t0 = time.monotonic()
     inst = lab_build.build(force=args.force)
+    if args.with_components and "kubelet" in args.with_components.split(","):
+        lab_build.build_node(force=args.force)
     print(json.dumps({"home": str(inst.home), "seconds": round(time.monotonic() - t0, 1), **inst.manifest()}, indent=2))
     return 0
 
@@ -49,6 +53,8 @@ def cmd_up(args) -> int:
 
     if args.build:
         lab_build.build()
+        if args.with_components and "kubelet" in args.with_components.split(","):
+            lab_build.build_node()
     lab = up(Path(args.workdir) if args.workdir else None, components=args.with_components,
              pytorchjob=not args.without_pytorchjob)
     if not args.workdir:
@@ -127,6 +133,19 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def cmd_images(args) -> int:
+    from . import images
+
+    t0 = time.monotonic()
+    built = images.build_all(force=args.force, only=tuple(args.only or ()))
+    print(json.dumps({
+        "seconds": round(time.monotonic() - t0, 1),
+        "images": [{"image": b.spec.name, "names": list(b.spec.names), "archive": str(b.archive),
+                    "built_seconds": b.manifest()["seconds"], "base": b.manifest()["base"]} for b in built],
+    }, indent=2))
+    return 0
+
+
 def cmd_versions(args) -> int:
     v = load_versions()
     inst = lab_build.find_installation(v)
@@ -148,12 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build or reuse the cached binaries")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.add_argument("--with", dest="with_components", default=None,
+                   help="also build an optional component's binaries: kubelet (the real node)")
     b.set_defaults(fn=cmd_build)
     u = sub.add_parser("up", help="start a lab")
     u.add_argument("--workdir")
     u.add_argument("--build", action="store_true", help="build first if needed")
     u.add_argument("--with", dest="with_components", default=os.environ.get("FINETUNE_LAB_WITH"),
-                   help="optional components, comma-separated: trainer-v2 (JobSet + Kubeflow Trainer v2), kueue"
+                   help="optional components, comma-separated: trainer-v2 (JobSet + Kubeflow Trainer v2), kueue,"
+                        " kubelet (a real node: containerd, CNI bridge, kube-proxy, CoreDNS)"
                         " (default: $FINETUNE_LAB_WITH)")
     u.add_argument("--without-pytorchjob", action="store_true",
                    help="no PyTorchJob CRD and no training operator (a cluster with only TrainJob)")
@@ -167,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=cmd_status)
     sub.add_parser("sync-tools", help="regenerate tools/go.mod from versions.env").set_defaults(fn=cmd_sync_tools)
     sub.add_parser("versions", help="print the pinned versions").set_defaults(fn=cmd_versions)
+    im = sub.add_parser("images", help="build the operator and trainer images from their Dockerfiles")
+    im.add_argument("--force", action="store_true", help="rebuild even if cached")
+    im.add_argument("--only", action="append", choices=("operator", "trainer"), help="build only this image")
+    im.set_defaults(fn=cmd_images)
     sub.add_parser("prune", help="delete cached builds of other versions").set_defaults(fn=cmd_prune)
     args = parser.parse_args(argv)
     return args.fn(args)

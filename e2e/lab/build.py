@@ -189,19 +189,24 @@ def _run(cmd: list[str], cwd: Path, env: dict, log) -> None:
         raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); see {log.name}")
 
 
-def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, float]:
-    bindir = staging / "bin"
-    share = staging / "share"
-    bindir.mkdir(parents=True)
-    share.mkdir()
-    timings: dict[str, float] = {}
-
+def _timer(timings: dict[str, float], say):
+    """step(name, fn): runs fn, saying so, and records its seconds under name in `timings` (build.json)."""
     def step(name: str, fn) -> None:
         say(f"building {name} ...")
         t0 = time.monotonic()
         fn()
         timings[name] = round(time.monotonic() - t0, 1)
         say(f"built {name} in {timings[name]:.0f}s")
+    return step
+
+
+def _build_into(staging: Path, v: Versions, env: dict, log, say) -> dict[str, float]:
+    bindir = staging / "bin"
+    share = staging / "share"
+    bindir.mkdir(parents=True)
+    share.mkdir()
+    timings: dict[str, float] = {}
+    step = _timer(timings, say)
 
     k8s_cmds = list(toolsmod.KUBERNETES_COMMANDS)
     step(
@@ -301,9 +306,7 @@ def _build_kubernetes_lab(force: bool, say) -> Installation:
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             (staging / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            if home.exists():
-                shutil.rmtree(home)
-            staging.rename(home)
+            publish(staging, home)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -369,37 +372,66 @@ def build_s3_server(force: bool = False, say=None) -> Path | None:
         say(f"reusing {existing}")
         return existing
     check_s3_module(v)
+    home = s3_server_home(v)
+    ldflags = f"-s -w -X github.com/rclone/rclone/fs.Version={v.rclone}"
+
+    def steps(staging: Path, log, timed) -> None:
+        timed(S3_BINARY, lambda: _run(["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags={ldflags}",
+                                       "-o", str(staging / "bin" / S3_BINARY), "."], S3_MODULE_DIR, dict(os.environ), log))
+
+    _cached_build(home, f"the S3 server (rclone {v.rclone} serve s3)", lambda: find_s3_server(v), force, say, steps,
+                  {"rclone": v.rclone})
+    return home / "bin" / S3_BINARY
+
+
+def publish(staging: Path, home: Path) -> None:
+    """Move a finished build into place (replacing a stale one), so a reader sees all of it or none."""
+    if home.exists():
+        shutil.rmtree(home)
+    staging.rename(home)
+
+
+def _go_installs(bindir: Path, installs: dict[str, tuple[str, str]], env: dict, log, timed) -> None:
+    """`go install module@version` for each name -> (spec, ldflags): with the dependencies its release pinned."""
+    for name, (spec, ldflags) in installs.items():
+        def install(spec=spec, ldflags=ldflags) -> None:
+            with tempfile.TemporaryDirectory() as cwd:
+                _run(["go", "install", "-trimpath", f"-ldflags={ldflags}", spec], Path(cwd),
+                     {**env, "GOBIN": str(bindir)}, log)
+        timed(name, install)
+
+
+def _cached_build(home: Path, what: str, find, force: bool, say, steps, manifest: dict) -> Installation:
+    """What the optional builds share: one builder at a time (the cache's lock; `find` is asked again
+    after waiting for it), `steps(staging, log, timed)` into a staging directory beside `home` with
+    bin/ made, a log, build.json (`manifest` + seconds per step), then moved into place."""
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    home = s3_server_home(v)
     with open(root / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        existing = find_s3_server(v)
-        if existing and not force:
+        if not force and (existing := find()):
             return existing
         home.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{home.name}.partial-", dir=home.parent))
         log_path = home.parent / f"{home.name}.build.log"
-        say(f"building the S3 server (rclone {v.rclone} serve s3) into {home} (log: {log_path})")
+        say(f"building {what} into {home} (log: {log_path})")
         t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        timed = _timer(timings, say)
         try:
             (staging / "bin").mkdir()
-            ldflags = f"-s -w -X github.com/rclone/rclone/fs.Version={v.rclone}"
             with open(log_path, "w") as log:
-                _run(["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags={ldflags}",
-                      "-o", str(staging / "bin" / S3_BINARY), "."], S3_MODULE_DIR, dict(os.environ), log)
-            seconds = round(time.monotonic() - t0, 1)
-            manifest = {"rclone": v.rclone, "go": go_version(), "seconds": seconds,
+                steps(staging, log, timed)
+            manifest = {**manifest, "go": go_version(), "seconds": timings,
+                        "total_seconds": round(time.monotonic() - t0, 1),
                         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (staging / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            if home.exists():
-                shutil.rmtree(home)
-            staging.rename(home)
+            publish(staging, home)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
-        say(f"built the S3 server in {seconds:.0f}s: {home / 'bin' / S3_BINARY}")
-        return home / "bin" / S3_BINARY
+        say(f"{what} ready in {manifest['total_seconds']:.0f}s: {home}")
+        return Installation(home)
 
 
 # ---------------------------------------------------------------------------
@@ -468,76 +500,106 @@ def build_v2(force: bool = False, say=None) -> Installation | None:
     if not (v.jobset and v.trainer and v.kueue):
         say("versions.env pins no JOBSET/TRAINER/KUEUE_VERSION: no Trainer v2 or Kueue")
         return None
-    existing = find_v2(v)
-    if existing and not force:
+    if not force and (existing := find_v2(v)):
         say(f"reusing {existing.home}")
         return existing
     check_jobset_module(v)
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    home = v2_home(v)
-    with open(root / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        existing = find_v2(v)
-        if existing and not force:
-            return existing
-        home.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{home.name}.partial-", dir=home.parent))
-        log_path = home.parent / f"{home.name}.build.log"
-        say(f"building JobSet {v.jobset}, Trainer {v.trainer}, Kueue {v.kueue} into {home} (log: {log_path})")
-        t0 = time.monotonic()
-        env = dict(os.environ)
-        timings: dict[str, float] = {}
-        try:
-            bindir = staging / "bin"
-            bindir.mkdir()
-            with open(log_path, "w") as log:
-                def timed(name: str, fn) -> None:
-                    say(f"building {name} ...")
-                    s = time.monotonic()
-                    fn()
-                    timings[name] = round(time.monotonic() - s, 1)
-                    say(f"built {name} in {timings[name]:.0f}s")
+    env = dict(os.environ)
 
-                # JobSet's module answers no version list through the proxy here, so
-                # `go install sigs.k8s.io/jobset@vX` fails; the tools module requires it instead.
-                timed("jobset", lambda: _run(
-                    ["go", "build", "-trimpath", "-buildvcs=false",
-                     f"-ldflags=-s -w -X {JOBSET_MODULE}/pkg/version.GitVersion={v.jobset}",
-                     "-o", str(bindir / "jobset"), JOBSET_MODULE],
-                    JOBSET_MODULE_DIR, env, log))
-                installs = {
-                    "trainer-controller-manager": (f"{TRAINER_MODULE}/cmd/trainer-controller-manager@{v.trainer}", "-s -w"),
-                    "kueue": (f"{KUEUE_MODULE}/cmd/kueue@{v.kueue}",
-                              f"-s -w -X {KUEUE_MODULE}/pkg/version.GitVersion={v.kueue}"),
-                }
-                for name, (spec, ldflags) in installs.items():
-                    def install(spec=spec, ldflags=ldflags) -> None:
-                        with tempfile.TemporaryDirectory() as cwd:
-                            _run(["go", "install", "-trimpath", f"-ldflags={ldflags}", spec], Path(cwd),
-                                 {**env, "GOBIN": str(bindir)}, log)
-                    timed(name, install)
-            share = staging / "share"
-            share.mkdir()
-            versions_of = {JOBSET_MODULE: v.jobset, TRAINER_MODULE: v.trainer, KUEUE_MODULE: v.kueue}
-            for module, rel, target in V2_SHARE:
-                src = module_dir(module, versions_of[module], env) / rel
-                if rel.endswith("/"):
-                    (share / target).mkdir()
-                    for f in sorted(src.glob("*.yaml")):
-                        if f.name != "kustomization.yaml":  # kustomize's, not a manifest
-                            shutil.copyfile(f, share / target / f.name)
-                else:
-                    shutil.copyfile(src, share / target)
-            manifest = {"versions": {"jobset": v.jobset, "trainer": v.trainer, "kueue": v.kueue}, "go": go_version(),
-                        "seconds": timings, "total_seconds": round(time.monotonic() - t0, 1),
-                        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            (staging / "build.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            if home.exists():
-                shutil.rmtree(home)
-            staging.rename(home)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-        say(f"JobSet, Trainer v2 and Kueue ready in {manifest['total_seconds']:.0f}s: {home}")
-        return Installation(home)
+    def steps(staging: Path, log, timed) -> None:
+        bindir = staging / "bin"
+        # JobSet's module answers no version list through the proxy here, so
+        # `go install sigs.k8s.io/jobset@vX` fails; the tools module requires it instead.
+        timed("jobset", lambda: _run(
+            ["go", "build", "-trimpath", "-buildvcs=false",
+             f"-ldflags=-s -w -X {JOBSET_MODULE}/pkg/version.GitVersion={v.jobset}",
+             "-o", str(bindir / "jobset"), JOBSET_MODULE],
+            JOBSET_MODULE_DIR, env, log))
+        _go_installs(bindir, {
+            "trainer-controller-manager": (f"{TRAINER_MODULE}/cmd/trainer-controller-manager@{v.trainer}", "-s -w"),
+            "kueue": (f"{KUEUE_MODULE}/cmd/kueue@{v.kueue}", f"-s -w -X {KUEUE_MODULE}/pkg/version.GitVersion={v.kueue}"),
+        }, env, log, timed)
+        share = staging / "share"
+        share.mkdir()
+        versions_of = {JOBSET_MODULE: v.jobset, TRAINER_MODULE: v.trainer, KUEUE_MODULE: v.kueue}
+        for module, rel, target in V2_SHARE:
+            src = module_dir(module, versions_of[module], env) / rel
+            if rel.endswith("/"):
+                (share / target).mkdir()
+                for f in sorted(src.glob("*.yaml")):
+                    if f.name != "kustomization.yaml":  # kustomize's, not a manifest
+                        shutil.copyfile(f, share / target / f.name)
+            else:
+                shutil.copyfile(src, share / target)
+
+    return _cached_build(v2_home(v), f"JobSet {v.jobset}, Trainer {v.trainer}, Kueue {v.kueue}",
+                         lambda: find_v2(v), force, say, steps,
+                         {"versions": {"jobset": v.jobset, "trainer": v.trainer, "kueue": v.kueue}})
+
+
+# ---------------------------------------------------------------------------
+# The real node (`up --with kubelet`): kubelet, kube-proxy, crictl, CoreDNS and the pause binary
+# ---------------------------------------------------------------------------
+
+NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns", "pause")
+NODE_RECIPE = 1
+CRICTL_MODULE = "sigs.k8s.io/cri-tools"
+COREDNS_MODULE = "github.com/coredns/coredns"
+# The sandbox's one process, from the kubernetes module at KUBERNETES_VERSION; compiled static so the
+# pause image needs nothing else (e2e/lab/images.py packs it).
+PAUSE_SOURCE = "build/pause/linux/pause.c"
+
+
+def node_home(v: Versions | None = None) -> Path:
+    """<lab home>/node/<key>: inside the lab's directory (whose key already covers kubelet's and
+    kube-proxy's dependencies through tools/go.sum), keyed by crictl's and CoreDNS's versions."""
+    import hashlib
+
+    v = v or load_versions()
+    h = hashlib.sha256(f"crictl={v.crictl}|coredns={v.coredns}|{go_version()}|recipe={NODE_RECIPE}".encode())
+    return lab_home(v) / "node" / h.hexdigest()[:16]
+
+
+def find_node(v: Versions | None = None) -> Installation | None:
+    """The built node binaries (bin/), or None when not built (or versions.env pins no crictl/CoreDNS)."""
+    v = v or load_versions()
+    if not (v.crictl and v.coredns):
+        return None
+    inst = Installation(node_home(v))
+    if not (inst.home / "build.json").is_file() or any(not (inst.bin / b).is_file() for b in NODE_BINARIES):
+        return None
+    return inst
+
+
+def build_node(force: bool = False, say=None) -> Installation:
+    """Build (or reuse) the real node's binaries; the Kubernetes lab must be buildable (same tools module)."""
+    say = say or (lambda msg: print(f"[lab build] {msg}", file=sys.stderr, flush=True))
+    v = load_versions()
+    if not (v.crictl and v.coredns):
+        raise BuildError("versions.env pins no CRICTL_VERSION/COREDNS_VERSION: no real node")
+    if not force and (existing := find_node(v)):
+        say(f"reusing {existing.home}")
+        return existing
+    check_tools_module(v)
+    if shutil.which("gcc") is None:
+        raise BuildError("gcc not found: the pause binary is compiled from the kubernetes module's pause.c"
+                         " (`apt-get install -y gcc libc6-dev`)")
+    env = dict(os.environ)
+
+    def steps(staging: Path, log, timed) -> None:
+        bindir = staging / "bin"
+        timed("kubelet, kube-proxy", lambda: _run(
+            ["go", "build", "-trimpath", "-buildvcs=false", f"-ldflags={_ldflags_for_kubernetes(v)}",
+             "-o", str(bindir) + "/", *toolsmod.NODE_COMMANDS], TOOLS_DIR, env, log))
+        _go_installs(bindir, {
+            "crictl": (f"{CRICTL_MODULE}/cmd/crictl@{v.crictl}", f"-s -w -X {CRICTL_MODULE}/pkg/version.Version={v.crictl}"),
+            "coredns": (f"{COREDNS_MODULE}@{v.coredns}", "-s -w"),
+        }, {**env, "CGO_ENABLED": "0"}, log, timed)
+        pause_c = module_dir("k8s.io/kubernetes", v.kubernetes, env) / PAUSE_SOURCE
+        timed("pause", lambda: _run(
+            ["gcc", "-Os", "-Wall", "-Werror", "-static", f"-DVERSION={v.kubernetes}", "-o",
+             str(bindir / "pause"), str(pause_c)], staging, env, log))
+
+    return _cached_build(node_home(v), f"kubelet, kube-proxy, crictl {v.crictl}, CoreDNS {v.coredns}, pause",
+                         lambda: find_node(v), force, say, steps,
+                         {"versions": {"kubernetes": v.kubernetes, "crictl": v.crictl, "coredns": v.coredns}})

@@ -56,6 +56,9 @@ CONTROLLERS = (
 # With the optional components (JobSet, Trainer v2, Kueue): the Job controller, which turns a JobSet's
 # (and a queued batch Job's) Jobs into pods.
 JOB_CONTROLLERS = ("job-controller",)
+# With a real node: Deployments become pods (the chart's operator), and Services get EndpointSlices
+# (CoreDNS answers for them, kube-proxy routes them; torchrun's rendezvous goes through them).
+REAL_NODE_CONTROLLERS = ("deployment-controller", "replicaset-controller", "endpointslice-controller")
 
 
 class LabNotBuilt(RuntimeError):
@@ -100,6 +103,9 @@ class Lab:
     components: tuple[str, ...] = ()
     pytorchjob: bool = True
     v2_home: Path | None = None  # the cached JobSet/Trainer v2/Kueue build, when components are started
+    node_home: Path | None = None  # the cached real-node build (kubelet, ...), with `--with kubelet`
+    # What `down` could not put back on the host after a real node (realnode.restore_host); [] when all is.
+    host_left: list[str] = field(default_factory=list)
 
     # ---- persistence -------------------------------------------------------------------
     @property
@@ -134,6 +140,7 @@ class Lab:
             "components": list(self.components),
             "pytorchjob": self.pytorchjob,
             "v2_home": str(self.v2_home) if self.v2_home else None,
+            "node_home": str(self.node_home) if self.node_home else None,
         }
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -152,10 +159,19 @@ class Lab:
             components=tuple(data.get("components", ())),
             pytorchjob=data.get("pytorchjob", True),
             v2_home=Path(data["v2_home"]) if data.get("v2_home") else None,
+            node_home=Path(data["node_home"]) if data.get("node_home") else None,
         )
 
     # ---- using the lab -----------------------------------------------------------------
+    @property
+    def real_node(self) -> bool:
+        from .components import REAL_NODE
+
+        return REAL_NODE in self.components
+
     def binary(self, name: str) -> str:
+        if self.node_home is not None and (self.node_home / "bin" / name).is_file():
+            return Installation(self.node_home).binary(name)
         if self.v2_home is not None and (self.v2_home / "bin" / name).is_file():
             return Installation(self.v2_home).binary(name)
         return self.installation.binary(name)
@@ -264,11 +280,22 @@ class Lab:
     def down(self, keep_workdir: bool = False) -> list[str]:
         """Stop every process of this lab, newest first; returns the names that needed SIGKILL."""
         # Clients first (together), then the apiserver, then etcd: an apiserver whose etcd is
-        # already gone hangs in its graceful shutdown.
+        # already gone hangs in its graceful shutdown. A real node's kubelet goes first (it would
+        # restart the pods), then its pods through the CRI, while containerd still runs.
+        from . import realnode
+
+        killed: list[str] = []
+        if self.real_node:
+            killed += stop([p for p in self.procs if p.name == "kubelet"])
+            realnode.remove_pods(self, self.node_home)
         backend = ("kube-apiserver", "etcd")
-        killed = stop([p for p in self.procs if p.name not in backend])
+        killed += stop([p for p in self.procs if p.name not in backend])
         for name in backend:
             killed += stop([p for p in self.procs if p.name == name])
+        self.host_left = realnode.restore_host(self.workdir)
+        if self.host_left:
+            print("the real node left host state it could not put back:\n  " + "\n  ".join(self.host_left),
+                  file=sys.stderr)
         if not keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return killed
@@ -380,9 +407,17 @@ def up(
     inst = find_installation()
     if inst is None:
         raise LabNotBuilt("the lab's binaries are not built: run `python -m e2e.lab build` (or e2e/lab/build.sh)")
-    v2 = find_v2() if components else None
-    if components and v2 is None:
-        raise LabNotBuilt(f"{', '.join(components)} not built: run `python -m e2e.lab build` (or e2e/lab/build.sh)")
+    v2_wanted = [c for c in components if c in lab_components.V2_COMPONENTS]
+    v2 = find_v2() if v2_wanted else None
+    if v2_wanted and v2 is None:
+        raise LabNotBuilt(f"{', '.join(v2_wanted)} not built: run `python -m e2e.lab build` (or e2e/lab/build.sh)")
+    node = None
+    if lab_components.REAL_NODE in components:
+        from .build import find_node
+
+        node = find_node()
+        if node is None:
+            raise LabNotBuilt("the real node's binaries are not built: run `python -m e2e.lab build --with kubelet`")
     t0 = time.monotonic()
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="finetune-lab-"))
     # Ports are picked free and released before the components bind them; another lab
@@ -391,6 +426,7 @@ def up(
     for attempt in (1, 2):
         lab = _prepare(workdir, inst, die_with_parent)
         lab.components, lab.pytorchjob, lab.v2_home = components, pytorchjob, (v2.home if v2 else None)
+        lab.node_home = node.home if node else None
         lab.save()
         try:
             _bring_up(lab, inst, say, start_fake_gpu)
@@ -428,7 +464,11 @@ def _prepare(workdir: Path, inst: Installation, die_with_parent: bool) -> Lab:
 
 def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
     p = lab.ports
-    pki = lab_pki.make_lab_pki(lab.pki_dir, SERVICE_IP)
+    from . import realnode
+
+    # With a real node, pods reach the API server at the node's gateway address (and the `kubernetes`
+    # Service): it listens on all addresses, and its certificate names that one too.
+    pki = lab_pki.make_lab_pki(lab.pki_dir, SERVICE_IP, extra_ips=(realnode.GATEWAY,) if lab.real_node else ())
     kubeconfigs = _component_kubeconfigs(lab)
 
     def launch(name: str, argv: list[str], env: dict | None = None) -> Proc:
@@ -453,8 +493,8 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
     apiserver = launch("kube-apiserver", [
         inst.binary("kube-apiserver"),
         f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
+        f"--bind-address={'0.0.0.0' if lab.real_node else '127.0.0.1'}",
+        f"--advertise-address={realnode.GATEWAY if lab.real_node else '127.0.0.1'}",
         f"--secure-port={p['apiserver']}",
         f"--tls-cert-file={pki.apiserver.cert}",
         f"--tls-private-key-file={pki.apiserver.key}",
@@ -485,7 +525,7 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         "--bind-address=127.0.0.1",
         f"--secure-port={p['controller-manager']}",
         "--leader-elect=false",
-        f"--controllers={','.join(CONTROLLERS + (JOB_CONTROLLERS if lab.components else ()))}",
+        f"--controllers={','.join(CONTROLLERS + (JOB_CONTROLLERS if lab.components else ()) + (REAL_NODE_CONTROLLERS if lab.real_node else ()))}",
         f"--root-ca-file={pki.ca.cert}",
         "--use-service-account-credentials=false",
         "--cluster-name=finetune-lab",
@@ -552,10 +592,13 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
     say("nodes ready")
     if lab.pytorchjob:
         _wait_training_operator(lab, pki, api, training_operator)
-    if lab.components:
-        from . import components as lab_components
+    from . import components as lab_components
 
-        lab_components.start(lab, Installation(lab.v2_home), pki, kubeconfigs, lab.components, launch, say)
+    v2_components = tuple(c for c in lab.components if c in lab_components.V2_COMPONENTS)
+    if v2_components:
+        lab_components.start(lab, Installation(lab.v2_home), pki, kubeconfigs, v2_components, launch, say)
+    if lab.real_node:
+        _start_real_node(lab, pki, core, launch, say)
     wait_until(
         "scheduler /healthz",
         lambda: http_ok(f"https://127.0.0.1:{p['scheduler']}/healthz", _insecure_context()),
@@ -569,6 +612,27 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
     for proc in lab.procs:
         if not is_alive(proc):
             raise LabStartError(f"{proc.name} died during start-up:\n{tail(proc.log)}")
+
+
+def _start_real_node(lab: Lab, pki, core, launch, say) -> None:
+    """The real kubelet node (realnode.py) with the images it may run: the pause image always, the
+    operator and trainer images when `python -m e2e.lab images` built them."""
+    from . import images as lab_images
+    from . import realnode
+
+    node = Installation(lab.node_home)
+    archives = [lab_images.build_pause(node.bin / "pause", realnode.PAUSE_IMAGE, say=say)]
+    for spec in lab_images.specs():
+        built = lab_images.find_image(spec)
+        if built is None:
+            say(f"{spec.name} image not built (`python -m e2e.lab images`): not imported into the real node")
+        else:
+            archives.append(built.archive)
+    from kubernetes import client
+
+    client.DiscoveryV1Api(lab.api_client()).create_namespaced_endpoint_slice(
+        "default", realnode.kubernetes_endpoints(lab.ports["apiserver"]))
+    realnode.start(lab, node, pki, launch, say, archives)
 
 
 def _start_training_operator(lab: Lab, inst: Installation, pki, kubeconfigs, core, api, launch) -> Proc:

@@ -37,7 +37,11 @@ from .processes import LabStartError, Proc, http_ok, wait_until
 
 TRAINER_V2 = "trainer-v2"
 KUEUE = "kueue"
-COMPONENTS = (TRAINER_V2, KUEUE)
+# A real kubelet node (containerd, CNI bridge, kube-proxy, CoreDNS): e2e/lab/realnode.py.
+REAL_NODE = "kubelet"
+COMPONENTS = (TRAINER_V2, KUEUE, REAL_NODE)
+# The components built and started from the v2 build (JobSet, Trainer v2, Kueue).
+V2_COMPONENTS = (TRAINER_V2, KUEUE)
 PORTS = ("jobset-webhook", "jobset-health", "trainer-webhook", "trainer-health", "kueue-webhook", "kueue-health")
 KUEUE_NAMESPACE = "kueue-system"
 TRAINER_NAMESPACE = "kubeflow-system"

@@ -187,14 +187,15 @@ class LabPKI:
     webhook_server: KeyPair
 
 
-def make_lab_pki(directory: Path, service_ip: str) -> LabPKI:
+def make_lab_pki(directory: Path, service_ip: str, extra_ips: tuple[str, ...] = ()) -> LabPKI:
+    """`extra_ips`: more addresses the apiserver is reached at (a real node's gateway)."""
     directory.mkdir(parents=True, exist_ok=True)
     ca = make_ca(directory, "ca", "finetune-lab-ca")
     apiserver = make_leaf(
         directory, ca, "apiserver", "kube-apiserver",
         dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                    "kubernetes.default.svc.cluster.local"),
-        ip_addresses=("127.0.0.1", service_ip),
+        ip_addresses=("127.0.0.1", service_ip, *extra_ips),
         server=True,
     )
     clients = {

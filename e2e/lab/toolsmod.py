@@ -22,6 +22,12 @@ KUBERNETES_COMMANDS = (
     "k8s.io/kubernetes/cmd/kubectl",
 )
 ETCD_COMMAND = "go.etcd.io/etcd/server/v3"
+# The real node's binaries (`up --with kubelet`), built from the same module into a cache directory of
+# their own (build.build_node), so the default lab's build does not spend the time on them.
+NODE_COMMANDS = (
+    "k8s.io/kubernetes/cmd/kubelet",
+    "k8s.io/kubernetes/cmd/kube-proxy",
+)
 
 _STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/src/", re.MULTILINE)
 _REQUIRED = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s+v0\.0\.0\b", re.MULTILINE)
@@ -45,7 +51,7 @@ def render_go_mod(versions: Versions, staging: list[str], go_directive: str) -> 
         f"go {go_directive}",
         "",
     ]
-    for cmd in (*KUBERNETES_COMMANDS, ETCD_COMMAND):
+    for cmd in (*KUBERNETES_COMMANDS, ETCD_COMMAND, *NODE_COMMANDS):
         lines.append(f"tool {cmd}")
     lines += [
         "",

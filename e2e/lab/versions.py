@@ -35,6 +35,9 @@ class Versions:
     jobset: str | None = None
     trainer: str | None = None
     kueue: str | None = None
+    # Optional: the real node's crictl and CoreDNS (`up --with kubelet`), built into build.node_home.
+    crictl: str | None = None
+    coredns: str | None = None
 
     @property
     def staging(self) -> str:
@@ -73,6 +76,8 @@ _OPTIONAL_KEYS = {
     "JOBSET_VERSION": "jobset",
     "TRAINER_VERSION": "trainer",
     "KUEUE_VERSION": "kueue",
+    "CRICTL_VERSION": "crictl",
+    "COREDNS_VERSION": "coredns",
 }
 _OWN_CACHE = set(_OPTIONAL_KEYS.values())
 

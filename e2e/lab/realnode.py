@@ -1,0 +1,567 @@
+"""One real node in the lab (`python -m e2e.lab up --with kubelet`), beside kwok's fake GPU fleet.
+
+    containerd (Debian's, runc)  -- its own root, state, socket and runc root under <lab>/node/
+    kubelet                      -- registers node `lab-real-0`, cgroupfs driver, pods under CGROUP_ROOT
+    CNI bridge                   -- BRIDGE with GATEWAY on POD_CIDR (created here, deleted by `down`)
+    kube-proxy (iptables mode)   -- Services, including `kubernetes` (10.96.0.1:443 -> GATEWAY:apiserver)
+    CoreDNS                      -- on GATEWAY:53, the kubernetes plugin for cluster.local; the kubelet's clusterDNS
+
+The API server listens on all addresses when a real node runs, so pods reach it at GATEWAY (a
+non-loopback address in its certificate) and through the `kubernetes` Service.
+
+What a node changes on the host, the lab records before (HostState.capture) and puts back at `down`
+(restore): the kubelet's and the bridge plugin's sysctls (vm.overcommit_memory, kernel.panic,
+kernel.panic_on_oops, ip_forward, ...), the iptables and ip6tables rules (kubelet, kube-proxy, CNI
+masquerading; restored from iptables-save), the pod cgroups (CGROUP_ROOT in every hierarchy),
+mounts (container root filesystems, /dev/shm, network namespaces), the bridge, and the directories a
+kubelet creates outside its root. Pods are removed through the CRI first, so CNI deletes what it made.
+
+Only one real node runs on a machine at a time: the bridge, the cgroup root, CoreDNS's address and the
+iptables chains are host-wide. `up --with kubelet` refuses to start when the bridge already exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import pki as lab_pki
+from .processes import LabStartError, Proc, free_ports, http_ok, wait_until
+
+NODE_NAME = "lab-real-0"
+BRIDGE = "ftlab0"
+POD_CIDR = "10.85.0.0/24"
+GATEWAY = "10.85.0.1"
+CLUSTER_DOMAIN = "cluster.local"
+CGROUP_ROOT = "finetune-lab"
+CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
+PAUSE_IMAGE = "registry.k8s.io/pause:lab"
+# The real node's label and taint: only pods that ask for it (a toleration) land there.
+RUNNER_LABEL = "lab.finetune.dev/runner"
+RUNNER_KUBELET = "kubelet"
+TAINT = f"{RUNNER_LABEL}={RUNNER_KUBELET}:NoSchedule"
+PORTS = ("kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics")
+
+KUBELET = lab_pki.ClientIdentity("kubelet", f"system:node:{NODE_NAME}", ("system:nodes", "system:masters"))
+KUBE_PROXY = lab_pki.ClientIdentity("kube-proxy", "system:kube-proxy", ("system:masters",))
+COREDNS = lab_pki.ClientIdentity("coredns", "lab-coredns", ("system:masters",))
+IDENTITIES = (KUBELET, KUBE_PROXY, COREDNS)
+
+# What the kubelet (protectKernelDefaults: false), the bridge plugin and kube-proxy may set.
+SYSCTLS = (
+    "vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
+    "kernel.keys.root_maxkeys", "kernel.keys.root_maxbytes", "net.ipv4.ip_forward",
+    "net.ipv4.conf.all.route_localnet", "net.bridge.bridge-nf-call-iptables",
+    "net.bridge.bridge-nf-call-ip6tables",
+)
+# Host paths a kubelet or containerd may create outside the directories the lab gives them.
+HOST_PATHS = ("/usr/libexec/kubernetes", "/var/lib/kubelet", "/var/lib/cni", "/etc/cni", "/run/containerd",
+              "/var/run/netns", "/var/log/pods", "/var/log/containers", "/etc/kubernetes", "/opt/cni")
+CGROUP_FS = Path("/sys/fs/cgroup")
+
+
+class RealNodeError(LabStartError):
+    pass
+
+
+def _sysctl_path(name: str) -> Path:
+    return Path("/proc/sys") / name.replace(".", "/")
+
+
+def _run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if check and proc.returncode != 0:
+        raise RealNodeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def cgroup_hierarchies() -> list[Path]:
+    """Each mounted hierarchy (cgroup v1: one per controller set; v2: the one root)."""
+    if (CGROUP_FS / "cgroup.controllers").exists():
+        return [CGROUP_FS]
+    return sorted(p for p in CGROUP_FS.iterdir() if p.is_dir() and not p.is_symlink() and (p / "cgroup.procs").exists())
+
+
+def _mount_points() -> list[str]:
+    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+
+
+def _links() -> list[str]:
+    return sorted(line.split(":")[1].strip().split("@")[0] for line in _run(["ip", "-o", "link", "show"]).stdout.splitlines())
+
+
+@dataclass
+class HostState:
+    """The host as it was before a real node started; `restore` puts it back."""
+
+    sysctls: dict[str, str] = field(default_factory=dict)
+    iptables: dict[str, str] = field(default_factory=dict)  # iptables-save / ip6tables-save output
+    paths: list[str] = field(default_factory=list)  # of HOST_PATHS, those that existed
+    mounts: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    cgroups: dict[str, list[str]] = field(default_factory=dict)  # hierarchy -> its top-level groups
+
+    @classmethod
+    def capture(cls) -> "HostState":
+        return cls(
+            sysctls={n: _sysctl_path(n).read_text().strip() for n in SYSCTLS if _sysctl_path(n).exists()},
+            iptables={t: _run([f"{t}-save"]).stdout for t in ("iptables", "ip6tables") if shutil.which(f"{t}-save")},
+            paths=[p for p in HOST_PATHS if os.path.lexists(p)],
+            mounts=_mount_points(),
+            links=_links(),
+            cgroups={str(h): sorted(d.name for d in h.iterdir() if d.is_dir()) for h in cgroup_hierarchies()},
+        )
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "HostState":
+        return cls(**json.loads(path.read_text()))
+
+    def differences(self, now: "HostState") -> list[str]:
+        """What differs between this (before) and `now`, in words; [] when the host is as it was."""
+        out = []
+        for name, value in self.sysctls.items():
+            if now.sysctls.get(name) != value:
+                out.append(f"sysctl {name}: {value} before, {now.sysctls.get(name)} now")
+        for table, saved in self.iptables.items():
+            if _rules(saved) != _rules(now.iptables.get(table, "")):
+                extra = sorted(_rules(now.iptables.get(table, "")) - _rules(saved))[:5]
+                gone = sorted(_rules(saved) - _rules(now.iptables.get(table, "")))[:5]
+                out.append(f"{table}: added {extra}, removed {gone}")
+        for p in sorted(set(now.paths) - set(self.paths)):
+            out.append(f"path {p} was created")
+        for m in sorted(set(now.mounts) - set(self.mounts)):
+            out.append(f"mount {m} is left")
+        for link in sorted(set(now.links) - set(self.links)):
+            out.append(f"network link {link} is left")
+        for h, groups in now.cgroups.items():
+            for g in sorted(set(groups) - set(self.cgroups.get(h, []))):
+                out.append(f"cgroup {h}/{g} is left")
+        return out
+
+
+BUILTIN_CHAINS = {"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
+
+
+def _tables(saved: str) -> set[str]:
+    return {line[1:] for line in saved.splitlines() if line.startswith("*")}
+
+
+def _rules(saved: str) -> set[str]:
+    """iptables-save's rules and chains, without its comments and packet counters. An empty table (built-in
+    chains that accept, no rules) filters nothing: it counts as no table."""
+    out = set()
+    for line in saved.splitlines():
+        if line.startswith(("#", "*")) or line == "COMMIT":
+            continue
+        if line.startswith(":"):
+            name, policy = line[1:].split()[:2]  # ":CHAIN POLICY [pkts:bytes]"
+            if name in BUILTIN_CHAINS and policy == "ACCEPT":
+                continue
+            line = f":{name} {policy}"
+        out.add(line)
+    return out
+
+
+# ---- configuration files ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodePaths:
+    root: Path  # <lab>/node
+
+    @property
+    def containerd(self) -> Path:
+        return self.root / "containerd"
+
+    @property
+    def socket(self) -> Path:
+        return self.containerd / "containerd.sock"
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def kubelet(self) -> Path:
+        return self.root / "kubelet"
+
+    @property
+    def cni_conf(self) -> Path:
+        return self.root / "cni" / "net.d"
+
+    @property
+    def host_state(self) -> Path:
+        return self.root / "host-state.json"
+
+
+def containerd_config(paths: NodePaths) -> str:
+    c = paths.containerd
+    return f"""version = 2
+root = "{c / 'root'}"
+state = "{c / 'state'}"
+# Not the host's plugins and directories: everything under the lab's directory.
+plugin_dir = ""
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+                    "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+
+[grpc]
+  address = "{paths.socket}"
+
+[ttrpc]
+  address = "{paths.socket}.ttrpc"
+
+[debug]
+  address = ""
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{c / 'opt'}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  # Root here lacks CAP_SYS_RESOURCE: a sandbox's oom_score_adj of -998 would fail every pod start.
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  # Network namespaces under the state directory, not /var/run/netns.
+  netns_mounts_under_state_dir = true
+
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        # crun fails on this host (cgroups in hybrid mode); runc works.
+        BinaryName = "{shutil.which('runc') or '/usr/sbin/runc'}"
+        Root = "{c / 'runc'}"
+        SystemdCgroup = false
+
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{CNI_BIN_DIR}"
+    conf_dir = "{paths.cni_conf}"
+"""
+
+
+def cni_config(paths: NodePaths) -> dict:
+    return {
+        "cniVersion": "1.0.0",
+        "name": "finetune-lab",
+        "plugins": [{
+            "type": "bridge",
+            "bridge": BRIDGE,
+            "isGateway": True,
+            "ipMasq": True,
+            # A pod that reaches itself through a Service: the packet comes back on its own port.
+            "hairpinMode": True,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{"subnet": POD_CIDR, "gateway": GATEWAY}]],
+                "routes": [{"dst": "0.0.0.0/0"}],
+                "dataDir": str(paths.root / "cni" / "ipam"),
+            },
+        }],
+    }
+
+
+def kubelet_config(paths: NodePaths, ports: dict[str, int]) -> dict:
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": GATEWAY,
+        "port": ports["kubelet"],
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": ports["kubelet-healthz"],
+        # The API server calls the kubelet (logs, exec) without a client certificate, as it calls kwok.
+        "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "cgroupDriver": "cgroupfs",
+        "cgroupRoot": f"/{CGROUP_ROOT}",
+        # The host is cgroup v1 (hybrid); kubelet 1.35+ refuses it unless told.
+        "failCgroupV1": False,
+        "failSwapOn": False,
+        "containerRuntimeEndpoint": paths.endpoint,
+        "clusterDNS": [GATEWAY],
+        "clusterDomain": CLUSTER_DOMAIN,
+        "resolvConf": "/etc/resolv.conf",
+        "volumePluginDir": str(paths.kubelet / "volume-plugins"),
+        "podLogsDir": str(paths.root / "pod-logs"),
+        "protectKernelDefaults": False,
+        "serializeImagePulls": False,
+        "maxPods": 32,
+        # A shared disk in a busy VM: evict only when really out of room.
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "2%", "imagefs.available": "2%",
+                         "nodefs.inodesFree": "2%"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "nodeStatusReportFrequency": "10s",
+        "registerWithTaints": [{"key": RUNNER_LABEL, "value": RUNNER_KUBELET, "effect": "NoSchedule"}],
+    }
+
+
+def kube_proxy_config(kubeconfig: Path, ports: dict[str, int]) -> dict:
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": str(kubeconfig)},
+        "hostnameOverride": NODE_NAME,
+        "mode": "iptables",
+        "clusterCIDR": POD_CIDR,
+        "healthzBindAddress": f"127.0.0.1:{ports['kube-proxy-healthz']}",
+        "metricsBindAddress": f"127.0.0.1:{ports['kube-proxy-metrics']}",
+        # No conntrack sysctls (0 = leave the host's), no route_localnet for NodePorts on 127.0.0.1.
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+        "iptables": {"masqueradeAll": True, "localhostNodePorts": False},
+        "nodePortAddresses": [f"{GATEWAY}/32"],
+    }
+
+
+def corefile(kubeconfig: Path) -> str:
+    return f""".:53 {{
+    bind {GATEWAY}
+    errors
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig} finetune-lab
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }}
+    forward . /etc/resolv.conf
+    cache 5
+}}
+"""
+
+
+# ---- start and stop ---------------------------------------------------------------------------------
+
+def _bridge_exists() -> bool:
+    return _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0
+
+
+def prepare_host(paths: NodePaths) -> HostState:
+    """Record the host, then make what the node needs before its processes: the bridge with GATEWAY
+    (CoreDNS and the API server's address live there before any pod) and the pod cgroup root."""
+    if _bridge_exists():
+        raise RealNodeError(f"bridge {BRIDGE} exists: another real node runs on this machine (or a lab was not"
+                            " stopped); stop it with `python -m e2e.lab down` first")
+    paths.root.mkdir(parents=True, exist_ok=True)
+    state = HostState.capture()
+    state.save(paths.host_state)
+    _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+    _run(["ip", "addr", "add", f"{GATEWAY}/{POD_CIDR.split('/')[1]}", "dev", BRIDGE])
+    _run(["ip", "link", "set", BRIDGE, "up"])
+    for h in cgroup_hierarchies():
+        (h / CGROUP_ROOT).mkdir(exist_ok=True)
+        # cgroup v1 cpuset: a new group has no CPUs or memory nodes, and nothing can join it until it does.
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            if (h / f).exists() and not (h / CGROUP_ROOT / f).read_text().strip():
+                (h / CGROUP_ROOT / f).write_text((h / f).read_text())
+    return state
+
+
+def write_configs(lab, paths: NodePaths, pki, ports: dict[str, int]) -> dict[str, Path]:
+    from .cluster import write_kubeconfig
+
+    for d in (paths.containerd, paths.kubelet, paths.cni_conf, paths.root / "pod-logs"):
+        d.mkdir(parents=True, exist_ok=True)
+    ca = lab.pki_dir / "ca.crt"
+    kubeconfigs = {}
+    for ident in IDENTITIES:
+        pair = lab_pki.make_leaf(lab.pki_dir, pki.ca, ident.file_stem, ident.common_name, ident.organizations,
+                                 client=True)
+        kubeconfigs[ident.file_stem] = write_kubeconfig(
+            paths.root / f"{ident.file_stem}.kubeconfig", lab.server, ca,
+            {"client-certificate": str(pair.cert), "client-key": str(pair.key)})
+    files = {
+        "containerd": paths.root / "containerd.toml",
+        "kubelet": paths.root / "kubelet.yaml",
+        "kube-proxy": paths.root / "kube-proxy.yaml",
+        "corefile": paths.root / "Corefile",
+    }
+    files["containerd"].write_text(containerd_config(paths))
+    (paths.cni_conf / "10-finetune-lab.conflist").write_text(json.dumps(cni_config(paths), indent=2) + "\n")
+    files["kubelet"].write_text(yaml.safe_dump(kubelet_config(paths, ports), sort_keys=False))
+    files["kube-proxy"].write_text(yaml.safe_dump(kube_proxy_config(kubeconfigs["kube-proxy"], ports), sort_keys=False))
+    files["corefile"].write_text(corefile(kubeconfigs["coredns"]))
+    return {**files, **{f"{k}.kubeconfig": v for k, v in kubeconfigs.items()}}
+
+
+def import_image(paths: NodePaths, archive: Path) -> None:
+    """`ctr images import`: the archive's index names the image (e2e/lab/images.py), nothing is pulled."""
+    _run(["ctr", "--address", str(paths.socket), "-n", "k8s.io", "images", "import", "--all-platforms", str(archive)],
+         timeout=600)
+
+
+def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
+    """Start the node's processes (launch = lab.spawn); returns when the node is Ready."""
+    from kubernetes import client
+
+    paths = NodePaths(lab.workdir / "node")
+    ports = free_ports(list(PORTS))
+    lab.ports.update({f"node-{k}": v for k, v in ports.items()})
+    lab.save()
+    prepare_host(paths)
+    files = write_configs(lab, paths, pki, ports)
+    containerd = launch("containerd", ["containerd", f"--config={files['containerd']}", "--log-level=warn"])
+    wait_until("containerd socket", lambda: paths.socket.exists(), containerd, 60)
+    for archive in images:
+        import_image(paths, archive)
+    say(f"containerd ready; imported {', '.join(a.parent.name for a in images)}")
+    launch("coredns", [node_inst.binary("coredns"), "-conf", str(files["corefile"]), "-dns.port", "53"])
+    launch("kube-proxy", [node_inst.binary("kube-proxy"), f"--config={files['kube-proxy']}"])
+    kubelet = launch("kubelet", [
+        node_inst.binary("kubelet"),
+        f"--config={files['kubelet']}",
+        f"--kubeconfig={files['kubelet.kubeconfig']}",
+        f"--root-dir={paths.kubelet}",
+        f"--node-ip={GATEWAY}",
+        f"--hostname-override={NODE_NAME}",
+        f"--node-labels={RUNNER_LABEL}={RUNNER_KUBELET}",
+        "--v=1",
+    ])
+    core = client.CoreV1Api(lab.api_client())
+
+    def ready() -> bool:
+        node = core.read_node(NODE_NAME)
+        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+
+    wait_until(f"node {NODE_NAME} Ready (kubelet, containerd, CNI)", ready, kubelet, 180)
+    wait_until("kube-proxy /healthz", lambda: http_ok(f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz"),
+               None, 60)
+    say(f"real node {NODE_NAME} ready")
+
+
+def kubernetes_endpoints(apiserver_port: int) -> dict:
+    """The `kubernetes` Service's EndpointSlice (the lab's API server has no endpoint reconciler): GATEWAY."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "kubernetes", "namespace": "default",
+                     "labels": {"kubernetes.io/service-name": "kubernetes",
+                                "endpointslice.kubernetes.io/managed-by": "lab.finetune.dev"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [GATEWAY], "conditions": {"ready": True}}],
+        "ports": [{"name": "https", "port": apiserver_port, "protocol": "TCP"}],
+    }
+
+
+def _crictl(node_inst, paths: NodePaths, *args: str) -> subprocess.CompletedProcess:
+    return _run([node_inst.binary("crictl"), f"--runtime-endpoint={paths.endpoint}", f"--image-endpoint={paths.endpoint}",
+                 "--timeout=30s", *args], check=False, timeout=120)
+
+
+def remove_pods(lab, node_home: Path | None) -> None:
+    """Before containerd stops: every pod sandbox stopped and removed through the CRI, so CNI deletes
+    its addresses, masquerade rules and network namespaces."""
+    from .build import Installation
+
+    paths = NodePaths(lab.workdir / "node")
+    if node_home is None or not paths.socket.exists():
+        return
+    _crictl(Installation(node_home), paths, "rmp", "--all", "--force")
+
+
+def _shim_pids(paths: NodePaths) -> list[int]:
+    """containerd-shim-runc-v2 processes of this node's containerd (they outlive it by design)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(paths.socket).encode() in b" ".join(argv):
+            out.append(int(proc.name))
+    return out
+
+
+def restore_host(workdir: Path) -> list[str]:
+    """After the node's processes stopped: put the host back as HostState recorded it. Returns what could
+    not be put back (empty when all is well)."""
+    import signal
+
+    paths = NodePaths(workdir / "node")
+    if not paths.host_state.exists():
+        return []
+    before = HostState.load(paths.host_state)
+    problems = []
+    for pid in _shim_pids(paths):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # Mounts under the node's directories (container root filesystems, shm, tokens), deepest first.
+    ours = (str(workdir), "/run/netns", "/var/run/netns", "/run/containerd", "/var/lib/kubelet")
+    for m in sorted((m for m in set(_mount_points()) - set(before.mounts) if m.startswith(ours)), key=len, reverse=True):
+        if _run(["umount", "-l", m], check=False).returncode != 0:
+            problems.append(f"could not unmount {m}")
+    netns = Path("/var/run/netns")
+    if netns.is_dir() and "/var/run/netns" not in before.paths and "/run/netns" not in before.paths:
+        for ns in netns.iterdir():
+            _run(["umount", str(ns)], check=False)
+            ns.unlink(missing_ok=True)
+    if _bridge_exists():
+        _run(["ip", "link", "delete", BRIDGE], check=False)
+    for link in sorted(set(_links()) - set(before.links)):
+        _run(["ip", "link", "delete", link], check=False)  # a pod's veth left by a killed shim
+    for tool, saved in before.iptables.items():
+        # iptables-restore replaces only the tables it is given: the ones the node brought (nat, mangle,
+        # ... on a host that had none) are given empty, which drops their rules and chains; with the
+        # nf_tables backend the then empty tables themselves are deleted too.
+        brought = sorted(_tables(_run([f"{tool}-save"]).stdout) - _tables(saved))
+        proc = subprocess.run([f"{tool}-restore"], input=saved + "".join(f"*{t}\nCOMMIT\n" for t in brought),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            problems.append(f"{tool}-restore failed: {proc.stderr.strip()}")
+        if shutil.which("nft") and "nf_tables" in _run([tool, "--version"]).stdout:
+            for t in brought:
+                _run(["nft", "delete", "table", "ip" if tool == "iptables" else "ip6", t], check=False)
+    for name, value in before.sysctls.items():
+        try:
+            if _sysctl_path(name).read_text().strip() != value:
+                _sysctl_path(name).write_text(value + "\n")
+        except OSError as exc:
+            problems.append(f"sysctl {name}: {exc}")
+    for h in cgroup_hierarchies():
+        for g in sorted(set(d.name for d in h.iterdir() if d.is_dir()) - set(before.cgroups.get(str(h), []))):
+            problems += _remove_cgroup(h / g)
+    for p in HOST_PATHS:
+        if os.path.lexists(p) and p not in before.paths:
+            shutil.rmtree(p, ignore_errors=True)
+    now = HostState.capture()
+    return problems + before.differences(now)
+
+
+def _remove_cgroup(top: Path) -> list[str]:
+    """rmdir a cgroup tree deepest first; a group with tasks left gets them killed first (a shim's)."""
+    import signal
+
+    problems = []
+    for d in sorted((p for p in [top, *top.rglob("*")] if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        for attempt in range(50):
+            try:
+                d.rmdir()
+                break
+            except OSError:
+                for pid in (d / "cgroup.procs").read_text().split() if (d / "cgroup.procs").exists() else []:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                time.sleep(0.1)
+        else:
+            problems.append(f"could not remove cgroup {d}")
+    return problems

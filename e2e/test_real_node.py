@@ -1,0 +1,162 @@
+"""The lab's real kubelet node (`up --with kubelet`, e2e/lab/realnode.py): real containers from the images
+the lab builds from the Dockerfiles (e2e/lab/images.py), and a host put back as it was by `down`.
+
+Opt-in (FINETUNE_LAB_REAL_NODE=1): it needs root, Debian's containerd/runc/CNI plugins, mmdebstrap and
+umoci, and changes host-wide state (a bridge, iptables, sysctls, cgroups) while it runs; see e2e/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("FINETUNE_LAB_REAL_NODE", "") in ("", "0"),
+    reason="the real node is opt-in: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins, mmdebstrap, umoci)")]
+
+
+@pytest.fixture(scope="module")
+def node_lab():
+    from e2e.lab import images
+    from e2e.lab.build import build_node
+    from e2e.lab.cluster import up
+    from e2e.lab.realnode import HostState
+
+    build_node()
+    images.build_all(only=("operator",))
+    before = HostState.capture()
+    lab = up(die_with_parent=True, components=("kubelet",))
+    try:
+        yield lab, before
+    finally:
+        if lab.procs:
+            lab.down()
+
+
+def _pod(name: str, image: str, command: list[str], **container) -> dict:
+    from e2e.lab.realnode import RUNNER_KUBELET, RUNNER_LABEL
+
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {RUNNER_LABEL: RUNNER_KUBELET},
+            "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True},
+            "containers": [{"name": "main", "image": image, "imagePullPolicy": "IfNotPresent",
+                            "command": command, **container}],
+        },
+    }
+
+
+def _wait_terminated(lab, ns: str, name: str, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pod = json.loads(lab.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout)
+        for cs in pod.get("status", {}).get("containerStatuses") or []:
+            if "terminated" in cs.get("state", {}):
+                return pod
+        time.sleep(1)
+    raise AssertionError(f"pod {name} did not end in {timeout}s: {json.dumps(pod.get('status'))[:2000]}")
+
+
+# What a pod checks from inside: its identity, cluster DNS, and the API server through the `kubernetes`
+# Service with its own ServiceAccount token (a real bound token, mounted by the kubelet).
+PROBE = r"""
+import json, os, socket, ssl, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+ctx = ssl.create_default_context(cafile=f"{sa}/ca.crt")
+req = urllib.request.Request("https://kubernetes.default.svc/api/v1/namespaces/" + open(f"{sa}/namespace").read()
+                             + "/pods", headers={"Authorization": "Bearer " + open(f"{sa}/token").read()})
+try:
+    status = urllib.request.urlopen(req, context=ctx, timeout=10).status
+except urllib.error.HTTPError as exc:
+    status = exc.code
+print(json.dumps({"uid": os.getuid(), "dns": socket.gethostbyname("kubernetes.default.svc.cluster.local"),
+                  "api": status, "shm": os.statvfs("/dev/shm").f_bsize > 0}))
+"""
+
+
+def test_a_pod_runs_as_a_real_container_with_dns_and_the_api_server(node_lab):
+    from e2e.lab import images
+    from e2e.lab.realnode import NODE_NAME
+
+    lab, _ = node_lab
+    ns = f"real-{uuid.uuid4().hex[:5]}"
+    lab.kubectl("create", "namespace", ns)
+    image = images.image_names()["operator"][0]
+    lab.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_pod("probe", image, ["python", "-c", PROBE])))
+    pod = _wait_terminated(lab, ns, "probe")
+    assert pod["spec"]["nodeName"] == NODE_NAME
+    state = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    logs = lab.kubectl("logs", "-n", ns, "probe").stdout  # through the kubelet's own log endpoint
+    assert state["exitCode"] == 0, logs
+    seen = json.loads(logs.strip().splitlines()[-1])
+    # 403: the API server authenticated the pod's token as system:serviceaccount:<ns>:default (no RBAC to list).
+    assert seen == {"uid": 1000, "dns": "10.96.0.1", "api": 403, "shm": True}
+
+
+def test_a_container_over_its_memory_limit_is_oomkilled_by_the_kubelet(node_lab):
+    from e2e.lab import images
+
+    lab, _ = node_lab
+    ns = f"oom-{uuid.uuid4().hex[:5]}"
+    lab.kubectl("create", "namespace", ns)
+    image = images.image_names()["operator"][0]
+    hog = "x = bytearray(400 * 2**20); import time; time.sleep(5)"
+    lab.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_pod(
+        "hog", image, ["python", "-c", hog], resources={"limits": {"memory": "128Mi", "cpu": "500m"}})))
+    state = _wait_terminated(lab, ns, "hog")["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (state["reason"], state["exitCode"]) == ("OOMKilled", 137)
+
+
+def test_crictl_sees_the_node_s_containers(node_lab):
+    from e2e.lab.build import Installation
+    from e2e.lab.realnode import NodePaths
+
+    lab, _ = node_lab
+    paths = NodePaths(lab.workdir / "node")
+    out = os.popen(f"{Installation(lab.node_home).binary('crictl')} --runtime-endpoint={paths.endpoint}"
+                   " ps -a -o json").read()
+    names = {c["metadata"]["name"] for c in json.loads(out)["containers"]}
+    assert "main" in names
+
+
+def test_the_chart_runs_the_operator_as_real_pods(node_lab):
+    """`helm install` as a platform team would, pinned to the real node: two replicas of the operator
+    image, their ServiceAccount tokens, probes and one leader through the Lease."""
+    import subprocess
+
+    from e2e.lab.realnode import NODE_NAME, RUNNER_KUBELET, RUNNER_LABEL
+    from e2e.operator_harness import CHART, RELEASE, RELEASE_NAMESPACE
+
+    lab, _ = node_lab
+    t0 = time.monotonic()
+    proc = subprocess.run([
+        lab.binary("helm"), "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+        "--create-namespace", "--wait", "--timeout=5m",
+        "--set-json", json.dumps({RUNNER_LABEL: RUNNER_KUBELET}).join(["nodeSelector=", ""]),
+        "--set-json", "tolerations=" + json.dumps([{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}]),
+    ], env=lab.env(), capture_output=True, text=True, timeout=400)
+    pods = json.loads(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "json").stdout)["items"]
+    assert proc.returncode == 0, f"{proc.stderr}\n{json.dumps([p['status'] for p in pods])[:3000]}"
+    print(f"real node: chart installed, 2 operator pods Ready in {time.monotonic() - t0:.1f}s")
+    print(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide").stdout)
+    assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} == {NODE_NAME}
+    assert all(c["ready"] for p in pods for c in p["status"]["containerStatuses"])
+    lease = json.loads(lab.kubectl("get", "lease", "-n", RELEASE_NAMESPACE, "finetune-operator", "-o", "json").stdout)
+    assert lease["spec"]["holderIdentity"].startswith(tuple(p["metadata"]["name"] for p in pods))
+
+
+def test_down_puts_the_host_back(node_lab):
+    lab, before = node_lab
+    lab.down()
+    lab.procs.clear()
+    from e2e.lab.realnode import HostState
+
+    assert lab.host_left == []
+    assert before.differences(HostState.capture()) == []
