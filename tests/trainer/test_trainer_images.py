@@ -66,7 +66,9 @@ def test_operator_image_has_no_torch():
     copies = [args for kind, args in steps if kind == "COPY"]
     trainer_files = [p for c in copies for p in c.split() if p.startswith("images/trainer")]
     assert sorted(trainer_files) == ["images/trainer/finetune_trainer/__init__.py",
-                                     "images/trainer/finetune_trainer/contract.py"]
+                                     "images/trainer/finetune_trainer/contract.py",
+                                     "images/trainer/finetune_trainer/memory_levers",
+                                     "images/trainer/finetune_trainer/rules.py"]
     # What `pip install .` pulls in: the base dependencies.
     base = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in base}
@@ -86,14 +88,18 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_operator_code_and_the_contract_import_nothing_heavy():
     files = list((REPO / "operator" / "finetune_operator").rglob("*.py"))
-    shared = ["contract", "combinations"]  # the trainer modules the operator imports (pure Python)
-    files += [REPO / "images" / "trainer" / "finetune_trainer" / f"{name}.py" for name in shared]
+    # The trainer modules the operator imports (pure Python), and the package of the levers' registry.
+    shared = ["contract", "combinations", "rules", "memory_levers"]
+    package = REPO / "images" / "trainer" / "finetune_trainer"
+    levers = sorted((package / "memory_levers").glob("*.py"))
+    files += [package / f"{name}.py" for name in shared if name != "memory_levers"] + levers
     for path in files:
         heavy = imported_modules(path) & HEAVY
         assert not heavy, f"{path.relative_to(REPO)} imports {heavy}"
-    # The operator reaches into the trainer package only for the contract and the combination rules.
+    # The operator reaches into the trainer package only for the contract, the combination rules and
+    # the levers' registry.
     allowed = {f"finetune_trainer.{name}" for name in shared}
-    for path in files[:-len(shared)]:
+    for path in files[:-(len(shared) - 1 + len(levers))]:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finetune_trainer"):

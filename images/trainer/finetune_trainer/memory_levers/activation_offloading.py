@@ -5,6 +5,7 @@ checkpointing keeps go to host memory in forward and come back for the recompute
 
 from __future__ import annotations
 
+from ..rules import Rule, one_of
 from .lever import Lever, Setting
 
 
@@ -16,6 +17,11 @@ def _ask(training, method: str, logit_transform: bool) -> tuple[tuple[bool, ...]
 
 def _settings(freedom: tuple[bool, ...], base) -> tuple[Setting, ...]:
     return tuple({"activation_offloading": on} for on in freedom)
+
+
+def _transfer_bytes(arch, micro: int, sequence_length: int) -> float:
+    # Every block input goes to the host in forward and comes back in backward (bf16, out and back).
+    return 2 * arch.num_layers * arch.hidden_size * micro * sequence_length * 2
 
 
 def _sized(training, method: str, arch, notes: list) -> dict:
@@ -38,8 +44,14 @@ LEVER = Lever(
     auto={"activation_offloading": None},
     ask=_ask,
     settings=_settings,
+    rules=(
+        Rule("activation-offload-checkpointing",
+             {"activation_offloading": one_of(True), "gradient_checkpointing": one_of(False)}, "activation_offloading",
+             "activation offloading moves checkpointed activations: it needs gradient checkpointing"),
+    ),
     quality_cost=1,  # time (host transfers), nothing of the result
     host_memory=True,
+    host_transfer_bytes=_transfer_bytes,
     sized=_sized,
     rung="activationOffloading",
     rung_after="sharding",

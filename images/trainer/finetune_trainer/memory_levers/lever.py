@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..rules import Rule
+
 # A lever's setting as one planner setting reads it: its fields and their values
 # (the master weights lever: {"master_weights": "bf16", "update_rounding": "stochastic"}).
 Setting = Mapping[str, Any]
@@ -46,6 +48,9 @@ class Lever:
     """(the freedom `ask` gave, the group's combinations.Choices) -> the settings the planner tries."""
     choice_values: Callable[[Setting], dict[str, Any]] = same_names
     """A setting (None where not decided yet) as the combinations.Choices fields it decides."""
+    rules: tuple[Rule, ...] = ()
+    """Its combination rules: combinations.RULES lists them (the API's validators and the CRD's CEL,
+    the trainer config, the memory model and the planner all ask that table)."""
     quality_cost: int = 0
     """What the lever gives up when in use, for the tie-break between plans of equal cost
     (higher: worse)."""
@@ -55,6 +60,9 @@ class Lever:
     """In use, the lever rules out gradient clipping by global norm (the trainer's maxGradNorm is 0)."""
     host_memory: bool = False
     """In use, the lever keeps state in host memory: after a host OOM recovery may turn it off."""
+    host_transfer_bytes: Callable[[Any, int, int], float] | None = None
+    """(architecture, micro-batch, sequence length) -> bytes it moves over PCIe per micro-batch in
+    use, which the planner prices as time."""
     traced_by_profile: bool = False
     """Whether the pre-flight profile can size it in use (otherwise only its off setting)."""
     # ---- sizing a job as it stands --------------------------------------------------------

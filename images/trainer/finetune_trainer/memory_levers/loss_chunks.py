@@ -5,6 +5,7 @@ unless the model transforms its logits after the head (which the chunks would by
 
 from __future__ import annotations
 
+from ..rules import Rule, one_of
 from .lever import Lever, Setting
 
 # What `training.lossChunks: auto` means (torchtune's 8 chunks).
@@ -51,6 +52,12 @@ LEVER = Lever(
     ask=_ask,
     settings=_settings,
     choice_values=_choice_values,
+    rules=(
+        Rule("chunked-loss-logit-transform", {"chunked_loss": one_of(True), "logit_transform": one_of(True)},
+             "chunked_loss",
+             "the model changes its logits after the output projection (soft-capping or a logit scale), which the"
+             " chunked loss would bypass: use lossChunks 1"),
+    ),
     quality_cost=0,  # the same loss
     traced_by_profile=True,  # it only lowers the logits' peak: the plain loss's measured figure over-estimates it
     sized=_sized,

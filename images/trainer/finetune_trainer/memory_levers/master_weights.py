@@ -7,6 +7,7 @@ last, only when more GPUs cannot help."""
 
 from __future__ import annotations
 
+from ..rules import BNB_OPTIMIZERS, ZERO, Rule, one_of
 from .lever import Lever, Setting
 
 _Freedom = tuple[tuple[str, ...], "str | None"]  # (master weights to try, the rounding or None: auto)
@@ -62,6 +63,21 @@ LEVER = Lever(
     auto={"master_weights": "auto", "update_rounding": "auto"},
     ask=_ask,
     settings=_settings,
+    rules=(
+        Rule("bf16-master-adapters", {"master_weights": one_of("bf16"), "method": one_of("lora", "qlora")},
+             "master_weights", "bf16 master weights apply to full fine-tuning; LoRA adapters always train in fp32"),
+        Rule("bf16-master-precision", {"master_weights": one_of("bf16"), "precision": one_of("fp16", "fp32")},
+             "master_weights", "bf16 master weights need precision bf16"),
+        Rule("bf16-master-zero", {"master_weights": one_of("bf16"), "strategy": ZERO}, "master_weights",
+             "DeepSpeed ZeRO keeps fp32 master weights; bf16 master weights need ddp or fsdp"),
+        Rule("rounding-bnb", {"update_rounding": one_of("stochastic", "kahan"), "optimizer": BNB_OPTIMIZERS},
+             "update_rounding",
+             "stochastic and kahan rounding are done by the trainer's bf16 AdamW; bitsandbytes 8-bit optimizers"
+             " round their own updates: use nearest (or optimizer adamw)"),
+        Rule("rounding-fp32-master", {"update_rounding": one_of("stochastic", "kahan"),
+                                      "master_weights": one_of("fp32")},
+             "update_rounding", "stochastic and kahan rounding compensate bf16 updates: they need bf16 master weights"),
+    ),
     quality_cost=4,  # the low bits of each update (rounding compensates in part)
     sized=_sized,
     rung="masterWeights",

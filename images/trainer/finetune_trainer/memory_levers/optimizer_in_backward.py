@@ -5,6 +5,7 @@ gradient accumulation 1 and rules out clipping by global norm."""
 
 from __future__ import annotations
 
+from ..rules import OFFLOADING, ZERO, AtLeast, Rule, one_of
 from .lever import Lever, Setting
 
 
@@ -40,6 +41,20 @@ LEVER = Lever(
     auto={"optimizer_in_backward": None},
     ask=_ask,
     settings=_settings,
+    rules=(
+        Rule("oib-zero", {"optimizer_in_backward": one_of(True), "strategy": ZERO}, "optimizer_in_backward",
+             "the optimizer step in backward needs ddp or fsdp; DeepSpeed ZeRO runs its own optimizer step"),
+        Rule("oib-accumulation", {"optimizer_in_backward": one_of(True), "gradient_accumulation": AtLeast(2)},
+             "optimizer_in_backward",
+             "the optimizer step in backward needs gradient accumulation 1 (each gradient is applied and freed as"
+             " soon as it exists): globalBatchSize must equal microBatchSize x GPUs"),
+        Rule("oib-offload", {"optimizer_in_backward": one_of(True), "offload": OFFLOADING}, "optimizer_in_backward",
+             "the optimizer step in backward runs on the GPU; it cannot be combined with offload"),
+        Rule("oib-clipping", {"optimizer_in_backward": one_of(True), "gradient_clipping": one_of(True)},
+             "optimizer_in_backward",
+             "the optimizer step in backward cannot clip by global norm (no moment holds all gradients): set"
+             " maxGradNorm 0"),
+    ),
     quality_cost=2,  # no gradient clipping
     whole_batch=True,
     stops_clipping=True,
