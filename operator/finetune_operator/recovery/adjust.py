@@ -599,10 +599,9 @@ def describe_change(old: api.PlanStatus, new: Plan) -> str:
     if new.offload != old.offload:
         parts.append(f"offload {old.offload} -> {new.offload}")
     for lever in _LEVERS_BY_RUNG:
-        if lever.describe_change is not None:
-            change = lever.describe_change(lever.setting_of(old), lever.setting_of(new))
-            if change:
-                parts.append(change)
+        change = lever.change_between(lever.setting_of(old), lever.setting_of(new))
+        if change:
+            parts.append(change)
     if new.gpus != old.gpus or new.pool.name != old.node_pool:
         parts.append(
             f"GPUs {old.gpus} x {old.gpu_type} ({old.node_pool}) -> {new.gpus} x {new.gpu_type} ({new.pool.name})"

@@ -17,7 +17,7 @@ from itertools import product
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
-from .lever import Lever, Setting
+from .lever import Lever, Setting, camel
 
 # In the order the plan's words and its list of savings name them.
 LEVERS: tuple[Lever, ...] = (
@@ -110,7 +110,7 @@ def lever_options(ask: LeverAsk, base: Any, *, accumulation_one: bool,
     """Every lever setting the job allows with `base` (a combinations.Choices of the method,
     strategy, offload, optimizer, precision, checkpointing...) that `allows` accepts.
     `accumulation_one`: whether the group can run with gradient accumulation 1 (`Lever.whole_batch`)."""
-    per_lever = [lever.settings(freedom, base) for lever, freedom in zip(LEVERS, ask.freedoms)] if ask.freedoms \
+    per_lever = [lever.settings_for(freedom, base) for lever, freedom in zip(LEVERS, ask.freedoms)] if ask.freedoms \
         else [(dict(lever.off),) for lever in LEVERS]
     found = []
     for settings in product(*per_lever):
@@ -194,14 +194,8 @@ def sized_fields(training: Any, method: str, arch: Any, notes: list) -> dict[str
     """The TrainingSetup fields of the levers for sizing a job as it stands (`Lever.sized`)."""
     found: dict[str, Any] = {}
     for lever in LEVERS:
-        found.update(lever.sized(training, method, arch, notes))
+        found.update(lever.sized_for(training, method, arch, notes))
     return found
-
-
-def camel(name: str) -> str:
-    """A lever field as the API, the plan status and the trainer config spell it."""
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
 
 
 def config_fields() -> dict[str, str]:

@@ -22,6 +22,13 @@ def _no_words(values: Setting) -> str:
     return ""
 
 
+def switch_ask(value: bool | None) -> tuple[tuple[bool, ...], bool]:
+    """An on/off lever's freedom: unset, the planner tries off and on; set, that value (the job's)."""
+    if value is None:
+        return (False, True), False
+    return (value,), True
+
+
 def same_names(setting: Setting) -> dict[str, Any]:
     """The combinations.Choices fields of a setting whose fields Choices reads under their own names."""
     return dict(setting)
@@ -44,8 +51,9 @@ class Lever:
     ask: Callable[[Any, str, bool], tuple[tuple[Setting, ...] | Any, bool]]
     """(spec.training, method, the model transforms its logits) -> (what the job allows, fixed):
     the hashable freedom `settings` expands, and whether the job set the lever itself."""
-    settings: Callable[[Any, Any], tuple[Setting, ...]]
-    """(the freedom `ask` gave, the group's combinations.Choices) -> the settings the planner tries."""
+    settings: Callable[[Any, Any], tuple[Setting, ...]] | None = None
+    """(the freedom `ask` gave, the group's combinations.Choices) -> the settings the planner tries;
+    None: the freedom is the values of the lever's one field."""
     choice_values: Callable[[Setting], dict[str, Any]] = same_names
     """A setting (None where not decided yet) as the combinations.Choices fields it decides."""
     rules: tuple[Rule, ...] = ()
@@ -68,7 +76,8 @@ class Lever:
     # ---- sizing a job as it stands --------------------------------------------------------
     sized: Callable[[Any, str, Any, list], dict[str, Any]] | None = None
     """(spec.training, method, architecture, notes) -> its TrainingSetup fields for `estimate`, a
-    note appended for each `auto` sized plainly."""
+    note appended for each `auto` sized plainly; None: its one field as the job sets it, off (with a
+    note) when left to the planner."""
     # ---- recovery ---------------------------------------------------------------------------
     rung: str | None = None
     """Its rung in spec.recovery.allowedAdjustments; None: recovery never frees it."""
@@ -89,7 +98,8 @@ class Lever:
     change: str = ""
     """How a plan's list of changes names it when it turns it on unasked ("" : never a change)."""
     describe_change: Callable[[Setting, Setting], str] | None = None
-    """(the failed plan's setting, the next one's) -> what recovery changed, for a person."""
+    """(the failed plan's setting, the next one's) -> what recovery changed, for a person ("": no
+    change); None: an on/off lever, "turned on <phrase>"."""
 
     def setting_of(self, values: Any) -> dict[str, Any]:
         """Its fields read off anything that has them as attributes (a Plan, a status, a setup)."""
@@ -97,3 +107,33 @@ class Lever:
 
     def in_use(self, values: Any) -> bool:
         return getattr(values, self.name) != self.off[self.name]
+
+    def settings_for(self, freedom: Any, base: Any) -> tuple[Setting, ...]:
+        """The settings the planner tries (`settings`)."""
+        if self.settings is not None:
+            return self.settings(freedom, base)
+        return tuple({self.name: value} for value in freedom)
+
+    def sized_for(self, training: Any, method: str, arch: Any, notes: list) -> dict[str, Any]:
+        """Its TrainingSetup fields for sizing a job as it stands (`sized`)."""
+        if self.sized is not None:
+            return self.sized(training, method, arch, notes)
+        value = getattr(training, self.name)
+        if value == self.auto[self.name]:
+            value = self.off[self.name]
+            notes.append(f"training.{camel(self.name)} is unset: sized without {self.phrase}")
+        return {self.name: value}
+
+    def change_between(self, old: Setting, new: Setting) -> str:
+        """What recovery changed of this lever ("": nothing; `describe_change`)."""
+        if self.describe_change is not None:
+            return self.describe_change(old, new)
+        if new == old:
+            return ""
+        return "turned " + ("on" if new[self.name] != self.off[self.name] else "off") + f" {self.phrase}"
+
+
+def camel(name: str) -> str:
+    """A lever field as the API, the plan status and the trainer config spell it."""
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)

@@ -22,10 +22,6 @@ def _ask(training, method: str, logit_transform: bool) -> tuple[tuple[int, ...],
     return (training.loss_chunks,), True
 
 
-def _settings(freedom: tuple[int, ...], base) -> tuple[Setting, ...]:
-    return tuple({"loss_chunks": chunks} for chunks in freedom)
-
-
 def _choice_values(setting: Setting) -> dict:
     # combinations.py reads whether the loss is chunked, not into how many chunks.
     chunks = setting["loss_chunks"]
@@ -39,6 +35,10 @@ def _sized(training, method: str, arch, notes: list) -> dict:
     return {"loss_chunks": chunks}
 
 
+def _words(setting: Setting) -> str:
+    return f"loss in {setting['loss_chunks']} chunks"
+
+
 def _describe_change(old: Setting, new: Setting) -> str:
     if new["loss_chunks"] == old["loss_chunks"]:
         return ""
@@ -50,7 +50,6 @@ LEVER = Lever(
     off={"loss_chunks": 1},
     auto={"loss_chunks": "auto"},
     ask=_ask,
-    settings=_settings,
     choice_values=_choice_values,
     rules=(
         Rule("chunked-loss-logit-transform", {"chunked_loss": one_of(True), "logit_transform": one_of(True)},
@@ -65,7 +64,7 @@ LEVER = Lever(
     rung_after="gradientCheckpointing",
     label="chunked loss",
     phrase="the chunked loss",
-    words=lambda setting: f"loss in {setting['loss_chunks']} chunks",
+    words=_words,
     in_reasons=False,
     describe_change=_describe_change,
 )

@@ -6,25 +6,15 @@ gradient accumulation 1 and rules out clipping by global norm."""
 from __future__ import annotations
 
 from ..rules import OFFLOADING, ZERO, AtLeast, Rule, one_of
-from .lever import Lever, Setting
+from .lever import Lever, Setting, switch_ask
 
 
 def _ask(training, method: str, logit_transform: bool) -> tuple[tuple[bool, ...], bool]:
-    if training.optimizer_in_backward is None:
-        return (False, True), False
-    return (training.optimizer_in_backward,), True
+    return switch_ask(training.optimizer_in_backward)
 
 
-def _settings(freedom: tuple[bool, ...], base) -> tuple[Setting, ...]:
-    return tuple({"optimizer_in_backward": on} for on in freedom)
-
-
-def _sized(training, method: str, arch, notes: list) -> dict:
-    oib = training.optimizer_in_backward
-    if oib is None:
-        oib = False
-        notes.append("training.optimizerInBackward is unset: sized without the optimizer step in backward")
-    return {"optimizer_in_backward": oib}
+def _words(setting) -> str:
+    return "optimizer step in backward"
 
 
 def _describe_change(old: Setting, new: Setting) -> str:
@@ -40,7 +30,6 @@ LEVER = Lever(
     off={"optimizer_in_backward": False},
     auto={"optimizer_in_backward": None},
     ask=_ask,
-    settings=_settings,
     rules=(
         Rule("oib-zero", {"optimizer_in_backward": one_of(True), "strategy": ZERO}, "optimizer_in_backward",
              "the optimizer step in backward needs ddp or fsdp; DeepSpeed ZeRO runs its own optimizer step"),
@@ -58,13 +47,12 @@ LEVER = Lever(
     quality_cost=2,  # no gradient clipping
     whole_batch=True,
     stops_clipping=True,
-    sized=_sized,
     rung="optimizerInBackward",
     rung_after="offload",
     keeps_explicit=True,
     label="optimizer step in backward",
     phrase="the optimizer step in backward",
-    words=lambda setting: "optimizer step in backward",
+    words=_words,
     change="optimizer step in backward",
     describe_change=_describe_change,
 )
