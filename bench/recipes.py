@@ -34,6 +34,7 @@ from finetune_operator import api  # noqa: E402
 from finetune_operator.planning import ClusterPolicy, Infeasible, load_catalog, plan_job  # noqa: E402
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
 from finetune_operator.sizing import constants as K  # noqa: E402
+from finetune_trainer.memory_levers import LEVERS, camel  # noqa: E402
 
 GIB = 1 << 30
 REGION = "eu-de-berlin"
@@ -55,7 +56,8 @@ LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "
 LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
              "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
-LEVERS_OFF = {"masterWeights": "fp32", "optimizerInBackward": False, "lossChunks": 1, "activationOffloading": False}
+# spec.training with every lever off (each lever's own field; its companions follow it).
+LEVERS_OFF = {camel(lever.name): lever.off[lever.name] for lever in LEVERS}
 
 
 @dataclass

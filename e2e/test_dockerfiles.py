@@ -60,7 +60,10 @@ def test_the_operator_image_leaves_the_training_code_out():
     # The point of its partial COPY: no torch-importing trainer modules in the operator image.
     files = {f.relative_to(REPO_ROOT).as_posix() for f in copied_files(DOCKERFILES[0])}
     trainer = {f for f in files if f.startswith("images/trainer/")}
-    assert trainer == {f"images/trainer/finetune_trainer/{m}.py" for m in ("__init__", "contract", "combinations", "failures")}
+    levers = {f.relative_to(REPO_ROOT).as_posix()
+              for f in (REPO_ROOT / "images/trainer/finetune_trainer/memory_levers").glob("*.py")}
+    assert trainer == {f"images/trainer/finetune_trainer/{m}.py"
+                       for m in ("__init__", "contract", "combinations", "failures", "rules")} | levers
     assert not any("__pycache__" in f for f in files), ".dockerignore keeps build outputs out"
 
 

@@ -31,6 +31,7 @@ from pydantic.alias_generators import to_camel
 
 from finetune_trainer.combinations import STRATEGIES, Choices, cel_rules, first_violation
 from finetune_trainer.failures import ATTEMPT_OUTCOMES
+from finetune_trainer.memory_levers import choice_values, config_fields, ladder
 
 GROUP = "finetune.dev"
 VERSION = "v1alpha1"
@@ -737,33 +738,13 @@ class PlacementSpec(ApiModel):
         return value
 
 
-Adjustment = Literal[
-    "gradientCheckpointing",
-    "chunkedLoss",
-    "microBatch",
-    "sharding",
-    "activationOffloading",
-    "optimizer8bit",
-    "offload",
-    "optimizerInBackward",
-    "moreGPUs",
-    "masterWeights",
-    "hostMemory",
-    "method",
-]
-DEFAULT_ADJUSTMENTS: list[str] = [
-    "gradientCheckpointing",
-    "chunkedLoss",
-    "microBatch",
-    "sharding",
-    "activationOffloading",
-    "optimizer8bit",
-    "offload",
-    "optimizerInBackward",
-    "moreGPUs",
-    "masterWeights",
-    "hostMemory",
-]
+# The recovery ladder (recovery/adjust.py climbs it in this order; hostMemory is the host-OOM
+# remedy), with each memory lever's rung placed after the rung it names (memory_levers.ladder).
+ADJUSTMENTS: tuple[str, ...] = ladder(
+    ("gradientCheckpointing", "microBatch", "sharding", "optimizer8bit", "offload", "moreGPUs", "hostMemory", "method"))
+Adjustment = Literal[ADJUSTMENTS]  # type: ignore[valid-type]
+# Every adjustment but `method` (switching to QLoRA changes what is trained: only when listed).
+DEFAULT_ADJUSTMENTS: list[str] = [name for name in ADJUSTMENTS if name != "method"]
 
 
 class BackoffSpec(ApiModel):
@@ -857,13 +838,9 @@ CHOICE_PATHS: dict[str, str] = {
     "offload": "resources.offload",
     "optimizer": "training.optimizer",
     "precision": "training.precision",
-    "master_weights": "training.masterWeights",
-    "update_rounding": "training.updateRounding",
-    "optimizer_in_backward": "training.optimizerInBackward",
     "gradient_checkpointing": "training.gradientCheckpointing",
-    "activation_offloading": "training.activationOffloading",
     "target_experts": "lora.targetExperts",
-    "chunked_loss": "training.lossChunks",
+    **{choice: f"training.{field}" for choice, field in config_fields().items()},
 }
 
 
@@ -884,14 +861,10 @@ def spec_choices(spec: "FineTuneJobSpec") -> Choices:
         offload=_fixed(resources.offload),
         optimizer=training.optimizer,
         precision=training.precision,
-        master_weights=_fixed(training.master_weights),
-        update_rounding=_fixed(training.update_rounding),
-        optimizer_in_backward=training.optimizer_in_backward,
         gradient_accumulation=accumulation,
         gradient_checkpointing=training.gradient_checkpointing,
-        activation_offloading=training.activation_offloading,
         target_experts=spec.lora.target_experts if spec.lora is not None else None,
-        chunked_loss=None if training.loss_chunks == "auto" else training.loss_chunks > 1,
+        **choice_values(training, auto_is_none=True),
     )
 
 

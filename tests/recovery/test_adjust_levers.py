@@ -28,6 +28,17 @@ def test_lever_rungs_come_in_the_order_of_what_they_give_up():
     assert set(api.DEFAULT_ADJUSTMENTS) >= {"chunkedLoss", "activationOffloading", "optimizerInBackward", "masterWeights"}
 
 
+def test_one_ladder_the_api_and_recovery_share():
+    # The ladder is written once (api.ADJUSTMENTS, each lever's rung placed by its registry entry):
+    # recovery climbs exactly it (hostMemory is the host-OOM remedy), the default allows all but `method`.
+    assert [r.name for r in LADDER] == [a for a in api.ADJUSTMENTS if a != "hostMemory"]
+    assert api.DEFAULT_ADJUSTMENTS == [a for a in api.ADJUSTMENTS if a != "method"]
+    assert api.ADJUSTMENTS == ("gradientCheckpointing", "chunkedLoss", "microBatch", "sharding",
+                               "activationOffloading", "optimizer8bit", "offload", "optimizerInBackward", "moreGPUs",
+                               "masterWeights", "hostMemory", "method")
+    assert api.RecoverySpec.model_fields["allowed_adjustments"].default == api.DEFAULT_ADJUSTMENTS
+
+
 def test_chunked_loss_rung_alone_rescues_a_long_sequence_lora():
     extra = {"training__sequenceLength": 8192}
     failed = _first(spec_of(LORA, **extra))  # the plain loss (the job turns the levers off)

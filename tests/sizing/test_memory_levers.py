@@ -9,7 +9,8 @@ import pytest
 
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
 from finetune_operator.sizing import constants as K
-from finetune_operator.sizing.memory import lever_savings, levers_in_use
+from finetune_operator.sizing.memory import lever_savings
+from finetune_trainer.memory_levers import in_use as levers_in_use
 
 L8 = ModelArchitecture.from_preset("llama-3.1-8b")
 P8 = L8.total_params

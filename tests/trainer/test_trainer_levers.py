@@ -399,16 +399,16 @@ def test_qlora_under_fsdp_stores_4bit_in_the_compute_dtype_and_uses_accelerate_f
 
 
 def test_levers_line():
-    from finetune_trainer.levers import Levers
+    from finetune_trainer.levers import StartupLevers
 
     cfg = config(masterWeights="bf16", updateRounding="kahan", optimizerInBackward=True, maxGradNorm=0,
                  lossChunks=8, gradientCheckpointing=True, activationOffloading=True)
-    assert Levers.of(cfg).fields() == {
+    assert StartupLevers.of(cfg).fields() == {
         "masterWeights": "bf16", "updateRounding": "kahan", "optimizer": "adamw", "optimizerInBackward": True,
         "lossChunks": 8, "gradientCheckpointing": True, "activationOffloading": True, "loraTargetExperts": False,
         "qloraSharded": False, "offload": False}
-    assert Levers.of(config(method="lora")).fields()["masterWeights"] == "fp32 (adapters)"
-    assert Levers.of(config(method="qlora", strategy="fsdp")).fields()["qloraSharded"] is True
+    assert StartupLevers.of(config(method="lora")).fields()["masterWeights"] == "fp32 (adapters)"
+    assert StartupLevers.of(config(method="qlora", strategy="fsdp")).fields()["qloraSharded"] is True
 
 
 def test_contract_rules_for_the_levers_name_the_field():

@@ -18,6 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Iterable, Mapping
 
+from .memory_levers import LEVERS
+from .rules import BNB_OPTIMIZERS, OFFLOADING, ZERO, AtLeast, Rule
+from .rules import one_of as _set
+
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
@@ -26,10 +30,6 @@ STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 MASTER_WEIGHTS = ("fp32", "bf16")
 UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
-
-ZERO = frozenset({"zero1", "zero2", "zero3"})
-BNB_OPTIMIZERS = frozenset({"adamw-8bit", "paged-adamw-8bit"})
-OFFLOADING = frozenset({"optimizer", "optimizer+params"})
 
 
 @dataclass(frozen=True)
@@ -57,37 +57,6 @@ class Choices:
         return replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class AtLeast:
-    """A condition on a number: broken from `minimum` on."""
-
-    minimum: int
-
-    def __contains__(self, value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A combination that cannot run: every field of `when` has a value in its set."""
-
-    name: str
-    when: Mapping[str, frozenset | AtLeast]
-    blame: str  # the field to change
-    message: str
-
-    def broken_by(self, choices: Choices) -> bool:
-        for name, values in self.when.items():
-            value = getattr(choices, name)
-            if value is None or value not in values:
-                return False
-        return True
-
-
-def _set(*values: Any) -> frozenset:
-    return frozenset(values)
-
-
 RULES: tuple[Rule, ...] = (
     # ---- strategy x offload -----------------------------------------------------------
     Rule("ddp-offload", {"strategy": _set("ddp"), "offload": OFFLOADING}, "offload",
@@ -107,39 +76,8 @@ RULES: tuple[Rule, ...] = (
          "strategy fsdp computes in bf16 (or fp32), not fp16"),
     Rule("bnb-zero", {"optimizer": BNB_OPTIMIZERS, "strategy": ZERO}, "optimizer",
          "bitsandbytes 8-bit optimizers do not run under DeepSpeed ZeRO; use adamw (or ddp/fsdp)"),
-    # ---- master weights and update rounding ------------------------------------------
-    Rule("bf16-master-adapters", {"master_weights": _set("bf16"), "method": _set("lora", "qlora")}, "master_weights",
-         "bf16 master weights apply to full fine-tuning; LoRA adapters always train in fp32"),
-    Rule("bf16-master-precision", {"master_weights": _set("bf16"), "precision": _set("fp16", "fp32")},
-         "master_weights", "bf16 master weights need precision bf16"),
-    Rule("bf16-master-zero", {"master_weights": _set("bf16"), "strategy": ZERO}, "master_weights",
-         "DeepSpeed ZeRO keeps fp32 master weights; bf16 master weights need ddp or fsdp"),
-    Rule("rounding-bnb", {"update_rounding": _set("stochastic", "kahan"), "optimizer": BNB_OPTIMIZERS},
-         "update_rounding",
-         "stochastic and kahan rounding are done by the trainer's bf16 AdamW; bitsandbytes 8-bit optimizers round"
-         " their own updates: use nearest (or optimizer adamw)"),
-    Rule("rounding-fp32-master", {"update_rounding": _set("stochastic", "kahan"), "master_weights": _set("fp32")},
-         "update_rounding", "stochastic and kahan rounding compensate bf16 updates: they need bf16 master weights"),
-    # ---- optimizer step in backward ------------------------------------------------------
-    Rule("oib-zero", {"optimizer_in_backward": _set(True), "strategy": ZERO}, "optimizer_in_backward",
-         "the optimizer step in backward needs ddp or fsdp; DeepSpeed ZeRO runs its own optimizer step"),
-    Rule("oib-accumulation", {"optimizer_in_backward": _set(True), "gradient_accumulation": AtLeast(2)},
-         "optimizer_in_backward",
-         "the optimizer step in backward needs gradient accumulation 1 (each gradient is applied and freed as"
-         " soon as it exists): globalBatchSize must equal microBatchSize x GPUs"),
-    Rule("oib-offload", {"optimizer_in_backward": _set(True), "offload": OFFLOADING}, "optimizer_in_backward",
-         "the optimizer step in backward runs on the GPU; it cannot be combined with offload"),
-    Rule("oib-clipping", {"optimizer_in_backward": _set(True), "gradient_clipping": _set(True)},
-         "optimizer_in_backward",
-         "the optimizer step in backward cannot clip by global norm (no moment holds all gradients): set"
-         " maxGradNorm 0"),
-    # ---- activation offloading -----------------------------------------------------------
-    Rule("activation-offload-checkpointing", {"activation_offloading": _set(True), "gradient_checkpointing": _set(False)},
-         "activation_offloading", "activation offloading moves checkpointed activations: it needs gradient checkpointing"),
-    # ---- chunked loss ------------------------------------------------------------------------
-    Rule("chunked-loss-logit-transform", {"chunked_loss": _set(True), "logit_transform": _set(True)}, "chunked_loss",
-         "the model changes its logits after the output projection (soft-capping or a logit scale), which the"
-         " chunked loss would bypass: use lossChunks 1"),
+    # ---- the memory levers' own (each lever's module states them) ------------------------
+    *(rule for lever in LEVERS for rule in lever.rules),
     # ---- LoRA on experts -----------------------------------------------------------------------
     Rule("experts-full", {"target_experts": _set(True), "method": _set("full")}, "target_experts",
          "targetExperts adds adapters: it needs method lora or qlora"),

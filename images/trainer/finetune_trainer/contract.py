@@ -44,6 +44,7 @@ from .failures import (  # noqa: F401  (the exit codes are the contract's names 
     TRAINER_REPORTED,
     FailureKind,
 )
+from .memory_levers import choice_values
 
 DEFAULT_CONFIG_PATH = "/etc/finetune/config.json"
 DEFAULT_REPORT_PATH = "/dev/termination-log"
@@ -269,12 +270,10 @@ class TrainerConfig(_Contract):
         """This config's training choices, as combinations.py reads them."""
         return Choices(
             method=self.method, strategy=self.strategy, offload=self.offload, optimizer=self.optimizer,
-            precision=self.precision, master_weights=self.master_weights, update_rounding=self.update_rounding,
-            optimizer_in_backward=self.optimizer_in_backward, gradient_accumulation=self.gradient_accumulation,
+            precision=self.precision, gradient_accumulation=self.gradient_accumulation,
             gradient_clipping=self.max_grad_norm > 0, gradient_checkpointing=self.gradient_checkpointing,
-            activation_offloading=self.activation_offloading,
             target_experts=self.lora.target_experts if self.method != "full" else None,
-            chunked_loss=self.loss_chunks > 1,
+            **choice_values(self),
         )
 
     @property

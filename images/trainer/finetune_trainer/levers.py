@@ -1,8 +1,8 @@
 """The lean-trainer levers of one attempt: what is on, in one startup line, and the
 check that needs the model (the rules between fields live in combinations.py and are
-applied when the config is read).
+applied when the config is read; each lever's facts are one object in memory_levers/).
 
-The levers (TrainerConfig fields):
+The levers (TrainerConfig fields) and the other memory settings the line names:
 
 * ``masterWeights`` bf16: full fine-tuning with bf16 weights, gradients and AdamW
   moments (bf16_adamw.py), ``updateRounding`` nearest/stochastic/kahan;
@@ -20,10 +20,13 @@ from dataclasses import dataclass
 
 from .contract import TrainerConfig
 from .errors import ConfigError
+from .memory_levers import config_fields
 
 
 @dataclass(frozen=True)
-class Levers:
+class StartupLevers:
+    """What the attempt's startup line says about memory: the levers and the settings beside them."""
+
     master_weights: str
     update_rounding: str
     optimizer: str
@@ -36,7 +39,7 @@ class Levers:
     cpu_offload: bool
 
     @classmethod
-    def of(cls, cfg: TrainerConfig) -> "Levers":
+    def of(cls, cfg: TrainerConfig) -> "StartupLevers":
         return cls(
             master_weights=cfg.master_weights if cfg.method == "full" else "fp32 (adapters)",
             update_rounding=cfg.update_rounding,
@@ -89,6 +92,4 @@ def check_model(cfg: TrainerConfig, model) -> None:
 
 
 # combinations.py's field names as the config spells them.
-CONFIG_FIELD = {"target_experts": "lora.targetExperts", "master_weights": "masterWeights",
-                "update_rounding": "updateRounding", "optimizer_in_backward": "optimizerInBackward",
-                "activation_offloading": "activationOffloading"}
+CONFIG_FIELD = {"target_experts": "lora.targetExperts", **config_fields()}

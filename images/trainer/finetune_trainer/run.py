@@ -158,7 +158,7 @@ def train(cfg: TrainerConfig) -> None:
     PROGRESS.gradient_accumulation = cfg.gradient_accumulation
     check_runnable(cfg, cuda)
     check_deepspeed_batch(cfg, world)
-    from .levers import Levers
+    from .levers import StartupLevers
     faults = FaultInjector(cfg.fault_injection, cfg.attempt)
 
     PROGRESS.enter(Phase.DATA, 0)
@@ -174,7 +174,7 @@ def train(cfg: TrainerConfig) -> None:
              startStep=plan.start_step, maxSteps=plan.max_steps,
              resumeFrom=str(checkpoint.path) if checkpoint else None, device="cuda" if cuda else "cpu")
     # One line that says which memory levers this attempt runs with (levers.py).
-    log_json("levers", **Levers.of(cfg).fields())
+    log_json("levers", **StartupLevers.of(cfg).fields())
     remaining = plan.max_steps - plan.start_step
     if remaining <= 0:
         log_json("summary", status="already-complete", step=plan.start_step, maxSteps=plan.max_steps)

@@ -53,10 +53,10 @@ class FineTuneTrainer(Trainer):
         (bf16_adamw.BF16AdamW) and the optimizer step in backward (one optimizer per
         parameter, optimizer_in_backward.py). Parameter groups (weight decay or not) are
         the Trainer's own."""
-        from .levers import Levers
+        from .levers import StartupLevers
 
         cfg = self.cfg
-        levers = Levers.of(cfg) if cfg is not None else None
+        levers = StartupLevers.of(cfg) if cfg is not None else None
         if levers is None or not levers.custom_optimizer or self.optimizer is not None:
             optimizer = super().create_optimizer(model)
             # The Trainer makes a no-weight-decay group even when nothing is in it (LoRA:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from finetune_trainer.memory_levers import LEVERS
+
 from ..sizing import SizingError
 from .bound import bounded_search
 from .choice import choose_cheapest_or_startable
@@ -32,7 +34,7 @@ class Costs:
 
     def __init__(self, work: JobWork, arch: Any = None) -> None:
         self.work = work
-        self.arch = arch  # for activation offloading's transfers
+        self.arch = arch  # for the levers' host transfers
         self.shared: dict[tuple, tuple[float, float]] = {}
 
     def of(self, group: Group, micro: int) -> tuple[float, float]:
@@ -47,17 +49,17 @@ class Costs:
             self.work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, offload=group.offload,
             gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
         )
-        if group.levers.activation_offloading:
-            transfers += self.activation_transfers(group, micro)
+        lever_bytes = [lever.host_transfer_bytes(self.arch, micro, self.work.sequence_length)
+                       for lever in LEVERS if lever.host_transfer_bytes is not None and lever.in_use(group.levers)]
+        if lever_bytes:
+            transfers += self.lever_transfers(group, micro, sum(lever_bytes))
         seconds = combine(parts[0], parts[1], transfers, cpu_step)
         return seconds, seconds * group.world / 3600 * group.price
 
-    def activation_transfers(self, group: Group, micro: int) -> float:
-        """Seconds per step of activation offloading: every block input goes to the host in forward
-        and comes back in backward, each micro-batch, over the GPU's PCIe link (hidden by compute
-        as far as `combine` lets traffic hide)."""
-        arch = self.arch
-        per_micro = 2 * arch.num_layers * arch.hidden_size * micro * self.work.sequence_length * 2  # bf16, out and back
+    def lever_transfers(self, group: Group, micro: int, per_micro: float) -> float:
+        """Seconds per step of the levers' host traffic (Lever.host_transfer_bytes: activation
+        offloading's block inputs out in forward and back in backward), each micro-batch, over the
+        GPU's PCIe link (hidden by compute as far as `combine` lets traffic hide)."""
         return accumulation_steps(self.work, group.world, micro) * per_micro / (PCIE_GBYTES * 1e9)
 
 

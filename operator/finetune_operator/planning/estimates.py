@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..sizing import SizingError, TrainingSetup
-from .levers import NO_LEVERS, Levers
+from finetune_trainer.memory_levers import NO_LEVERS, Levers, savings
 
 if TYPE_CHECKING:
     from .space import Ask
@@ -150,19 +150,13 @@ class Estimates:
 
     def savings(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
                 levers: Levers) -> dict[str, int]:
-        """Required bytes per GPU each lever in use saves: the estimate with that lever alone off,
-        less this one's (0 when the setup cannot run without it)."""
+        """Required bytes per GPU each lever in use saves (memory_levers.savings), sized through this cache."""
         own = self.get(world, strategy, offload, checkpointing, micro, levers)
         if isinstance(own, SizingError):
             return {}
-        off = {"master_weights": {"master_weights": "fp32", "update_rounding": "nearest"},
-               "optimizer_in_backward": {"optimizer_in_backward": False},
-               "loss_chunks": {"loss_chunks": 1},
-               "activation_offloading": {"activation_offloading": False}}
-        found: dict[str, int] = {}
-        for name, default in NO_LEVERS._asdict().items():
-            if name not in off or getattr(levers, name) == default:
-                continue
-            other = self.get(world, strategy, offload, checkpointing, micro, levers._replace(**off[name]))
-            found[name] = 0 if isinstance(other, SizingError) else max(0, other.required_bytes - own.required_bytes)
-        return found
+
+        def required(other: Levers) -> int | None:
+            facts = self.get(world, strategy, offload, checkpointing, micro, other)
+            return None if isinstance(facts, SizingError) else facts.required_bytes
+
+        return savings(levers, own.required_bytes, required)

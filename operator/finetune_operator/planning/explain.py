@@ -3,6 +3,8 @@ changes) and the runners-up (the best plan of other pools, and why each lost).""
 
 from __future__ import annotations
 
+from finetune_trainer.memory_levers import BY_NAME
+
 from .choice import COST_TIE
 from .plan import Plan
 from .pools import GiB
@@ -83,9 +85,7 @@ def runner_up_line(ask: Ask, winner: Candidate, other: Candidate) -> str:
 
 def lever_words(savings: dict[str, int]) -> str:
     """What each lever in use saves, for the reason: "bf16 master weights save 30.1 GiB, ..."."""
-    names = {"master_weights": "bf16 master weights", "optimizer_in_backward": "the optimizer step in backward",
-             "loss_chunks": "the chunked loss", "activation_offloading": "activation offloading"}
-    return ", ".join(f"{names[k]} {gib(v)}" for k, v in savings.items())
+    return ", ".join(f"{BY_NAME[k].phrase} {gib(v)}" for k, v in savings.items())
 
 
 def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, calibration: float,
@@ -161,11 +161,7 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
         gradient_checkpointing=g.checkpointing,
         attention=ask.attention,
         precision=ask.precision,
-        master_weights=g.levers.master_weights,
-        update_rounding=g.levers.update_rounding,
-        optimizer_in_backward=g.levers.optimizer_in_backward,
-        loss_chunks=g.levers.loss_chunks,
-        activation_offloading=g.levers.activation_offloading,
+        **g.levers.setup_fields(),
         lever_savings_bytes=dict(savings or {}),
         sequence_length=ask.sequence_length,
         global_batch_size=ask.global_batch_size,

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Literal, NamedTuple, Union
+from typing import Any, Iterable, Literal, NamedTuple, Union
 
 from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from finetune_trainer.combinations import STRATEGIES
+from finetune_trainer.memory_levers import Levers, camel, levers_of
 
 from .. import api
 from .pools import GiB, NodePool
-
-if TYPE_CHECKING:
-    from .levers import Levers
 
 StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  (combinations.STRATEGIES: the one list)
 OffloadName = Literal["none", "optimizer", "optimizer+params"]
@@ -31,7 +29,8 @@ class PlanKey(NamedTuple):
     optimizer: str
     micro_batch_size: int
     gradient_checkpointing: bool
-    # The lean-trainer levers (defaults: off, so keys of plans made before them read back the same).
+    # The lean-trainer levers, memory_levers.Levers in its order (defaults: off, so keys of plans
+    # made before them read back the same).
     master_weights: str = "fp32"
     update_rounding: str = "nearest"
     optimizer_in_backward: bool = False
@@ -58,7 +57,7 @@ class Plan(BaseModel):
     gradient_checkpointing: bool
     attention: Literal["sdpa", "flash", "eager"]
     precision: Literal["bf16", "fp16", "fp32"]
-    # The lean-trainer levers the plan uses (see planning/levers.py); off by default.
+    # The lean-trainer levers the plan uses (finetune_trainer/memory_levers); off by default.
     master_weights: Literal["fp32", "bf16"] = "fp32"
     update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
     optimizer_in_backward: bool = False
@@ -139,19 +138,12 @@ class Plan(BaseModel):
             self.optimizer,
             self.micro_batch_size,
             self.gradient_checkpointing,
-            self.master_weights,
-            self.update_rounding,
-            self.optimizer_in_backward,
-            self.loss_chunks,
-            self.activation_offloading,
+            *self.levers,
         )
 
     @property
-    def levers(self) -> "Levers":
-        from .levers import Levers
-
-        return Levers(self.master_weights, self.update_rounding, self.optimizer_in_backward, self.loss_chunks,
-                      self.activation_offloading)
+    def levers(self) -> Levers:
+        return levers_of(self)
 
     def summary(self) -> str:
         """The plan in one line (status attempts, logs)."""
@@ -164,27 +156,29 @@ class Plan(BaseModel):
             f"{self.required_bytes / GiB:.1f}/{self.pool.gpu_memory_bytes / GiB:.0f} GiB"
         )
 
+    def _shape(self) -> dict[str, Any]:
+        """The fields the plan status and the CLI's JSON share, in their order (camelCase)."""
+        return {
+            "nodePool": self.pool.name,
+            "region": self.region,
+            "gpuType": self.gpu_type,
+            "nodes": self.nodes,
+            "gpusPerNode": self.gpus_per_node,
+            "gpus": self.gpus,
+            "method": self.method,
+            "strategy": self.strategy,
+            "offload": self.offload,
+            "optimizer": self.optimizer,
+            "microBatchSize": self.micro_batch_size,
+            "gradientAccumulation": self.gradient_accumulation,
+            "gradientCheckpointing": self.gradient_checkpointing,
+            **{camel(field): value for field, value in self.levers.setup_fields().items()},
+        }
+
     def to_status(self) -> api.PlanStatus:
         return api.PlanStatus.model_validate(
             {
-                "nodePool": self.pool.name,
-                "region": self.region,
-                "gpuType": self.gpu_type,
-                "nodes": self.nodes,
-                "gpusPerNode": self.gpus_per_node,
-                "gpus": self.gpus,
-                "method": self.method,
-                "strategy": self.strategy,
-                "offload": self.offload,
-                "optimizer": self.optimizer,
-                "microBatchSize": self.micro_batch_size,
-                "gradientAccumulation": self.gradient_accumulation,
-                "gradientCheckpointing": self.gradient_checkpointing,
-                "masterWeights": self.master_weights,
-                "updateRounding": self.update_rounding,
-                "optimizerInBackward": self.optimizer_in_backward,
-                "lossChunks": self.loss_chunks,
-                "activationOffloading": self.activation_offloading,
+                **self._shape(),
                 "leverSavings": {to_camel(k): round(v / GiB, 2) for k, v in self.lever_savings_bytes.items()} or None,
                 "predictedPeak": round(self.predicted_peak_bytes / GiB, 2),
                 "required": round(self.required_bytes / GiB, 2),
@@ -204,24 +198,7 @@ class Plan(BaseModel):
     def to_json(self) -> dict[str, Any]:
         """The CLI's JSON shape (camelCase, the keys the issue names)."""
         return {
-            "nodePool": self.pool.name,
-            "region": self.region,
-            "gpuType": self.gpu_type,
-            "nodes": self.nodes,
-            "gpusPerNode": self.gpus_per_node,
-            "gpus": self.gpus,
-            "method": self.method,
-            "strategy": self.strategy,
-            "offload": self.offload,
-            "optimizer": self.optimizer,
-            "microBatchSize": self.micro_batch_size,
-            "gradientAccumulation": self.gradient_accumulation,
-            "gradientCheckpointing": self.gradient_checkpointing,
-            "masterWeights": self.master_weights,
-            "updateRounding": self.update_rounding,
-            "optimizerInBackward": self.optimizer_in_backward,
-            "lossChunks": self.loss_chunks,
-            "activationOffloading": self.activation_offloading,
+            **self._shape(),
             "leverSavingsBytes": dict(self.lever_savings_bytes),
             "attention": self.attention,
             "precision": self.precision,
@@ -291,10 +268,6 @@ def plan_key_of(value: "Plan | PlanKey | api.PlanStatus | Iterable[Any]") -> Pla
             value.optimizer,
             value.micro_batch_size,
             value.gradient_checkpointing,
-            value.master_weights,
-            value.update_rounding,
-            value.optimizer_in_backward,
-            value.loss_chunks,
-            value.activation_offloading,
+            *levers_of(value),
         )
     return PlanKey(*value)

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from finetune_trainer.memory_levers import BY_NAME
+
 from .plan import Infeasible, Plan, PlanningResult
 from .policy import ClusterPolicy, PolicyError, load_policy
 from .pools import GiB, CatalogError, NodePool, discover, load_catalog, merge_pools
@@ -113,9 +115,7 @@ def format_table(result: PlanningResult, job_name: str = "") -> str:
     lines.append(_row("gradient checkpointing", "on" if p.gradient_checkpointing else "off"))
     levers = p.levers.words()
     if levers:
-        saved = {"master_weights": "bf16 master weights", "optimizer_in_backward": "optimizer step in backward",
-                 "loss_chunks": "chunked loss", "activation_offloading": "activation offloading"}
-        savings = ", ".join(f"{saved[k]} {v / GiB:.1f} GiB" for k, v in p.lever_savings_bytes.items())
+        savings = ", ".join(f"{BY_NAME[k].label} {v / GiB:.1f} GiB" for k, v in p.lever_savings_bytes.items())
         lines.append(_row("memory levers", ", ".join(levers) + (f" (each saves per GPU: {savings})" if savings else "")))
     usable = p.pool.gpu_memory_bytes * (1 - p.memory_headroom)
     lines.append(_row("GPU memory", f"{p.required_bytes / GiB:.1f} GiB required of {usable / GiB:.1f} GiB usable"

@@ -27,11 +27,19 @@ from typing import Any, Sequence
 from .. import api
 from ..sizing import ModelArchitecture, SizingError
 from ..sizing.from_job import architecture_of
-from finetune_trainer.combinations import OFFLOADS, STRATEGIES, Choices, offloads_for, strategies_for
+from finetune_trainer.combinations import OFFLOADS, STRATEGIES, Choices, allows, offloads_for, strategies_for
+from finetune_trainer.memory_levers import (
+    NO_LEVERS,
+    LeverAsk,
+    Levers,
+    lever_ask,
+    lever_changes,
+    lever_options,
+    needs_whole_batch,
+)
 
 from .choice import COST_TIE, cost_window_of
 from .estimates import EstimateFacts
-from .levers import NO_LEVERS, LeverAsk, Levers, lever_ask, lever_changes, lever_options
 from .plan import Infeasible, PlanKey
 from .policy import ClusterPolicy
 from .pools import NodePool, same_gpu_type
@@ -139,10 +147,8 @@ class Candidate:
 
 def key_of(ask: Ask, g: Group, micro: int) -> PlanKey:
     """The PlanKey of group `g` at micro-batch `micro`."""
-    lv = g.levers
     return PlanKey(g.pool.name, g.nodes, g.gpus_per_node, ask.method, g.strategy, g.offload, ask.optimizer,
-                   micro, g.checkpointing, lv.master_weights, lv.update_rounding, lv.optimizer_in_backward,
-                   lv.loss_chunks, lv.activation_offloading)
+                   micro, g.checkpointing, *g.levers)
 
 
 
@@ -324,7 +330,7 @@ def groups(ask: Ask, pools: Sequence[NodePool], stats: Stats) -> list[Group]:
             if not ways:
                 stats.reject("GPU count does not split evenly over the pool's nodes")
                 continue
-            # The optimizer step in backward needs accumulation 1: the one micro-batch of per_rank.
+            # A lever that needs accumulation 1 (the optimizer step in backward): the one micro-batch of per_rank.
             whole = (per_rank,) if per_rank in micros else ()
             for nodes, per_node in ways:
                 for strategy in ask.strategies:
@@ -340,7 +346,7 @@ def groups(ask: Ask, pools: Sequence[NodePool], stats: Stats) -> list[Group]:
                                     ask.levers, ask.base_choices(strategy, offload, ckpt), bool(whole))
                             for levers in known:
                                 found.append(Group(pool, world, nodes, per_node, strategy, offload, ckpt,
-                                                   whole if levers.optimizer_in_backward else micros, price,
+                                                   whole if needs_whole_batch(levers) else micros, price,
                                                    order, usable, tflops, levers))
                                 order += 1
     stats.groups = len(found)
@@ -355,7 +361,7 @@ _offloads_for = lru_cache(maxsize=256)(offloads_for)
 def _lever_options(levers: LeverAsk, base: Any, accumulation_one: bool) -> tuple[Levers, ...]:
     """`lever_options`, remembered across plans: a pure function of its (hashable) arguments, which
     jobs of a platform repeat."""
-    return lever_options(levers, base, accumulation_one=accumulation_one)
+    return lever_options(levers, base, accumulation_one=accumulation_one, allows=allows)
 
 
 def changes(ask: Ask, group: Group) -> tuple[str, ...]:

@@ -22,6 +22,8 @@ from typing import Any, Mapping
 
 from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileSetup
 
+from finetune_trainer.memory_levers import LEVERS
+
 from ..sizing import constants as K
 from ..sizing.architecture import FamilyTraits, LinearShape, ModelArchitecture
 from ..sizing.errors import SizingError
@@ -29,11 +31,11 @@ from ..sizing.memory import MemoryEstimate
 from .setups import JobProfile
 
 _NEUTRAL_TRAITS = FamilyTraits(False, 2, False, False, ())
-# Levers of issue 13 the profile does not trace: only their plain values can be sized from it. The
-# chunked loss is accepted at any chunk count: it only lowers the logits' peak, so the plain loss's
-# measured figure over-estimates it (safe; the planner just gets no credit for it).
-_PLAIN_LEVERS = {"master_weights": ("fp32", "auto"), "update_rounding": ("nearest", "auto"),
-                 "optimizer_in_backward": (False,), "activation_offloading": (False,)}
+# Levers of issue 13 the profile does not trace (Lever.traced_by_profile): only their plain values
+# can be sized from it. The chunked loss is accepted at any chunk count: it only lowers the logits'
+# peak, so the plain loss's measured figure over-estimates it (safe; the planner just gets no credit).
+_PLAIN_LEVERS = {field: (off, lever.auto[field]) for lever in LEVERS if not lever.traced_by_profile
+                 for field, off in lever.off.items()}
 
 
 def _cell(grid: tuple[int, ...], value: int) -> tuple[int, int]:

@@ -83,6 +83,7 @@ from ..planning.search import choose_cheapest_or_startable, cost_window_of, plan
 from ..sizing import ModelArchitecture
 from .classify import Failure, FailureKind, Remedy
 from finetune_trainer.combinations import Choices, allows
+from finetune_trainer.memory_levers import LEVERS, by_rung
 
 # After an OOM the next plan must fit the calibrated estimate with this much to spare,
 # on top of the job's own headroom: the observation bounds the truth from below only.
@@ -110,19 +111,22 @@ class Rung:
     knobs: frozenset[str]  # what this rung lets the planner change
 
 
-LADDER: tuple[Rung, ...] = (
-    Rung("gradientCheckpointing", frozenset({"gradient_checkpointing"})),
-    Rung("chunkedLoss", frozenset({"loss_chunks"})),
-    Rung("microBatch", frozenset({"micro_batch_size"})),
-    Rung("sharding", frozenset({"strategy"})),
-    Rung("activationOffloading", frozenset({"activation_offloading"})),
-    Rung("optimizer8bit", frozenset({"optimizer"})),
-    Rung("offload", frozenset({"offload"})),
-    Rung("optimizerInBackward", frozenset({"optimizer_in_backward"})),
-    Rung("moreGPUs", frozenset({"gpus", "node_pool"})),
-    Rung("masterWeights", frozenset({"master_weights"})),
-    Rung("method", frozenset({"method"})),
-)
+# What each rung lets the planner change: the other adjustments' knobs here, each lever's own
+# field for its rung (memory_levers). The order is the API's (api.ADJUSTMENTS); hostMemory is no
+# rung of this ladder: it is the remedy of a host OOM (`_after_host_oom`).
+_KNOBS: dict[str, frozenset[str]] = {
+    "gradientCheckpointing": frozenset({"gradient_checkpointing"}),
+    "microBatch": frozenset({"micro_batch_size"}),
+    "sharding": frozenset({"strategy"}),
+    "optimizer8bit": frozenset({"optimizer"}),
+    "offload": frozenset({"offload"}),
+    "moreGPUs": frozenset({"gpus", "node_pool"}),
+    "method": frozenset({"method"}),
+    **{lever.rung: frozenset({lever.name}) for lever in LEVERS if lever.rung is not None},
+}
+LADDER: tuple[Rung, ...] = tuple(Rung(name, _KNOBS[name]) for name in api.ADJUSTMENTS if name != "hostMemory")
+# The levers in the order the ladder frees them (how a change lists them).
+_LEVERS_BY_RUNG = by_rung(rung.name for rung in LADDER)
 
 
 @dataclass(frozen=True)
@@ -472,14 +476,16 @@ def _after_host_oom(
                 change = (f"raised pod memory {current / GiB:.0f} -> {plan.host_memory_bytes / GiB:.0f} GiB"
                           f" (node has {pool.host_memory_bytes / GiB:.0f} GiB)")
                 return NextStep(True, plan, change, what)
-    if "activationOffloading" in allowed and failed.activation_offloading:
+    for lever in LEVERS:
+        # A lever that keeps state in host memory (activation offloading) is turned off.
+        if not (lever.host_memory and lever.rung in allowed and lever.in_use(failed)):
+            continue
         candidate = pinned_spec(spec, failed, set())
-        candidate = candidate.model_copy(update={"training": candidate.training.model_copy(
-            update={"activation_offloading": False})})
+        candidate = candidate.model_copy(update={"training": candidate.training.model_copy(update=dict(lever.off))})
         result = plan_job(candidate, pools, policy, exclude=_keys(excluded), calibration=floor,
                           architecture=architecture)
         if isinstance(result, Plan):
-            return NextStep(True, result, "turned off activation offloading: host memory is exhausted", what)
+            return NextStep(True, result, f"turned off {lever.label}: host memory is exhausted", what)
     if "offload" in allowed and failed.offload != "none":
         candidate = pinned_spec(spec, failed, set())
         candidate = candidate.model_copy(
@@ -509,19 +515,19 @@ def pinned_spec(spec: api.FineTuneJobSpec, plan: api.PlanStatus, free: set[str],
     The planner has no `auto` for the optimizer: it is pinned to `optimizer` (default the
     plan's); the ladder frees it by asking once per optimizer (`_optimizer_choices`)."""
     asked = spec.training
-    # A lever that costs result quality stays as the job set it; left auto, its rung frees it.
-    master_free = "master_weights" in free and asked.master_weights == "auto"
-    oib_free = "optimizer_in_backward" in free and asked.optimizer_in_backward is None
+    levers: dict[str, object] = {}
+    for lever in LEVERS:
+        # A lever that costs result quality stays as the job set it (Lever.keeps_explicit); left
+        # auto, its rung frees it.
+        lever_free = lever.name in free and (
+            not lever.keeps_explicit or getattr(asked, lever.name) == lever.auto[lever.name])
+        levers.update({field: lever.auto[field] if lever_free else getattr(plan, field) for field in lever.off})
     training = spec.training.model_copy(
         update={
             "micro_batch_size": "auto" if "micro_batch_size" in free else plan.micro_batch_size,
             "gradient_checkpointing": None if "gradient_checkpointing" in free else plan.gradient_checkpointing,
             "optimizer": optimizer or plan.optimizer,
-            "master_weights": "auto" if master_free else plan.master_weights,
-            "update_rounding": "auto" if master_free else plan.update_rounding,
-            "optimizer_in_backward": None if oib_free else plan.optimizer_in_backward,
-            "loss_chunks": "auto" if "loss_chunks" in free else plan.loss_chunks,
-            "activation_offloading": None if "activation_offloading" in free else plan.activation_offloading,
+            **levers,
         }
     )
     resources = spec.resources.model_copy(
@@ -592,16 +598,10 @@ def describe_change(old: api.PlanStatus, new: Plan) -> str:
         )
     if new.offload != old.offload:
         parts.append(f"offload {old.offload} -> {new.offload}")
-    if new.loss_chunks != old.loss_chunks:
-        parts.append(f"loss chunks {old.loss_chunks} -> {new.loss_chunks}")
-    if new.activation_offloading != old.activation_offloading:
-        parts.append("turned " + ("on" if new.activation_offloading else "off") + " activation offloading")
-    if new.optimizer_in_backward != old.optimizer_in_backward:
-        parts.append("turned " + ("on" if new.optimizer_in_backward else "off") + " the optimizer step in backward"
-                     + (" (no gradient clipping)" if new.optimizer_in_backward else ""))
-    if (new.master_weights, new.update_rounding) != (old.master_weights, old.update_rounding):
-        parts.append(f"master weights {old.master_weights} -> {new.master_weights}"
-                     + (f" ({new.update_rounding} rounding)" if new.master_weights == "bf16" else ""))
+    for lever in _LEVERS_BY_RUNG:
+        change = lever.change_between(lever.setting_of(old), lever.setting_of(new))
+        if change:
+            parts.append(change)
     if new.gpus != old.gpus or new.pool.name != old.node_pool:
         parts.append(
             f"GPUs {old.gpus} x {old.gpu_type} ({old.node_pool}) -> {new.gpus} x {new.gpu_type} ({new.pool.name})"

@@ -11,6 +11,7 @@ from finetune_trainer.contract import (
     ModelSource,
     TrainerConfig,
 )
+from finetune_trainer.memory_levers import stops_clipping
 from pydantic import ValidationError
 
 from .. import api
@@ -29,9 +30,9 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
     training = spec.training
     _check_batch(plan, training)
     learning_rate = training.learning_rate or DEFAULT_LEARNING_RATE[plan.method]
-    # Clipping by global norm needs every gradient at once; the optimizer step in backward
-    # frees each as soon as it is applied (combinations.py refuses the two together).
-    max_grad_norm = 0.0 if plan.optimizer_in_backward else 1.0
+    # Clipping by global norm needs every gradient at once; a lever such as the optimizer step in
+    # backward frees each as soon as it is applied (combinations.py refuses the two together).
+    max_grad_norm = 0.0 if stops_clipping(plan) else 1.0
     weight_decay = 0.0
 
     fsdp = deepspeed = None
@@ -76,11 +77,7 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             lora=_lora(spec, plan),
             precision=plan.precision,
             optimizer=plan.optimizer,
-            master_weights=plan.master_weights,
-            update_rounding=plan.update_rounding,
-            optimizer_in_backward=plan.optimizer_in_backward,
-            loss_chunks=plan.loss_chunks,
-            activation_offloading=plan.activation_offloading,
+            **plan.levers.setup_fields(),
             learning_rate=learning_rate,
             weight_decay=weight_decay,
             max_grad_norm=max_grad_norm,

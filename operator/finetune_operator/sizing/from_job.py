@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from finetune_trainer.memory_levers import sized_fields
+
 from .architecture import ModelArchitecture
 from .errors import SizingError
 from .setup import TrainingSetup
@@ -26,7 +28,6 @@ DEFAULT_GPUS = 1
 DEFAULT_MICRO_BATCH = 1
 DEFAULT_CHECKPOINTING = True
 DEFAULT_OFFLOAD = "none"
-DEFAULT_LOSS_CHUNKS = 8  # what training.lossChunks auto means (planning/levers.py AUTO_LOSS_CHUNKS)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> J
         offload = DEFAULT_OFFLOAD
         notes.append("resources.offload is auto: sized without offload")
 
-    levers = _levers(training, spec.method, arch, notes)
+    # The levers a job fixes; `auto` ones get the plain setting (the planner searches them), except
+    # the chunked loss, whose `auto` is always 8 chunks where the model allows it (Lever.sized).
+    levers = sized_fields(training, spec.method, arch, notes)
 
     lora_kwargs: dict[str, Any] = {}
     if spec.method != "full":
@@ -124,29 +127,3 @@ def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> J
         **lora_kwargs,
     )
     return JobSetup(setup, tuple(notes))
-
-
-def _levers(training: Any, method: str, arch: ModelArchitecture, notes: list[str]) -> dict[str, Any]:
-    """The lean-trainer levers a job fixes; `auto` ones get the plain setting (the planner searches
-    them), except the chunked loss, whose `auto` is always 8 chunks where the model allows it."""
-    master = training.master_weights
-    if master == "auto":
-        master = "fp32"
-        if method == "full":
-            notes.append("training.masterWeights is auto: sized with fp32 master weights")
-    rounding = training.update_rounding
-    if rounding == "auto":
-        rounding = "stochastic" if (master == "bf16" and training.optimizer == "adamw") else "nearest"
-    oib = training.optimizer_in_backward
-    if oib is None:
-        oib = False
-        notes.append("training.optimizerInBackward is unset: sized without the optimizer step in backward")
-    chunks = training.loss_chunks
-    if chunks == "auto":
-        chunks = 1 if arch.final_logit_softcapping else DEFAULT_LOSS_CHUNKS
-    offloading = training.activation_offloading
-    if offloading is None:
-        offloading = False
-        notes.append("training.activationOffloading is unset: sized without activation offloading")
-    return dict(master_weights=master, update_rounding=rounding, optimizer_in_backward=oib, loss_chunks=chunks,
-                activation_offloading=offloading)

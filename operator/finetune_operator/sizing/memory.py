@@ -53,6 +53,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from finetune_trainer.memory_levers import Levers, levers_of, savings
+
 from . import constants as K
 from . import families
 from .architecture import ModelArchitecture
@@ -776,34 +778,16 @@ def _host_bytes(setup: TrainingSetup, static: _Static, offloaded_activations: fl
 
 # ---- what each lever saves --------------------------------------------------------------
 
-# The value that turns each lever off.
-LEVERS_OFF = {
-    "master_weights": "fp32",
-    "optimizer_in_backward": False,
-    "loss_chunks": 1,
-    "activation_offloading": False,
-}
-
-
-def levers_in_use(setup: TrainingSetup) -> tuple[str, ...]:
-    return tuple(name for name, off in LEVERS_OFF.items() if getattr(setup, name) != off)
-
 
 def lever_savings(setup: TrainingSetup, estimator=None) -> dict[str, int]:
-    """Per-GPU required bytes each lever in use saves: the estimate with that lever alone
-    turned off, less the setup's own (0 when the setup could not run without it, e.g. bf16
-    master weights under rules that need them: the lever is reported, its saving unknown)."""
+    """Per-GPU required bytes each lever in use saves (memory_levers.savings): the estimate with
+    that lever alone turned off, less the setup's own."""
     estimate = estimator or estimate_memory
-    own = estimate(setup).required_bytes
-    savings: dict[str, int] = {}
-    for name in levers_in_use(setup):
-        changes = {name: LEVERS_OFF[name]}
-        if name == "master_weights":
-            changes["update_rounding"] = "nearest"
+
+    def required(levers: Levers) -> int | None:
         try:
-            without = estimate(replace(setup, **changes)).required_bytes
+            return estimate(replace(setup, **levers.setup_fields())).required_bytes
         except SizingError:
-            savings[name] = 0
-            continue
-        savings[name] = max(0, int(without - own))
-    return savings
+            return None
+
+    return savings(levers_of(setup), estimate(setup).required_bytes, required)

@@ -16,12 +16,10 @@ from finetune_trainer.combinations import (
     Choices,
     first_violation,
 )
+from finetune_trainer.memory_levers import choice_values
 
 from .architecture import ModelArchitecture
 from .errors import SizingError
-
-# The levers of a lean trainer (issue 13), by the field of TrainingSetup that turns each on.
-LEVER_FIELDS = ("master_weights", "optimizer_in_backward", "loss_chunks", "activation_offloading")
 
 
 def _choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -53,7 +51,7 @@ class TrainingSetup:
     world_size: int = 1
     offload: str = "none"
     gradient_accumulation: int = 1
-    # The levers (combinations.py says what each combines with):
+    # The levers (finetune_trainer/memory_levers; combinations.py says what each combines with):
     master_weights: str = "fp32"  # "bf16": weights, gradients and optimizer states in bf16 (full FT)
     update_rounding: str = "nearest"  # with bf16 master weights: "stochastic" or "kahan" (+2 bytes/param)
     optimizer_in_backward: bool = False  # each parameter's step in backward; its gradient freed at once
@@ -96,14 +94,12 @@ class TrainingSetup:
         """This setup's choices, as combinations.py reads them."""
         return Choices(
             method=self.method, strategy=self.strategy, offload=self.offload, optimizer=self.optimizer,
-            precision=self.precision, master_weights=self.master_weights, update_rounding=self.update_rounding,
-            optimizer_in_backward=self.optimizer_in_backward, gradient_accumulation=self.gradient_accumulation,
+            precision=self.precision, gradient_accumulation=self.gradient_accumulation,
             gradient_checkpointing=self.gradient_checkpointing,
-            activation_offloading=self.activation_offloading,
             target_experts=self.lora_target_experts if self.method != "full" else None,
             moe=self.architecture.is_moe,
-            chunked_loss=self.loss_chunks > 1,
             logit_transform=bool(self.architecture.final_logit_softcapping),
+            **choice_values(self),
         )
 
     @property

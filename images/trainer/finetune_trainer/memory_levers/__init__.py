@@ -1,0 +1,233 @@
+"""The registry of memory levers: each lever is one `Lever` in a module of its own, listed here.
+
+Everything that deals with levers loops over `LEVERS` and asks the lever (lever.py says what a
+lever answers): the planner's freedoms and ranking (`lever_ask`, `lever_options`,
+`Levers.quality_cost`), what each saves (`savings`), the recovery ladder's rungs (`ladder`),
+the plan's words, the sizing of a job as it stands, and the trainer config's fields. Adding a
+lever is a new module, its line in `LEVERS` and its fields in `Levers` below, plus the trainer's
+hook that acts on it.
+
+Kubeflow Trainer registers its runtime plugins in one place and Kueue its job integrations; this
+is the same idea at the size of four levers: a plain tuple of plain dataclass instances.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+
+from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
+from .lever import Lever, Setting, camel
+
+# In the order the plan's words and its list of savings name them.
+LEVERS: tuple[Lever, ...] = (
+    master_weights.LEVER,
+    optimizer_in_backward.LEVER,
+    loss_chunks.LEVER,
+    activation_offloading.LEVER,
+)
+BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
+
+
+class Levers(NamedTuple):
+    """One setting of every lever: the fields the levers own (`Lever.off`), in `LEVERS` order, with
+    their off values; the TrainingSetup, Plan, plan status and TrainerConfig fields of the same names."""
+
+    master_weights: str = "fp32"
+    update_rounding: str = "nearest"
+    optimizer_in_backward: bool = False
+    loss_chunks: int = 1
+    activation_offloading: bool = False
+
+    def setup_fields(self) -> dict[str, Any]:
+        return self._asdict()
+
+    @property
+    def quality_cost(self) -> int:
+        """What this setting gives up, for the tie-break between plans of equal cost (higher: worse)."""
+        return sum(lever.quality_cost for lever in LEVERS if lever.in_use(self))
+
+    def words(self, chunks: bool = True) -> list[str]:
+        """The levers in use, as a person reads them (`chunks`: name the chunked loss too; the
+        planner's reasons leave out levers that change nothing of the run, `Lever.in_reasons`)."""
+        return [lever.words(lever.setting_of(self)) for lever in LEVERS
+                if lever.in_use(self) and (chunks or lever.in_reasons)]
+
+
+NO_LEVERS = Levers()
+# A lever added to LEVERS without its fields here (or the other way round) fails at import.
+if Levers._fields != tuple(field for lever in LEVERS for field in lever.off) or any(
+        getattr(NO_LEVERS, field) != off for lever in LEVERS for field, off in lever.off.items()):
+    raise AssertionError("memory_levers.Levers must have exactly the fields of LEVERS, defaulting to off")
+
+
+def levers_of(values: Any) -> Levers:
+    """The lever setting of anything that has the levers' fields (a Plan, a plan status, a setup)."""
+    return Levers(*(getattr(values, field) for field in Levers._fields))
+
+
+def in_use(values: Any) -> tuple[str, ...]:
+    """The names of the levers `values` (a setup, a plan) has on."""
+    return tuple(lever.name for lever in LEVERS if lever.in_use(values))
+
+
+# ---- what the job allows, what the planner tries ------------------------------------------------
+
+
+class LeverAsk(NamedTuple):
+    """What a job allows of each lever (`Lever.ask`'s freedom, in `LEVERS` order; empty: every lever
+    off), and which levers the job sets itself (so a plan that uses them changes nothing)."""
+
+    freedoms: tuple = ()
+    fixed: frozenset = frozenset()
+
+
+def lever_ask(training: Any, method: str, logit_transform: bool) -> LeverAsk:
+    """The lever freedoms of a spec.training (api.TrainingSpec) for `method`."""
+    freedoms, fixed = [], set()
+    for lever in LEVERS:
+        freedom, by_job = lever.ask(training, method, logit_transform)
+        freedoms.append(freedom)
+        if by_job:
+            fixed.add(lever.name)
+    return LeverAsk(tuple(freedoms), frozenset(fixed))
+
+
+def choice_values(values: Any, *, auto_is_none: bool = False) -> dict[str, Any]:
+    """The combinations.Choices fields the levers decide, read off `values` (a setup, a config;
+    `auto_is_none`: a spec.training, whose `auto`/unset fields are not decided yet)."""
+    found: dict[str, Any] = {}
+    for lever in LEVERS:
+        setting = lever.setting_of(values)
+        if auto_is_none:
+            setting = {f: None if v == lever.auto[f] else v for f, v in setting.items()}
+        found.update(lever.choice_values(setting))
+    return found
+
+
+def lever_options(ask: LeverAsk, base: Any, *, accumulation_one: bool,
+                  allows: Callable[[Any], bool]) -> tuple[Levers, ...]:
+    """Every lever setting the job allows with `base` (a combinations.Choices of the method,
+    strategy, offload, optimizer, precision, checkpointing...) that `allows` accepts.
+    `accumulation_one`: whether the group can run with gradient accumulation 1 (`Lever.whole_batch`)."""
+    per_lever = [lever.settings_for(freedom, base) for lever, freedom in zip(LEVERS, ask.freedoms)] if ask.freedoms \
+        else [(dict(lever.off),) for lever in LEVERS]
+    found = []
+    for settings in product(*per_lever):
+        fields: dict[str, Any] = {}
+        choices: dict[str, Any] = {}
+        whole = clipping_off = False
+        for lever, setting in zip(LEVERS, settings):
+            fields.update(setting)
+            choices.update(lever.choice_values(setting))
+            on = setting[lever.name] != lever.off[lever.name]
+            whole |= on and lever.whole_batch
+            clipping_off |= on and lever.stops_clipping
+        if whole and not accumulation_one:
+            continue
+        if whole:
+            choices["gradient_accumulation"] = 1
+        if clipping_off:
+            choices["gradient_clipping"] = False
+        if allows(base.but(**choices)):
+            found.append(Levers(**fields))
+    return tuple(found)
+
+
+def needs_whole_batch(levers: Levers) -> bool:
+    """Whether `levers` needs gradient accumulation 1."""
+    return any(lever.whole_batch and lever.in_use(levers) for lever in LEVERS)
+
+
+def stops_clipping(levers: Any) -> bool:
+    """Whether `levers` (or a plan) rules out gradient clipping by global norm."""
+    return any(lever.stops_clipping and lever.in_use(levers) for lever in LEVERS)
+
+
+def lever_changes(levers: Levers, fixed: frozenset) -> tuple[str, ...]:
+    """The levers a plan turns on that the job did not ask for (`Lever.change`; the chunked loss
+    changes nothing)."""
+    return tuple(lever.change for lever in LEVERS
+                 if lever.change and lever.in_use(levers) and lever.name not in fixed)
+
+
+# ---- what each lever saves ----------------------------------------------------------------------
+
+
+def savings(levers: Levers, own_required: int, required: Callable[[Levers], "int | None"]) -> dict[str, int]:
+    """Per-GPU required bytes each lever in use saves: what `required` says of the setting with that
+    lever alone turned off, less `own_required`; 0 when the setup cannot run without it (`required`
+    gives None: e.g. bf16 master weights under rules that need them; the lever is reported, its
+    saving unknown)."""
+    found: dict[str, int] = {}
+    for lever in LEVERS:
+        if not lever.in_use(levers):
+            continue
+        without = required(levers._replace(**lever.off))
+        found[lever.name] = 0 if without is None else max(0, int(without - own_required))
+    return found
+
+
+# ---- recovery -------------------------------------------------------------------------------------
+
+
+def ladder(rungs: Sequence[str]) -> tuple[str, ...]:
+    """The recovery ladder's rung names: `rungs` (those of the other adjustments, in order) with
+    each lever's rung right after the rung it names (`Lever.rung_after`)."""
+    out: list[str] = []
+    for rung in rungs:
+        out.append(rung)
+        out.extend(lever.rung for lever in LEVERS if lever.rung is not None and lever.rung_after == rung)
+    placed = set(out)
+    lost = [lever.name for lever in LEVERS if lever.rung is not None and lever.rung not in placed]
+    if lost:
+        raise AssertionError(f"levers whose rung follows no rung of the ladder: {', '.join(lost)}")
+    return tuple(out)
+
+
+def by_rung(order: Iterable[str]) -> tuple[Lever, ...]:
+    """The levers with a rung, in the order of `order` (the ladder's rung names)."""
+    return tuple(lever for rung in order for lever in LEVERS if lever.rung == rung)
+
+
+def sized_fields(training: Any, method: str, arch: Any, notes: list) -> dict[str, Any]:
+    """The TrainingSetup fields of the levers for sizing a job as it stands (`Lever.sized`)."""
+    found: dict[str, Any] = {}
+    for lever in LEVERS:
+        found.update(lever.sized_for(training, method, arch, notes))
+    return found
+
+
+def config_fields() -> dict[str, str]:
+    """The combinations.Choices fields the levers decide, by the config/API field they come from
+    (camelCase): for error messages that name the field a person sets."""
+    found: dict[str, str] = {}
+    for lever in LEVERS:
+        for choice in lever.choice_values(dict(lever.off)):
+            found[choice] = camel(choice if choice in lever.off else lever.name)
+    return found
+
+
+__all__ = [
+    "BY_NAME",
+    "LEVERS",
+    "Lever",
+    "LeverAsk",
+    "Levers",
+    "NO_LEVERS",
+    "Setting",
+    "by_rung",
+    "camel",
+    "choice_values",
+    "config_fields",
+    "in_use",
+    "ladder",
+    "lever_ask",
+    "lever_changes",
+    "lever_options",
+    "levers_of",
+    "needs_whole_batch",
+    "savings",
+    "sized_fields",
+    "stops_clipping",
+]

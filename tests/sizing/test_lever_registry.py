@@ -1,0 +1,98 @@
+"""The registry of memory levers (finetune_trainer/memory_levers): each lever is one object, and
+what the planner, sizing, recovery and the trainer config read of levers comes from it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from finetune_operator import api
+from finetune_operator.planning.estimates import Estimates
+from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
+from finetune_operator.sizing.memory import lever_savings
+from finetune_trainer import combinations
+from finetune_trainer.memory_levers import (
+    BY_NAME,
+    LEVERS,
+    NO_LEVERS,
+    Levers,
+    config_fields,
+    in_use,
+    ladder,
+    lever_ask,
+    lever_options,
+    levers_of,
+    savings,
+)
+
+L8 = ModelArchitecture.from_preset("llama-3.1-8b")
+
+
+def test_levers_fields_are_the_registry_fields_off_by_default():
+    assert Levers._fields == tuple(f for lever in LEVERS for f in lever.off)
+    assert NO_LEVERS.setup_fields() == {f: v for lever in LEVERS for f, v in lever.off.items()}
+    # The schemas' defaults are the off values: TrainingSetup, the plan status, the trainer config.
+    setup = TrainingSetup(architecture=L8)
+    assert levers_of(setup) == NO_LEVERS and in_use(setup) == ()
+
+
+def test_every_lever_rule_is_in_the_one_table():
+    names = [r.name for r in combinations.RULES]
+    for lever in LEVERS:
+        assert lever.rules, lever.name
+        for rule in lever.rules:
+            assert names.count(rule.name) == 1
+    assert "activation-offload-checkpointing" in names
+
+
+def test_the_api_spells_each_choice_field_of_a_lever():
+    assert config_fields() == {"master_weights": "masterWeights", "update_rounding": "updateRounding",
+                               "optimizer_in_backward": "optimizerInBackward", "chunked_loss": "lossChunks",
+                               "activation_offloading": "activationOffloading"}
+    for choice, field in config_fields().items():
+        assert api.CHOICE_PATHS[choice] == f"training.{field}"
+
+
+def test_a_lever_whose_rung_follows_no_rung_is_refused():
+    assert ladder(("gradientCheckpointing", "sharding", "offload", "moreGPUs"))[:2] == (
+        "gradientCheckpointing", "chunkedLoss")
+    with pytest.raises(AssertionError, match="activation_offloading"):
+        ladder(("gradientCheckpointing", "offload", "moreGPUs"))
+
+
+def test_one_savings_algorithm_for_a_setup_and_for_the_planner_cache():
+    setup = TrainingSetup(architecture=L8, method="full", master_weights="bf16", update_rounding="stochastic",
+                          optimizer_in_backward=True, loss_chunks=8, gradient_checkpointing=True,
+                          activation_offloading=True, micro_batch_size=2, sequence_length=2048)
+    direct = lever_savings(setup)
+    assert set(direct) == set(in_use(setup)) == set(BY_NAME)
+
+    class _Ask:  # the fields of a job Estimates.setup reads
+        arch, method, lora_rank, lora_targets, precision, optimizer = L8, "full", 16, "all-linear", "bf16", "adamw"
+        sequence_length, attention, global_batch_size, target_experts = 2048, "sdpa", 2, False
+
+    estimates = Estimates(_Ask(), estimate_memory)
+    cached = estimates.savings(1, "ddp", "none", True, 2, levers_of(setup))
+    assert cached == direct
+    # Each saving is the required bytes with that lever alone turned off, less the setup's own.
+    own = estimate_memory(setup).required_bytes
+    without = estimate_memory(replace(setup, activation_offloading=False)).required_bytes
+    assert direct["activation_offloading"] == max(0, without - own)
+    assert savings(levers_of(setup), own, lambda other: None) == dict.fromkeys(direct, 0)
+
+
+def test_planner_freedom_of_an_unset_lever_and_of_a_set_one():
+    class _Training:
+        master_weights, update_rounding, precision, optimizer = "auto", "auto", "bf16", "adamw"
+        optimizer_in_backward, loss_chunks, activation_offloading = None, "auto", True
+
+    ask = lever_ask(_Training(), "full", False)
+    assert ask.fixed == frozenset({"activation_offloading"})
+    base = combinations.Choices(method="full", strategy="ddp", offload="none", optimizer="adamw", precision="bf16",
+                                gradient_checkpointing=True, gradient_accumulation=4, gradient_clipping=True)
+    options = lever_options(ask, base, accumulation_one=False, allows=combinations.allows)
+    # bf16 master weights with their auto rounding, no step in backward (accumulation 4), 8 chunks, offloading.
+    assert options == (Levers("fp32", "nearest", False, 8, True), Levers("bf16", "stochastic", False, 8, True))
+    assert lever_options(ask, base.but(gradient_checkpointing=False), accumulation_one=False,
+                         allows=combinations.allows) == ()  # offloading needs checkpointing
