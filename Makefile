@@ -2,6 +2,10 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .install-stamp
+# checkov (the policy scanner of tests/chart/test_checkov.py) pins many packages of its own
+# (pydantic among them), so it lives in a virtualenv of its own instead of the project's environment.
+CHECKOV_VENV := .venv-checkov
+CHECKOV_VERSION := 3.3.30
 
 .PHONY: install demo test test-fast lab-build crd clean
 
@@ -11,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet torch
 	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet checkov==$(CHECKOV_VERSION)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,7 +30,7 @@ demo: install
 # The tests without the lab on two workers, then the lab scenarios one at a time (each lab
 # is heavy, and they share one session lab).
 test: install lab-build
-	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m "not e2e" -n 2
+	CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m "not e2e" -n 2
 	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e
 
 test-fast: install

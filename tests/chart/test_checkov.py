@@ -31,10 +31,16 @@ from example_pods import example_pods  # noqa: E402
 
 
 def _checkov() -> str:
-    found = os.environ.get("CHECKOV") or shutil.which("checkov")
+    """$CHECKOV (`make test` points it at the virtualenv `make install` made: it must be there), else
+    one on PATH; a plain pytest run without either skips, saying how to get it."""
+    named = os.environ.get("CHECKOV")
+    if named:
+        assert Path(named).is_file(), f"CHECKOV={named} does not exist: run `make install`"
+        return named
+    found = shutil.which("checkov")
     if not found:
-        pytest.skip("checkov is not installed: `pip install checkov` (the dev extra), or point $CHECKOV at one "
-                    "installed in a virtualenv of its own")
+        pytest.skip("checkov is not installed: `make install` puts it in .venv-checkov/ (point $CHECKOV at "
+                    "its bin/checkov), or `pip install checkov` in a virtualenv of its own")
     return found
 
 
