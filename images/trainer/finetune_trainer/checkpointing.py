@@ -385,10 +385,15 @@ def _load_into_zero3(model, state_dict: dict) -> None:
 
 def check_files(checkpoint: Checkpoint) -> None:
     """Every pickled file of the checkpoint read as data only, before anything loads it: a
-    file that would run code raises DataError naming it (untrusted.py)."""
-    untrusted.load_tensors(checkpoint.path / "scheduler.pt")
+    file that would run code raises DataError naming it (untrusted.py). A file that is absent is
+    the loader's to report, as before: this check is about what a present file would run."""
+    scheduler = checkpoint.path / "scheduler.pt"
+    if scheduler.exists():
+        untrusted.load_tensors(scheduler)
     if checkpoint.meta.format == "dcp":
-        untrusted.load_dcp_metadata(checkpoint.path / DCP_DIR / ".metadata")
+        metadata = checkpoint.path / DCP_DIR / ".metadata"
+        if metadata.exists():
+            untrusted.load_dcp_metadata(metadata)
     else:
         untrusted.check_deepspeed_files(checkpoint.path / DS_DIR)
 
