@@ -77,7 +77,7 @@ class OperatorProcess:
         log = open(self.log_path, "a")
         log.write(f"\n===== start {self.starts} =====\n")
         log.flush()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         env.pop("KUBECONFIG", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "finetune_operator.cli", "run", "--all-namespaces",

@@ -412,7 +412,7 @@ class Replica:
         # The Deployment gives each pod its name as POD_NAME: the replica's identity in the election.
         self.pod_name = pod_name
         env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_NAMESPACE=namespace, POD_NAME=pod_name,
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
