@@ -6,6 +6,7 @@ two. Every run is a fresh process, as in a pod.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -47,6 +48,25 @@ def test_full_finetuning_loss_goes_down_and_keeps_last_checkpoints(reference):
     [summary] = run.of("summary")
     assert summary["status"] == "completed" and summary["step"] == 10 and summary["tokens"] > 0
     assert (work / "out" / "model.safetensors").is_file() and (work / "out" / "tokenizer.json").is_file()
+
+
+def test_a_finished_run_records_what_it_trained_on_beside_its_output(reference, assets):
+    """provenance/attempt-1.json in the output and the digests in the success report agree with the
+    dataset file and the run's own summary line."""
+    work, run = reference
+    [summary] = run.of("summary")
+    record = json.loads((work / "out" / "provenance" / "attempt-1.json").read_text())
+    data = assets["chat"]
+    [entry] = record["datasetFiles"]
+    assert entry == {"name": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
+                     "bytes": data.stat().st_size}
+    lines = [line for line in data.read_text().splitlines() if line.strip()]
+    facts = record["summary"]
+    assert facts["records"] == len(lines) and facts["tokens"] == summary["tokens"] > 0
+    assert facts["baseConfigSha256"] == hashlib.sha256((assets["model"] / "config.json").read_bytes()).hexdigest()
+    assert record["steps"] == 10 and record["attempt"] == 1
+    report = read_report(work / "termination-log")
+    assert report["outcome"] == "Succeeded" and report["facts"] == facts
 
 
 def test_lora_loss_goes_down_and_resumes_adapters_with_another_micro_batch(assets, tmp_path):

@@ -558,6 +558,21 @@ def last_progress(text: str) -> ProgressReport | None:
 # ------------------------------------------------------------- success summary
 
 
+class TrainingFacts(_Contract):
+    """What one attempt trained on, for the job's provenance record (finetune_operator.provenance).
+    Digests only: the file list with each file's sha256 is in the attempt's record in the output
+    (provenance/attempt-N.json), which the termination message's 4 KiB could not hold."""
+
+    base_config_sha256: str | None = Field(None, description="sha256 of the base model's config.json")
+    dataset_sha256: str = Field(description="sha256 over every dataset file's name and sha256 (provenance.py)")
+    dataset_files: int = Field(ge=1)
+    dataset_bytes: int = Field(ge=0)
+    records: int = Field(ge=0, description="dataset records read")
+    examples: int = Field(ge=0, description="training sequences built from them (after packing)")
+    tokens: int = Field(ge=0, description="tokens this attempt trained on, all ranks")
+    final_loss: float | None = None
+
+
 class SuccessReport(_Contract):
     """What the trainer writes to the termination message when training finished.
 
@@ -574,6 +589,7 @@ class SuccessReport(_Contract):
     rank: int = Field(0, ge=0)
     world_size: int | None = Field(None, ge=1)
     attempt: int | None = Field(None, ge=1)
+    facts: TrainingFacts | None = None
 
     def to_termination_message(self) -> str:
         return self.model_dump_json(by_alias=True, exclude_none=True)

@@ -32,19 +32,25 @@ class Example:
     labels: list[int]
 
 
-def read_jsonl(path: str | Path) -> list[Record]:
-    """All records of a JSONL file, or of every ``*.jsonl`` in a directory (sorted)."""
+def dataset_files(path: str | Path) -> list[Path]:
+    """The files a dataset path stands for: the file itself, or every ``*.jsonl`` in a directory
+    (sorted). The one rule for both reading them and recording what was read (provenance.py)."""
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.jsonl"))
         if not files:
             raise DataError(f"dataset directory {path} holds no *.jsonl files")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise DataError(f"dataset {path} does not exist")
+        return files
+    if path.is_file():
+        return [path]
+    raise DataError(f"dataset {path} does not exist")
+
+
+def read_jsonl(path: str | Path) -> list[Record]:
+    """All records of a JSONL file, or of every ``*.jsonl`` in a directory (sorted)."""
+    path = Path(path)
     records: list[Record] = []
-    for file in files:
+    for file in dataset_files(path):
         with open(file, encoding="utf-8") as handle:
             for number, line in enumerate(_lines(handle, file), start=1):
                 if not line.strip():

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .contract import EXIT_CODE_FOR_REASON, FailureReason, FailureReport
+from .contract import EXIT_CODE_FOR_REASON, FailureReason, FailureReport, TrainingFacts
 from .errors import TrainerFailure
 from .phases import Progress
 
@@ -129,10 +129,11 @@ def write_report(report: FailureReport, path: str | Path) -> bool:
     return _replace_unless(path, report.to_termination_message(), keep, "failure report")
 
 
-def build_success(progress: Progress, attempt: int | None) -> "SuccessReport":
+def build_success(progress: Progress, attempt: int | None, facts: TrainingFacts | None = None) -> "SuccessReport":
     from .contract import SuccessReport
 
-    return SuccessReport(steps=progress.step, rank=rank(), world_size=world_size(), attempt=attempt, **device_memory())
+    return SuccessReport(steps=progress.step, rank=rank(), world_size=world_size(), attempt=attempt, facts=facts,
+                         **device_memory())
 
 
 def write_success(report: "SuccessReport", path: str | Path) -> bool:

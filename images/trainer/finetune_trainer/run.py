@@ -13,6 +13,7 @@ from . import checkpointing
 from .contract import DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH, ConfigLoadError, Phase, TrainerConfig, load_trainer_config
 from .errors import ConfigError
 from .phases import PROGRESS
+from .provenance import AttemptFacts, write_attempt_record
 from .reporting import build_report, build_success, log_json, rank, world_size, write_report, write_success
 
 
@@ -35,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigLoadError as exc:
             raise ConfigError(str(exc)) from exc
         report_path = args.report_path or cfg.report_path
-        train(cfg)
-        # The measured peaks, which the operator compares with its prediction (calibration).
-        write_success(build_success(PROGRESS, cfg.attempt), report_path)
+        facts = train(cfg)
+        # The measured peaks, which the operator compares with its prediction (calibration), and what
+        # the attempt trained on (the job's provenance record).
+        write_success(build_success(PROGRESS, cfg.attempt, facts.summary()), report_path)
         # Inside the try: a teardown that fails is reported like any other failure.
         from .teardown import close_distributed
 
@@ -138,7 +140,7 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
     )
 
 
-def train(cfg: TrainerConfig) -> None:
+def train(cfg: TrainerConfig) -> "AttemptFacts":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
@@ -163,8 +165,9 @@ def train(cfg: TrainerConfig) -> None:
 
     PROGRESS.enter(Phase.DATA, 0)
     tokenizer = load_tokenizer(cfg)
-    examples = build_examples(tokenizer, read_jsonl(cfg.dataset.path), cfg.dataset.format,
-                              cfg.sequence_length, cfg.dataset.packing)
+    records = read_jsonl(cfg.dataset.path)
+    examples = build_examples(tokenizer, records, cfg.dataset.format, cfg.sequence_length, cfg.dataset.packing)
+    facts = AttemptFacts.read(cfg, len(records), len(examples))
     checkpoint = usable_checkpoint(cfg)
     plan = plan_run(cfg, len(examples), world, checkpoint)
     faults.arm_lab_gpu(plan.start_step)  # the lab's GPU only (faults.py); nothing else sets it
@@ -178,7 +181,7 @@ def train(cfg: TrainerConfig) -> None:
     remaining = plan.max_steps - plan.start_step
     if remaining <= 0:
         log_json("summary", status="already-complete", step=plan.start_step, maxSteps=plan.max_steps)
-        return
+        return facts
     order = sample_order(len(examples), plan.start_samples, remaining * plan.global_batch, cfg.seed)
     dataset = [{"input_ids": examples[i].input_ids, "labels": examples[i].labels} for i in order]
 
@@ -243,3 +246,7 @@ def train(cfg: TrainerConfig) -> None:
                  finalLoss=progress.last_loss, attemptMeanLoss=round(result.training_loss, 6),
                  tokens=tokens, tokensPerSecond=round(tokens / max(elapsed, 1e-9), 1),
                  runtimeSeconds=round(elapsed, 2), output=cfg.output_directory, **memory_fields())
+    facts.tokens, facts.final_loss = tokens, progress.last_loss
+    if trainer.is_world_process_zero():
+        write_attempt_record(cfg, facts, trainer.state.global_step)
+    return facts
