@@ -992,6 +992,16 @@ def _gib_field(name: str, **kwargs: Any) -> Any:
     return Field(validation_alias=AliasChoices(name, f"{name}GiB"), serialization_alias=name, **kwargs)
 
 
+def kube_time(value: Any) -> datetime | None:
+    """A timestamp as the API server writes it (RFC 3339, `Z` for UTC), or None when it is not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
 class StatusModel(ApiModel):
     """Status comes back from the API server as JSON: timestamps are strings there.
 
@@ -1151,6 +1161,13 @@ class AttemptStatus(StatusModel):
     """When it ended."""
     failed_pods: list[PodFailure] = []
     """Failed pods of this attempt as the operator saw them (the classification reads these too)."""
+    nodes: list[str] = []
+    """Nodes the attempt's pods ran on, as the operator saw them scheduled (the provenance record)."""
+    images: list[str] = []
+    """The trainer image each pod ran, by digest where the kubelet reported one (imageID), else by name."""
+    running_since: datetime | None = None
+    """When the first of the attempt's pods started on its node: GPU-hours count from here, not from
+    the creation of the training job (time queued or waiting for a node holds no GPU)."""
 
 
 class ProgressStatus(StatusModel):
@@ -1178,6 +1195,40 @@ class ProgressStatus(StatusModel):
     seen doing at least two steps."""
     updated_at: datetime
     """When the trainer wrote the line these figures come from."""
+
+
+class ProvenanceSummary(StatusModel):
+    """What the finished model was trained on, where and at what cost: the summary of the record that
+    `finetune-operator record NAME` prints in full. Written when the job succeeds."""
+
+    base_model: str
+    """spec.model.name, and the Hub revision where the weights came from the Hub."""
+    base_config_sha256: str | None = None
+    """sha256 of the base model's config.json as the trainer read it."""
+    dataset_sha256: str | None = None
+    """sha256 over every dataset file's name and sha256; the file list is in the output's
+    provenance/attempt-N.json."""
+    dataset_files: int | None = None
+    """Dataset files read."""
+    records: int | None = None
+    """Dataset records read."""
+    tokens_last_attempt: int | None = None
+    """Tokens the succeeding attempt trained on (all GPUs); earlier attempts' tokens are not counted."""
+    steps: int | None = None
+    """Optimizer steps of the whole run (a resumed attempt continues the count)."""
+    final_loss: float | None = None
+    """Training loss at the last logged step."""
+    attempts: int
+    """Attempts the job took."""
+    regions: list[str] = []
+    """Regions the attempts ran in."""
+    gpu_hours: float
+    """GPU-hours over every attempt: each attempt's GPUs x (its end - its first pod's start)."""
+    energy_kwh_estimate: float | None = None
+    """An estimate, not a measurement: GPU-hours x each GPU type's board power from the GPU table
+    (host, network and cooling not counted). Absent when a GPU type has no board power in the table."""
+    record: str
+    """Where the trainer's part of the record is: the output location's provenance/ folder."""
 
 
 class FineTuneJobStatus(StatusModel):
@@ -1212,6 +1263,8 @@ class FineTuneJobStatus(StatusModel):
     """How far the current attempt's training is (step, loss, tokens per second, ETA), read from the
     trainer's log; kept after the attempt ends (a finished job keeps its last figures), removed when
     another attempt becomes current."""
+    provenance: ProvenanceSummary | None = None
+    """What the model was trained on, where and at what cost (written on success; see `finetune-operator record`)."""
 
 
 class ObjectMeta(BaseModel):

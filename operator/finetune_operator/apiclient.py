@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import urllib3
-from kubernetes import client
+from kubernetes import client, config
 from kubernetes.client.rest import tcp_keepalive_socket_options
 
 
@@ -70,3 +70,18 @@ def bounded_client(configuration: client.Configuration, timeout: Timeouts = DEFA
     if not retries:
         cfg.retries = urllib3.Retry(total=0, connect=0, read=0, redirect=0, status=0, other=0)
     return BoundedApiClient(cfg, timeout)
+
+
+def client_configuration(kubeconfig: str | None) -> client.Configuration:
+    """Who the operator (or the CLI) talks to the API server as: the given kubeconfig; else the pod's
+    ServiceAccount; else ~/.kube/config (or $KUBECONFIG)."""
+    cfg = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        return cfg
+    try:
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        cfg = client.Configuration()
+        config.load_kube_config(client_configuration=cfg)
+    return cfg

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from finetune_trainer.contract import parse_success_report
+from finetune_trainer.contract import SuccessReport, parse_success_report
 
 from . import api
 from .planning.plan import Plan
@@ -181,9 +181,9 @@ def applied_words(learned: Learned, kind: Kind) -> str:
             f"(observed / predicted peak; last {learned.last_ratio:.3g})")
 
 
-def success_peak_bytes(pods: Iterable[Mapping[str, Any]], attempt: int, attempt_label: str) -> int | None:
-    """The highest peak allocated bytes the attempt's pods reported on success (None when none did)."""
-    peaks = []
+def success_reports(pods: Iterable[Mapping[str, Any]], attempt: int, attempt_label: str) -> list[SuccessReport]:
+    """The success reports the attempt's containers left in their termination messages."""
+    reports = []
     for pod in pods:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if labels.get(attempt_label) != str(attempt):
@@ -191,6 +191,12 @@ def success_peak_bytes(pods: Iterable[Mapping[str, Any]], attempt: int, attempt_
         for container in (pod.get("status") or {}).get("containerStatuses") or []:
             terminated = (container.get("state") or {}).get("terminated") or {}
             report = parse_success_report(terminated.get("message"))
-            if report is not None and report.peak_allocated_bytes:
-                peaks.append(report.peak_allocated_bytes)
+            if report is not None:
+                reports.append(report)
+    return reports
+
+
+def success_peak_bytes(pods: Iterable[Mapping[str, Any]], attempt: int, attempt_label: str) -> int | None:
+    """The highest peak allocated bytes the attempt's pods reported on success (None when none did)."""
+    peaks = [r.peak_allocated_bytes for r in success_reports(pods, attempt, attempt_label) if r.peak_allocated_bytes]
     return max(peaks) if peaks else None

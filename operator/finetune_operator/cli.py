@@ -277,8 +277,61 @@ def _run_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_record(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("record", help="print a FineTuneJob's provenance record: data, model, attempts, GPU-hours, energy")
+    p.add_argument("name", nargs="?", help="the FineTuneJob in the cluster (read with your kubeconfig)")
+    p.add_argument("-n", "--namespace", help="its namespace (default: the kubeconfig context's, else default)")
+    p.add_argument("-f", "--file", help="read the job from a file instead (kubectl get ftj NAME -o yaml; - for standard input)")
+    p.add_argument("--kubeconfig", help="kubeconfig to use (default: $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    p.set_defaults(func=_run_record)
+
+
+def _run_record(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    from .provenance import build_record
+
+    if (args.name is None) == (args.file is None):
+        raise CliError("record: name a FineTuneJob or give -f FILE (one of them)")
+    job = load_job(args.file) if args.file else _read_cluster_job(args.name, args.namespace, args.kubeconfig)
+    record = build_record(job, datetime.now(timezone.utc)).model_dump(mode="json", by_alias=True, exclude_none=True)
+    if args.output == "json":
+        print_json(record)
+    else:
+        sys.stdout.write(dump_yaml([record]))
+    return 0
+
+
+def _read_cluster_job(name: str, namespace: str | None, kubeconfig: str | None) -> api.FineTuneJob:
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    from .apiclient import bounded_client, client_configuration
+
+    try:
+        configuration = client_configuration(kubeconfig)
+        if namespace is None:
+            _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+            namespace = (active or {}).get("context", {}).get("namespace") or "default"
+    except (config.ConfigException, OSError) as error:
+        raise CliError(f"record: no cluster to read from: {error}") from None
+    with bounded_client(configuration) as api_client:
+        try:
+            body = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+        except ApiException as error:
+            if error.status == 404:
+                raise CliError(f"record: FineTuneJob {namespace}/{name} not found") from None
+            raise CliError(f"record: reading FineTuneJob {namespace}/{name}: {error.status} {error.reason}") from None
+    try:
+        return api.parse_job(body)
+    except api.JobValidationError as error:
+        raise CliError(f"record: FineTuneJob {namespace}/{name} does not read back: {error}") from None
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_crd, _add_presets, _add_validate, _add_run, _add_plan, _add_render, _add_estimate,
+    _add_crd, _add_presets, _add_validate, _add_run, _add_plan, _add_render, _add_estimate, _add_record,
 ]
 
 

@@ -26,7 +26,7 @@ import yaml
 from kubernetes import client, config
 
 from . import api, metrics
-from .apiclient import LEASE_TIMEOUT, bounded_client
+from .apiclient import LEASE_TIMEOUT, bounded_client, client_configuration
 from .calibration_store import CalibrationStore
 from .profiling_shell import ProfileShell
 from .controller import Cluster, JobBodies, PolicyHolder, Reconciler
@@ -101,17 +101,7 @@ EXTRA_CONNECTIONS = 8
 
 
 def _client_configuration(options: Options) -> client.Configuration:
-    if options.kubeconfig:
-        cfg = client.Configuration()
-        config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
-    else:
-        try:
-            cfg = client.Configuration()
-            config.load_incluster_config(client_configuration=cfg)
-        except config.ConfigException:
-            cfg = client.Configuration()
-            config.load_kube_config(client_configuration=cfg)
-    return cfg
+    return client_configuration(options.kubeconfig)
 
 
 def _read_policy(cluster: Cluster, options: Options) -> ClusterPolicy:

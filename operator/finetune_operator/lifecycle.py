@@ -44,9 +44,9 @@ from .recovery.redact import redact
 from .rendering.errors import RenderError
 from .rendering.layout import layout_of
 from .rendering.names import attempt_name
-from .rendering.backend import DEFAULT_SERVED, Backend, NoBackend, select_backend
+from .rendering.backend import DEFAULT_SERVED, Backend, NoBackend, select_backend, trainer_containers
 from .rendering.renderer import ATTEMPT_LABEL
-from . import calibration
+from . import calibration, provenance
 from .profiling import state as profiling
 from .sizing import ModelArchitecture, SizingError, UnknownArchitecture
 from .sizing.from_job import architecture_of
@@ -537,6 +537,7 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
     _clear_blocked(status, now, generation)
     observed = dataclasses.replace(observed, pods=_pods_of_attempt(observed.pods, attempt))
     _record_failed_pods(status, attempt, observed.pods)
+    _record_where_it_ran(status, attempt, observed.pods)
 
     queued_job = job.spec.queue_name is not None or child.queue is not None
     # A finished child is judged by how it ended, whatever its suspend flag says.
@@ -563,6 +564,7 @@ def _follow_attempt(decision: Decision, observed: Observed) -> Decision:
         peak = calibration.success_peak_bytes(observed.pods, attempt, ATTEMPT_LABEL)
         _update_record(status, attempt, outcome="Succeeded", end_time=now, message="finished",
                        observed_peak_gi_b=round(peak / GiB, 2) if peak else None)
+        status.provenance = _provenance(observed, status, attempt)
         set_condition(status, api.COND_RUNNING, "False", "Finished", f"attempt {attempt} finished", now, generation)
         if condition(status, api.COND_RECOVERING) is not None:
             set_condition(status, api.COND_RECOVERING, "False", "Recovered", f"attempt {attempt} finished", now, generation)
@@ -756,7 +758,7 @@ def _unschedulable(pods: Sequence[dict[str, Any]]) -> tuple[datetime, str] | Non
     for pod in pods:
         for cond in (pod.get("status") or {}).get("conditions") or []:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
-                since = _parse_time(cond.get("lastTransitionTime"))
+                since = api.kube_time(cond.get("lastTransitionTime"))
                 if since is not None:
                     found.append((since, redact(str(cond.get("message") or "no node fits"))))
     return min(found, key=lambda f: f[0]) if found else None
@@ -778,15 +780,6 @@ def _not_starting(pods: Sequence[dict[str, Any]]) -> str | None:
     return None
 
 
-def _parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
 # ---------------------------------------------------------------------------
 # failures
 # ---------------------------------------------------------------------------
@@ -806,6 +799,35 @@ def _record_failed_pods(status: api.FineTuneJobStatus, attempt: int, pods: Seque
         known[verdict.pod] = _pod_failure_record(verdict)
     if list(known.values()) != record.failed_pods:
         _update_record(status, attempt, failed_pods=sorted(known.values(), key=lambda p: p.pod))
+
+
+def _record_where_it_ran(status: api.FineTuneJobStatus, attempt: int, pods: Sequence[dict[str, Any]]) -> None:
+    """Add the nodes, trainer images and first start the attempt's pods show to its record as they
+    appear (a pod may be gone by the time the attempt ends): the provenance record reads them."""
+    record = _attempt_record(status, attempt)
+    if record is None:
+        return
+    nodes, images, started = provenance.pod_facts(list(pods), trainer_containers())
+    changes: dict[str, Any] = {}
+    if not set(nodes) <= set(record.nodes):
+        changes["nodes"] = sorted(set(record.nodes) | set(nodes))
+    if not set(images) <= set(record.images):
+        changes["images"] = sorted(set(record.images) | set(images))
+    if started is not None and (record.running_since is None or started < record.running_since):
+        changes["running_since"] = started
+    if changes:
+        _update_record(status, attempt, **changes)
+
+
+def _provenance(observed: Observed, status: api.FineTuneJobStatus, attempt: int) -> api.ProvenanceSummary:
+    """status.provenance of the job that just succeeded on `attempt`: what rank 0's success report
+    says it trained on, the attempts the status holds."""
+    reports = calibration.success_reports(observed.pods, attempt, ATTEMPT_LABEL)
+    rank0 = next((r for r in reports if r.rank == 0 and r.facts is not None), None)
+    if rank0 is None:
+        rank0 = next((r for r in reports if r.facts is not None), None)
+    job = observed.job.model_copy(update={"status": status})
+    return provenance.summary(job, rank0.facts if rank0 else None, rank0.steps if rank0 else None, observed.now)
 
 
 def _pod_failure_record(failure: Failure) -> api.PodFailure:

@@ -33,7 +33,6 @@ import threading
 import time
 import typing
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
@@ -262,13 +261,8 @@ def _phase_start_from_status(phase: str, status: Mapping[str, Any] | None) -> fl
 
 
 def _timestamp(value: Any) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed.timestamp() if parsed.tzinfo is not None else None
+    parsed = api.kube_time(value)
+    return parsed.timestamp() if parsed is not None and parsed.tzinfo is not None else None
 
 
 def _running_gpus(status: Mapping[str, Any]) -> tuple[GpuKey, int] | None:

@@ -28,28 +28,31 @@ class GpuType:
     memory_bytes: int  # what the driver reports (nvidia.com/gpu.memory, MiB x 2^20)
     bf16_tflops: float  # dense (no sparsity) peak, from the vendor's data sheet
     nvlink: bool  # the usual server form factor has NVLink/NVSwitch between GPUs
+    # Maximum board power (TDP) of the usual form factor, from the vendor's data sheet: the
+    # provenance record's energy estimate (GPU-hours x this), an upper bound of what the card draws.
+    board_power_watts: int
 
 
-def _gpu(name: str, memory_mib: int, tflops: float, nvlink: bool) -> GpuType:
-    return GpuType(name, memory_mib * MiB, tflops, nvlink)
+def _gpu(name: str, memory_mib: int, tflops: float, nvlink: bool, watts: int) -> GpuType:
+    return GpuType(name, memory_mib * MiB, tflops, nvlink, watts)
 
 
 # Canonical types. Memory is the MiB figure GPU Feature Discovery publishes for the card.
 CANONICAL_TYPES = [
-    _gpu("H200-141GB", 143771, 989.0, True),
-    _gpu("H100-80GB", 81559, 989.0, True),
-    _gpu("H100-PCIE-80GB", 81559, 756.0, False),
-    _gpu("H100-NVL-94GB", 95830, 835.0, True),
-    _gpu("A100-80GB", 81920, 312.0, True),
-    _gpu("A100-40GB", 40960, 312.0, True),
-    _gpu("L40S-48GB", 46068, 362.0, False),
-    _gpu("L40-48GB", 46068, 181.0, False),
-    _gpu("L4-24GB", 23034, 121.0, False),
-    _gpu("A10G-24GB", 23028, 70.0, False),
-    _gpu("A10-24GB", 23028, 125.0, False),
-    _gpu("V100-32GB", 32768, 125.0, True),  # fp16; no bf16 on Volta
-    _gpu("V100-16GB", 16384, 125.0, True),
-    _gpu("T4-16GB", 15360, 65.0, False),  # fp16; no bf16 on Turing
+    _gpu("H200-141GB", 143771, 989.0, True, 700),
+    _gpu("H100-80GB", 81559, 989.0, True, 700),
+    _gpu("H100-PCIE-80GB", 81559, 756.0, False, 350),
+    _gpu("H100-NVL-94GB", 95830, 835.0, True, 400),
+    _gpu("A100-80GB", 81920, 312.0, True, 400),
+    _gpu("A100-40GB", 40960, 312.0, True, 400),
+    _gpu("L40S-48GB", 46068, 362.0, False, 350),
+    _gpu("L40-48GB", 46068, 181.0, False, 300),
+    _gpu("L4-24GB", 23034, 121.0, False, 72),
+    _gpu("A10G-24GB", 23028, 70.0, False, 300),
+    _gpu("A10-24GB", 23028, 125.0, False, 150),
+    _gpu("V100-32GB", 32768, 125.0, True, 300),  # fp16; no bf16 on Volta
+    _gpu("V100-16GB", 16384, 125.0, True, 300),
+    _gpu("T4-16GB", 15360, 65.0, False, 70),  # fp16; no bf16 on Turing
 ]
 _BY_NAME = {g.name: g for g in CANONICAL_TYPES}
 
