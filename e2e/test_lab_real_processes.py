@@ -265,6 +265,16 @@ def test_gpu_oom_in_the_real_trainer_then_a_changed_plan_resumes_from_its_checkp
     assert abs(loss2[redone] - loss1[redone]) <= 0.01 * loss1[redone], (loss1, loss2)
     # And the run goes on learning: its last loss is well below where attempt 1 started.
     assert loss2[max(loss2)] < 0.9 * loss1[1], (loss1, loss2)
+    # The provenance record lists both attempts with the nodes they ran on, and what the trainer
+    # hashed (its file beside the output) is what status says.
+    assert first["nodes"] and status["attempts"][-1]["nodes"], status["attempts"]
+    assert first["runningSince"] and first["endTime"], first
+    summary = status["provenance"]
+    assert summary["attempts"] == len(status["attempts"]) and summary["gpuHours"] > 0, summary
+    trainer_record = json.loads((rp.claim_dir(namespace, "checkpoints") / "gpu-oom" / "final" / "provenance"
+                                 / f"attempt-{len(status['attempts'])}.json").read_text())
+    assert trainer_record["summary"]["datasetSha256"] == summary["datasetSha256"], (trainer_record, summary)
+    assert trainer_record["summary"]["records"] == summary["records"] > 0
 
 
 def test_suspend_and_resume_continue_from_the_real_checkpoint(lab, runs):
