@@ -38,10 +38,11 @@ def _cri(line: str) -> str:
     return f"{stamp} stdout F {line}\n"
 
 
-def _report(step: int, started: float) -> str:
+def _report(step: int, started: float, eval_loss: float | None = None) -> str:
     now = time.time()
     return ProgressReport(time=now, attempt=1, step=step, max_steps=40, start_step=0, elapsed_seconds=now - started,
-                          loss=round(2.0 - step / 40, 4), tokens_per_second=1234.5).to_log_line()
+                          loss=round(2.0 - step / 40, 4), tokens_per_second=1234.5, eval_loss=eval_loss,
+                          eval_step=step if eval_loss is not None else None).to_log_line()
 
 
 def _progress(lab, namespace: str, name: str) -> dict:
@@ -82,7 +83,7 @@ def test_progress_moves_in_status_and_kubectl_get(lab, operator, namespace, tmp_
 
     # The trainer goes on: the next read sees it.
     with log.open("a") as handle:
-        handle.write(_cri(_report(20, trainer_started)))
+        handle.write(_cri(_report(20, trainer_started, eval_loss=1.625)))
     second = wait_for(lambda: _progress(lab, namespace, "progress").get("step") == 20
                       and _progress(lab, namespace, "progress"), 45, "status.progress at step 20")
     assert second["summary"] == "20/40 (50%)" and second["loss"] == 1.5 and second["eta"]
@@ -90,6 +91,8 @@ def test_progress_moves_in_status_and_kubectl_get(lab, operator, namespace, tmp_
     assert "20/40 (50%)" in table[1], table
     wide = lab.kubectl("get", "ftj", "progress", "-n", namespace, "-o", "wide").stdout.splitlines()
     assert "LOSS" in wide[0] and "ETA" in wide[0] and "1.5" in wide[1] and second["eta"] in wide[1], wide
+    # The held-out loss (spec.evaluation) the trainer carries on its lines: EVAL LOSS in -o wide.
+    assert second["evalLoss"] == 1.625 and second["evalStep"] == 20 and "EVAL LOSS" in wide[0] and "1.625" in wide[1], wide
     described = lab.kubectl("describe", "ftj", "progress", "-n", namespace).stdout
     assert "Progress:" in described and "20/40 (50%)" in described, described
     # Only progress changed: the job's other status fields are the reconciler's, untouched.

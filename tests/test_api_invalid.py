@@ -169,6 +169,17 @@ CASES = [
     Case("name-trailing-dash", _set("metadata.name", "support-"), "metadata.name", "DNS-1123", False),
     Case("claim-name-invalid", _set("spec.checkpoint", {"pvc": {"claimName": "Ckpt!"}}), "spec.checkpoint.pvc.claimName", "pattern", True),
     Case("wrong-api-version", _set("apiVersion", "finetune.dev/v1"), "apiVersion", "finetune.dev/v1alpha1", False),
+    # spec.evaluation: a held-out fraction (a separate eval dataset is refused, not ignored)
+    Case("eval-fraction-too-large", _set("spec.evaluation", {"heldOutFraction": 0.6}),
+         "spec.evaluation.heldOutFraction", "less than or equal to 0.5", True),
+    Case("eval-fraction-zero", _set("spec.evaluation", {"heldOutFraction": 0.0}),
+         "spec.evaluation.heldOutFraction", "greater than 0", True),
+    Case("eval-without-source", _set("spec.evaluation", {"everySteps": 10}),
+         "spec.evaluation.heldOutFraction", "exactly one of heldOutFraction, dataset", False),
+    Case("eval-separate-dataset", _set("spec.evaluation", {"dataset": {"pvc": {"claimName": "evals"}}}),
+         "spec.evaluation.dataset", "not supported yet", False),
+    Case("eval-every-zero", _set("spec.evaluation", {"heldOutFraction": 0.1, "everySteps": 0}),
+         "spec.evaluation.everySteps", "greater than or equal to 1", True),
 ]
 
 

@@ -46,7 +46,7 @@ def test_identity_of_the_crd():
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert columns == ["Phase", "Reason", "Model", "Method", "GPUs", "Pool", "Region", "Attempt", "Progress", "Age"]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
-    assert wide == ["Strategy", "Predicted", "GPU Memory", "Loss", "ETA"]
+    assert wide == ["Strategy", "Predicted", "GPU Memory", "Loss", "Eval Loss", "ETA"]
 
 
 def test_printer_columns_read_fields_the_status_has():

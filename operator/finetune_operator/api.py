@@ -825,6 +825,7 @@ IMMUTABLE_FIELDS: list[tuple[str, bool]] = [
     ("placement", False),
     ("lora", True),
     ("checkpoint", True),
+    ("evaluation", True),
     ("output", True),
     ("image", True),
     ("queueName", True),
@@ -866,6 +867,38 @@ def spec_choices(spec: "FineTuneJobSpec") -> Choices:
         target_experts=spec.lora.target_experts if spec.lora is not None else None,
         **choice_values(training, auto_is_none=True),
     )
+
+
+class EvaluationSpec(ApiModel):
+    """Evaluation while it trains: the loss on data the run does not train on."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.heldOutFraction) != has(self.dataset)",
+                 "message": "set exactly one of heldOutFraction, dataset"},
+                {"rule": "!has(self.dataset)",
+                 "message": "a separate evaluation dataset is not supported yet: use heldOutFraction"},
+            ]
+        }
+    )
+
+    held_out_fraction: Annotated[float, Field(gt=0, le=0.5)] | None = None
+    """The fraction of the dataset's sequences (after packing) kept out of training and evaluated on,
+    chosen by `training.seed` alone, so every attempt, resumed or not, evaluates on the same ones. A
+    fraction that leaves no sequence on either side fails the job with a DataError naming this field."""
+    dataset: DataSource | None = None
+    """A separate evaluation dataset: not supported yet (refused); use heldOutFraction."""
+    every_steps: Annotated[int, Field(ge=1)] | None = None
+    """Evaluate every this many optimizer steps; always at the end. Omitted: only at the end."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvaluationSpec":
+        if self.dataset is not None:
+            raise _FieldError("dataset", "a separate evaluation dataset is not supported yet: use heldOutFraction")
+        if self.held_out_fraction is None:
+            raise _FieldError("heldOutFraction", "set exactly one of heldOutFraction, dataset")
+        return self
 
 
 class FineTuneJobSpec(ApiModel):
@@ -913,6 +946,8 @@ class FineTuneJobSpec(ApiModel):
     """Self-healing on out-of-memory failures."""
     checkpoint: CheckpointSpec | None = None
     """Checkpoints; without them a recovered attempt starts from step 0."""
+    evaluation: EvaluationSpec | None = None
+    """Evaluation on a held-out part of the dataset while it trains (eval loss in status.progress)."""
     output: OutputSpec | None = None
     """Where the result goes; the checkpoint volume's `final/` folder when omitted."""
     image: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")] | None = None
@@ -1188,6 +1223,10 @@ class ProgressStatus(StatusModel):
     """True when the trainer logged a NaN or infinite loss (training diverged)."""
     tokens_per_second: float | None = None
     """Tokens per second over all GPUs, over the trainer's last logging interval."""
+    eval_loss: float | None = None
+    """Mean loss on the held-out split (spec.evaluation) at its last evaluation; exp(evalLoss) is the perplexity."""
+    eval_step: int | None = None
+    """The step that evaluation ran at."""
     steps_per_second: float | None = None
     """Optimizer steps per second, smoothed over the attempt: what the ETA is computed from."""
     eta: datetime | None = None
@@ -1212,12 +1251,16 @@ class ProvenanceSummary(StatusModel):
     """Dataset files read."""
     records: int | None = None
     """Dataset records read."""
+    held_out: int | None = None
+    """Sequences held out for evaluation (spec.evaluation), never trained on."""
     tokens_last_attempt: int | None = None
     """Tokens the succeeding attempt trained on (all GPUs); earlier attempts' tokens are not counted."""
     steps: int | None = None
     """Optimizer steps of the whole run (a resumed attempt continues the count)."""
     final_loss: float | None = None
     """Training loss at the last logged step."""
+    eval_loss: float | None = None
+    """Held-out loss at the last evaluation (spec.evaluation); exp(evalLoss) is the perplexity."""
     attempts: int
     """Attempts the job took."""
     regions: list[str] = []

@@ -40,6 +40,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "GPU memory per GPU of the plan's GPU type"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1,
      "description": "Training loss at the last step read from the trainer's log"},
+    {"name": "Eval Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1,
+     "description": "Loss on the held-out split at its last evaluation (spec.evaluation)"},
     {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta", "priority": 1,
      "description": "When training should reach its last step at the current rate"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -135,6 +135,8 @@ def progress_status(report: ProgressReport, attempt: int, rate: RateEstimate) ->
         loss=report.loss if loss_finite else None,
         loss_not_finite=None if loss_finite else True,
         tokens_per_second=report.tokens_per_second,
+        eval_loss=report.eval_loss if report.eval_loss is not None and math.isfinite(report.eval_loss) else None,
+        eval_step=report.eval_step if report.eval_loss is not None else None,
         steps_per_second=None if steps_per_second is None else round(steps_per_second, 6),
         eta=eta.replace(microsecond=0) if eta else None,
         updated_at=updated,

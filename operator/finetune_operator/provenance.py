@@ -67,6 +67,8 @@ class DatasetRecord(SourceRecord):
     sha256: str | None = None
     files: int | None = None
     records: int | None = None
+    held_out: int | None = None
+    """Sequences held out for evaluation; the split is a function of the seed (spec.training.seed)."""
 
 
 class ProvenanceRecord(api.StatusModel):
@@ -89,6 +91,7 @@ class ProvenanceRecord(api.StatusModel):
     steps: int | None = None
     tokens_last_attempt: int | None = None
     final_loss: float | None = None
+    eval_loss: float | None = None
     gpu_hours: float
     energy_kwh_estimate: float | None = None
     energy_note: str = ENERGY_NOTE
@@ -183,9 +186,11 @@ def summary(job: api.FineTuneJob, facts: TrainingFacts | None, steps: int | None
         dataset_sha256=facts.dataset_sha256 if facts else None,
         dataset_files=facts.dataset_files if facts else None,
         records=facts.records if facts else None,
+        held_out=facts.held_out if facts else None,
         tokens_last_attempt=facts.tokens if facts else None,
         steps=steps,
         final_loss=facts.final_loss if facts else None,
+        eval_loss=facts.eval_loss if facts else None,
         attempts=len(attempts),
         regions=sorted({a.region for a in attempts if a.region}),
         gpu_hours=round(sum(a.gpu_hours for a in attempts), 4),
@@ -209,7 +214,8 @@ def build_record(job: api.FineTuneJob, now: datetime) -> ProvenanceRecord:
                               packing=spec.dataset.packing,
                               sha256=summed.dataset_sha256 if summed else None,
                               files=summed.dataset_files if summed else None,
-                              records=summed.records if summed else None),
+                              records=summed.records if summed else None,
+                              held_out=summed.held_out if summed else None),
         requested_image=spec.image,
         output=output_location(spec),
         trainer_records=output_records(spec),
@@ -217,6 +223,7 @@ def build_record(job: api.FineTuneJob, now: datetime) -> ProvenanceRecord:
         steps=summed.steps if summed else None,
         tokens_last_attempt=summed.tokens_last_attempt if summed else None,
         final_loss=summed.final_loss if summed else None,
+        eval_loss=summed.eval_loss if summed else None,
         gpu_hours=round(sum(a.gpu_hours for a in attempts), 4),
         energy_kwh_estimate=_energy_total(attempts),
     )

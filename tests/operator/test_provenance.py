@@ -15,7 +15,8 @@ from finetune_trainer import contract
 from test_lifecycle import T0, World, example
 
 FACTS = contract.TrainingFacts(base_config_sha256="c" * 64, dataset_sha256="d" * 64, dataset_files=3,
-                               dataset_bytes=12345, records=800, examples=640, tokens=1_310_720, final_loss=1.234)
+                               dataset_bytes=12345, records=800, examples=640, tokens=1_310_720, final_loss=1.234,
+                               held_out=32, eval_loss=1.5)
 
 
 def _running(world: World, node: str, started_after: timedelta, image_id: str) -> None:
@@ -73,6 +74,7 @@ def test_both_attempts_of_a_recovered_job_are_recorded_with_their_nodes_images_a
     assert (summary.dataset_sha256, summary.records, summary.tokens_last_attempt, summary.steps) == (
         "d" * 64, 800, 1_310_720, 500)
     assert summary.attempts == 2 and summary.regions == ["eu-de-berlin"]
+    assert (summary.held_out, summary.final_loss, summary.eval_loss) == (32, 1.234, 1.5)
     assert summary.base_model.startswith(world.job.spec.model.name)
 
 
@@ -84,6 +86,7 @@ def test_the_record_lists_every_attempt_and_is_complete_only_once_succeeded():
     # How the first attempt ended and what the next one changed.
     assert record.attempts[0].message.startswith("GPU OOM in backward") and "next:" in record.attempts[0].message
     assert record.dataset.sha256 == "d" * 64 and record.base_model.config_sha256 == "c" * 64
+    assert (record.dataset.held_out, record.eval_loss) == (32, 1.5)
     assert record.trainer_records.endswith("/provenance/")
     assert record.energy_note.startswith("estimate")
     running = World(example("llama-8b-lora.yaml"))

@@ -110,3 +110,19 @@ def test_collator_pads_with_ignored_labels():
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_the_held_out_split_is_the_seeds_alone_and_a_split_leaving_a_side_empty_names_the_field():
+    from finetune_trainer.data import Example, held_out_digest, held_out_split
+
+    examples = [Example([i, i + 1], [i, i + 1]) for i in range(40)]
+    train, held = held_out_split(examples, 0.25, seed=3)
+    assert len(held) == 10 and len(train) == 30 and not {e.input_ids[0] for e in train} & {e.input_ids[0] for e in held}
+    assert [e.input_ids for e in train] == sorted(e.input_ids for e in train)  # training keeps its order
+    again_train, again_held = held_out_split(list(examples), 0.25, seed=3)
+    assert held_out_digest(again_held) == held_out_digest(held) and again_train == train
+    assert held_out_digest(held_out_split(examples, 0.25, seed=4)[1]) != held_out_digest(held)
+    with pytest.raises(DataError, match=r"spec.evaluation.heldOutFraction 0.01 of 40 sequences holds out 0"):
+        held_out_split(examples, 0.01, seed=3)
+    with pytest.raises(DataError, match="heldOutFraction"):
+        held_out_split(examples[:1], 0.5, seed=3)

@@ -281,3 +281,41 @@ def test_invalid_config_is_a_config_error_naming_the_field(tmp_path, offline):
     assert main(["--config", str(path), "--report-path", str(tmp_path / "log")]) == EXIT_CONFIG_ERROR
     report = read_report(tmp_path / "log")
     assert report["reason"] == "ConfigError" and "microBatchSize" in report["message"]
+
+
+def test_held_out_evaluation_every_n_steps_and_at_the_end_and_the_same_split_after_a_resume(assets, tmp_path):
+    """spec.evaluation: eval lines at the cadence and at the last step, the eval loss carried on the
+    progress lines, the held-out sequences never trained on, the same split on a resumed attempt."""
+    config = trainer_config(assets, tmp_path, method="lora", learningRate=1e-2, maxSteps=7,
+                            lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"},
+                            evaluation={"heldOutFraction": 0.25, "everySteps": 3},
+                            checkpoint={"directory": str(tmp_path / "ckpt"), "everySteps": 2, "keepLast": 2})
+    run = run_trainer(write_config(tmp_path, config))
+    assert run.returncode == 0, run.output[-3000:]
+    evals = run.of("eval")
+    assert [e["step"] for e in evals] == [3, 6, 7], evals
+    assert all(e["evalLoss"] > 0 and e["evalPerplexity"] > 1 for e in evals)
+    progress = {e["step"]: e for e in run.of("progress")}
+    assert "evalLoss" not in progress[2] and progress[4]["evalLoss"] == evals[0]["evalLoss"]
+    assert progress[4]["evalStep"] == 3
+    # An evaluation is repeated on a progress line at once (the operator reads only those), so the
+    # final one, after the last logging step, reaches status.progress too.
+    last = run.of("progress")[-1]
+    assert (last["step"], last["evalStep"], last["evalLoss"]) == (7, 7, evals[-1]["evalLoss"]), last
+    [start] = run.of("start")
+    lines = [line for line in assets["chat"].read_text().splitlines() if line.strip()]
+    assert start["heldOut"] == round(len(lines) * 0.25) and start["examples"] == len(lines) - start["heldOut"]
+    [summary] = run.of("summary")
+    assert summary["evalLoss"] == evals[-1]["evalLoss"] and summary["evalStep"] == 7
+    facts = read_report(tmp_path / "termination-log")["facts"]  # what status.provenance gets
+    assert (facts["heldOut"], facts["evalLoss"]) == (start["heldOut"], evals[-1]["evalLoss"]), facts
+    # Evaluation tokens are not training tokens: the count is the training batches' alone.
+    resumed = dict(config, maxSteps=9, attempt=2)
+    again = run_trainer(write_config(tmp_path, resumed, "config2.json"))
+    assert again.returncode == 0, again.output[-3000:]
+    [restart] = again.of("start")
+    assert restart["startStep"] == 6 and restart["heldOutSha256"] == start["heldOutSha256"], (restart, start)
+    # Another run of the same config evaluates the same samples from the same weights: the same losses.
+    redo = run_trainer(write_config(tmp_path / "redo", dict(config, checkpoint=None)))
+    assert redo.returncode == 0, redo.output[-3000:]
+    assert [round(e["evalLoss"], 3) for e in redo.of("eval")] == [round(e["evalLoss"], 3) for e in evals]

@@ -156,6 +156,16 @@ class CheckpointSettings(_Contract):
     keep_last: int = Field(2, ge=1)
 
 
+class EvaluationSettings(_Contract):
+    """Evaluation on a held-out part of the dataset (FineTuneJob spec.evaluation)."""
+
+    held_out_fraction: float = Field(gt=0, le=0.5)
+    """The fraction of the built sequences kept out of training, chosen by the seed alone
+    (data.held_out_split), so a resumed attempt evaluates on the same samples."""
+    every_steps: int | None = Field(None, ge=1)
+    """Evaluate every this many optimizer steps, and always at the end; None: only at the end."""
+
+
 class FaultInjection(_Contract):
     """Test-only hook; the operator never sets it.
 
@@ -238,6 +248,7 @@ class TrainerConfig(_Contract):
     offload: Offload = "none"
 
     checkpoint: CheckpointSettings | None = None
+    evaluation: EvaluationSettings | None = None
     output_directory: str = Field(min_length=1)
     seed: int = 42
     report_path: str = DEFAULT_REPORT_PATH
@@ -515,6 +526,10 @@ class ProgressReport(_Contract):
     peak_allocated_bytes: int | None = Field(None, ge=0)
     peak_reserved_bytes: int | None = Field(None, ge=0)
     host_peak_rss_bytes: int | None = Field(None, ge=0)
+    eval_loss: float | None = None
+    """Mean loss on the held-out split at its last evaluation (carried on every later line)."""
+    eval_step: int | None = Field(None, ge=0)
+    """The step that evaluation ran at."""
 
     @model_validator(mode="after")
     def _steps_consistent(self) -> "ProgressReport":
@@ -568,9 +583,11 @@ class TrainingFacts(_Contract):
     dataset_files: int = Field(ge=1)
     dataset_bytes: int = Field(ge=0)
     records: int = Field(ge=0, description="dataset records read")
-    examples: int = Field(ge=0, description="training sequences built from them (after packing)")
+    examples: int = Field(ge=0, description="sequences built from them (after packing), held-out ones included")
+    held_out: int = Field(0, ge=0, description="of those, held out for evaluation (spec.evaluation)")
     tokens: int = Field(ge=0, description="tokens this attempt trained on, all ranks")
     final_loss: float | None = None
+    eval_loss: float | None = Field(None, description="held-out loss at the last evaluation (spec.evaluation)")
 
 
 class SuccessReport(_Contract):

@@ -8,6 +8,7 @@ micro-batch, accumulation or GPU count of each attempt.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -216,6 +217,32 @@ def sample_order(num_examples: int, start: int, count: int, seed: int) -> list[i
         offset = 0
         epoch += 1
     return order[:count]
+
+
+HELD_OUT_SALT = 7_919  # the held-out split draws from its own stream, not the epochs' shuffles
+
+
+def held_out_digest(held_out: list[Example]) -> str:
+    """sha256 of the held-out sequences' tokens: two attempts that evaluate on the same samples say so."""
+    digest = hashlib.sha256()
+    for example in held_out:
+        digest.update(json.dumps(example.input_ids).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def held_out_split(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) sequences: round(fraction x n) of them, chosen by the seed alone, so
+    every attempt of a job (and every rank) holds out the same ones. The training part keeps its
+    order. A split that leaves either side empty is a DataError naming the field."""
+    count = round(len(examples) * fraction)
+    if count < 1 or count >= len(examples):
+        raise DataError(f"spec.evaluation.heldOutFraction {fraction} of {len(examples)} sequences holds out "
+                        f"{count}: it must leave at least one sequence for evaluation and one for training")
+    chosen = set(random.Random(seed * 1_000_003 + HELD_OUT_SALT).sample(range(len(examples)), count))
+    training = [e for i, e in enumerate(examples) if i not in chosen]
+    held_out = [e for i, e in enumerate(examples) if i in chosen]
+    return training, held_out
 
 
 def total_samples(num_examples: int, epochs: float) -> int:

@@ -69,8 +69,10 @@ class AttemptFacts:
     base_config_sha256: str | None
     records: int
     examples: int
+    held_out: int = 0
     tokens: int = 0
     final_loss: float | None = None
+    eval_loss: float | None = None
 
     @classmethod
     def read(cls, cfg: TrainerConfig, records: int, examples: int) -> "AttemptFacts":
@@ -79,8 +81,8 @@ class AttemptFacts:
     def summary(self) -> TrainingFacts:
         return TrainingFacts(base_config_sha256=self.base_config_sha256, dataset_sha256=combined_digest(self.files),
                              dataset_files=len(self.files), dataset_bytes=sum(f.bytes for f in self.files),
-                             records=self.records, examples=self.examples, tokens=self.tokens,
-                             final_loss=self.final_loss)
+                             records=self.records, examples=self.examples, held_out=self.held_out,
+                             tokens=self.tokens, final_loss=self.final_loss, eval_loss=self.eval_loss)
 
 
 def write_attempt_record(cfg: TrainerConfig, facts: AttemptFacts, steps: int) -> Path:

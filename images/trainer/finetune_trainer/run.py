@@ -124,6 +124,12 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
         deepspeed=cfg.deepspeed if cfg.zero_stage else None,
         logging_steps=cfg.log_every_steps,
+        # Evaluation at the plan's micro-batch: no gradients and the same activations at most, so
+        # its memory stays under the training peak the plan sized (README, "Evaluation").
+        eval_strategy="steps" if cfg.evaluation and cfg.evaluation.every_steps else "no",
+        eval_steps=cfg.evaluation.every_steps if cfg.evaluation else None,
+        per_device_eval_batch_size=cfg.micro_batch_size,
+        prediction_loss_only=True,
         save_strategy="no",  # our own atomic, reshardable checkpoints (checkpointing.py)
         report_to=[],
         disable_tqdm=True,
@@ -146,7 +152,7 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     import torch
     from transformers import PrinterCallback
 
-    from .data import Collator, build_examples, read_jsonl, sample_order
+    from .data import Collator, build_examples, held_out_digest, held_out_split, read_jsonl, sample_order
     from .faults import FaultInjector
     from .model_setup import check_deepspeed_batch, check_runnable, load_model, load_tokenizer
     from .training import (CheckpointCallback, FineTuneTrainer, LeversCallback, PhaseCallback, ProgressCallback,
@@ -168,13 +174,18 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     records = read_jsonl(cfg.dataset.path)
     examples = build_examples(tokenizer, records, cfg.dataset.format, cfg.sequence_length, cfg.dataset.packing)
     facts = AttemptFacts.read(cfg, len(records), len(examples))
+    held_out: list = []
+    if cfg.evaluation is not None:
+        examples, held_out = held_out_split(examples, cfg.evaluation.held_out_fraction, cfg.seed)
+        facts.held_out = len(held_out)
     checkpoint = usable_checkpoint(cfg)
     plan = plan_run(cfg, len(examples), world, checkpoint)
     faults.arm_lab_gpu(plan.start_step)  # the lab's GPU only (faults.py); nothing else sets it
     log_json("start", job=cfg.job_name, attempt=cfg.attempt, method=cfg.method, strategy=cfg.strategy,
              worldSize=world, examples=len(examples), microBatchSize=cfg.micro_batch_size,
              gradientAccumulation=cfg.gradient_accumulation, globalBatch=plan.global_batch,
-             startStep=plan.start_step, maxSteps=plan.max_steps,
+             startStep=plan.start_step, maxSteps=plan.max_steps, heldOut=len(held_out),
+             heldOutSha256=held_out_digest(held_out) if held_out else None,
              resumeFrom=str(checkpoint.path) if checkpoint else None, device="cuda" if cuda else "cpu")
     # One line that says which memory levers this attempt runs with (levers.py).
     log_json("levers", **StartupLevers.of(cfg).fields())
@@ -218,7 +229,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
         except ValueError as exc:
             raise ConfigError(f"lossChunks {cfg.loss_chunks}: {exc}") from exc
 
-    trainer = FineTuneTrainer(model=model, args=args, train_dataset=dataset,
+    eval_dataset = [{"input_ids": e.input_ids, "labels": e.labels} for e in held_out] or None
+    trainer = FineTuneTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                               data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
                               faults=faults, cfg=cfg, chunked_loss=chunked)
     trainer.remove_callback(PrinterCallback)
@@ -233,6 +245,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     # DeepSpeed's partitions): memory for those counts as loading.
     PROGRESS.enter(Phase.LOAD, plan.start_step)
     result = trainer.train()
+    if eval_dataset is not None and progress.eval_step != trainer.state.global_step:
+        trainer.evaluate()  # always at the end (the cadence may not land on the last step)
 
     PROGRESS.enter(Phase.CHECKPOINT, trainer.state.global_step)
     trainer.save_model(cfg.output_directory)
@@ -244,9 +258,10 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
         log_json("summary", status="completed", job=cfg.job_name, attempt=cfg.attempt,
                  startStep=plan.start_step, step=trainer.state.global_step, maxSteps=plan.max_steps,
                  finalLoss=progress.last_loss, attemptMeanLoss=round(result.training_loss, 6),
+                 evalLoss=progress.eval_loss, evalStep=progress.eval_step,
                  tokens=tokens, tokensPerSecond=round(tokens / max(elapsed, 1e-9), 1),
                  runtimeSeconds=round(elapsed, 2), output=cfg.output_directory, **memory_fields())
-    facts.tokens, facts.final_loss = tokens, progress.last_loss
+    facts.tokens, facts.final_loss, facts.eval_loss = tokens, progress.last_loss, progress.eval_loss
     if trainer.is_world_process_zero():
         write_attempt_record(cfg, facts, trainer.state.global_step)
     return facts

@@ -3,6 +3,7 @@ fault injection, our own checkpoints and resume, and JSON progress lines."""
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -110,17 +111,15 @@ class FineTuneTrainer(Trainer):
         return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:
+            return self._evaluation_loss(model, inputs, return_outputs, num_items_in_batch)
         step = self.state.global_step + 1
         PROGRESS.enter(Phase.FORWARD, step)
         self.faults.maybe_fire(Phase.FORWARD, step)
         count = inputs["attention_mask"].sum()
         self._tokens = count if self._tokens is None else self._tokens + count
-        if self.chunked_loss is not None and "labels" in inputs and model.training:
-            loss = self.chunked_loss.loss(model, inputs, num_items_in_batch)
-            # The same scaling as Trainer.compute_loss: gradients are averaged over ranks,
-            # the loss was divided by the token count of all ranks.
-            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                loss = loss * self.accelerator.num_processes
+        if self.chunked_loss is not None and "labels" in inputs:
+            loss = self._chunked(model, inputs, num_items_in_batch)
             result = (loss, None) if return_outputs else loss
         else:
             result = super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -131,6 +130,25 @@ class FineTuneTrainer(Trainer):
             # Fires inside autograd, as a real out-of-memory in backward would.
             loss.register_hook(lambda grad: self.faults.maybe_fire(Phase.BACKWARD, step) or grad)
         return result
+
+
+    def _chunked(self, model, inputs, num_items_in_batch):
+        loss = self.chunked_loss.loss(model, inputs, num_items_in_batch)
+        # The same scaling as Trainer.compute_loss: gradients are averaged over ranks,
+        # the loss was divided by the token count of all ranks.
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        return loss
+
+    def _evaluation_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """The held-out loss (Trainer.evaluate, under no_grad): not counted as trained tokens, no fault
+        fires, and with lossChunks the logits stay chunked as in training, so evaluation never
+        needs the full logits that training avoided."""
+        if self.chunked_loss is not None and "labels" in inputs:
+            loss = self._chunked(model, inputs, num_items_in_batch)
+            # An empty dict: prediction_step takes the logits from it (none: prediction_loss_only).
+            return (loss, {}) if return_outputs else loss
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 
 def _embeddings_in_32_bit(model) -> None:
@@ -293,6 +311,9 @@ class ProgressCallback(TrainerCallback):
         self.start_time = time.time()
         self.train_begin = time.time()
         self.last_loss: float | None = None
+        self.eval_loss: float | None = None
+        self.eval_step: int | None = None
+        self.last_report: ProgressReport | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Throughput and elapsed time count training, not loading.
@@ -310,6 +331,17 @@ class ProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
+        if "eval_loss" in logs:
+            self.eval_loss, self.eval_step = round(float(logs["eval_loss"]), 6), state.global_step
+            if state.is_world_process_zero:
+                log_json("eval", step=state.global_step, evalLoss=self.eval_loss,
+                         evalPerplexity=_perplexity(self.eval_loss))
+                # The operator reads progress lines only: repeat the last one with the new figure,
+                # so an evaluation after the last logging step (the final one) reaches status too.
+                if self.last_report is not None:
+                    self._write(self.last_report.model_copy(update={
+                        "time": round(time.time(), 3), "eval_loss": self.eval_loss, "eval_step": self.eval_step}))
+            return
         if "loss" not in logs:
             return
         tokens = self.global_tokens()
@@ -333,7 +365,18 @@ class ProgressCallback(TrainerCallback):
                 tokensPerSecond=round(rate, 1),
                 samplesConsumed=self.plan.start_samples
                 + (state.global_step - self.plan.start_step) * self.plan.global_batch,
+                evalLoss=self.eval_loss,
+                evalStep=self.eval_step,
                 **memory_fields(),
             )
-            sys.stdout.write(report.to_log_line() + "\n")
-            sys.stdout.flush()
+            self._write(report)
+
+    def _write(self, report: ProgressReport) -> None:
+        self.last_report = report
+        sys.stdout.write(report.to_log_line() + "\n")
+        sys.stdout.flush()
+
+
+def _perplexity(loss: float) -> float | None:
+    """exp(loss), the usual reading of a language model's held-out loss; None where it overflows."""
+    return round(math.exp(loss), 4) if loss < 700 else None

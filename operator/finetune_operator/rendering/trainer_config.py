@@ -7,6 +7,7 @@ import math
 from finetune_trainer.contract import (
     CheckpointSettings,
     DatasetSource,
+    EvaluationSettings,
     LoraSettings,
     ModelSource,
     TrainerConfig,
@@ -67,6 +68,11 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             keep_last=spec.checkpoint.keep_last,
         )
 
+    evaluation = None
+    if spec.evaluation is not None and spec.evaluation.held_out_fraction is not None:
+        evaluation = EvaluationSettings(held_out_fraction=spec.evaluation.held_out_fraction,
+                                        every_steps=spec.evaluation.every_steps)
+
     try:
         return TrainerConfig(
             job_name=job.metadata.name,
@@ -93,6 +99,7 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             deepspeed=deepspeed,
             offload=plan.offload,
             checkpoint=checkpoint,
+            evaluation=evaluation,
             output_directory=layout.output_path,
             seed=training.seed,
             **warmup,
