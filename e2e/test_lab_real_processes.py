@@ -39,6 +39,8 @@ HOST_MEMORY_SCALE = "0.15"
 SUSPEND_AFTER = 16
 # The gpu-oom job's checkpoint interval (everySteps).
 CHECKPOINT_EVERY = 4
+# The gpu-oom job's evaluation interval (spec.evaluation.everySteps) on its held-out eighth.
+EVAL_EVERY = 8
 
 
 @dataclass
@@ -97,7 +99,9 @@ def _progress_step(lab, namespace: str, job: str, attempt: int) -> int:
 @pytest.fixture(scope="module")
 def operator(lab, ftj_crd, tmp_path_factory):
     h.install_chart(lab, *rp.chart_args())
-    with h.running_operator(lab, tmp_path_factory.mktemp("operator-real")) as process:
+    # Progress every 2 s (20 by default): the tiny runs take about a minute, and the gpu-oom
+    # scenario watches its eval loss move in status as `kubectl get ftj -w` would.
+    with h.running_operator(lab, tmp_path_factory.mktemp("operator-real"), ("--progress-interval", "2")) as process:
         yield process
     h.install_chart(lab)  # the chart's own policy again (without lab-local), for the modules after this one
 
@@ -128,7 +132,8 @@ def runs(lab, operator, request):
         "two-pod": rp.tiny_job("two-pod", namespace, vocab, gpus=2, max_steps=24, every_steps=4),
         "gpu-oom": rp.tiny_job("gpu-oom", namespace, vocab, max_steps=40, every_steps=CHECKPOINT_EVERY, global_batch=8,
                                sized_as="llama-3.1-8b", sequence_length=4096,
-                               rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)}),
+                               rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)},
+                               evaluation={"heldOutFraction": 0.125, "everySteps": EVAL_EVERY}),
         "host-oom": rp.tiny_job("host-oom", namespace, vocab, max_steps=8, every_steps=4,
                                 rule={"host-memory-scale": HOST_MEMORY_SCALE}),
     }
@@ -148,6 +153,10 @@ def runs(lab, operator, request):
             for run in result.values():
                 if run.finished is None:
                     status = reader.status(run.name)
+                    seen = (status.get("progress") or {}).get("evalStep"), (status.get("progress") or {}).get("evalLoss")
+                    evals = run.notes.setdefault("evals", [])
+                    if seen[1] is not None and (not evals or evals[-1] != seen):
+                        evals.append(seen)  # what `kubectl get ftj -w` showed in EVAL LOSS
                     if status.get("phase") in ("Succeeded", "Failed"):
                         run.finished, run.status = time.monotonic(), status
                         print(f"scenario real {run.name}: {run.seconds:.1f}s "
@@ -275,6 +284,15 @@ def test_gpu_oom_in_the_real_trainer_then_a_changed_plan_resumes_from_its_checkp
                                  / f"attempt-{len(status['attempts'])}.json").read_text())
     assert trainer_record["summary"]["datasetSha256"] == summary["datasetSha256"], (trainer_record, summary)
     assert trainer_record["summary"]["records"] == summary["records"] > 0
+    # Evaluation on the held-out eighth: the eval loss moved in status while it trained, every
+    # attempt held out the same sequences, and the final figure is the record's.
+    evals = all_runs["gpu-oom"].notes["evals"]
+    assert len(evals) >= 2 and len({loss for _, loss in evals}) >= 2, evals
+    assert all(step % EVAL_EVERY == 0 or step == 40 for step, _ in evals), evals
+    starts = [rp.attempt_events(lab, namespace, "gpu-oom", n, "start")[0] for n in (1, 2)]
+    assert starts[0]["heldOut"] == 8 and starts[0]["heldOutSha256"] == starts[1]["heldOutSha256"], starts
+    assert status["progress"]["evalStep"] == 40 and status["progress"]["evalLoss"] == summary["evalLoss"], status
+    assert summary["heldOut"] == 8 and trainer_record["summary"]["evalLoss"] == summary["evalLoss"]
 
 
 def test_suspend_and_resume_continue_from_the_real_checkpoint(lab, runs):
