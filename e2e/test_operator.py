@@ -87,6 +87,14 @@ def test_gpu_oom_recovers_with_a_new_attempt(lab, operator, namespace):
     # The failed attempt's PyTorchJob is gone; exactly the successful one is left.
     names = [p["metadata"]["name"] for p in h.pytorch_jobs(lab, namespace, "oom-once")]
     assert names == [f"oom-once-a{len(outcomes)}"]
+    # So is its NetworkPolicy; the last attempt's, accepted by the real API server, selects that
+    # attempt's pods only and is owned by the job.
+    policies = json.loads(lab.kubectl("get", "networkpolicies", "-n", namespace, "-o", "json").stdout)["items"]
+    assert [p["metadata"]["name"] for p in policies] == names, policies
+    [netpol] = policies
+    assert netpol["metadata"]["ownerReferences"][0]["kind"] == "FineTuneJob"
+    assert netpol["spec"]["podSelector"]["matchLabels"]["finetune.dev/attempt"] == str(len(outcomes))
+    assert netpol["spec"]["policyTypes"] == ["Ingress", "Egress"]
     print(f"scenario GPU OOM recovery: {h.elapsed(start)}")
 
 

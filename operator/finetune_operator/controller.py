@@ -86,6 +86,7 @@ class Cluster:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self._pool_cache: tuple[float, list[NodePool], Any] | None = None  # (when, pools, what they were made of)
         self._pool_lock = threading.Lock()
         # Nodes, GPU pods, the jobs' pods and training jobs, watched (start_cache); None: lists on every read.
@@ -206,6 +207,13 @@ class Cluster:
     def _get(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
         if kind == "ConfigMap":
             return self.get_config_map(namespace, name)
+        if kind == "NetworkPolicy":
+            try:
+                return _json(self.networking.read_namespaced_network_policy(name, namespace, _preload_content=False))
+            except ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
         if kind == "Pod":
             try:
                 return _json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
@@ -256,9 +264,9 @@ class Cluster:
 
     def foreign_objects(self, namespace: str, name: str, owner_uid: str | None,
                         backends: tuple[Backend, ...] | list[Backend] = DEFAULT_SERVED) -> list[lifecycle.ObjectRef]:
-        """The objects that hold `name` (an attempt's ConfigMap and training job) without being ours."""
+        """The objects that hold `name` (an attempt's ConfigMap, NetworkPolicy and training job) without being ours."""
         foreign = []
-        for ref in (lifecycle.ObjectRef("v1", "ConfigMap", name),
+        for ref in (lifecycle.ObjectRef("v1", "ConfigMap", name), lifecycle.network_policy_ref(name),
                     *(lifecycle.ObjectRef(b.api_version, b.kind, name) for b in backends)):
             existing = self._get(namespace, ref.kind, ref.name)
             if existing is not None and not controlled_by(existing, owner_uid):
@@ -324,6 +332,8 @@ class Cluster:
             return _json(self.core.create_namespaced_config_map(namespace, obj, _preload_content=False))
         if kind == "Pod":  # the pre-flight profile pod (profiling/pod.py)
             return _json(self.core.create_namespaced_pod(namespace, obj, _preload_content=False))
+        if kind == "NetworkPolicy":
+            return _json(self.networking.create_namespaced_network_policy(namespace, obj, _preload_content=False))
         backend = backend_of_kind(kind)
         if backend is None:
             raise ValueError(f"cannot create a {kind}")
@@ -385,6 +395,8 @@ class Cluster:
                 self.core.delete_namespaced_config_map(ref.name, namespace, body=options)
             elif ref.kind == "Pod":
                 self.core.delete_namespaced_pod(ref.name, namespace, body=options)
+            elif ref.kind == "NetworkPolicy":
+                self.networking.delete_namespaced_network_policy(ref.name, namespace, body=options)
             else:
                 backend = backend_of_kind(ref.kind)
                 assert backend is not None  # _get refused other kinds

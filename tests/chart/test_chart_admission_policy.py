@@ -78,7 +78,9 @@ def _validations(policy: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
 def test_every_reference_of_the_crd_is_checked_against_the_requesting_user(render, default_values):
     policy = render(default_values).one("ValidatingAdmissionPolicy", POLICY)
     expected = {field: (group, resource, "get") for field, (group, resource) in crd_references().items()}
-    assert len(expected) == 10  # 4 Secrets, 4 claims, 1 ConfigMap, 1 queue (the CRD at this commit)
+    # 5 Secrets, 5 claims, 1 ConfigMap, 1 queue (the CRD at this commit). spec.evaluation.dataset is
+    # refused by the CRD for now; it is checked anyway, so supporting it later opens no hole.
+    assert len(expected) == 12
     assert _validations(policy) == expected
     assert len(policy["spec"]["validations"]) == len(expected)  # one check per expression: the CEL cost
 

@@ -238,7 +238,8 @@ def test_object_storage_reaches_the_operator(render, default_values):
     """The policy's objectStorage: every field the schema allows loads, endpoints in one spelling."""
     entries = [
         {"endpoint": "https://S3.eu-de-berlin.internal:443/", "region": "eu-de-berlin"},
-        {"endpoint": "http://127.0.0.1:8333", "region": "eu-fr-paris", "accessibleFrom": ["eu-fr-paris", "eu-de-berlin"]},
+        {"endpoint": "http://127.0.0.1:8333", "region": "eu-fr-paris", "accessibleFrom": ["eu-fr-paris", "eu-de-berlin"],
+         "networks": ["127.0.0.1/32"]},
     ]
     schema = __import__("json").loads((CHART / "values.schema.json").read_text())
     assert set(entries[1]) == set(schema["properties"]["policy"]["properties"]["objectStorage"]["items"]["properties"])
@@ -248,6 +249,18 @@ def test_object_storage_reaches_the_operator(render, default_values):
     berlin, paris = loaded.object_storage
     assert (berlin.endpoint, berlin.usable_regions) == ("https://s3.eu-de-berlin.internal", ["eu-de-berlin"])
     assert (paris.endpoint, paris.usable_regions) == ("http://127.0.0.1:8333", ["eu-fr-paris", "eu-de-berlin"])
+    assert (paris.networks, paris.port, berlin.networks, berlin.port) == (["127.0.0.1/32"], 8333, [], 443)
+
+
+def test_network_policy_settings_reach_the_operator_and_bad_ranges_are_refused(helm, render, default_values, tmp_path):
+    assert load_policy(render(default_values).one("ConfigMap")["data"]["policy.yaml"]).network_policy.enabled
+    values = with_values(default_values, **{"policy.networkPolicy": {"enabled": False, "hubNetworks": ["10.9.0.0/16"],
+                                                                     "hubPort": 8443}})
+    settings = load_policy(render(values).one("ConfigMap")["data"]["policy.yaml"]).network_policy
+    assert (settings.enabled, settings.hub_networks, settings.hub_port) == (False, ["10.9.0.0/16"], 8443)
+    bad = helm.template(with_values(default_values, **{"policy.networkPolicy": {"hubNetworks": ["not a network"]}}),
+                        tmp_path, namespace=RELEASE_NS)
+    assert bad.returncode != 0 and "hubNetworks" in bad.stderr, bad.stderr
 
 
 def test_allowed_images_reach_the_operator(render, default_values):

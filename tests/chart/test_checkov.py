@@ -27,7 +27,7 @@ import yaml
 from chart_support import CHART, kubernetes_version
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "rendering"))
-from example_pods import example_pods  # noqa: E402
+from example_pods import example_network_policies, example_pods  # noqa: E402
 
 
 def _checkov() -> str:
@@ -59,6 +59,8 @@ def test_checkov_finds_nothing_unexplained_in_the_chart_and_the_pods(helm, tmp_p
     (tmp_path / "chart.yaml").write_text(chart)
     pods = example_pods()
     (tmp_path / "pods.yaml").write_text(yaml.safe_dump_all(pods, sort_keys=False))
+    # The attempts' NetworkPolicies beside their pods: CKV2_K8S_6 finds the policy that selects each.
+    (tmp_path / "network-policies.yaml").write_text(yaml.safe_dump_all(example_network_policies(), sort_keys=False))
     report = _scan(checkov, tmp_path)
     summary = report["summary"]
     failed = [(f["check_id"], f["resource"]) for f in report["results"]["failed_checks"]]

@@ -180,6 +180,7 @@ class FakeKube:
     def __post_init__(self) -> None:
         self.core = _Core(self)
         self.custom = _Custom(self)
+        self.networking = _Networking(self)
 
     # -- store ---------------------------------------------------------------
     def put(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -457,6 +458,25 @@ class _Custom:
         obj["status"] = copy.deepcopy(body.get("status"))
         self.kube.touch(obj)
         return _response(obj)
+
+
+class _Networking:
+    """NetworkingV1Api: the attempts' NetworkPolicies."""
+
+    def __init__(self, kube: FakeKube) -> None:
+        self.kube = kube
+
+    def read_namespaced_network_policy(self, name, namespace, **_):
+        return _response(self.kube._must_get("NetworkPolicy", namespace, name))
+
+    def create_namespaced_network_policy(self, namespace, body, **_):
+        return self.kube._create("NetworkPolicy", namespace, body)
+
+    def delete_namespaced_network_policy(self, name, namespace, body=None, **_):
+        self.kube._delete("NetworkPolicy", namespace, name, body)
+
+    def list_namespaced_network_policy(self, namespace, **kwargs):
+        return self.kube.list_or_watch("NetworkPolicy", namespace, **kwargs)
 
 
 class _Core:

@@ -92,7 +92,7 @@ class ReconcileWorld:
     def restart(self) -> None:
         """A new operator process: nothing of the old one's memory survives."""
         cluster = Cluster(mock.MagicMock())
-        cluster.core, cluster.custom = self.kube.core, self.kube.custom
+        cluster.core, cluster.custom, cluster.networking = self.kube.core, self.kube.custom, self.kube.networking
         if self.informed:
             cluster.cache = ClusterCache(self.kube.core, self.kube.custom, on_job=lambda ns, name: self.queued.append((ns, name)),
                                          on_pod=lambda pod, deleted: cluster.remember_failed_pod(pod, deleted=deleted))
@@ -193,6 +193,8 @@ class ReconcileWorld:
         body: dict[str, Any] = {"metadata": {"name": name, "namespace": NAMESPACE, "labels": {"team": "other"}}}
         if kind == "ConfigMap":
             body["data"] = {"x": "y"}
+        elif kind == "NetworkPolicy":
+            body.update(apiVersion="networking.k8s.io/v1", kind="NetworkPolicy", spec={"podSelector": {}})
         else:
             body.update(apiVersion="kubeflow.org/v1", kind="PyTorchJob", spec={"runPolicy": {}})
         return copy.deepcopy(self.kube.put(kind, body))

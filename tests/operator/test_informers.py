@@ -164,7 +164,7 @@ def test_free_gpus_come_from_informed_nodes_and_pods(monkeypatch):
     kube.put("Node", _h100_node())
     kube.put("Pod", pod("other", job=None, gpus=3))
     cluster = Cluster(mock.MagicMock())
-    cluster.core, cluster.custom = kube.core, kube.custom
+    cluster.core, cluster.custom, cluster.networking = kube.core, kube.custom, kube.networking
     cluster.cache = ClusterCache(kube.core, kube.custom)
     cluster.cache.watch_children(PYTORCH_JOB, start=False)
     for informer in cluster.cache.all():
@@ -200,7 +200,7 @@ def test_a_namespaced_install_counts_gpu_pods_of_its_namespaces_without_a_cluste
     monkeypatch.setattr(kube.core, "list_pod_for_all_namespaces", forbidden)
     policy = load_policy({"allowedRegions": ["eu-de-berlin"]})
     cluster = Cluster(mock.MagicMock())
-    cluster.core, cluster.custom = kube.core, kube.custom
+    cluster.core, cluster.custom, cluster.networking = kube.core, kube.custom, kube.networking
     cluster.watched_namespaces = ["team-a"]
     [pool] = cluster.pools(policy)  # before the informers have listed: the API, per namespace
     assert pool.free_gpus == 5

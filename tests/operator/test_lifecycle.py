@@ -115,7 +115,7 @@ def test_plan_launch_run_succeed():
     world = World(example("llama-8b-lora.yaml"))
     first = world.step()
     assert world.job.status.phase == "Launching"
-    assert [o["kind"] for o in first.create] == ["ConfigMap", "PyTorchJob"]
+    assert [o["kind"] for o in first.create] == ["ConfigMap", "NetworkPolicy", "PyTorchJob"]
     assert conditions(world.job)["Planned"] == "True" and world.job.status.current_attempt == 1
     assert world.job.status.plan.region == "eu-de-berlin"
     world.set_condition("Running")
@@ -126,7 +126,7 @@ def test_plan_launch_run_succeed():
     assert world.job.status.phase == "Succeeded" and conditions(world.job)["Succeeded"] == "True"
     assert world.job.status.completion_time is not None
     assert world.job.status.attempts[0].outcome == "Succeeded"
-    assert world.creates == 2
+    assert world.creates == 3
     assert [e.reason for e in world.events] == ["Planned", "Running", "Succeeded"]
 
 
@@ -134,7 +134,7 @@ def test_a_repeated_step_creates_nothing_new():
     world = World(example("llama-8b-lora.yaml"))
     world.step()
     world.step()  # the operator restarted and looks again: same attempt, nothing new
-    assert world.creates == 2 and world.job.status.current_attempt == 1
+    assert world.creates == 3 and world.job.status.current_attempt == 1
 
 
 def test_gpu_oom_recovers_with_a_documented_change_and_the_same_global_batch():
@@ -151,7 +151,7 @@ def test_gpu_oom_recovers_with_a_documented_change_and_the_same_global_batch():
     recovering = next(c for c in status.conditions if c.type == "Recovering")
     assert "GPU OOM in backward at step 0" in recovering.message
     assert status.attempts[0].outcome == "GPUOutOfMemory"
-    assert {r.kind for r in decision.delete} == {"PyTorchJob", "ConfigMap"}
+    assert {r.kind for r in decision.delete} == {"PyTorchJob", "ConfigMap", "NetworkPolicy"}
     new_plan = status.plan
     assert (new_plan.node_pool, new_plan.micro_batch_size, new_plan.gradient_checkpointing, new_plan.strategy) != (
         first_plan.node_pool, first_plan.micro_batch_size, first_plan.gradient_checkpointing, first_plan.strategy)
@@ -162,8 +162,8 @@ def test_gpu_oom_recovers_with_a_documented_change_and_the_same_global_batch():
     assert world.step().create == []
     world.wait_backoff()
     relaunch = world.step()
-    assert [o["kind"] for o in relaunch.create] == ["ConfigMap", "PyTorchJob"]
-    assert relaunch.create[1]["metadata"]["name"] == "support-bot-a2"
+    assert [o["kind"] for o in relaunch.create] == ["ConfigMap", "NetworkPolicy", "PyTorchJob"]
+    assert relaunch.create[-1]["metadata"]["name"] == "support-bot-a2"
     world.set_condition("Succeeded")
     world.step()
     assert world.job.status.phase == "Succeeded"
@@ -290,7 +290,7 @@ def test_a_long_job_name_still_finds_its_pods():
     job = doc_job.model_copy(update={"metadata": doc_job.metadata.model_copy(update={"name": name})})
     world = World(job)
     decision = world.step()
-    pj = decision.create[1]
+    pj = decision.create[-1]
     template = pj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     assert template["metadata"]["labels"]["finetune.dev/job"] == label_value(name) != name
     assert template["metadata"]["annotations"]["finetune.dev/job-name"] == name
@@ -378,7 +378,7 @@ def test_without_children_the_history_goes_on_after_its_newest_attempt():
     world.pods = []
     world.job = world.job.model_copy(update={"status": world.job.status.model_copy(update={"current_attempt": None})})
     decision = world.step()
-    assert [o["metadata"]["name"] for o in decision.create] == ["support-bot-a2", "support-bot-a2"]
+    assert [o["metadata"]["name"] for o in decision.create] == ["support-bot-a2"] * 3
 
 
 def test_a_current_attempt_without_a_record_is_not_trusted():
@@ -396,7 +396,7 @@ def test_a_current_attempt_without_a_record_is_not_trusted():
 def test_a_child_suspended_by_a_queue_is_never_resumed_by_us():
     world = World(example("llama-8b-lora.yaml", queueName="gpu-queue"))
     created = world.step().create
-    assert created[1]["spec"]["runPolicy"]["suspend"] is True  # created suspended: the queue admits it
+    assert created[-1]["spec"]["runPolicy"]["suspend"] is True  # created suspended: the queue admits it
     for _ in range(3):
         decision = world.step()
         assert decision.set_suspend is None
@@ -425,11 +425,11 @@ def test_suspending_a_queued_job_deletes_its_child_and_resume_queues_it_again():
     world.job = world.job.model_copy(update={"spec": world.job.spec.model_copy(update={"suspend": True})})
     decision = world.step()
     assert decision.set_suspend is None and world.job.status.phase == "Suspended"
-    assert {r.kind for r in decision.delete} == {"PyTorchJob", "ConfigMap"} and world.objects == {}
+    assert {r.kind for r in decision.delete} == {"PyTorchJob", "ConfigMap", "NetworkPolicy"} and world.objects == {}
     world.job = world.job.model_copy(update={"spec": world.job.spec.model_copy(update={"suspend": False})})
     decision = world.step()
-    assert decision.create[1]["metadata"]["name"] == "support-bot-a1"
-    assert decision.create[1]["spec"]["runPolicy"]["suspend"] is True
+    assert decision.create[-1]["metadata"]["name"] == "support-bot-a1"
+    assert decision.create[-1]["spec"]["runPolicy"]["suspend"] is True
 
 
 def test_a_foreign_object_with_the_attempts_name_blocks_without_create_or_delete():
@@ -465,7 +465,7 @@ def test_unschedulable_pods_are_reported_then_the_attempt_moves_to_another_pool(
     status = world.job.status
     assert status.current_attempt == 2 and status.plan.node_pool != first_pool
     assert status.attempts[0].outcome == "Unschedulable"
-    assert decision.create[1]["metadata"]["name"] == "support-bot-a2"
+    assert decision.create[-1]["metadata"]["name"] == "support-bot-a2"
     assert lifecycle.ObjectRef("kubeflow.org/v1", "PyTorchJob", "support-bot-a1") in decision.delete
 
 

@@ -85,7 +85,7 @@ class World:
 
     def current(self) -> dict[str, Any]:
         name = f"{self.job.metadata.name}-a{self.job.status.current_attempt}"
-        (obj,) = [o for k, o in self.objects.items() if k.endswith(f"/{name}") and not k.startswith("ConfigMap/")]
+        (obj,) = [o for k, o in self.objects.items() if k.endswith(f"/{name}") and not k.startswith(("ConfigMap/", "NetworkPolicy/"))]
         return obj
 
     # -- the training operator (v1) or Trainer v2 + JobSet ------------------------
@@ -149,18 +149,20 @@ def test_the_same_job_recovers_from_a_gpu_oom_and_succeeds_on_either_backend(ser
     world = World(example("llama-8b-lora.yaml", recovery={"maxAttempts": 4, "backoff": {"initialSeconds": 1}}),
                   served=served, backend=backend)
     first = world.step()
-    assert [o["kind"] for o in first.create] == ["ConfigMap", kind]
+    assert [o["kind"] for o in first.create] == ["ConfigMap", "NetworkPolicy", kind]
     world.run()
     world.step()
     assert world.job.status.phase == "Running"
     world.oom()
     decision = world.step()
     assert world.job.status.phase == "Recovering" and world.job.status.attempts[0].outcome == "GPUOutOfMemory"
-    assert {(r.kind, r.name) for r in decision.delete} == {(kind, "support-bot-a1"), ("ConfigMap", "support-bot-a1")}
+    assert {(r.kind, r.name) for r in decision.delete} == {(kind, "support-bot-a1"), ("ConfigMap", "support-bot-a1"),
+                                                                     ("NetworkPolicy", "support-bot-a1")}
     assert "GPU OOM in backward at step 0" in conditions(world.job)["Recovering"].message
     world.wait_backoff()
     relaunch = world.step()
     assert [(o["kind"], o["metadata"]["name"]) for o in relaunch.create] == [("ConfigMap", "support-bot-a2"),
+                                                                            ("NetworkPolicy", "support-bot-a2"),
                                                                             (kind, "support-bot-a2")]
     world.run()
     world.step()
@@ -197,7 +199,7 @@ def test_a_missing_backend_is_a_clear_condition_and_the_job_starts_once_it_is_se
     world.step()
     assert [e.reason for e in world.events] == ["NoTrainingBackend"]  # said once
     world.served = BOTH  # the CRD was installed
-    assert [o["kind"] for o in world.step().create] == ["ConfigMap", "TrainJob"]
+    assert [o["kind"] for o in world.step().create] == ["ConfigMap", "NetworkPolicy", "TrainJob"]
 
 
 def test_no_backend_served_at_all_names_both():
@@ -210,7 +212,7 @@ def test_no_backend_served_at_all_names_both():
 def test_a_job_that_fetches_from_the_hub_takes_the_pytorchjob_under_auto_and_is_refused_on_trainjob_only():
     hub = {"hf": {"repo": "meta-llama/Llama-3.1-8B-Instruct", "revision": "0e9e39f249a16976918f6564b8830bc894c89659"}}
     world = World(example("llama-8b-lora.yaml", model__source=hub), served=BOTH)
-    assert [o["kind"] for o in world.step().create] == ["ConfigMap", "PyTorchJob"]
+    assert [o["kind"] for o in world.step().create] == ["ConfigMap", "NetworkPolicy", "PyTorchJob"]
     only = World(example("llama-8b-lora.yaml", model__source=hub), served=(TRAIN_JOB,))
     only.step()
     failed = conditions(only.job)["Validated"]
@@ -230,7 +232,7 @@ def test_children_of_the_old_kind_are_followed_after_the_policy_changes_and_the_
     decision = world.step()
     assert ("PyTorchJob", "support-bot-a1") in {(r.kind, r.name) for r in decision.delete}
     world.wait_backoff()
-    assert [o["kind"] for o in world.step().create] == ["ConfigMap", "TrainJob"]
+    assert [o["kind"] for o in world.step().create] == ["ConfigMap", "NetworkPolicy", "TrainJob"]
 
 
 # ---------------------------------------------------------------------------
@@ -266,8 +268,8 @@ def test_a_queued_job_waits_with_kueues_reason_is_never_unsuspended_by_us_and_an
     world = World(example("llama-8b-lora.yaml", queueName="gpus", recovery={"maxAttempts": 3, "backoff": {"initialSeconds": 1}}),
                   served=served)
     created = world.step().create
-    assert created[1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"
-    assert served[0].suspended(created[1])
+    assert created[-1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"
+    assert served[0].suspended(created[-1])
     world.admission = admission_of(workload("u", {"type": "QuotaReserved", "status": "False", "reason": "Pending",
                                                   "message": "insufficient unused quota for nvidia.com/gpu in flavor "
                                                              "berlin, 8 more needed"}))
@@ -290,7 +292,7 @@ def test_a_queued_job_waits_with_kueues_reason_is_never_unsuspended_by_us_and_an
     world.wait_backoff()
     world.admission = None
     again = world.step().create
-    assert again[1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus" and served[0].suspended(again[1])
+    assert again[-1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus" and served[0].suspended(again[-1])
     world.step()
     assert world.job.status.phase == "Queued" and conditions(world.job)["Queued"].status == "True"
     assert world.unsuspended_by_us == []
@@ -312,10 +314,10 @@ def test_the_policys_default_queue_labels_the_child_when_the_namespace_has_it():
     world = World(example("llama-8b-lora.yaml"), served=(TRAIN_JOB,), defaultQueueName="gpus")
     world.default_queue = "gpus"  # the shell found LocalQueue team-a/gpus
     created = world.step().create
-    assert created[1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus" and created[1]["spec"]["suspend"]
+    assert created[-1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus" and created[-1]["spec"]["suspend"]
     plain = World(example("llama-8b-lora.yaml"), served=(TRAIN_JOB,), defaultQueueName="gpus")
     created = plain.step().create  # no such LocalQueue in the namespace: runs unqueued
-    assert "kueue.x-k8s.io/queue-name" not in created[1]["metadata"]["labels"] and not created[1]["spec"]["suspend"]
+    assert "kueue.x-k8s.io/queue-name" not in created[-1]["metadata"]["labels"] and not created[-1]["spec"]["suspend"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -329,7 +331,7 @@ def test_backend_selection_rule(served, wanted, hub):
                                        "revision": "0e9e39f249a16976918f6564b8830bc894c89659"}}} if hub else {}
     backends = tuple(b for b in BOTH if b.name in served)
     world = World(example("llama-8b-lora.yaml", **source), served=backends, backend=wanted)
-    created = [o["kind"] for o in world.step().create if o["kind"] != "ConfigMap"]
+    created = [o["kind"] for o in world.step().create if o["kind"] not in ("ConfigMap", "NetworkPolicy")]
     kinds = {b.name: b.kind for b in BOTH}
     if wanted != "auto":
         expected = kinds[wanted] if wanted in served and not (hub and wanted == "trainjob") else None

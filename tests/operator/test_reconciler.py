@@ -43,6 +43,37 @@ def test_a_foreign_configmap_is_neither_adopted_nor_deleted_and_the_job_says_so(
     assert world.conditions()["Blocked"]["status"] == "False"
 
 
+def test_the_attempts_network_policy_comes_before_its_training_job_and_goes_with_its_attempt():
+    world = ReconcileWorld(job_document(recovery={"backoff": {"initialSeconds": 0}}))
+    world.reconcile()
+    creates = [(w.kind, w.name) for w in world.kube.writes if w.verb == "create"]
+    assert creates.index(("NetworkPolicy", "support-bot-a1")) < creates.index(("PyTorchJob", "support-bot-a1"))
+    [netpol] = world.ours("NetworkPolicy")
+    assert netpol["spec"]["podSelector"]["matchLabels"][ATTEMPT_LABEL] == "1"
+    world.gpu_oom(world.newest_child())
+    for _ in range(4):
+        world.reconcile()
+    # Attempt 2 has its own; attempt 1's went with its training job and ConfigMap.
+    assert [n["metadata"]["name"] for n in world.ours("NetworkPolicy")] == ["support-bot-a2"]
+    assert [pj["metadata"]["name"] for pj in world.ours("PyTorchJob")] == ["support-bot-a2"]
+
+
+def test_a_foreign_network_policy_with_the_attempts_name_blocks_the_attempt_and_is_left_alone():
+    world = ReconcileWorld(job_document())
+    foreign = world.foreign("NetworkPolicy", "support-bot-a1")
+    for _ in range(3):
+        world.reconcile()
+    assert world.kube.get("NetworkPolicy", NAMESPACE, "support-bot-a1") == foreign
+    assert world.ours("PyTorchJob") == []  # no pod of the attempt runs without its own policy
+    blocked = world.conditions()["Blocked"]
+    assert blocked["status"] == "True" and blocked["reason"] == "NameConflict" and "NetworkPolicy" in blocked["message"]
+    del world.kube.objects[("NetworkPolicy", NAMESPACE, "support-bot-a1")]
+    world.reconcile()
+    world.reconcile()
+    assert [pj["metadata"]["name"] for pj in world.ours("PyTorchJob")] == ["support-bot-a1"]
+    assert world.conditions()["Blocked"]["status"] == "False"
+
+
 def test_a_foreign_training_job_with_the_next_attempts_name_is_never_deleted():
     world = ReconcileWorld(job_document(recovery={"backoff": {"initialSeconds": 0}}))
     world.reconcile()

@@ -91,6 +91,23 @@ def _trainjob_pod(name: str, namespace: str, train_job: dict[str, Any]) -> dict[
             "spec": spec}
 
 
+def example_network_policies(namespace: str = "team-a") -> list[dict[str, Any]]:
+    """The attempts' NetworkPolicies of the pods above (one per job and variant; the TrainJob pod
+    of a job carries the same job and attempt labels, so the same policy selects it)."""
+    pools, policy = _policy()
+    policies = []
+    for doc in _jobs():
+        for _, variant in _variants(doc):
+            job = api.parse_job(variant)
+            plan = plan_job(job.spec, pools, policy)
+            assert isinstance(plan, Plan), plan
+            network_policy = render_attempt(job, plan, 1, policy).network_policy
+            assert network_policy is not None
+            network_policy["metadata"]["namespace"] = namespace
+            policies.append(network_policy)
+    return policies
+
+
 def example_pods(namespace: str = "team-a") -> list[dict[str, Any]]:
     """Every pod above, each named `<job>-<backend>-<replica>`, in `namespace`."""
     pools, policy = _policy()

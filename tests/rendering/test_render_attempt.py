@@ -285,7 +285,7 @@ def test_pod_security_volumes_and_env(lora_job):
     assert template["metadata"]["annotations"] == {
         "finetune.dev/predicted-peak-bytes": "123",
         "finetune.dev/job-name": job.metadata.name,
-        **scanner_skips(credentials=False),
+        **scanner_skips(credentials=False, network_policy=True),
     }
     spec = template["spec"]
     assert spec["securityContext"]["runAsNonRoot"] is True

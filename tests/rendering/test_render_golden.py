@@ -84,8 +84,8 @@ def test_cli_prints_what_the_current_plan_renders_to(example, capsys):
     rendered = render_attempt(job, plan, 1, policy)
     assert out == manifests_yaml(rendered.objects)
     documents = list(yaml.safe_load_all(out))
-    assert [d["kind"] for d in documents] == ["ConfigMap", "PyTorchJob"]
-    assert attempt_errors(*documents) == []
+    assert [d["kind"] for d in documents] == ["ConfigMap", "NetworkPolicy", "PyTorchJob"]
+    assert attempt_errors(documents[0], documents[-1]) == []
 
 
 def test_cli_attempt_names_the_objects(capsys):

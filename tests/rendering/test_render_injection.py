@@ -412,7 +412,7 @@ def check(case: Case, schema: bool) -> None:
             "finetune.dev/predicted-peak-bytes": str(plan.predicted_peak_bytes),
             "finetune.dev/job-name": job.metadata.name,
             # the scanner's skips (fixed text; the credential one only with a Hub token in the pod)
-            **scanner_skips(takes_credentials(pod.get("initContainers", []) + pod["containers"])),
+            **scanner_skips(takes_credentials(pod.get("initContainers", []) + pod["containers"]), network_policy=True),
         }
         assert set(pod) == POD_SPEC_KEYS | ({"initContainers"} if case.hf_model else set())
         # --- sovereignty: exactly one required term: the plan's one region, its GPU, then the pool

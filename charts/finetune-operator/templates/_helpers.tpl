@@ -86,6 +86,7 @@ renders it with toYaml, so values reach the operator as data, never as text spli
   "allowedImages" ($p.allowedImages | default list)
   "catalog" $p.catalog
   "objectStorage" ($p.objectStorage | default list)
+  "networkPolicy" ($p.networkPolicy | default dict)
   "trainingBackend" ($p.trainingBackend | default "auto")
   "trainJobRuntime" .Values.trainJobRuntime.name
 -}}

@@ -64,6 +64,11 @@
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, delete, patch]
+# Each attempt's NetworkPolicy (its pods talk to each other, DNS and the job's storage only): created
+# before its training job, read when a create finds the name taken, deleted with its attempt.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, delete]
 # Training pods are read (never written) to classify failures from their termination state. No pod is
 # created here: the profile pod runs in the release namespace (the <fullname>-profile Role).
 - apiGroups: [""]

@@ -6,6 +6,7 @@ of sovereignty: a job's `placement.regions` can only narrow it.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any, Literal
 
@@ -64,10 +65,26 @@ class ObjectStorageEndpoint(BaseModel):
     """Regions whose pods may read from and write to it; only `region` when empty. Listing another
     region says that data may be trained on there (and results written back from there)."""
 
+    networks: list[str] = []
+    """The address ranges (CIDRs) the endpoint answers from: the attempt's NetworkPolicy allows egress
+    to them on the endpoint's port. Empty: to any address on that port (the endpoint's addresses are
+    not known to the operator)."""
+
     @field_validator("endpoint")
     @classmethod
     def _normal(cls, value: str) -> str:
         return normalize_endpoint(value)
+
+    @field_validator("networks")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        return _valid_networks(value)
+
+    @property
+    def port(self) -> int:
+        scheme, _, rest = self.endpoint.partition("://")
+        _, colon, port = rest.rpartition(":")
+        return int(port) if colon else _DEFAULT_PORTS[scheme]
 
     @field_validator("accessible_from")
     @classmethod
@@ -80,6 +97,40 @@ class ObjectStorageEndpoint(BaseModel):
     def usable_regions(self) -> list[str]:
         """Regions whose pods may use it."""
         return list(self.accessible_from) or [self.region]
+
+
+def _valid_networks(value: list[str]) -> list[str]:
+    """CIDRs in their normal spelling (`10.1.2.0/24`); a host address without a prefix is one host."""
+    normal = []
+    for network in value:
+        try:
+            normal.append(str(ipaddress.ip_network(network.strip(), strict=False)))
+        except ValueError:
+            raise ValueError(f"{network!r} is not an address range (CIDR, e.g. 10.20.0.0/16)") from None
+    if len(set(normal)) != len(normal):
+        raise ValueError("networks must be unique")
+    return normal
+
+
+class NetworkPolicySettings(BaseModel):
+    """The NetworkPolicy each attempt gets (rendering/network.py)."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True, use_attribute_docstrings=True
+    )
+
+    enabled: bool = True
+    """Render one per attempt. Off: the attempt's pods are bounded only by the namespace's own policies."""
+    hub_networks: list[str] = []
+    """Where the Hugging Face Hub (or the mirror the cluster routes it to) answers: egress of jobs
+    with an `hf` source goes there on `hubPort`. Empty: to any address on that port."""
+    hub_port: int = Field(default=443, ge=1, le=65535)
+    """The Hub's port."""
+
+    @field_validator("hub_networks")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        return _valid_networks(value)
 
 
 _DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
@@ -166,6 +217,9 @@ class ClusterPolicy(BaseModel):
     object_storage: list[ObjectStorageEndpoint] = []
     """S3-compatible endpoints jobs may use for models, data and outputs, each with the region its data
     lives in. An endpoint not listed here is refused (the job is Invalid, naming the field)."""
+    network_policy: NetworkPolicySettings = NetworkPolicySettings()
+    """The NetworkPolicy each attempt gets: ingress from the attempt's own pods only; egress to them,
+    to DNS, and to the Hub and object storage the job uses."""
     training_backend: Literal["auto", "pytorchjob", "trainjob"] = "auto"
     """The kind of training job each attempt is: `pytorchjob` (Kubeflow training operator v1), `trainjob`
     (Kubeflow Trainer v2), or `auto`: TrainJob when the API server serves both, else whichever it serves

@@ -67,7 +67,7 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
             PROFILE_UID_LABEL: job.metadata.uid or "",
         },
         "annotations": {CONFIG_HASH_ANNOTATION: config_hash, JOB_NAMESPACE_ANNOTATION: job_namespace,
-                        JOB_NAME_ANNOTATION: job.metadata.name, **scanner_skips(credentials=False)},
+                        JOB_NAME_ANNOTATION: job.metadata.name, **scanner_skips(credentials=False, network_policy=False)},
     }
     env = [
         {"name": PROFILE_REQUEST_ENV, "value": request.model_dump_json(by_alias=True, exclude_none=True)},

@@ -27,21 +27,23 @@ from typing import Any, Mapping
 
 from .. import api
 from ..planning import ClusterPolicy, Plan
-from . import renderer
+from . import network, renderer
 from .names import attempt_name
 
 
 @dataclass(frozen=True)
 class AttemptObjects:
-    """What the operator creates for one attempt, in creation order (the pods mount the ConfigMap)."""
+    """What the operator creates for one attempt, in creation order: the pods mount the ConfigMap,
+    and the NetworkPolicy is there before any pod of the attempt is."""
 
     name: str
     config_map: dict[str, Any]
     training_job: dict[str, Any]
+    network_policy: dict[str, Any] | None = None
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        return [self.config_map, self.training_job]
+        return [self.config_map, *([self.network_policy] if self.network_policy else []), self.training_job]
 
 
 class Backend:
@@ -76,10 +78,11 @@ class Backend:
         return f"{self.plural}.{self.group}"
 
     def render(self, job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy) -> AttemptObjects:
-        """The attempt's ConfigMap (the same object on every backend) and training job."""
+        """The attempt's ConfigMap and NetworkPolicy (the same objects on every backend) and training job."""
         config_map, _ = renderer.render_config_map(job, plan, attempt, policy)
         return AttemptObjects(attempt_name(job.metadata.name, attempt), config_map,
-                              self.render_job(job, plan, attempt, policy))
+                              self.render_job(job, plan, attempt, policy),
+                              network.render_network_policy(job, attempt, policy))
 
     def suspended(self, obj: Mapping[str, Any]) -> bool:
         """Whether the job's suspend switch is on (never, for a backend without one)."""

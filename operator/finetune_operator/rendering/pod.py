@@ -350,16 +350,20 @@ SCANNER_SKIPS = {
     "CKV_K8S_15": "IfNotPresent: the trainer image is large and nodes keep it; a moved tag is allowedImages' requireDigest",
     "CKV_K8S_40": "runs as the trainer image's own user 1000, non-root under the restricted Pod Security Standard",
     "CKV_K8S_43": "the platform pins the trainer image; allowedImages requireDigest pins a job's own image",
-    "CKV2_K8S_6": "no per-attempt NetworkPolicy is rendered yet: the platform's namespace policy must bound it",
 }
+# A pod no NetworkPolicy of ours selects: the profile pod (the operator's namespace), and training pods
+# where the cluster policy turns the attempts' NetworkPolicies off (networkPolicy.enabled: false).
+NO_NETWORK_POLICY_SKIP = ("CKV2_K8S_6", "no per-attempt NetworkPolicy selects this pod (the profile pod, or "
+                          "policy networkPolicy.enabled false): the platform's namespace policy bounds it")
 CREDENTIAL_SKIP = ("CKV_K8S_35", "the transfer containers take the key pair or Hub token from the Secret as env; "
                    "files would be readable by every container of the pod")
 
 
-def scanner_skips(credentials: bool) -> dict[str, str]:
-    """The annotations that skip SCANNER_SKIPS (and, for a pod whose containers take credentials from a
-    Secret, CREDENTIAL_SKIP)."""
-    skips = list(SCANNER_SKIPS.items()) + ([CREDENTIAL_SKIP] if credentials else [])
+def scanner_skips(credentials: bool, network_policy: bool) -> dict[str, str]:
+    """The annotations that skip SCANNER_SKIPS (for a pod whose containers take credentials from a
+    Secret, CREDENTIAL_SKIP; for one that no NetworkPolicy of the attempt selects, NO_NETWORK_POLICY_SKIP)."""
+    skips = (list(SCANNER_SKIPS.items()) + ([CREDENTIAL_SKIP] if credentials else [])
+             + ([] if network_policy else [NO_NETWORK_POLICY_SKIP]))
     return {f"checkov.io/skip{i}": f"{check}={reason}" for i, (check, reason) in enumerate(skips, start=1)}
 
 

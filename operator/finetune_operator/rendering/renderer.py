@@ -39,11 +39,13 @@ class RenderedAttempt:
     config_map: dict[str, Any]
     pytorch_job: dict[str, Any]
     trainer_config: TrainerConfig
+    network_policy: dict[str, Any] | None = None
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        """In creation order: the pods mount the ConfigMap, so it goes first."""
-        return [self.config_map, self.pytorch_job]
+        """In creation order: the pods mount the ConfigMap, so it goes first; the NetworkPolicy is
+        there before any pod of the attempt is."""
+        return [self.config_map, *([self.network_policy] if self.network_policy else []), self.pytorch_job]
 
 
 def starts_suspended(spec: api.FineTuneJobSpec) -> bool:
@@ -117,7 +119,8 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
         "annotations": {
             PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
             JOB_NAME_ANNOTATION: job.metadata.name,
-            **pod.scanner_skips(pod.takes_credentials([*init_containers, {"env": training_env}])),
+            **pod.scanner_skips(pod.takes_credentials([*init_containers, {"env": training_env}]),
+                                network_policy=policy.network_policy.enabled),
         },
         "security_context": pod.pod_security_context(),
         "match_expressions": pod.match_expressions(policy.region_label_key, region, plan),
@@ -150,7 +153,10 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
         replicas=replicas,
         pod=pod_data,
     )
-    return RenderedAttempt(name=name, config_map=config_map, pytorch_job=pytorch_job, trainer_config=trainer_config)
+    from .network import render_network_policy  # network.py builds on this module's labels
+
+    return RenderedAttempt(name=name, config_map=config_map, pytorch_job=pytorch_job, trainer_config=trainer_config,
+                           network_policy=render_network_policy(job, attempt, policy))
 
 
 def render_config_map(
