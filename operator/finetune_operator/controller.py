@@ -47,6 +47,7 @@ from .rendering.backend import (
     Backend,
     Preflight,
     Prerequisite,
+    ReportsTrainerStatus,
     Suspendable,
     backend_of_kind,
     may_choose,
@@ -237,6 +238,20 @@ class Cluster:
         if not wait_synced(self.cache.all(), sync_timeout):
             log.warning("informers not listed after %.0f s; reading the API directly until they have", sync_timeout)
         return self.cache
+
+    def trainer_status(self, target: progress.Target) -> Any:
+        """(Memory only, for the progress poller.) The status.trainerStatus of the target attempt's
+        training job where its backend has one and the informer holds the job; else None."""
+        if self.cache is None:
+            return None
+        name = attempt_name(target.job, target.attempt)
+        for backend in BACKENDS:
+            if not isinstance(backend, ReportsTrainerStatus):
+                continue
+            for obj in self.cache.job_children(backend, target.namespace, label_value(target.job)) or ():
+                if (obj.get("metadata") or {}).get("name") == name:
+                    return backend.trainer_status(obj)
+        return None
 
     def list_children(self, namespace: str, job: str, owner_uid: str | None,
                       backends: tuple[Backend, ...] | list[Backend] = DEFAULT_SERVED) -> list[Child]:

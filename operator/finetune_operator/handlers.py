@@ -146,7 +146,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     watch_training_jobs(cluster, options)
     if options.progress_interval > 0:
         RUNTIME.progress = ProgressPoller(read_pod_log(cluster.core), patch_progress(cluster.custom),
-                                          PollerSettings(interval=options.progress_interval))
+                                          PollerSettings(interval=options.progress_interval),
+                                          trainer_status=cluster.trainer_status)
         RUNTIME.progress.start()
     RUNTIME.reconciler = Reconciler(cluster=cluster, policy=RUNTIME.policy, progress=RUNTIME.progress,
                                     bodies=JobBodies(), events=EventRecorder(cluster.post_event).start(),

@@ -1,8 +1,10 @@
 """Training progress from the trainer's log: the pure part.
 
 The trainer writes one progress line per logging step on rank 0 (the contract's
-`ProgressReport`). The shell (`progress_poller.py`) reads the tail of the rank-0 pod's log
-through the API's `pods/log`; this module decides which pod and container to read, keeps a
+`ProgressReport`), and where Kubeflow Trainer's TrainJobStatus gate gives its pods a status
+endpoint, sends the same report there (the TrainJob's status.trainerStatus). The shell
+(`progress_poller.py`) takes the report from trainerStatus when it holds a newer one and
+otherwise reads the tail of the rank-0 pod's log through the API's `pods/log`; this module decides which pod and container to read, keeps a
 smoothed step rate per attempt, and turns the last report into `status.progress`
 (`api.ProgressStatus`), ETA included. No Kubernetes I/O here.
 """
@@ -154,7 +156,11 @@ class JobProgress:
     def read(self, log_tail: str) -> api.ProgressStatus | None:
         """Take in a log tail; the new status.progress, or None when the tail holds nothing newer.
         A line of another attempt (the log of a pod the next attempt reuses a name of) is ignored."""
-        report = last_progress(log_tail)
+        return self.take(last_progress(log_tail))
+
+    def take(self, report: ProgressReport | None) -> api.ProgressStatus | None:
+        """Take in a report (from the log or from Trainer's trainerStatus); the new status.progress,
+        or None when it is not newer than the last one or belongs to another attempt."""
         if report is None or (report.attempt is not None and report.attempt != self.attempt):
             return None
         if self.last is not None and (report.time, report.step) <= (self.last.time, self.last.step):

@@ -2,7 +2,9 @@
 
 A background thread reads the tail of each running job's rank-0 pod log through the API
 (`pods/log`: the training pods need no API rights, and the API server's log endpoint works
-on any cluster) and writes `status.progress`. It is kept off the reconcile path on purpose:
+on any cluster) and writes `status.progress`. Where the attempt is a TrainJob whose
+status.trainerStatus (Kubeflow Trainer's TrainJobStatus gate) holds a newer report of our
+trainer, that report is taken from the informer's memory instead and the log is not read. It is kept off the reconcile path on purpose:
 
 * the reconciler only tells it, from memory, which pod is rank 0 of the current attempt
   (`track`, after each reconcile; no I/O), and a status it writes keeps only the current
@@ -32,6 +34,8 @@ from typing import Any, Callable, Protocol
 from kubernetes.client.rest import ApiException
 
 from . import api
+from finetune_trainer.contract import progress_from_trainer_status
+
 from .progress import JobProgress, RateEstimate, Target
 
 log = logging.getLogger("finetune_operator.progress")
@@ -54,6 +58,12 @@ Key = tuple[str, str]
 
 class LogSource(Protocol):
     def __call__(self, target: Target, since_seconds: int | None, tail_lines: int, limit_bytes: int) -> str: ...
+
+
+class TrainerStatusSource(Protocol):
+    """The current attempt's TrainJob status.trainerStatus from the informer's memory (no API
+    request), or None: another backend, not informed, or not reported."""
+    def __call__(self, target: Target) -> Any: ...
 
 
 class ProgressSink(Protocol):
@@ -95,8 +105,9 @@ class PollerSettings:
 
 class ProgressPoller:
     def __init__(self, read: LogSource, write: ProgressSink, settings: PollerSettings | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.read, self.write = read, write
+                 clock: Callable[[], float] = time.monotonic,
+                 trainer_status: TrainerStatusSource | None = None) -> None:
+        self.read, self.write, self.trainer_status = read, write, trainer_status
         self.settings = settings or PollerSettings()
         self.clock = clock
         self._lock = threading.Lock()
@@ -111,7 +122,7 @@ class ProgressPoller:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.stats = {"reads": 0, "read_errors": 0, "writes": 0, "write_errors": 0}
+        self.stats = {"reads": 0, "read_errors": 0, "writes": 0, "write_errors": 0, "trainer_status": 0}
 
     # -- what the reconciler tells it (memory only) -----------------------------------
     def track(self, key: Key, target: Target | None) -> None:
@@ -211,6 +222,11 @@ class ProgressPoller:
             started = self.clock()
             last = self._last_read.get(key)
             self._due[key] = started + self.settings.interval
+        progress = None if target.ended else self._from_trainer_status(key, target)
+        if progress is not None:
+            self._write(key, target, progress)
+            return
+        with self._lock:
             self.stats["reads"] += 1
         since = None if last is None else int(started - last) + SINCE_MARGIN_SECONDS
         try:
@@ -241,6 +257,28 @@ class ProgressPoller:
                 self._due.pop(key, None)
         if progress is None:
             return
+        self._write(key, target, progress)
+
+    def _from_trainer_status(self, key: Key, target: Target) -> api.ProgressStatus | None:
+        """A newer report from the TrainJob's trainerStatus, taken in; None: read the log instead
+        (no source, nothing reported, or nothing newer: the trainer's POSTs may have stopped)."""
+        if self.trainer_status is None:
+            return None
+        try:
+            report = progress_from_trainer_status(self.trainer_status(target))
+        except Exception:  # noqa: BLE001 - a cache lookup must not stop the log path
+            log.exception("progress of %s/%s: reading trainerStatus", *key)
+            return None
+        with self._lock:
+            job = self._jobs.get(key)
+            if report is None or job is None or self._targets.get(key) != target:
+                return None
+            progress = job.take(report)
+            if progress is not None:
+                self.stats["trainer_status"] += 1
+            return progress
+
+    def _write(self, key: Key, target: Target, progress: api.ProgressStatus) -> None:
         try:
             self.write(target, progress)
             outcome = "writes"

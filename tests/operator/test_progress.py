@@ -429,3 +429,101 @@ def test_the_loop_uses_its_read_budget_without_waiting_for_its_tick():
     assert len(stamps) == 6
     assert stamps[4] - stamps[0] < 0.8  # a once-a-second loop needs a second or more for five reads
     assert stamps[5] - stamps[0] >= 1.0  # the cap: the sixth read waits for the rolling second
+
+
+# ---------------------------------------------------------------------------
+# Kubeflow Trainer's status.trainerStatus (the TrainJobStatus gate) instead of the log
+# ---------------------------------------------------------------------------
+
+def trainer_status(step: int, t: float, attempt: int = 1, total: int = 2000) -> dict:
+    from finetune_trainer.contract import trainer_status_payload
+    from finetune_trainer.trainjob_status import rfc3339
+
+    report = ProgressReport(time=t, attempt=attempt, step=step, max_steps=total, loss=1.25, tokens_per_second=900.0)
+    return trainer_status_payload(report, remaining_seconds=None, updated=rfc3339(t))["trainerStatus"]
+
+
+class TrainJobProgressWorld(ProgressWorld):
+    """The shell reads a TrainJob's status from its informer (the fake's watch), as in the operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def restart(self) -> None:
+        from finetune_operator.informers import ClusterCache
+        from finetune_operator.rendering.backend import TRAIN_JOB
+
+        self.informed = True
+        super().restart()
+        self.kube.served = {"finetunejobs", "trainjobs", "clustertrainingruntimes"}
+        self.kube.put("ClusterTrainingRuntime", {"metadata": {"name": "finetune-torch", "namespace": ""}})
+        cluster = self.reconciler.cluster
+        cluster.cache = ClusterCache(self.kube.core, self.kube.custom, on_job=lambda ns, name: None)
+        cluster.cache.watch_children(TRAIN_JOB, start=False)
+        self.poller = ProgressPoller(read_pod_log(cluster.core), patch_progress(cluster.custom), self.settings,
+                                     clock=self.clock, trainer_status=cluster.trainer_status)
+        self.reconciler = Reconciler(cluster=cluster, policy=self.reconciler.policy, clock=self.reconciler.clock,
+                                     progress=self.poller)
+
+    def trainjob(self) -> dict:
+        return self.ours("TrainJob")[-1]
+
+    def start_node(self) -> str:
+        tj = self.trainjob()
+        meta = tj["metadata"]
+        tj.setdefault("status", {})["jobsStatus"] = [{"name": "node", "ready": 1, "active": 1}]
+        self.kube.touch(tj)
+        name = f"{meta['name']}-node-0-0"
+        body = pod(name, int(meta["labels"][ATTEMPT_LABEL]), role="", containers=("node",), **{
+            "jobset.sigs.k8s.io/replicatedjob-name": "node", "jobset.sigs.k8s.io/job-index": "0",
+            "batch.kubernetes.io/job-completion-index": "0"})
+        body["metadata"]["labels"][JOB_LABEL] = meta["labels"][JOB_LABEL]
+        self.kube.put("Pod", body)
+        return name
+
+    def report_status(self, status: dict) -> None:
+        tj = self.trainjob()
+        tj.setdefault("status", {})["trainerStatus"] = status
+        self.kube.touch(tj)
+        self.sync()
+
+
+def test_a_trainjobs_trainer_status_is_read_from_memory_instead_of_the_log_while_it_is_newer():
+    world = TrainJobProgressWorld()
+    world.reconcile()
+    assert [t["metadata"]["name"] for t in world.ours("TrainJob")] == ["support-bot-a1"]
+    node = world.start_node()
+    world.reconcile()
+    assert world.poller.tracked()[(NAMESPACE, "support-bot")].pod == node
+    # Not reported yet: the log, as on any backend.
+    world.kube.logs.setdefault((NAMESPACE, node, "node"), []).append((START, line(10, START)))
+    world.poll_all()
+    assert world.status["progress"]["step"] == 10 and len(world.kube.log_reads) == 1
+    # The trainer's POSTs reach status.trainerStatus: taken from the informer, the log is not read.
+    world.report_status(trainer_status(30, START + 20))
+    world.tick(20)
+    world.poll_all()
+    assert world.status["progress"]["step"] == 30 and world.status["progress"]["stepsPerSecond"] == pytest.approx(1.0)
+    assert len(world.kube.log_reads) == 1 and world.poller.stats["trainer_status"] == 1
+    # The POSTs stop (a NetworkPolicy, the endpoint down): trainerStatus stays behind, the log moves on.
+    world.kube.logs[(NAMESPACE, node, "node")].append((START + 40, line(50, START + 40)))
+    world.tick(20)
+    world.poll_all()
+    assert world.status["progress"]["step"] == 50 and len(world.kube.log_reads) == 2
+    # Someone else's status there (transformers' callback, another attempt's report): the log.
+    world.report_status(trainer_status(70, START + 60, attempt=2))
+    world.kube.logs[(NAMESPACE, node, "node")].append((START + 60, line(60, START + 60)))
+    world.tick(20)
+    world.poll_all()
+    assert world.status["progress"]["step"] == 60 and len(world.kube.log_reads) == 3
+
+
+def test_no_trainer_status_source_means_only_the_log():
+    reads = []
+    written = []
+    poller = ProgressPoller(lambda target, since, tail, limit: reads.append(target) or line(5, START),
+                            lambda target, progress: written.append(progress), PollerSettings(interval=1),
+                            trainer_status=lambda target: None)
+    poller.track((NAMESPACE, "j"), Target(NAMESPACE, "j", 1, "p", "node"))
+    poller.poll((NAMESPACE, "j"))
+    assert len(reads) == 1 and written[-1].step == 5

@@ -106,7 +106,27 @@ def test_off_in_the_policy_renders_none_and_the_pods_say_so_to_the_scanner(lora_
     assert not any(v.startswith("CKV2_K8S_6=") for v in annotations.values())
 
 
+def test_a_trainjob_attempt_may_reach_trainers_status_endpoint_and_a_pytorchjob_attempt_may_not(lora_job):
+    from finetune_operator.rendering.backend import TRAIN_JOB
+
+    job = _job(lora_job)
+    plan = plan_for(job)
+    status_rule = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kubeflow-system"}}}],
+                   "ports": [{"protocol": "TCP", "port": 10443}]}
+    trainjob = TRAIN_JOB.render(job, plan, 1, policy()).network_policy
+    assert trainjob["spec"]["egress"][-1] == status_rule
+    assert status_rule not in DEFAULT_BACKEND.render(job, plan, 1, policy()).network_policy["spec"]["egress"]
+    moved = policy(network_policy={"trainer_status_namespace": "trainer", "trainer_status_port": 9443})
+    assert TRAIN_JOB.render(job, plan, 1, moved).network_policy["spec"]["egress"][-1] == {
+        "to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "trainer"}}}],
+        "ports": [{"protocol": "TCP", "port": 9443}]}
+    closed = policy(network_policy={"trainer_status_namespace": ""})
+    assert len(TRAIN_JOB.render(job, plan, 1, closed).network_policy["spec"]["egress"]) == 2  # own pods, DNS
+
+
 @pytest.mark.parametrize("document, field", [
+    ({"networkPolicy": {"trainerStatusNamespace": "Kubeflow System"}}, "networkPolicy.trainerStatusNamespace"),
+    ({"networkPolicy": {"trainerStatusPort": 70000}}, "networkPolicy.trainerStatusPort"),
     ({"networkPolicy": {"hubNetworks": ["10.0.0.0/33"]}}, "networkPolicy.hubNetworks"),
     ({"networkPolicy": {"hubPort": 0}}, "networkPolicy.hubPort"),
     ({"networkPolicy": {"egress": []}}, "networkPolicy.egress"),

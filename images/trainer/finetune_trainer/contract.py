@@ -570,6 +570,59 @@ def last_progress(text: str) -> ProgressReport | None:
     return None
 
 
+# ----------------------------------------------- Kubeflow Trainer's trainerStatus
+# Kubeflow Trainer v2.2+ (its TrainJobStatus feature gate) takes a status from the training pods
+# over HTTPS and writes it to the TrainJob's status.trainerStatus: a percentage, the seconds left
+# and up to 256 name/value metrics, each value a string of at most 64 characters. The trainer
+# sends its progress report there as metrics named after the report's wire fields; the operator
+# reads them back into the same report (progress_from_trainer_status), so one model says what a
+# progress report holds however it travels.
+TRAINER_STATUS_METRIC_LIMIT = 64
+_TRAINER_STATUS_FIELDS = ("time", "attempt", "step", "max_steps", "start_step", "elapsed_seconds", "loss",
+                          "learning_rate", "grad_norm", "tokens_per_second", "samples_consumed", "eval_loss",
+                          "eval_step", "peak_allocated_bytes", "peak_reserved_bytes", "host_peak_rss_bytes")
+
+
+def trainer_status_payload(report: ProgressReport, *, remaining_seconds: float | None, updated: str) -> dict[str, Any]:
+    """The body the trainer POSTs to Kubeflow Trainer's status endpoint for one progress report.
+    `updated` is the report's time as RFC 3339 (the endpoint requires lastUpdatedTime)."""
+    metrics = []
+    for name in _TRAINER_STATUS_FIELDS:
+        value = getattr(report, name)
+        if value is None:
+            continue
+        text = repr(float(value)) if isinstance(value, float) else str(value)  # repr: NaN stays 'nan'
+        metrics.append({"name": to_camel(name), "value": text[:TRAINER_STATUS_METRIC_LIMIT]})
+    status: dict[str, Any] = {"progressPercentage": min(100, 100 * report.step // report.max_steps),
+                              "metrics": metrics, "lastUpdatedTime": updated}
+    if remaining_seconds is not None:
+        status["estimatedRemainingSeconds"] = max(0, min(2**31 - 1, round(remaining_seconds)))
+    return {"trainerStatus": status}
+
+
+def progress_from_trainer_status(trainer_status: Any) -> ProgressReport | None:
+    """The progress report in a TrainJob's status.trainerStatus, or None: absent, written by
+    something other than this trainer (no step/maxSteps/time metrics), or not a valid report.
+    Read as tolerantly as a log line: the pod that wrote it is the tenant's."""
+    if not isinstance(trainer_status, dict) or not isinstance(trainer_status.get("metrics"), list):
+        return None
+    known = {to_camel(name) for name in _TRAINER_STATUS_FIELDS}
+    data: dict[str, Any] = {"event": PROGRESS_EVENT}
+    for metric in trainer_status["metrics"]:
+        if isinstance(metric, dict) and metric.get("name") in known and isinstance(metric.get("value"), str):
+            try:
+                data[metric["name"]] = json.loads(metric["value"]) if metric["value"] not in ("nan", "inf", "-inf") \
+                    else float(metric["value"])
+            except ValueError:
+                return None
+    if not {"time", "step", "maxSteps"} <= data.keys():
+        return None
+    try:
+        return ProgressReport.model_validate(data)
+    except ValidationError:
+        return None
+
+
 # ------------------------------------------------------------- success summary
 
 

@@ -247,6 +247,7 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     result = trainer.train()
     if eval_dataset is not None and progress.eval_step != trainer.state.global_step:
         trainer.evaluate()  # always at the end (the cadence may not land on the last step)
+    progress.close_status()
 
     PROGRESS.enter(Phase.CHECKPOINT, trainer.state.global_step)
     trainer.save_model(cfg.output_directory)

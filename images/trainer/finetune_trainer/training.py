@@ -20,6 +20,7 @@ from .contract import Phase, ProgressReport, TrainerConfig
 from .faults import FaultInjector
 from .phases import PROGRESS
 from .reporting import log_json, rank
+from .trainjob_status import StatusReporter
 
 
 @dataclass
@@ -314,6 +315,9 @@ class ProgressCallback(TrainerCallback):
         self.eval_loss: float | None = None
         self.eval_step: int | None = None
         self.last_report: ProgressReport | None = None
+        # Kubeflow Trainer's status endpoint, where the pod was given one (rank 0 only writes).
+        self.status: StatusReporter | None = None
+        self._status_checked = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Throughput and elapsed time count training, not loading.
@@ -375,6 +379,16 @@ class ProgressCallback(TrainerCallback):
         self.last_report = report
         sys.stdout.write(report.to_log_line() + "\n")
         sys.stdout.flush()
+        if not self._status_checked:
+            self._status_checked = True
+            self.status = StatusReporter.from_env()
+        if self.status is not None:
+            self.status.submit(report, self.train_begin)
+
+    def close_status(self) -> None:
+        """Send the last report now (the final evaluation's must not wait out the interval)."""
+        if self.status is not None:
+            self.status.close()
 
 
 def _perplexity(loss: float) -> float | None:

@@ -126,6 +126,14 @@ class NetworkPolicySettings(BaseModel):
     with an `hf` source goes there on `hubPort`. Empty: to any address on that port."""
     hub_port: int = Field(default=443, ge=1, le=65535)
     """The Hub's port."""
+    trainer_status_namespace: str = Field(default="kubeflow-system", max_length=63,
+                                          pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$")
+    """Where Kubeflow Trainer's controller runs: a TrainJob attempt's pods may reach its status
+    endpoint (the TrainJobStatus gate) there on `trainerStatusPort`. Empty: no such egress (the
+    trainer's POSTs are refused and progress is read from the pod log). Not null: Helm drops a
+    null value and the default would come back."""
+    trainer_status_port: int = Field(default=10443, ge=1, le=65535)
+    """The status endpoint's port on the controller's pods (Trainer's default, 10443)."""
 
     @field_validator("hub_networks")
     @classmethod

@@ -33,6 +33,7 @@ from .backend_interface import (
     Preflight,
     Prerequisite,
     ProgressSource,
+    ReportsTrainerStatus,
     Suspendable,
 )
 from .errors import RenderError
@@ -52,7 +53,7 @@ DEFAULT_BACKEND: Backend = DEFAULT_SERVED[0]
 
 __all__ = [
     "AUTO", "AUTO_ORDER", "BACKENDS", "DEFAULT_BACKEND", "DEFAULT_SERVED", "PYTORCH_JOB", "TRAIN_JOB", "AttemptObjects", "Backend",
-    "CarriesInitContainers", "NoBackend", "Preflight", "Prerequisite", "ProgressSource", "Suspendable",
+    "CarriesInitContainers", "NoBackend", "Preflight", "Prerequisite", "ProgressSource", "ReportsTrainerStatus", "Suspendable",
     "backend_named", "backend_of_kind", "is_rank0", "may_choose", "needs_init_containers", "select_backend",
     "trainer_containers",
 ]

@@ -12,6 +12,8 @@ optional:
   `Suspendable`: where the job's suspend switch is (spec.suspend and queueing through Kueue need it);
   `CarriesInitContainers`: its pods may carry our fetch/upload init containers;
   `ProgressSource`: which of its pods is rank 0, whose log says how far training is;
+  `ReportsTrainerStatus`: the job's own status may carry the trainer's progress report
+  (TrainJob's status.trainerStatus, Kubeflow Trainer's TrainJobStatus gate);
   `Preflight`: a cluster object that must exist before the backend can be used (TrainJob's
   ClusterTrainingRuntime); the shell checks it, the lifecycle hears why not.
 
@@ -82,7 +84,8 @@ class Backend:
         config_map, _ = renderer.render_config_map(job, plan, attempt, policy)
         return AttemptObjects(attempt_name(job.metadata.name, attempt), config_map,
                               self.render_job(job, plan, attempt, policy),
-                              network.render_network_policy(job, attempt, policy))
+                              network.render_network_policy(job, attempt, policy,
+                                                            reports_status=isinstance(self, ReportsTrainerStatus)))
 
     def suspended(self, obj: Mapping[str, Any]) -> bool:
         """Whether the job's suspend switch is on (never, for a backend without one)."""
@@ -133,6 +136,19 @@ class ProgressSource:
 
     def is_rank0(self, labels: Mapping[str, str]) -> bool:
         raise NotImplementedError
+
+
+class ReportsTrainerStatus:
+    """Capability: the job's controller takes a status from the training pods and keeps it in the
+    job's own status (`trainer_status_path`), where the progress poller reads it from memory."""
+
+    trainer_status_path: tuple[str, ...]
+
+    def trainer_status(self, obj: Mapping[str, Any]) -> Any:
+        node: Any = obj
+        for key in self.trainer_status_path:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        return node
 
 
 @dataclass(frozen=True)

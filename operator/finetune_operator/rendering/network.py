@@ -51,8 +51,21 @@ def endpoint_rules(job: api.FineTuneJob, policy: ClusterPolicy) -> list[dict[str
     return rules
 
 
-def render_network_policy(job: api.FineTuneJob, attempt: int, policy: ClusterPolicy) -> dict[str, Any] | None:
-    """The attempt's NetworkPolicy, named like the attempt; None when the policy turns them off."""
+def trainer_status_rule(policy: ClusterPolicy) -> list[dict[str, Any]]:
+    """Egress to Kubeflow Trainer's status endpoint (the TrainJob backend's pods POST their
+    progress there): the controller's namespace, on the endpoint's port only."""
+    settings = policy.network_policy
+    if not settings.trainer_status_namespace:
+        return []
+    namespace = {"kubernetes.io/metadata.name": settings.trainer_status_namespace}
+    return [{"to": [{"namespaceSelector": {"matchLabels": namespace}}],
+             "ports": [{"protocol": "TCP", "port": settings.trainer_status_port}]}]
+
+
+def render_network_policy(job: api.FineTuneJob, attempt: int, policy: ClusterPolicy, *,
+                          reports_status: bool = False) -> dict[str, Any] | None:
+    """The attempt's NetworkPolicy, named like the attempt; None when the policy turns them off.
+    `reports_status`: the backend's pods report to their controller (ReportsTrainerStatus)."""
     if not policy.network_policy.enabled:
         return None
     name = attempt_name(job.metadata.name, attempt)
@@ -80,6 +93,7 @@ def render_network_policy(job: api.FineTuneJob, attempt: int, policy: ClusterPol
                 # DNS wherever the cluster serves it (CoreDNS pods, or a node-local cache on a link-local address).
                 {"ports": [{"protocol": "UDP", "port": DNS_PORT}, {"protocol": "TCP", "port": DNS_PORT}]},
                 *endpoint_rules(job, policy),
+                *(trainer_status_rule(policy) if reports_status else []),
             ],
         },
     }

@@ -36,7 +36,8 @@ from finetune_trainer.contract import DEFAULT_REPORT_PATH
 from .. import api
 from ..planning import ClusterPolicy, Plan
 from . import pod
-from .backend_interface import Backend, Preflight, Prerequisite, ProgressSource, Suspendable, conditions
+from .backend_interface import (Backend, Preflight, Prerequisite, ProgressSource, ReportsTrainerStatus, Suspendable,
+                                conditions)
 from .errors import RenderError
 from .layout import layout_of, training_image
 from .names import attempt_name
@@ -248,7 +249,7 @@ def missing_runtime(policy: ClusterPolicy) -> str:
             "(the chart installs it with trainJobRuntime.enabled)")
 
 
-class TrainJobBackend(Suspendable, ProgressSource, Preflight, Backend):
+class TrainJobBackend(Suspendable, ProgressSource, ReportsTrainerStatus, Preflight, Backend):
     """No init containers: a runtime patch cannot add them (see the module docstring)."""
 
     name = "trainjob"
@@ -259,6 +260,8 @@ class TrainJobBackend(Suspendable, ProgressSource, Preflight, Backend):
     product = "Kubeflow Trainer v2 (TrainJob CRD) and the chart's ClusterTrainingRuntime (trainJobRuntime.enabled)"
     trainer_container = TRAINER_CONTAINER
     suspend_path = ("spec", "suspend")
+    # Trainer v2.2+ writes what the pods POST to its status endpoint here (the TrainJobStatus gate).
+    trainer_status_path = ("status", "trainerStatus")
 
     def render_job(self, job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy) -> dict[str, Any]:
         return render_trainjob(job, plan, attempt, policy, policy.train_job_runtime)
