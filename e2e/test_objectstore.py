@@ -102,8 +102,8 @@ def _resolve_env(lab, namespace: str, env: list[dict]) -> dict[str, str]:
     return resolved
 
 
-def _run_here(command: list[str], env: dict[str, str], replace: dict[str, str]) -> subprocess.CompletedProcess:
-    """A rendered container command, run on this machine: `python` is this interpreter, and the
+def _here(command: list[str], env: dict[str, str], replace: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A rendered container command for this machine: `python` is this interpreter, and the
     `--name=` arguments in `replace` point at local folders instead of the pod's volumes."""
     argv = [sys.executable if command[0] == "python" else command[0]]
     for arg in command[1:]:
@@ -111,7 +111,17 @@ def _run_here(command: list[str], env: dict[str, str], replace: dict[str, str]) 
         argv.append(f"{name}={replace[name]}" if name in replace else arg)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FINETUNE_S3_")}
     full_env.update({k: v for k, v in env.items() if k.startswith("FINETUNE_S3_")})
+    return argv, full_env
+
+
+def _run_here(command: list[str], env: dict[str, str], replace: dict[str, str]) -> subprocess.CompletedProcess:
+    argv, full_env = _here(command, env, replace)
     return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def _start_here(command: list[str], env: dict[str, str], replace: dict[str, str]) -> subprocess.Popen:
+    argv, full_env = _here(command, env, replace)
+    return subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
 @pytest.mark.e2e
@@ -133,18 +143,22 @@ def test_s3_data_and_output_run_where_the_storage_may_be_used(lab, operator, s3,
     assert pods and {nodes[p["spec"]["nodeName"]]["metadata"]["labels"]["topology.kubernetes.io/region"]
                      for p in pods} == {"eu-fr-paris"}
 
-    # The pods as the API server stored them: the fetch init container, the upload step, the Secret refs.
+    # The pods as the API server stored them: the fetch init container, the upload sidecar, the Secret
+    # refs in those two only (the training container holds no credential).
     spec = pods[0]["spec"]
-    (fetch,) = spec["initContainers"]
+    (fetch, sidecar) = spec["initContainers"]
     (trainer,) = spec["containers"]
     assert fetch["name"] == "fetch-data"
     assert fetch["command"][:4] == ["python", "-m", "finetune_trainer.objectstore", "fetch"]
     assert f"--endpoint={s3.endpoint}" in fetch["command"] and "--key=support/train.jsonl" in fetch["command"]
-    assert trainer["command"][:4] == ["python", "-m", "finetune_trainer.objectstore", "train-and-upload"]
-    for container in (fetch, trainer):
+    assert sidecar["name"] == "upload" and sidecar["restartPolicy"] == "Always"
+    assert sidecar["command"][:4] == ["python", "-m", "finetune_trainer.objectstore", "upload-sidecar"]
+    assert trainer["command"][:4] == ["python", "-m", "finetune_trainer.objectstore", "train-and-hand-off"]
+    for container in (fetch, sidecar):
         refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"].startswith("FINETUNE_S3_")}
         assert refs == {"FINETUNE_S3_ACCESS_KEY_ID": {"name": SECRET, "key": "accessKeyId"},
                         "FINETUNE_S3_SECRET_ACCESS_KEY": {"name": SECRET, "key": "secretAccessKey"}}
+    assert not any("valueFrom" in e for e in trainer["env"]) and "envFrom" not in trainer
     manifests = json.dumps(pods) + lab.kubectl("get", "configmaps", "-n", namespace, "-o", "json").stdout
     assert s3.secret_access_key not in manifests and s3.access_key_id not in manifests
     config = json.loads(lab.kubectl("get", "configmap", done["status"]["attempts"][0]["pytorchJob"], "-n", namespace,
@@ -156,14 +170,24 @@ def test_s3_data_and_output_run_where_the_storage_may_be_used(lab, operator, s3,
     proc = _run_here(fetch["command"], _resolve_env(lab, namespace, fetch["env"]), {"--dest": str(fetched)})
     assert proc.returncode == 0, proc.stderr
     assert (fetched / "train.jsonl").read_bytes() == data
-    # The upload step of the training container, with a result standing in for the trainer's.
-    result = tmp_path / "output"
+    # The upload sidecar, run here, with a result standing in for the trainer's and the training
+    # container's request on the hand-off folder.
+    result, handoff = tmp_path / "output", tmp_path / "handoff"
     (result / "adapter").mkdir(parents=True)
+    handoff.mkdir()
     (result / "adapter" / "adapter_config.json").write_text('{"r": 16}')
-    upload = [*trainer["command"][:trainer["command"].index("--")]]
-    upload[3] = "upload"
-    proc = _run_here(upload, _resolve_env(lab, namespace, trainer["env"]), {"--source": str(result)})
-    assert proc.returncode == 0, proc.stderr
+    proc = _start_here(sidecar["command"], _resolve_env(lab, namespace, sidecar["env"]),
+                       {"--source": str(result), "--handoff": str(handoff)})
+    try:
+        (handoff / "request").write_text("{}")
+        deadline = time.monotonic() + 60
+        while not (handoff / "result").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.2)
+        assert json.loads((handoff / "result").read_text()) == {"files": 1, "failure": None}
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
     assert (s3.root / BUCKET / "results" / "s3-happy" / "adapter" / "adapter_config.json").read_text() == '{"r": 16}'
     print(f"scenario s3 data and output: {h.elapsed(start)}")
 

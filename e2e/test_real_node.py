@@ -114,6 +114,59 @@ def test_a_container_over_its_memory_limit_is_oomkilled_by_the_kubelet(node_lab)
     assert (state["reason"], state["exitCode"]) == ("OOMKilled", 137)
 
 
+# The main container looks for the sidecar's key in every process environment it can read.
+ENVIRON_SCAN = r"""
+import json, os, time
+secret = os.environ["OWN_MARKER"].replace("own", "sidecar")
+time.sleep(3)  # the sidecar runs (a native sidecar starts before the main container)
+found, readable = [], 0
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        continue
+    readable += 1
+    if secret.encode() in environ:
+        found.append(pid)
+print(json.dumps({"found": found, "readable": readable,
+                  "own": os.environ["OWN_MARKER"].encode() in open("/proc/self/environ", "rb").read()}))
+"""
+
+
+def test_a_training_container_cannot_read_the_upload_sidecar_s_credentials(node_lab):
+    """What keeps the S3 keys from the training processes (issue 26 item 5): they are only in the
+    upload sidecar's environment, and a container's processes see only their own PID namespace. A
+    pod shaped like the master's (a native sidecar with the key, a main container without) whose main
+    container reads /proc/*/environ finds its own variables and never the sidecar's key."""
+    from e2e.lab import images
+
+    lab, _ = node_lab
+    ns = f"env-{uuid.uuid4().hex[:5]}"
+    lab.kubectl("create", "namespace", ns)
+    image = images.image_names()["operator"][0]
+    marker = uuid.uuid4().hex
+    pod = _pod("scan", image, ["python", "-c", ENVIRON_SCAN], env=[{"name": "OWN_MARKER", "value": f"own-{marker}"}])
+    pod["spec"]["initContainers"] = [{
+        "name": "upload", "image": image, "imagePullPolicy": "IfNotPresent", "restartPolicy": "Always",
+        "command": ["python", "-c", "import time; time.sleep(3600)"],
+        "env": [{"name": "FINETUNE_S3_SECRET_ACCESS_KEY", "value": f"sidecar-{marker}"}]}]
+    # The control: the same pod sharing one PID namespace (which our pods never ask for) does leak it,
+    # so a scan that finds nothing above means the boundary, not a scan that cannot see.
+    shared = json.loads(json.dumps(pod))
+    shared["metadata"]["name"] = "scan-shared"
+    shared["spec"]["shareProcessNamespace"] = True
+    seen = {}
+    for body in (pod, shared):
+        name = body["metadata"]["name"]
+        lab.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(body))
+        done = _wait_terminated(lab, ns, name)
+        assert done["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        seen[name] = json.loads(lab.kubectl("logs", "-n", ns, name, "-c", "main").stdout.strip().splitlines()[-1])
+    assert seen["scan"]["own"] is True and seen["scan"]["readable"] >= 1, seen
+    assert seen["scan"]["found"] == [], seen
+    assert seen["scan-shared"]["found"], seen
+
+
 def test_crictl_sees_the_node_s_containers(node_lab):
     from e2e.lab.build import Installation
     from e2e.lab.realnode import NodePaths

@@ -110,3 +110,22 @@ def test_the_planner_trains_where_the_data_may_be_read():
     # An endpoint the policy refuses does not change planning: validation makes the job Invalid.
     refused = plan_job(job(data="https://s3.elsewhere.example"), POOLS, policy(*STORAGE), estimator=simple_estimate)
     assert isinstance(refused, Plan) and refused.region == "eu-de-berlin"
+
+
+def test_the_upload_sidecar_s_memory_is_counted_on_the_node():
+    """An output in object storage adds the master's upload sidecar (512 MiB requested beside the
+    ranks): a node whose allocatable holds the ranks but not the sidecar too is not planned on."""
+    from finetune_operator.planning.space import UPLOAD_SIDECAR_HOST_BYTES, ask_from_spec
+
+    pvc_plan = plan_job(job(), POOLS, policy(*STORAGE), estimator=simple_estimate)
+    assert isinstance(pvc_plan, Plan)
+    ranks = pvc_plan.host_memory_bytes
+    assert ask_from_spec(job(output=BERLIN), policy(*STORAGE), None).pod_extra_host_bytes == UPLOAD_SIDECAR_HOST_BYTES
+    assert ask_from_spec(job(), policy(*STORAGE), None).pod_extra_host_bytes == 0
+    for room, fits in ((ranks + UPLOAD_SIDECAR_HOST_BYTES, True), (ranks + UPLOAD_SIDECAR_HOST_BYTES - 1, False)):
+        tight = load_catalog({"pools": [
+            {"name": "h100-berlin", "region": "eu-de-berlin", "gpuType": "H100-80GB", "gpusPerNode": pvc_plan.gpus_per_node,
+             "maxNodes": 1, "pricePerGpuHour": 3.0, "hostMemoryBytes": room}]})
+        planned = plan_job(job(output=BERLIN, regions=["eu-de-berlin"]), tight, policy(*STORAGE),
+                           estimator=simple_estimate)
+        assert isinstance(planned, Plan) is fits, planned

@@ -1,6 +1,6 @@
 """Models, data and outputs in S3-compatible object storage: the init containers that fetch, the
-upload step of the training container, credentials only through secretKeyRef, and the endpoint
-checked against the regions the job may use."""
+master's upload sidecar, credentials only through secretKeyRef and only in the containers that
+transfer, and the endpoint checked against the regions the job may use."""
 
 from __future__ import annotations
 
@@ -57,11 +57,11 @@ def trainer(rendered) -> dict:
     return json.loads(rendered.config_map["data"]["config.json"])
 
 
-def test_s3_model_data_and_output_render_init_containers_and_an_upload_step(lora_job):
+def test_s3_model_data_and_output_render_init_containers_and_an_upload_sidecar(lora_job):
     job = s3_job(lora_job)
     rendered = render_attempt(job, plan_for(job), 1, storage_policy())
     spec = master(rendered)
-    fetch_model, fetch_data = spec["initContainers"]
+    fetch_model, fetch_data, upload = spec["initContainers"]
     assert fetch_model["name"] == "fetch-model" and fetch_data["name"] == "fetch-data"
     assert fetch_model["command"] == [
         "python", "-m", "finetune_trainer.objectstore", "fetch", f"--endpoint={BERLIN}", "--bucket=team-a",
@@ -77,21 +77,31 @@ def test_s3_model_data_and_output_render_init_containers_and_an_upload_step(lora
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["model"] == {"name": "model", "emptyDir": {}} and volumes["data"] == {"name": "data", "emptyDir": {}}
     assert volumes["output"] == {"name": "output", "emptyDir": {}}
+    assert volumes["handoff"] == {"name": "handoff", "emptyDir": {"sizeLimit": "1Mi"}}
     (container,) = spec["containers"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["model"]["readOnly"] is True and mounts["data"]["readOnly"] is True
     assert mounts["output"] == {"name": "output", "mountPath": "/mnt/output"}
+    assert mounts["handoff"] == {"name": "handoff", "mountPath": "/mnt/handoff"}
     assert container["command"] == [
-        "python", "-m", "finetune_trainer.objectstore", "train-and-upload", f"--endpoint={BERLIN}", "--bucket=team-a",
-        "--key=results/support-bot/", "--signing-region=us-east-1", "--source=/mnt/output", "--",
+        "python", "-m", "finetune_trainer.objectstore", "train-and-hand-off", "--handoff=/mnt/handoff", "--",
         "--config", "/etc/finetune/config.json", "--nnodes=1", "--nproc-per-node=2",
     ]
+    # The upload: a native sidecar after the fetches, reading the output, small fixed resources.
+    assert upload["name"] == "upload" and upload["restartPolicy"] == "Always"
+    assert upload["command"] == [
+        "python", "-m", "finetune_trainer.objectstore", "upload-sidecar", f"--endpoint={BERLIN}", "--bucket=team-a",
+        "--key=results/support-bot/", "--signing-region=us-east-1", "--source=/mnt/output", "--handoff=/mnt/handoff",
+    ]
+    assert {m["name"]: m.get("readOnly", False) for m in upload["volumeMounts"]} == {
+        "output": True, "handoff": False, "scratch": False}
+    assert upload["resources"] == {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}}
     config = trainer(rendered)
     assert config["model"]["path"] == "/mnt/model"
     assert config["dataset"]["path"] == "/mnt/data/train.jsonl"
     assert config["outputDirectory"] == "/mnt/output"
-    # The same security contexts and Guaranteed resources as the trainer, without GPUs.
-    for init in (fetch_model, fetch_data):
+    # The same security contexts as the trainer, Guaranteed resources, no GPUs.
+    for init in (fetch_model, fetch_data, upload):
         assert init["securityContext"] == container["securityContext"]
         assert init["resources"]["requests"] == init["resources"]["limits"]
         assert "nvidia.com/gpu" not in init["resources"]["limits"]
@@ -99,11 +109,20 @@ def test_s3_model_data_and_output_render_init_containers_and_an_upload_step(lora
     assert attempt_errors(rendered.config_map, rendered.pytorch_job) == []
 
 
-def test_credentials_come_only_from_the_secret(lora_job):
+def test_only_the_master_uploads_and_workers_train_without_a_sidecar(lora_job):
     job = s3_job(lora_job)
-    rendered = render_attempt(job, plan_for(job), 1, storage_policy())
+    rendered = render_attempt(job, plan_for(job, nodes=2), 1, storage_policy())
+    worker = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert [c["name"] for c in worker["initContainers"]] == ["fetch-model", "fetch-data"]
+    assert worker["containers"][0]["command"][:3] == ["python", "-m", "finetune_trainer.launch"]
+    assert [c["name"] for c in master(rendered)["initContainers"]] == ["fetch-model", "fetch-data", "upload"]
+
+
+def test_credentials_come_only_from_the_secret_and_only_into_the_transfer_containers(lora_job):
+    job = s3_job(lora_job)
+    rendered = render_attempt(job, plan_for(job, nodes=2), 1, storage_policy())
     spec = master(rendered)
-    fetch_model, fetch_data = spec["initContainers"]
+    fetch_model, fetch_data, upload = spec["initContainers"]
     (container,) = spec["containers"]
 
     def s3_env(c):
@@ -116,10 +135,15 @@ def test_credentials_come_only_from_the_secret(lora_job):
                                           "valueFrom": {"secretKeyRef": {"name": "s3-models", "key": "secretAccessKey"}}},
     }
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in s3_env(fetch_data).values()} == {"s3-team-a"}
-    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in s3_env(container).values()} == {"s3-team-a"}
-    for c in (fetch_model, fetch_data, container):
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in s3_env(upload).values()} == {"s3-team-a"}
+    for c in (fetch_model, fetch_data, upload):
         assert all("value" not in e for e in s3_env(c).values())
         assert not any("secret" in arg.lower() for arg in c["command"])
+    # The training containers (master and worker) hold no credential of any kind.
+    worker = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    for training in (container, worker):
+        assert not any("valueFrom" in e for e in training["env"]) and "envFrom" not in training
+        assert not any(e["name"].startswith("FINETUNE_S3_") or e["name"] == "HF_TOKEN" for e in training["env"])
     # The trainer config says where, never with what key.
     config_text = rendered.config_map["data"]["config.json"]
     assert "s3-team-a" not in config_text and "FINETUNE_S3" not in config_text and "s3.eu-de-berlin" not in config_text
@@ -158,7 +182,7 @@ def test_a_key_with_a_line_break_is_refused(lora_job):
 def test_a_hostile_key_is_one_argument_and_nothing_else(lora_job, key):
     job = s3_job(lora_job, data_key=key)
     rendered = render_attempt(job, plan_for(job), 1, storage_policy())
-    (_, fetch_data) = master(rendered)["initContainers"]
+    (_, fetch_data, _) = master(rendered)["initContainers"]
     assert [a for a in fetch_data["command"] if a.startswith("--key=")] == [f"--key={key}"]
     assert len(fetch_data["command"]) == 10 and fetch_data["command"][-2:] == ["--dest=/mnt/data", "--phase=data"]
     assert set(master(rendered)) == {"enableServiceLinks", "automountServiceAccountToken", "securityContext", "affinity", "tolerations",

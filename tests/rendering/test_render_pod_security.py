@@ -62,9 +62,13 @@ def test_the_examples_render_pods_of_every_kind():
     names = [p["metadata"]["name"] for p in PODS]
     assert any(n.endswith("-trainjob-node") for n in names) and any(n.endswith("-pytorchjob-master") for n in names)
     inits = {c["name"] for p in PODS for c in p["spec"].get("initContainers") or []}
-    assert inits == {"fetch-model", "fetch-data"}
-    assert any(c["command"][3] == "train-and-upload" for p in PODS for c in p["spec"]["containers"]
+    assert inits == {"fetch-model", "fetch-data", "upload"}
+    assert any(c["command"][3] == "train-and-hand-off" for p in PODS for c in p["spec"]["containers"]
                if len(c["command"]) > 3)
+    # Credentials only in the containers that transfer, never in one that trains.
+    for p in PODS:
+        for c in p["spec"]["containers"]:
+            assert not any("valueFrom" in e for e in c.get("env") or []) and "envFrom" not in c, p["metadata"]["name"]
     assert any(p["metadata"]["name"].endswith("-profile") for p in PODS)
 
 

@@ -144,16 +144,14 @@ def test_a_source_that_needs_an_init_container_is_refused_naming_the_field(lora_
     assert render_trainjob(job, plan_for(job), 1, policy())  # the pvc source renders
 
 
-def test_an_s3_output_uploads_with_credentials_only_from_the_secret(lora_job):
+def test_an_s3_output_needs_the_upload_sidecar_which_a_trainjob_cannot_carry(lora_job):
+    """The upload runs in a sidecar of its own (the training container never holds the keys); a
+    TrainJob's runtime patch cannot add one, so an S3 output is refused naming spec.output."""
     lora_job["spec"]["output"] = {"s3": s3(key="results/demo/")}
     job = api.parse_job(lora_job)
-    train_job = render_trainjob(job, plan_for(job), 1, storage_policy())
-    trainer = train_job["spec"]["trainer"]
-    assert trainer["command"][:4] == ["python", "-m", "finetune_trainer.objectstore", "train-and-upload"]
-    assert f"--endpoint={BERLIN}" in trainer["command"]
-    secret_env = [e for e in trainer["env"] if "valueFrom" in e]
-    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in secret_env} == {"s3-team-a"}
-    assert trainjob_errors(train_job) == []
+    with pytest.raises(RenderError) as error:
+        render_trainjob(job, plan_for(job), 1, storage_policy())
+    assert error.value.path == "spec.output" and "upload" in str(error.value)
     with pytest.raises(RenderError):
         render_trainjob(s3_job(lora_job), plan_for(job), 1, storage_policy())  # fetches need init containers
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,41 +173,112 @@ def test_keys_that_would_leave_the_destination_are_skipped(s3, tmp_path):
     assert written == [tmp_path / "t" / "ok.json"]
 
 
-def test_train_and_upload_uploads_only_after_success_on_the_master(s3, tmp_path, monkeypatch):
-    """The training container's command: the launcher runs in-process, then the result is uploaded.
-    The launcher is replaced by a stand-in that writes a result and exits with a given code."""
+def sidecar(s3, tmp_path, key: str, secret: str | None = None) -> tuple[subprocess.Popen, Path, Path]:
+    """The upload sidecar as the pod runs it: its own process, the key pair in its environment only."""
+    out, handoff = tmp_path / "output", tmp_path / "handoff"
+    out.mkdir(exist_ok=True)
+    handoff.mkdir(exist_ok=True)
+    env = env_of(s3)
+    if secret is not None:
+        env[objectstore.SECRET_KEY_ENV] = secret
+    proc = subprocess.Popen([sys.executable, "-m", "finetune_trainer.objectstore", "upload-sidecar",
+                             *location_args(s3, "results", key), f"--source={out}", f"--handoff={handoff}",
+                             "--max-attempts=1"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().startswith("objectstore: waiting for the training container's request")
+    return proc, out, handoff
+
+
+def stop(proc: subprocess.Popen) -> tuple[int, str]:
+    proc.terminate()  # the kubelet's SIGTERM once the training container has exited
+    _, err = proc.communicate(timeout=30)
+    return proc.returncode, err
+
+
+@pytest.fixture
+def training_without_keys(monkeypatch):
+    """The training container: finetune_trainer.launch replaced by a stand-in that writes a result
+    and exits with the code its last argument names; no key pair anywhere in its environment."""
     from finetune_trainer import launch
 
-    out = tmp_path / "output"
-    seen_env: list[bool] = []
+    for name in (objectstore.ACCESS_KEY_ENV, objectstore.SECRET_KEY_ENV):
+        monkeypatch.delenv(name, raising=False)
+    calls: list[list[str]] = []
 
     def fake_launch(args: list[str]) -> int:
-        seen_env.append(objectstore.ACCESS_KEY_ENV in os.environ or objectstore.SECRET_KEY_ENV in os.environ)
-        out.mkdir(exist_ok=True)
-        (out / "model.safetensors").write_bytes(b"weights")
+        calls.append(args)
+        assert objectstore.ACCESS_KEY_ENV not in os.environ and objectstore.SECRET_KEY_ENV not in os.environ
         return int(args[-1])
 
     monkeypatch.setattr(launch, "main", fake_launch)
-    for name, value in env_of(s3).items():
-        if name.startswith("FINETUNE_S3_"):
-            monkeypatch.setenv(name, value)
-    monkeypatch.setenv("PET_NODE_RANK", "0")
-    args = ["train-and-upload", *location_args(s3, "results", "run-1/"), f"--source={out}",
-            f"--report-path={tmp_path / 'log'}", "--", "--config", "/etc/finetune/config.json"]
-    assert objectstore.main([*args, "75"]) == 75  # training failed: its code, nothing uploaded
+    return calls
+
+
+def test_the_sidecar_uploads_only_after_training_succeeded_and_the_pod_succeeds_only_then(
+        s3, tmp_path, training_without_keys):
+    proc, out, handoff = sidecar(s3, tmp_path, "run-1/")
+    (out / "adapter").mkdir()
+    (out / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    report = tmp_path / "termination-log"
+    # Training failed: its code, no request, nothing uploaded.
+    assert objectstore.main(["train-and-hand-off", f"--handoff={handoff}", f"--report-path={report}", "--",
+                             "--config", "c.json", "75"]) == 75
+    assert not (handoff / objectstore.REQUEST_FILE).exists()
+    time.sleep(4 * objectstore.POLL_SECONDS)  # the sidecar looks for a request meanwhile
+    assert not (handoff / objectstore.RESULT_FILE).exists()
     assert "Contents" not in client(s3).list_objects_v2(Bucket="results", Prefix="run-1/")
-    assert seen_env == [False], "the training processes must not see the object storage credentials"
-    for name, value in env_of(s3).items():
-        if name.startswith("FINETUNE_S3_"):
-            monkeypatch.setenv(name, value)
-    monkeypatch.setenv("PET_NODE_RANK", "1")
-    assert objectstore.main([*args, "0"]) == 0  # a worker pod: rank 0 (on the master) wrote the result
-    assert "Contents" not in client(s3).list_objects_v2(Bucket="results", Prefix="run-1/")
-    for name, value in env_of(s3).items():
-        if name.startswith("FINETUNE_S3_"):
-            monkeypatch.setenv(name, value)
-    monkeypatch.setenv("PET_NODE_RANK", "0")
-    assert objectstore.main([*args, "0"]) == 0
+    # Training succeeded: the sidecar uploads, and only then does the training container exit 0.
+    assert objectstore.main(["train-and-hand-off", f"--handoff={handoff}", f"--report-path={report}", "--",
+                             "--config", "c.json", "0"]) == 0
     listed = client(s3).list_objects_v2(Bucket="results", Prefix="run-1/")["Contents"]
-    assert [o["Key"] for o in listed] == ["run-1/model.safetensors"]
-    assert json.loads(json.dumps([o["Size"] for o in listed])) == [len(b"weights")]
+    assert [o["Key"] for o in listed] == ["run-1/adapter/adapter_model.safetensors"]
+    assert proc.poll() is None  # a native sidecar that exited would be restarted and upload again
+    code, err = stop(proc)
+    assert code == 0, err
+    assert training_without_keys[-1] == ["--config", "c.json", "0"]
+
+
+def test_an_upload_the_sidecar_cannot_do_is_the_training_containers_failure_report(
+        s3, tmp_path, training_without_keys):
+    proc, out, handoff = sidecar(s3, tmp_path, "run-2/", secret="wrong")
+    (out / "model.safetensors").write_bytes(b"weights")
+    report = tmp_path / "termination-log"
+    code = objectstore.main(["train-and-hand-off", f"--handoff={handoff}", f"--report-path={report}", "--", "0"])
+    assert code == contract.EXIT_CODE_FOR_REASON[contract.FailureReason.DATA_ERROR]
+    failure = contract.FailureReport.model_validate_json(report.read_text())
+    assert failure.reason == contract.FailureReason.DATA_ERROR and failure.phase == contract.Phase.CHECKPOINT
+    assert "access denied" in failure.message and "wrong" not in failure.message
+    stop(proc)
+
+
+def test_no_outcome_from_the_sidecar_is_a_bounded_wait_then_a_failure(tmp_path, training_without_keys):
+    handoff = tmp_path / "handoff"
+    handoff.mkdir()
+    report = tmp_path / "termination-log"
+    code = objectstore.main(["train-and-hand-off", f"--handoff={handoff}", f"--report-path={report}",
+                             "--upload-timeout=1", "--", "0"])
+    assert code == contract.EXIT_CODE_FOR_REASON[contract.FailureReason.UNKNOWN]
+    assert "no outcome within 1 s" in contract.FailureReport.model_validate_json(report.read_text()).message
+    # A result written by a sidecar of an earlier container run is taken as it stands (never a second upload).
+    (handoff / objectstore.RESULT_FILE).write_text(objectstore.UploadOutcome(files=3).to_json())
+    assert objectstore.main(["train-and-hand-off", f"--handoff={handoff}", f"--report-path={report}", "--", "0"]) == 0
+
+
+def test_a_sidecar_without_credentials_reports_it_and_waits(tmp_path):
+    handoff, out = tmp_path / "handoff", tmp_path / "out"
+    handoff.mkdir()
+    out.mkdir()
+    (handoff / objectstore.REQUEST_FILE).write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FINETUNE_S3_")}
+    proc = subprocess.Popen([sys.executable, "-m", "finetune_trainer.objectstore", "upload-sidecar",
+                             "--endpoint=http://127.0.0.1:9", "--bucket=b", "--key=k/", f"--source={out}",
+                             f"--handoff={handoff}"], env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (handoff / objectstore.RESULT_FILE).exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    outcome = objectstore.UploadOutcome.from_json((handoff / objectstore.RESULT_FILE).read_text())
+    assert outcome.failure is not None and "credentials missing" in outcome.failure.message
+    assert proc.poll() is None
+    code, _ = stop(proc)
+    assert code == 0

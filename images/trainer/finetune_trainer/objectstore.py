@@ -5,18 +5,26 @@
     under it is downloaded into DIR, keeping the path below the prefix. Any other key is one
     object, downloaded to ``DIR/<last segment of the key>``.
 
-``python -m finetune_trainer.objectstore train-and-upload --endpoint=URL --bucket=B --key=PREFIX
---source=DIR -- <finetune_trainer.launch arguments>``
-    is the training container's command when the job's output is in object storage: it runs
-    the launcher in this process and, when training succeeded on the master pod (node rank 0,
-    where rank 0 writes the result), uploads every file under DIR to ``PREFIX``.
+``python -m finetune_trainer.objectstore upload-sidecar --endpoint=URL --bucket=B --key=PREFIX
+--source=DIR --handoff=H``
+    runs in the master pod's upload sidecar (a native sidecar: an init container with
+    ``restartPolicy: Always``, started before the training container and stopped after it). It
+    waits for the training container's request (``H/request``), uploads every file under DIR to
+    ``PREFIX``, writes the outcome to ``H/result`` and then waits to be stopped.
+
+``python -m finetune_trainer.objectstore train-and-hand-off --handoff=H -- <launch arguments>``
+    is the master's training container command when the output is in object storage: it runs
+    the launcher in this process and, when training succeeded, asks the sidecar for the upload
+    and waits for its outcome, so the pod succeeds only once the result is stored, and an upload
+    failure is this container's failure report (the one the operator reads).
 
 Credentials come from the environment, ``FINETUNE_S3_ACCESS_KEY_ID`` and
 ``FINETUNE_S3_SECRET_ACCESS_KEY``, which the renderer fills from the job's Secret with
 ``secretKeyRef``: never from the trainer config, never from arguments. They are passed to the
 client explicitly, so a pod never falls back to another credential source (instance metadata,
-a profile). ``train-and-upload`` removes them from the environment before training starts, so
-the training processes never see them.
+a profile). Only the containers that transfer (the fetch init containers, the upload sidecar)
+have them; the training container never does, and its processes cannot read another
+container's environment (each container has its own PID namespace).
 
 Requests use path-style addressing (``ENDPOINT/BUCKET/KEY``: what S3-compatible servers
 support everywhere), SigV4, and botocore's standard retry mode (transient errors, throttling,
@@ -30,11 +38,14 @@ either (recovery retries only memory failures and disruptions).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import posixpath
 import signal
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
@@ -239,10 +250,9 @@ def upload(s3: Any, source: str | Path, location: Location) -> list[str]:
     return keys
 
 
-def report_failure(failure: TrainerFailure, phase: Phase, report_path: str) -> int:
-    """Write the failure report to the termination message; the exit code it documents."""
+def failure_report(failure: TrainerFailure, phase: Phase) -> FailureReport:
     reason = failure.reason
-    report = FailureReport(
+    return FailureReport(
         reason=reason,
         phase=phase,
         step=0,
@@ -250,22 +260,21 @@ def report_failure(failure: TrainerFailure, phase: Phase, report_path: str) -> i
         exit_code=EXIT_CODE_FOR_REASON[reason],
         rank=int(os.environ.get("RANK", "0") or 0),
     )
+
+
+def report_failure(failure: TrainerFailure, phase: Phase, report_path: str) -> int:
+    """Write the failure report to the termination message; the exit code it documents."""
+    report = failure_report(failure, phase)
     print(f"objectstore: {report.message}", file=sys.stderr)
+    return write_report(report, report_path)
+
+
+def write_report(report: FailureReport, report_path: str) -> int:
     try:
         Path(report_path).write_text(report.to_termination_message())
     except OSError as error:
         print(f"objectstore: cannot write the failure report to {report_path}: {error}", file=sys.stderr)
     return report.exit_code
-
-
-def is_master_pod(environ: dict[str, str] | None = None) -> bool:
-    """Node rank 0: the pod whose rank 0 writes the result (the training operator sets these)."""
-    env = os.environ if environ is None else environ
-    for name in ("PET_NODE_RANK", "GROUP_RANK", "RANK"):
-        value = env.get(name)
-        if value not in (None, ""):
-            return value.strip() == "0"
-    return True
 
 
 def _location(args: argparse.Namespace) -> Location:
@@ -294,13 +303,22 @@ def main(argv: list[str] | None = None) -> int:
     upload_cmd = commands.add_parser("upload", help="upload a folder to a prefix")
     _add_location(upload_cmd)
     upload_cmd.add_argument("--source", required=True)
-    run_cmd = commands.add_parser("train-and-upload", help="run finetune_trainer.launch, then upload its result")
-    _add_location(run_cmd)
-    run_cmd.add_argument("--source", required=True)
+    sidecar_cmd = commands.add_parser("upload-sidecar", help="wait for the training container, upload, report")
+    _add_location(sidecar_cmd)
+    sidecar_cmd.add_argument("--source", required=True)
+    sidecar_cmd.add_argument("--handoff", required=True, help="the folder both containers share")
+    run_cmd = commands.add_parser("train-and-hand-off", help="run finetune_trainer.launch, then have the sidecar upload")
+    run_cmd.add_argument("--handoff", required=True, help="the folder both containers share")
+    run_cmd.add_argument("--report-path", default=DEFAULT_REPORT_PATH)
+    run_cmd.add_argument("--upload-timeout", type=float, default=DEFAULT_UPLOAD_TIMEOUT_SECONDS,
+                         help="seconds to wait for the sidecar's outcome")
     run_cmd.add_argument("launch_args", nargs=argparse.REMAINDER, help="-- then finetune_trainer.launch's arguments")
     args = parser.parse_args(argv)
-    location = _location(args)
 
+    if args.command == "train-and-hand-off":
+        return train_and_hand_off(Path(args.handoff), list(args.launch_args), args.report_path, args.upload_timeout)
+
+    location = _location(args)
     if args.command == "fetch":
         phase = Phase(args.phase)
         try:
@@ -318,28 +336,104 @@ def main(argv: list[str] | None = None) -> int:
         print(f"objectstore: uploaded {len(keys)} file(s) to {location.url()}")
         return 0
 
-    # train-and-upload: the credentials leave the environment before the training processes start.
-    try:
-        credentials = Credentials.from_env(remove=True)
-    except TrainerFailure as failure:
-        return report_failure(failure, Phase.SETUP, args.report_path)
+    return upload_sidecar(location, Path(args.source), Path(args.handoff), args.max_attempts)
+
+
+# --------------------------------------------------------------------------- the hand-off
+# The training container and the upload sidecar share one small emptyDir. Each file is written
+# under a temporary name and renamed, so the other side never reads half of one.
+REQUEST_FILE = "request"
+RESULT_FILE = "result"
+POLL_SECONDS = 0.5
+# A result of hundreds of GB over a slow link: hours, not forever (the pod would hold its GPUs).
+DEFAULT_UPLOAD_TIMEOUT_SECONDS = 6 * 3600.0
+
+
+@dataclass(frozen=True)
+class UploadOutcome:
+    """What the sidecar says of the upload: the files written, or the failure report to pass on."""
+
+    files: int = 0
+    failure: FailureReport | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"files": self.files, "failure": None if self.failure is None
+                           else json.loads(self.failure.to_termination_message())})
+
+    @classmethod
+    def from_json(cls, text: str) -> "UploadOutcome":
+        data = json.loads(text)
+        failure = data.get("failure")
+        return cls(files=int(data.get("files") or 0),
+                   failure=None if failure is None else FailureReport.model_validate(failure))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _stop_on_sigterm() -> threading.Event:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    return stop
+
+
+def upload_sidecar(location: Location, source: Path, handoff: Path, max_attempts: int = 5,
+                   stop: threading.Event | None = None) -> int:
+    """The sidecar: wait for the request, upload once, write the outcome, wait to be stopped. It
+    never exits on its own before it is stopped: a native sidecar that exits is restarted, and
+    a restarted one would upload again."""
+    stop = stop or _stop_on_sigterm()
+    result = handoff / RESULT_FILE
+    print(f"objectstore: waiting for the training container's request in {handoff}", flush=True)
+    while not stop.is_set() and not result.exists():
+        if (handoff / REQUEST_FILE).exists():
+            try:
+                keys = upload(client(location, Credentials.from_env(), max_attempts=max_attempts), source, location)
+                outcome = UploadOutcome(files=len(keys))
+                print(f"objectstore: uploaded {len(keys)} file(s) of the result to {location.url()}")
+            except TrainerFailure as failure:
+                outcome = UploadOutcome(failure=failure_report(failure, Phase.CHECKPOINT))
+                print(f"objectstore: {outcome.failure.message}", file=sys.stderr)
+            _write_atomically(result, outcome.to_json())
+            break
+        stop.wait(POLL_SECONDS)
+    stop.wait()
+    return 0
+
+
+def train_and_hand_off(handoff: Path, launch_args: list[str], report_path: str,
+                       timeout: float = DEFAULT_UPLOAD_TIMEOUT_SECONDS) -> int:
+    """The master's training container: train, then have the sidecar upload and take its outcome."""
     from . import launch
 
-    launch_args = list(args.launch_args)
     if launch_args[:1] == ["--"]:
         launch_args = launch_args[1:]
     code = launch.main(launch_args)
-    # The launcher forwarded SIGTERM to torchrun, which has exited: a pod deleted during the upload
-    # must stop now, not after its grace period.
+    # The launcher forwarded SIGTERM to torchrun, which has exited: a pod deleted while it waits
+    # for the upload must stop now, not after its grace period.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if code != 0 or not is_master_pod():
+    if code != 0:
         return code
+    _write_atomically(handoff / REQUEST_FILE, "{}")
+    deadline = time.monotonic() + timeout
+    result = handoff / RESULT_FILE
+    while not result.exists():
+        if time.monotonic() > deadline:
+            return report_failure(ObjectStoreError(
+                f"the upload sidecar gave no outcome within {timeout:.0f} s"), Phase.CHECKPOINT, report_path)
+        time.sleep(POLL_SECONDS)
     try:
-        keys = upload(client(location, credentials, max_attempts=args.max_attempts), args.source, location)
-    except TrainerFailure as failure:
-        return report_failure(failure, Phase.CHECKPOINT, args.report_path)
-    print(f"objectstore: uploaded {len(keys)} file(s) of the result to {location.url()}")
+        outcome = UploadOutcome.from_json(result.read_text())
+    except (OSError, ValueError) as error:
+        return report_failure(ObjectStoreError(f"the upload sidecar's outcome is unreadable: {error}"),
+                              Phase.CHECKPOINT, report_path)
+    if outcome.failure is not None:
+        return write_report(outcome.failure, report_path)
+    print(f"objectstore: the sidecar uploaded {outcome.files} file(s) of the result")
     return 0
 
 

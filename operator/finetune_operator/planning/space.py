@@ -45,6 +45,10 @@ from .policy import ClusterPolicy
 from .pools import NodePool, same_gpu_type
 from .storage import StorageError, storage_regions
 
+# What the master pod's upload sidecar asks for (rendering/pod.py renders it): its requests add to
+# the pod's, so a node must have this much host memory beside the ranks'.
+UPLOAD_SIDECAR_HOST_BYTES = 512 * 2**20
+
 # Strategies and offloads come from combinations.py (the one home of what combines with what),
 # filtered there for the method, precision, optimizer and levers of each group.
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ class Ask:
     cost_window: float = COST_TIE
     levers: LeverAsk = LeverAsk()  # the lean-trainer levers the job fixes or leaves to the planner
     target_experts: bool = False
+    # Host memory one pod asks for beside its ranks (the master's upload sidecar, for an output in
+    # object storage): the pod is scheduled on its requests, so a node must hold both.
+    pod_extra_host_bytes: int = 0
 
     def base_choices(self, strategy: str, offload: str, checkpointing: bool) -> Choices:
         """A group's choices before its levers, for combinations.py."""
@@ -222,6 +229,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         cost_window=cost_window_of(policy),
         levers=lever_ask(t, spec.method, bool(arch.final_logit_softcapping)),
         target_experts=bool(spec.lora is not None and spec.lora.target_experts),
+        pod_extra_host_bytes=UPLOAD_SIDECAR_HOST_BYTES if spec.output is not None and spec.output.s3 is not None else 0,
     )
 
 
@@ -381,7 +389,7 @@ def fits(ask: Ask, group: Group, facts: EstimateFacts, calibration: float) -> st
     """None when the setup fits the pool; else which memory does not."""
     if facts.required_bytes * calibration > group.usable:
         return "gpu"
-    host = facts.host_bytes_per_rank * group.gpus_per_node
+    host = facts.host_bytes_per_rank * group.gpus_per_node + ask.pod_extra_host_bytes
     if group.pool.host_memory_bytes and host > group.pool.host_memory_bytes:
         return "host"
     return None

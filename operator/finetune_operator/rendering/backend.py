@@ -92,15 +92,13 @@ class NoBackend(Exception):
 
 
 def needs_init_containers(job: api.FineTuneJob, policy: ClusterPolicy) -> str | None:
-    """The spec field whose source needs an init container (hub or S3 fetch, S3 upload), or None."""
+    """The spec field whose source needs an init container (hub or S3 fetch, the S3 upload sidecar), or None."""
     try:
         layout = layout_of(job.spec, policy)
     except RenderError:
         return None  # rendering says what is wrong, naming the field
     containers = pod.init_containers(job, job.spec.image or policy.trainer_image, {}, {}, layout)
-    if not containers:
-        return None
-    return "spec.model.source" if any(c["name"] == pod.FETCH_CONTAINER for c in containers) else "spec.dataset.source"
+    return pod.init_container_field(containers)
 
 
 def select_backend(job: api.FineTuneJob, policy: ClusterPolicy, served: Sequence[Backend],
@@ -138,8 +136,9 @@ def select_backend(job: api.FineTuneJob, policy: ClusterPolicy, served: Sequence
         return usable[0]
     only = " and ".join(f"{b.kind}s" for b in candidates)
     raise NoBackend(
-        f"needs an init container that fetches the model or the data (from the Hub or object storage), "
-        f"which a {candidates[0].kind} cannot carry (a runtime patch cannot add init containers), and the cluster runs "
-        f"{f'only {only}' if wanted == AUTO else f'{only} (trainingBackend: {wanted})'}: use a volume (pvc) source, "
+        f"needs an init container that fetches the model or the data (from the Hub or object storage) or uploads "
+        f"the result (the upload sidecar), which a {candidates[0].kind} cannot carry (a runtime patch cannot add init "
+        f"containers), and the cluster runs "
+        f"{f'only {only}' if wanted == AUTO else f'{only} (trainingBackend: {wanted})'}: use a volume (pvc), "
         f"or a cluster with the {' or '.join(b.kind for b in BACKENDS if isinstance(b, CarriesInitContainers))} "
         "backend", path=field_)

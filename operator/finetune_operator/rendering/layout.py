@@ -24,6 +24,8 @@ MODEL_DIR = "/mnt/model"
 DATA_DIR = "/mnt/data"
 CHECKPOINT_DIR = "/mnt/checkpoints"
 OUTPUT_DIR = "/mnt/output"
+# The training container and the upload sidecar hand the result over here (objectstore.py).
+HANDOFF_DIR = "/mnt/handoff"
 SCRATCH_DIR = "/tmp"
 SHM_DIR = "/dev/shm"
 FINAL_FOLDER = "final"

@@ -12,6 +12,7 @@ from typing import Any
 from .. import api
 from ..planning import ClusterPolicy, Plan
 from ..planning.pools import gpu_type_info, same_gpu_type
+from ..planning.space import UPLOAD_SIDECAR_HOST_BYTES
 from ..planning.storage import StorageError, storage_regions
 from . import layout as paths
 from .errors import RenderError
@@ -28,6 +29,12 @@ FALLBACK_CPUS_PER_GPU = 8
 RUN_AS_USER = 1000
 FETCH_CONTAINER = "fetch-model"
 FETCH_DATA_CONTAINER = "fetch-data"
+# The master pod's native sidecar that uploads the result to object storage (it alone holds the keys).
+UPLOAD_CONTAINER = "upload"
+# What the upload sidecar requests (and is limited to), beside the training container's: it copies
+# files with boto3's managed transfer (8 MiB parts, 10 threads); its requests add to the pod's, so
+# the planner counts its memory (planning/space.py, UPLOAD_SIDECAR_HOST_BYTES).
+UPLOAD_RESOURCES = {"cpu": "1", "memory": f"{UPLOAD_SIDECAR_HOST_BYTES // MiB}Mi"}
 # The environment variables finetune_trainer.objectstore reads the access key pair from.
 S3_ACCESS_KEY_ENV = "FINETUNE_S3_ACCESS_KEY_ID"
 S3_SECRET_KEY_ENV = "FINETUNE_S3_SECRET_ACCESS_KEY"
@@ -188,6 +195,9 @@ def volumes(config_map_name: str, layout: Layout, plan: Plan) -> list[dict[str, 
         # Uploaded to object storage after training; or, for a job with neither output nor
         # checkpoint volume (the API allows it: a smoke test), lost with the pod.
         result.append({"name": "output", "emptyDir": {}})
+    if layout.upload is not None:
+        # The training container's request and the upload sidecar's outcome: two small files.
+        result.append({"name": "handoff", "emptyDir": {"sizeLimit": "1Mi"}})
     for mount in layout.claims:
         result.append(
             {"name": mount.role, "persistentVolumeClaim": {"claimName": mount.claim_name, "readOnly": mount.read_only}}
@@ -207,6 +217,8 @@ def volume_mounts(layout: Layout) -> list[dict[str, Any]]:
         result.append({"name": "data", "mountPath": paths.DATA_DIR, "readOnly": True})
     if layout.output_in_empty_dir:
         result.append({"name": "output", "mountPath": paths.OUTPUT_DIR})
+    if layout.upload is not None:
+        result.append({"name": "handoff", "mountPath": paths.HANDOFF_DIR})
     for mount in layout.claims:
         result.append({"name": mount.role, "mountPath": mount.mount_path, "readOnly": mount.read_only})
     return result
@@ -248,10 +260,9 @@ def scratch_env() -> list[dict[str, Any]]:
 
 
 def env(layout: Layout | None = None) -> list[dict[str, Any]]:
-    """The training container's environment; with an output in object storage, the key pair its
-    upload step reads (removed from the environment before the training processes start)."""
-    upload = [] if layout is None or layout.upload is None else s3_credentials_env(layout.upload.location)
-    return upload + scratch_env() + [
+    """The training container's environment: never a credential (the transfers run in containers
+    of their own, whose environment the training processes cannot read)."""
+    return scratch_env() + [
         # The weights are local (on a volume, or fetched by the init container before
         # training starts): the trainer must never reach for the Hub.
         {"name": "HF_HUB_OFFLINE", "value": "1"},
@@ -260,24 +271,45 @@ def env(layout: Layout | None = None) -> list[dict[str, Any]]:
     ]
 
 
-def trainer_command(plan: Plan, layout: Layout | None = None) -> list[str]:
+def trainer_command(plan: Plan, layout: Layout | None = None, *, master: bool = True) -> list[str]:
     """The trainer's launcher: torchrun with the plan's shape (the training operator sets the
     rendezvous, PET_MASTER_ADDR, ...), exiting with the failure report's documented code
-    rather than torchrun's blanket 1. With an output in object storage, the launcher runs inside
-    `finetune_trainer.objectstore train-and-upload`, which uploads the result from the master pod
-    once training has succeeded."""
+    rather than torchrun's blanket 1. On the master pod of a job whose output is in object
+    storage, the launcher runs inside `finetune_trainer.objectstore train-and-hand-off`, which
+    has the upload sidecar store the result once training has succeeded and succeeds only then."""
     launch = [
         "--config",
         f"{paths.CONFIG_DIR}/{paths.CONFIG_KEY}",
         f"--nnodes={plan.nodes}",
         f"--nproc-per-node={plan.gpus_per_node}",
     ]
-    if layout is None or layout.upload is None:
+    if layout is None or layout.upload is None or not master:
         return ["python", "-m", "finetune_trainer.launch", *launch]
-    return [
-        "python", "-m", "finetune_trainer.objectstore", "train-and-upload",
-        *s3_arguments(layout.upload), f"--source={paths.OUTPUT_DIR}", "--", *launch,
-    ]
+    return ["python", "-m", "finetune_trainer.objectstore", "train-and-hand-off", f"--handoff={paths.HANDOFF_DIR}",
+            "--", *launch]
+
+
+def upload_sidecar(image: str, security_context: dict[str, Any], upload: paths.Transfer) -> dict[str, Any]:
+    """The master pod's upload sidecar: a native sidecar (an init container with restartPolicy
+    Always, Kubernetes 1.29+), started before the training container and stopped after it; it
+    alone holds the key pair, and waits for the training container's request on the hand-off volume."""
+    return {
+        "name": UPLOAD_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "restartPolicy": "Always",
+        "command": ["python", "-m", "finetune_trainer.objectstore", "upload-sidecar", *s3_arguments(upload),
+                    f"--source={paths.OUTPUT_DIR}", f"--handoff={paths.HANDOFF_DIR}"],
+        "env": scratch_env() + s3_credentials_env(upload.location),
+        "volumeMounts": [
+            {"name": "output", "mountPath": paths.OUTPUT_DIR, "readOnly": True},
+            {"name": "handoff", "mountPath": paths.HANDOFF_DIR},
+            {"name": "scratch", "mountPath": paths.SCRATCH_DIR},
+        ],
+        "resources": {"requests": dict(UPLOAD_RESOURCES), "limits": dict(UPLOAD_RESOURCES)},
+        "securityContext": security_context,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
 
 
 def init_containers(
@@ -286,9 +318,12 @@ def init_containers(
     security_context: dict[str, Any],
     limits: dict[str, str],
     layout: Layout | None = None,
+    *,
+    master: bool = True,
 ) -> list[dict[str, Any]]:
     """Before training: download a Hub model's pinned revision, and fetch a model or data kept in
-    object storage, each into the emptyDir of its role."""
+    object storage, each into the emptyDir of its role; on the master pod of a job whose output is
+    in object storage, then the upload sidecar (it starts after the fetches and runs beside training)."""
     result: list[dict[str, Any]] = []
     common = {
         # Requests equal to limits, like the trainer's, so the pod keeps Guaranteed QoS.
@@ -339,7 +374,16 @@ def init_containers(
                 **common,
             }
         )
+    if layout is not None and layout.upload is not None and master:
+        result.append(upload_sidecar(image, security_context, layout.upload))
     return result
+
+
+def init_container_field(containers: list[dict[str, Any]]) -> str | None:
+    """The spec field that asks for these init containers (the first in pod order), or None."""
+    fields = {FETCH_CONTAINER: "spec.model.source", FETCH_DATA_CONTAINER: "spec.dataset.source",
+              UPLOAD_CONTAINER: "spec.output"}
+    return next((fields[c["name"]] for c in containers if c["name"] in fields), None)
 
 
 # Findings of the policy scanner the tests run (checkov, tests/chart/test_checkov.py) that these pods
@@ -355,8 +399,8 @@ SCANNER_SKIPS = {
 # where the cluster policy turns the attempts' NetworkPolicies off (networkPolicy.enabled: false).
 NO_NETWORK_POLICY_SKIP = ("CKV2_K8S_6", "no per-attempt NetworkPolicy selects this pod (the profile pod, or "
                           "policy networkPolicy.enabled false): the platform's namespace policy bounds it")
-CREDENTIAL_SKIP = ("CKV_K8S_35", "the transfer containers take the key pair or Hub token from the Secret as env; "
-                   "files would be readable by every container of the pod")
+CREDENTIAL_SKIP = ("CKV_K8S_35", "the transfer containers (fetch, upload) take the key pair or Hub token from the "
+                   "Secret as env, the training container never; files would be readable by every container of the pod")
 
 
 def scanner_skips(credentials: bool, network_policy: bool) -> dict[str, str]:

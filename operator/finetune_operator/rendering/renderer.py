@@ -110,34 +110,39 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     if job.spec.queue_name is not None:
         object_labels[QUEUE_LABEL] = job.spec.queue_name
     container_security = pod.container_security_context()
-    init_containers = pod.init_containers(
-        job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}, layout
-    )
     training_env = pod.env(layout)
-    pod_data = {
-        "labels": labels,
-        "annotations": {
-            PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
-            JOB_NAME_ANNOTATION: job.metadata.name,
-            **pod.scanner_skips(pod.takes_credentials([*init_containers, {"env": training_env}]),
-                                network_policy=policy.network_policy.enabled),
-        },
-        "security_context": pod.pod_security_context(),
-        "match_expressions": pod.match_expressions(policy.region_label_key, region, plan),
-        "tolerations": pod.tolerations(plan),
-        "init_containers": init_containers,
-        "image": image,
-        "command": pod.trainer_command(plan, layout),
-        "env": training_env,
-        "resources": limits,
-        "volume_mounts": pod.volume_mounts(layout),
-        "container_security_context": container_security,
-        "report_path": DEFAULT_REPORT_PATH,
-        "volumes": pod.volumes(name, layout, plan),
-    }
-    replicas = [{"type": "Master", "count": 1}]
+
+    def pod_data(master: bool) -> dict[str, Any]:
+        """The Master's pod, or a Worker's: only the master uploads the result (rank 0 writes it)."""
+        init_containers = pod.init_containers(
+            job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}, layout,
+            master=master,
+        )
+        return {
+            "labels": labels,
+            "annotations": {
+                PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
+                JOB_NAME_ANNOTATION: job.metadata.name,
+                **pod.scanner_skips(pod.takes_credentials([*init_containers, {"env": training_env}]),
+                                    network_policy=policy.network_policy.enabled),
+            },
+            "security_context": pod.pod_security_context(),
+            "match_expressions": pod.match_expressions(policy.region_label_key, region, plan),
+            "tolerations": pod.tolerations(plan),
+            "init_containers": init_containers,
+            "image": image,
+            "command": pod.trainer_command(plan, layout, master=master),
+            "env": training_env,
+            "resources": limits,
+            "volume_mounts": pod.volume_mounts(layout),
+            "container_security_context": container_security,
+            "report_path": DEFAULT_REPORT_PATH,
+            "volumes": pod.volumes(name, layout, plan),
+        }
+
+    replicas = [{"type": "Master", "count": 1, "pod": pod_data(master=True)}]
     if plan.nodes > 1:
-        replicas.append({"type": "Worker", "count": plan.nodes - 1})
+        replicas.append({"type": "Worker", "count": plan.nodes - 1, "pod": pod_data(master=False)})
     pytorch_job = render_json_template(
         "pytorchjob.json.j2",
         pytorch_job_meta=_meta(
@@ -151,7 +156,6 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
         clean_pod_policy=CLEAN_POD_POLICY,
         nproc_per_node=str(plan.gpus_per_node),
         replicas=replicas,
-        pod=pod_data,
     )
     from .network import render_network_policy  # network.py builds on this module's labels
 

@@ -102,9 +102,9 @@ def render_trainjob(
     if init_containers:
         names = ", ".join(c["name"] for c in init_containers)
         raise RenderError(
-            "spec.model.source" if any(c["name"] == pod.FETCH_CONTAINER for c in init_containers) else "spec.dataset.source",
+            pod.init_container_field(init_containers) or "spec",
             f"needs the init container(s) {names}, which a TrainJob's runtime patch cannot add;"
-            " use a volume (pvc) source, or the PyTorchJob backend",
+            " use a volume (pvc), or the PyTorchJob backend",
         )
 
     object_labels = dict(labels)
