@@ -169,15 +169,19 @@ CASES = [
     Case("name-trailing-dash", _set("metadata.name", "support-"), "metadata.name", "DNS-1123", False),
     Case("claim-name-invalid", _set("spec.checkpoint", {"pvc": {"claimName": "Ckpt!"}}), "spec.checkpoint.pvc.claimName", "pattern", True),
     Case("wrong-api-version", _set("apiVersion", "finetune.dev/v1"), "apiVersion", "finetune.dev/v1alpha1", False),
-    # spec.evaluation: a held-out fraction (a separate eval dataset is refused, not ignored)
+    # spec.evaluation: a held-out fraction or a separate eval dataset, never both
     Case("eval-fraction-too-large", _set("spec.evaluation", {"heldOutFraction": 0.6}),
          "spec.evaluation.heldOutFraction", "less than or equal to 0.5", True),
     Case("eval-fraction-zero", _set("spec.evaluation", {"heldOutFraction": 0.0}),
          "spec.evaluation.heldOutFraction", "greater than 0", True),
     Case("eval-without-source", _set("spec.evaluation", {"everySteps": 10}),
          "spec.evaluation.heldOutFraction", "exactly one of heldOutFraction, dataset", False),
-    Case("eval-separate-dataset", _set("spec.evaluation", {"dataset": {"pvc": {"claimName": "evals"}}}),
-         "spec.evaluation.dataset", "not supported yet", False),
+    Case("eval-both-sources", _set("spec.evaluation", {"heldOutFraction": 0.1, "dataset": {"pvc": {"claimName": "e"}}}),
+         "spec.evaluation.heldOutFraction", "exactly one of heldOutFraction, dataset", False),
+    Case("eval-dataset-two-places", _set("spec.evaluation", {"dataset": {
+         "pvc": {"claimName": "e"}, "s3": {"endpoint": "https://s3.x", "bucket": "evals", "key": "k",
+                                           "credentialsSecretRef": {"name": "s"}}}}),
+         "spec.evaluation.dataset", "exactly one of pvc, s3", False),
     Case("eval-every-zero", _set("spec.evaluation", {"heldOutFraction": 0.1, "everySteps": 0}),
          "spec.evaluation.everySteps", "greater than or equal to 1", True),
 ]

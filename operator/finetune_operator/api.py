@@ -877,8 +877,6 @@ class EvaluationSpec(ApiModel):
             "x-kubernetes-validations": [
                 {"rule": "has(self.heldOutFraction) != has(self.dataset)",
                  "message": "set exactly one of heldOutFraction, dataset"},
-                {"rule": "!has(self.dataset)",
-                 "message": "a separate evaluation dataset is not supported yet: use heldOutFraction"},
             ]
         }
     )
@@ -888,15 +886,17 @@ class EvaluationSpec(ApiModel):
     chosen by `training.seed` alone, so every attempt, resumed or not, evaluates on the same ones. A
     fraction that leaves no sequence on either side fails the job with a DataError naming this field."""
     dataset: DataSource | None = None
-    """A separate evaluation dataset: not supported yet (refused); use heldOutFraction."""
+    """A separate evaluation dataset (`pvc` or `s3`, like spec.dataset.source), read in the training
+    dataset's `format` and `packing`; all of it is evaluated on, and training uses all of spec.dataset.
+    In object storage it is fetched before training by a `fetch-eval` init container (so it runs as a
+    PyTorchJob), and its endpoint narrows the regions as the training data's does. A dataset that
+    does not exist or holds no example fails the job with a DataError naming this field."""
     every_steps: Annotated[int, Field(ge=1)] | None = None
     """Evaluate every this many optimizer steps; always at the end. Omitted: only at the end."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvaluationSpec":
-        if self.dataset is not None:
-            raise _FieldError("dataset", "a separate evaluation dataset is not supported yet: use heldOutFraction")
-        if self.held_out_fraction is None:
+        if (self.held_out_fraction is None) == (self.dataset is None):
             raise _FieldError("heldOutFraction", "set exactly one of heldOutFraction, dataset")
         return self
 
@@ -1252,7 +1252,11 @@ class ProvenanceSummary(StatusModel):
     records: int | None = None
     """Dataset records read."""
     held_out: int | None = None
-    """Sequences held out for evaluation (spec.evaluation), never trained on."""
+    """Sequences held out for evaluation (spec.evaluation.heldOutFraction), never trained on."""
+    eval_dataset_sha256: str | None = None
+    """sha256 over spec.evaluation.dataset's files (a separate evaluation dataset)."""
+    eval_examples: int | None = None
+    """Sequences of that separate evaluation dataset."""
     tokens_last_attempt: int | None = None
     """Tokens the succeeding attempt trained on (all GPUs); earlier attempts' tokens are not counted."""
     steps: int | None = None

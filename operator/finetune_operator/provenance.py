@@ -71,6 +71,13 @@ class DatasetRecord(SourceRecord):
     """Sequences held out for evaluation; the split is a function of the seed (spec.training.seed)."""
 
 
+class EvalDatasetRecord(SourceRecord):
+    """spec.evaluation.dataset: a separate evaluation dataset."""
+
+    sha256: str | None = None
+    examples: int | None = None
+
+
 class ProvenanceRecord(api.StatusModel):
     """The whole record, as `finetune-operator record` prints it."""
 
@@ -83,6 +90,7 @@ class ProvenanceRecord(api.StatusModel):
     method: str
     base_model: ModelRecord
     dataset: DatasetRecord
+    eval_dataset: EvalDatasetRecord | None = None
     requested_image: str | None = None
     output: str
     trainer_records: str
@@ -187,6 +195,8 @@ def summary(job: api.FineTuneJob, facts: TrainingFacts | None, steps: int | None
         dataset_files=facts.dataset_files if facts else None,
         records=facts.records if facts else None,
         held_out=facts.held_out if facts else None,
+        eval_dataset_sha256=facts.eval_dataset_sha256 if facts else None,
+        eval_examples=facts.eval_examples if facts else None,
         tokens_last_attempt=facts.tokens if facts else None,
         steps=steps,
         final_loss=facts.final_loss if facts else None,
@@ -216,6 +226,9 @@ def build_record(job: api.FineTuneJob, now: datetime) -> ProvenanceRecord:
                               files=summed.dataset_files if summed else None,
                               records=summed.records if summed else None,
                               held_out=summed.held_out if summed else None),
+        eval_dataset=None if spec.evaluation is None or spec.evaluation.dataset is None else EvalDatasetRecord(
+            location=location(spec.evaluation.dataset), sha256=summed.eval_dataset_sha256 if summed else None,
+            examples=summed.eval_examples if summed else None),
         requested_image=spec.image,
         output=output_location(spec),
         trainer_records=output_records(spec),

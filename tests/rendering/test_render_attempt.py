@@ -425,3 +425,17 @@ def test_the_evaluation_settings_reach_the_trainer_and_are_absent_without_spec_e
     del lora_job["spec"]["evaluation"]  # job_of updates the fixture in place
     plain = job_of(lora_job)
     assert "evaluation" not in trainer(render_attempt(plain, plan_for(plain, gpus_per_node=2), 1, policy()))
+
+
+def test_a_separate_eval_dataset_on_a_volume_is_mounted_read_only_and_read_like_the_training_data(lora_job):
+    lora_job["spec"]["dataset"]["format"] = "instruction"
+    job = job_of(lora_job, evaluation={"dataset": {"pvc": {"claimName": "evals", "path": "support/eval.jsonl"}},
+                                       "everySteps": 20})
+    rendered = render_attempt(job, plan_for(job, gpus_per_node=2), 1, policy())
+    assert trainer(rendered)["evaluation"] == {
+        "dataset": {"path": "/mnt/eval/support/eval.jsonl", "format": "instruction", "packing": False},
+        "everySteps": 20}
+    spec = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert {"name": "eval", "persistentVolumeClaim": {"claimName": "evals", "readOnly": True}} in spec["volumes"]
+    assert {"name": "eval", "mountPath": "/mnt/eval", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    assert "initContainers" not in spec  # on a volume: nothing to fetch

@@ -252,3 +252,25 @@ def test_s3_job_matches_its_golden_file(lora_job):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), f"renders differently from {GOLDEN.name} (UPDATE_GOLDEN=1 after review)"
     assert all(doc for doc in yaml.safe_load_all(text))
+
+
+def test_an_eval_dataset_in_object_storage_is_fetched_and_narrows_the_regions(lora_job):
+    lora_job["spec"]["evaluation"] = {"dataset": {"s3": s3(endpoint=PARIS, key="evals/support.jsonl")}}
+    lora_job["spec"]["placement"]["regions"] = ["eu-de-berlin", "eu-fr-paris"]
+    job = api.parse_job(lora_job)
+    from finetune_operator.planning.storage import storage_regions
+
+    assert storage_regions(job.spec, storage_policy()) == ["eu-fr-paris"]
+    plan = plan_for(job, node_pool=pool(region="eu-fr-paris"))
+    rendered = render_attempt(job, plan, 1, storage_policy())
+    spec = master(rendered)
+    (fetch_eval,) = spec["initContainers"]
+    assert fetch_eval["name"] == "fetch-eval"
+    assert fetch_eval["command"][4:] == [f"--endpoint={PARIS}", "--bucket=team-a", "--key=evals/support.jsonl",
+                                         "--signing-region=us-east-1", "--dest=/mnt/eval", "--phase=data"]
+    assert {"name": "eval", "emptyDir": {}} in spec["volumes"]
+    assert {"name": "eval", "mountPath": "/mnt/eval", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    assert trainer(rendered)["evaluation"]["dataset"]["path"] == "/mnt/eval/support.jsonl"
+    # Its endpoint gets an egress rule of its own in the attempt's NetworkPolicy.
+    egress = rendered.network_policy["spec"]["egress"]
+    assert {"ports": [{"protocol": "TCP", "port": 443}]} in egress

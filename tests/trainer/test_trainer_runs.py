@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -319,3 +320,30 @@ def test_held_out_evaluation_every_n_steps_and_at_the_end_and_the_same_split_aft
     redo = run_trainer(write_config(tmp_path / "redo", dict(config, checkpoint=None)))
     assert redo.returncode == 0, redo.output[-3000:]
     assert [round(e["evalLoss"], 3) for e in redo.of("eval")] == [round(e["evalLoss"], 3) for e in evals]
+
+
+def test_a_separate_eval_dataset_is_evaluated_whole_and_training_keeps_all_of_its_data(assets, tmp_path):
+    """spec.evaluation.dataset: every sequence of the eval file is evaluated on, none of the training
+    data is held out, the eval file's digest reaches the provenance facts and the attempt record; an
+    eval file that does not exist fails the run with a DataError naming the field."""
+    eval_file = tmp_path / "eval.jsonl"
+    lines = [line for line in assets["chat"].read_text().splitlines() if line.strip()]
+    eval_file.write_text("\n".join(lines[:6]) + "\n")
+    config = trainer_config(assets, tmp_path, method="lora", maxSteps=4,
+                            lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"},
+                            evaluation={"dataset": {"path": str(eval_file), "format": "chat"}, "everySteps": 2})
+    run = run_trainer(write_config(tmp_path, config))
+    assert run.returncode == 0, run.output[-3000:]
+    assert [e["step"] for e in run.of("eval")] == [2, 4]
+    [start] = run.of("start")
+    assert start["examples"] == len(lines) and start["heldOut"] == 0 and start["evalSequences"] == 6, start
+    facts = read_report(tmp_path / "termination-log")["facts"]
+    assert facts["evalExamples"] == 6 and len(facts["evalDatasetSha256"]) == 64 and facts.get("heldOut", 0) == 0
+    record = json.loads((Path(config["outputDirectory"]) / "provenance" / "attempt-1.json").read_text())
+    assert [f["name"] for f in record["evalDatasetFiles"]] == ["eval.jsonl"]
+    missing = dict(config, evaluation={"dataset": {"path": str(tmp_path / "nope.jsonl"), "format": "chat"}},
+                   reportPath=str(tmp_path / "missing-log"))
+    failed = run_trainer(write_config(tmp_path, missing, "missing.json"))
+    report = read_report(tmp_path / "missing-log")
+    assert failed.returncode != 0 and report["reason"] == "DataError", failed.output[-2000:]
+    assert "spec.evaluation.dataset" in report["message"]

@@ -157,13 +157,23 @@ class CheckpointSettings(_Contract):
 
 
 class EvaluationSettings(_Contract):
-    """Evaluation on a held-out part of the dataset (FineTuneJob spec.evaluation)."""
+    """Evaluation on a held-out part of the dataset or on a dataset of its own (FineTuneJob
+    spec.evaluation): exactly one of the two."""
 
-    held_out_fraction: float = Field(gt=0, le=0.5)
+    held_out_fraction: float | None = Field(None, gt=0, le=0.5)
     """The fraction of the built sequences kept out of training, chosen by the seed alone
     (data.held_out_split), so a resumed attempt evaluates on the same samples."""
+    dataset: DatasetSource | None = None
+    """A separate evaluation dataset, every sequence of it evaluated on; training uses all of
+    the training dataset."""
     every_steps: int | None = Field(None, ge=1)
     """Evaluate every this many optimizer steps, and always at the end; None: only at the end."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvaluationSettings":
+        if (self.held_out_fraction is None) == (self.dataset is None):
+            raise ValueError("set exactly one of heldOutFraction, dataset")
+        return self
 
 
 class FaultInjection(_Contract):
@@ -641,6 +651,8 @@ class TrainingFacts(_Contract):
     tokens: int = Field(ge=0, description="tokens this attempt trained on, all ranks")
     final_loss: float | None = None
     eval_loss: float | None = Field(None, description="held-out loss at the last evaluation (spec.evaluation)")
+    eval_dataset_sha256: str | None = Field(None, description="sha256 over spec.evaluation.dataset's files, when separate")
+    eval_examples: int | None = Field(None, ge=0, description="sequences of that separate evaluation dataset")
 
 
 class SuccessReport(_Contract):

@@ -222,6 +222,22 @@ def sample_order(num_examples: int, start: int, count: int, seed: int) -> list[i
 HELD_OUT_SALT = 7_919  # the held-out split draws from its own stream, not the epochs' shuffles
 
 
+def eval_examples(tokenizer, source, sequence_length: int) -> list[Example]:
+    """The sequences of a separate evaluation dataset (spec.evaluation.dataset), built like the
+    training data's; a dataset that is missing, unreadable or yields nothing is a DataError naming
+    the field."""
+    try:
+        records = read_jsonl(source.path)
+        examples = build_examples(tokenizer, records, source.format, sequence_length, source.packing)
+    except DataError as error:
+        raise DataError(f"spec.evaluation.dataset: {error}") from error
+    except OSError as error:
+        raise DataError(f"spec.evaluation.dataset: cannot read {source.path}: {error}") from error
+    if not examples:
+        raise DataError(f"spec.evaluation.dataset: {source.path} yields no sequence to evaluate on")
+    return examples
+
+
 def held_out_digest(held_out: list[Example]) -> str:
     """sha256 of the held-out sequences' tokens: two attempts that evaluate on the same samples say so."""
     digest = hashlib.sha256()

@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .contract import TrainerConfig, TrainingFacts
@@ -73,16 +73,23 @@ class AttemptFacts:
     tokens: int = 0
     final_loss: float | None = None
     eval_loss: float | None = None
+    eval_files: list[FileDigest] = field(default_factory=list)  # spec.evaluation.dataset's, when separate
+    eval_examples: int = 0
 
     @classmethod
     def read(cls, cfg: TrainerConfig, records: int, examples: int) -> "AttemptFacts":
         return cls(dataset_digests(cfg.dataset.path), config_digest(cfg.model.path), records, examples)
 
+    def read_eval(self, path: str, examples: int) -> None:
+        self.eval_files, self.eval_examples = dataset_digests(path), examples
+
     def summary(self) -> TrainingFacts:
         return TrainingFacts(base_config_sha256=self.base_config_sha256, dataset_sha256=combined_digest(self.files),
                              dataset_files=len(self.files), dataset_bytes=sum(f.bytes for f in self.files),
                              records=self.records, examples=self.examples, held_out=self.held_out,
-                             tokens=self.tokens, final_loss=self.final_loss, eval_loss=self.eval_loss)
+                             tokens=self.tokens, final_loss=self.final_loss, eval_loss=self.eval_loss,
+                             eval_dataset_sha256=combined_digest(self.eval_files) if self.eval_files else None,
+                             eval_examples=self.eval_examples or None)
 
 
 def write_attempt_record(cfg: TrainerConfig, facts: AttemptFacts, steps: int) -> Path:
@@ -102,6 +109,8 @@ def write_attempt_record(cfg: TrainerConfig, facts: AttemptFacts, steps: int) ->
         "summary": facts.summary().model_dump(mode="json", by_alias=True, exclude_none=True),
         "datasetFiles": [asdict(f) for f in facts.files],
     }
+    if facts.eval_files:
+        record["evalDatasetFiles"] = [asdict(f) for f in facts.eval_files]
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     tmp.replace(path)  # a reader never sees half a record

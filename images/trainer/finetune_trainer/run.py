@@ -152,7 +152,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     import torch
     from transformers import PrinterCallback
 
-    from .data import Collator, build_examples, held_out_digest, held_out_split, read_jsonl, sample_order
+    from .data import (Collator, build_examples, eval_examples, held_out_digest, held_out_split, read_jsonl,
+                       sample_order)
     from .faults import FaultInjector
     from .model_setup import check_deepspeed_batch, check_runnable, load_model, load_tokenizer
     from .training import (CheckpointCallback, FineTuneTrainer, LeversCallback, PhaseCallback, ProgressCallback,
@@ -175,7 +176,10 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     examples = build_examples(tokenizer, records, cfg.dataset.format, cfg.sequence_length, cfg.dataset.packing)
     facts = AttemptFacts.read(cfg, len(records), len(examples))
     held_out: list = []
-    if cfg.evaluation is not None:
+    if cfg.evaluation is not None and cfg.evaluation.dataset is not None:
+        held_out = eval_examples(tokenizer, cfg.evaluation.dataset, cfg.sequence_length)
+        facts.read_eval(cfg.evaluation.dataset.path, len(held_out))
+    elif cfg.evaluation is not None:
         examples, held_out = held_out_split(examples, cfg.evaluation.held_out_fraction, cfg.seed)
         facts.held_out = len(held_out)
     checkpoint = usable_checkpoint(cfg)
@@ -184,8 +188,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     log_json("start", job=cfg.job_name, attempt=cfg.attempt, method=cfg.method, strategy=cfg.strategy,
              worldSize=world, examples=len(examples), microBatchSize=cfg.micro_batch_size,
              gradientAccumulation=cfg.gradient_accumulation, globalBatch=plan.global_batch,
-             startStep=plan.start_step, maxSteps=plan.max_steps, heldOut=len(held_out),
-             heldOutSha256=held_out_digest(held_out) if held_out else None,
+             startStep=plan.start_step, maxSteps=plan.max_steps, heldOut=facts.held_out,
+             evalSequences=len(held_out), heldOutSha256=held_out_digest(held_out) if held_out else None,
              resumeFrom=str(checkpoint.path) if checkpoint else None, device="cuda" if cuda else "cpu")
     # One line that says which memory levers this attempt runs with (levers.py).
     log_json("levers", **StartupLevers.of(cfg).fields())

@@ -35,17 +35,20 @@ class StorageUse:
     """One place a job reads or writes in object storage."""
 
     path: str  # the spec field, e.g. spec.dataset.source.s3
-    role: str  # model | data | output
+    role: str  # model | data | evaluation data | output (for messages)
     location: api.S3Location
 
 
 def storage_uses(spec: api.FineTuneJobSpec) -> list[StorageUse]:
-    """Every S3 location of the job: its model, its data, its output."""
+    """Every S3 location of the job: its model, its data, its evaluation data, its output."""
     uses = []
     if spec.model.source.s3 is not None:
         uses.append(StorageUse("spec.model.source.s3", "model", spec.model.source.s3))
     if spec.dataset.source.s3 is not None:
         uses.append(StorageUse("spec.dataset.source.s3", "data", spec.dataset.source.s3))
+    eval_source = spec.evaluation.dataset if spec.evaluation is not None else None
+    if eval_source is not None and eval_source.s3 is not None:
+        uses.append(StorageUse("spec.evaluation.dataset.s3", "evaluation data", eval_source.s3))
     if spec.output is not None and spec.output.s3 is not None:
         uses.append(StorageUse("spec.output.s3", "output", spec.output.s3))
     return uses

@@ -1,9 +1,9 @@
 """Where each volume of a training pod is mounted, and what the trainer finds there.
 
-One volume per role (model, data, checkpoints, output); the same claim may serve several
+One volume per role (model, data, eval, checkpoints, output); the same claim may serve several
 roles. Paths inside a claim are not mounted with `subPath`: the whole claim is mounted
 and the path goes into the trainer config, so a path is only ever data in a JSON document.
-A model or data in S3-compatible object storage is fetched by an init container into an
+A model, data or eval data in S3-compatible object storage is fetched by an init container into an
 emptyDir of its role; an output there is written to an emptyDir and uploaded after training.
 """
 
@@ -22,6 +22,7 @@ CONFIG_DIR = "/etc/finetune"
 CONFIG_KEY = "config.json"
 MODEL_DIR = "/mnt/model"
 DATA_DIR = "/mnt/data"
+EVAL_DIR = "/mnt/eval"
 CHECKPOINT_DIR = "/mnt/checkpoints"
 OUTPUT_DIR = "/mnt/output"
 # The training container and the upload sidecar hand the result over here (objectstore.py).
@@ -30,7 +31,7 @@ SCRATCH_DIR = "/tmp"
 SHM_DIR = "/dev/shm"
 FINAL_FOLDER = "final"
 
-Role = Literal["model", "data", "checkpoints", "output"]
+Role = Literal["model", "data", "eval", "checkpoints", "output"]
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ class Transfer:
 
     @property
     def key(self) -> str:
-        """What is transferred: data may be one object; a model and an output are folders."""
-        return self.location.key if self.role == "data" else self.location.folder_key
+        """What is transferred: (eval) data may be one object; a model and an output are folders."""
+        return self.location.key if self.role in ("data", "eval") else self.location.folder_key
 
     @property
     def local_path(self) -> str:
@@ -81,12 +82,24 @@ class Layout:
     data: ClaimMount | None  # None: fetched from object storage into an emptyDir
     checkpoints: ClaimMount | None
     output: ClaimMount | None
-    fetches: tuple[Transfer, ...] = ()  # model and data from object storage, in that order
+    fetches: tuple[Transfer, ...] = ()  # model, data and eval data from object storage, in that order
     upload: Transfer | None = None  # the output to object storage
+    eval: ClaimMount | None = None  # spec.evaluation.dataset on a volume
 
     @property
     def claims(self) -> list[ClaimMount]:
-        return [m for m in (self.model, self.data, self.checkpoints, self.output) if m is not None]
+        return [m for m in (self.model, self.data, self.eval, self.checkpoints, self.output) if m is not None]
+
+    @property
+    def eval_fetched(self) -> bool:
+        return any(t.role == "eval" for t in self.fetches)
+
+    @property
+    def eval_path(self) -> str | None:
+        """Where the trainer finds spec.evaluation.dataset; None when the job has none."""
+        if self.eval is not None:
+            return self.eval.local_path
+        return next((t.local_path for t in self.fetches if t.role == "eval"), None)
 
     @property
     def model_path(self) -> str:
@@ -163,6 +176,16 @@ def layout_of(spec: api.FineTuneJobSpec, policy: ClusterPolicy | None = None) ->
         fetches.append(Transfer("data", "spec.dataset.source.s3", data_source.s3, DATA_DIR))
     else:
         raise RenderError("spec.dataset.source.uri", api.UNSUPPORTED_URI_MESSAGE)
+    eval_mount = None
+    eval_source = spec.evaluation.dataset if spec.evaluation is not None else None
+    if eval_source is not None:
+        if eval_source.pvc is not None:
+            eval_mount = ClaimMount("eval", eval_source.pvc.claim_name, EVAL_DIR, eval_source.pvc.read_only,
+                                    eval_source.pvc.path)
+        elif eval_source.s3 is not None:
+            fetches.append(Transfer("eval", "spec.evaluation.dataset.s3", eval_source.s3, EVAL_DIR))
+        else:
+            raise RenderError("spec.evaluation.dataset.uri", api.UNSUPPORTED_URI_MESSAGE)
     checkpoints = None
     if spec.checkpoint is not None:
         pvc = spec.checkpoint.pvc
@@ -175,4 +198,5 @@ def layout_of(spec: api.FineTuneJobSpec, policy: ClusterPolicy | None = None) ->
             upload = Transfer("output", "spec.output.s3", spec.output.s3, OUTPUT_DIR)
         else:
             raise RenderError("spec.output.uri", api.UNSUPPORTED_URI_MESSAGE)
-    return Layout(model=model, data=data, checkpoints=checkpoints, output=output, fetches=tuple(fetches), upload=upload)
+    return Layout(model=model, data=data, checkpoints=checkpoints, output=output, fetches=tuple(fetches), upload=upload,
+                  eval=eval_mount)

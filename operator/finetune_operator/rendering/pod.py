@@ -29,6 +29,9 @@ FALLBACK_CPUS_PER_GPU = 8
 RUN_AS_USER = 1000
 FETCH_CONTAINER = "fetch-model"
 FETCH_DATA_CONTAINER = "fetch-data"
+FETCH_EVAL_CONTAINER = "fetch-eval"
+# The fetch init container of each role kept in object storage.
+FETCH_CONTAINERS = {"model": FETCH_CONTAINER, "data": FETCH_DATA_CONTAINER, "eval": FETCH_EVAL_CONTAINER}
 # The master pod's native sidecar that uploads the result to object storage (it alone holds the keys).
 UPLOAD_CONTAINER = "upload"
 # What the upload sidecar requests (and is limited to), beside the training container's: it copies
@@ -191,6 +194,8 @@ def volumes(config_map_name: str, layout: Layout, plan: Plan) -> list[dict[str, 
         result.append({"name": "model", "emptyDir": {}})
     if layout.data is None:
         result.append({"name": "data", "emptyDir": {}})  # fetched from object storage
+    if layout.eval_fetched:
+        result.append({"name": "eval", "emptyDir": {}})  # spec.evaluation.dataset, fetched likewise
     if layout.output_in_empty_dir:
         # Uploaded to object storage after training; or, for a job with neither output nor
         # checkpoint volume (the API allows it: a smoke test), lost with the pod.
@@ -215,6 +220,8 @@ def volume_mounts(layout: Layout) -> list[dict[str, Any]]:
         result.append({"name": "model", "mountPath": paths.MODEL_DIR, "readOnly": True})
     if layout.data is None:
         result.append({"name": "data", "mountPath": paths.DATA_DIR, "readOnly": True})
+    if layout.eval_fetched:
+        result.append({"name": "eval", "mountPath": paths.EVAL_DIR, "readOnly": True})
     if layout.output_in_empty_dir:
         result.append({"name": "output", "mountPath": paths.OUTPUT_DIR})
     if layout.upload is not None:
@@ -359,7 +366,7 @@ def init_containers(
     for transfer in layout.fetches if layout is not None else ():
         result.append(
             {
-                "name": FETCH_CONTAINER if transfer.role == "model" else FETCH_DATA_CONTAINER,
+                "name": FETCH_CONTAINERS[transfer.role],
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
                 "command": [
@@ -382,7 +389,7 @@ def init_containers(
 def init_container_field(containers: list[dict[str, Any]]) -> str | None:
     """The spec field that asks for these init containers (the first in pod order), or None."""
     fields = {FETCH_CONTAINER: "spec.model.source", FETCH_DATA_CONTAINER: "spec.dataset.source",
-              UPLOAD_CONTAINER: "spec.output"}
+              FETCH_EVAL_CONTAINER: "spec.evaluation.dataset", UPLOAD_CONTAINER: "spec.output"}
     return next((fields[c["name"]] for c in containers if c["name"] in fields), None)
 
 

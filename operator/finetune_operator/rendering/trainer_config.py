@@ -69,9 +69,14 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
         )
 
     evaluation = None
-    if spec.evaluation is not None and spec.evaluation.held_out_fraction is not None:
-        evaluation = EvaluationSettings(held_out_fraction=spec.evaluation.held_out_fraction,
-                                        every_steps=spec.evaluation.every_steps)
+    if spec.evaluation is not None:
+        eval_path = layout.eval_path
+        evaluation = EvaluationSettings(
+            held_out_fraction=spec.evaluation.held_out_fraction,
+            # The eval data is read like the training data (its format and packing).
+            dataset=None if eval_path is None else DatasetSource(path=eval_path, format=spec.dataset.format,
+                                                                 packing=spec.dataset.packing),
+            every_steps=spec.evaluation.every_steps)
 
     try:
         return TrainerConfig(
