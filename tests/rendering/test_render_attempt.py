@@ -425,3 +425,14 @@ def test_the_evaluation_settings_reach_the_trainer_and_are_absent_without_spec_e
     del lora_job["spec"]["evaluation"]  # job_of updates the fixture in place
     plain = job_of(lora_job)
     assert "evaluation" not in trainer(render_attempt(plain, plan_for(plain, gpus_per_node=2), 1, policy()))
+
+
+def test_spec_export_reaches_the_trainer_and_an_omitted_one_defaults_by_the_plans_method(lora_job):
+    job = job_of(lora_job, export="merged")
+    assert trainer(render_attempt(job, plan_for(job), 1, policy()))["export"] == "merged"
+    # Recovery may switch lora to qlora: merged stays valid (the trainer dequantises for the merge).
+    assert render_attempt(job, plan_for(job, method="qlora", optimizer="paged-adamw-8bit"), 2,
+                          policy()).trainer_config.export == "merged"
+    del lora_job["spec"]["export"]  # job_of updates the fixture in place
+    plain = job_of(lora_job)
+    assert trainer(render_attempt(plain, plan_for(plain), 1, policy()))["export"] == "adapter"
