@@ -7,7 +7,7 @@ import pytest
 from finetune_operator.planning import Infeasible
 from finetune_operator.sizing import PRESETS
 from finetune_operator.sizing.constants import GIB, HOST_PROCESS_BYTES
-from finetune_operator.sizing.export import estimate_export
+from finetune_operator.sizing.export import MERGE_OVERHEAD_BYTES, estimate_export
 
 from .test_search import plan, pool, spec
 
@@ -24,7 +24,7 @@ def test_the_merge_of_llama_8b_holds_its_largest_tensor_once_beside_the_runtime(
     # (4096 x 14336, bf16 read + fp32 copy = 6 bytes each).
     assert merged.largest_tensor_elements == embedding
     assert merged.working_set_bytes == max(2 * embedding, 6 * 4096 * 14336)
-    assert merged.host_bytes == HOST_PROCESS_BYTES + merged.working_set_bytes
+    assert merged.host_bytes == HOST_PROCESS_BYTES + merged.working_set_bytes + MERGE_OVERHEAD_BYTES
     assert merged.disk_bytes == 2 * arch.total_params
     # An fp32 export doubles the disk and the cast copies.
     fp32 = estimate_export(arch, export="merged", method="lora", precision="fp32")

@@ -9,7 +9,8 @@ reads with ``readinto``, so no shard stays mapped). Its peak resident memory is 
     the training process's own runtime (HOST_PROCESS_BYTES: Python, torch, CUDA libraries)
   + the working set of the largest tensor: for a tensor the adapter changes, its bytes as stored
     plus its fp32 copy (then the fp32 copy plus the cast result), for QLoRA also the 4-bit
-    round trip; for any other tensor its bytes as stored plus the cast result when the dtype changes.
+    round trip; for any other tensor its bytes as stored plus the cast result when the dtype changes
+  + MERGE_OVERHEAD_BYTES (the BLAS library's GEMM buffers, the allocator's slack).
 
 The adapter is read pair by pair (each LoRA A and B when its weight is merged), so it adds only a
 few MiB. The largest tensor is the embedding matrix or the output head (vocabulary x hidden), or
@@ -32,6 +33,10 @@ from .constants import HOST_PROCESS_BYTES
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32 = 4
 NF4_PACKED_BYTES = 0.5  # bitsandbytes' packed 4-bit weights, per element (its scales are ~1/64 of that again)
+# Beyond the tensors: MKL's GEMM buffers (allocated at the first merge and kept) and the allocator's
+# slack. bench/export_memory.py measured 50-65 MiB above the working set with one or two threads; twice
+# that is planned.
+MERGE_OVERHEAD_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,12 @@ class ExportEstimate:
     disk_bytes: int  # the exported weights
     largest_tensor_elements: int
     working_set_bytes: int  # of the largest tensor's merge (part of host_bytes)
+    overhead_bytes: int = MERGE_OVERHEAD_BYTES  # BLAS buffers and allocator slack (part of host_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "hostBytes": self.host_bytes, "diskBytes": self.disk_bytes,
-                "largestTensorElements": self.largest_tensor_elements, "workingSetBytes": self.working_set_bytes}
+                "largestTensorElements": self.largest_tensor_elements, "workingSetBytes": self.working_set_bytes,
+                "overheadBytes": self.overhead_bytes}
 
 
 def _merged_working_set(elements: int, stored: int, out: int, compute: int, qlora: bool) -> float:
@@ -86,6 +93,6 @@ def estimate_export(arch: ModelArchitecture, *, export: str, method: str, precis
     working = max([_plain_working_set(n, source, out) for n in plain]
                   + [_merged_working_set(n, source, out, compute, qlora) for n in adapted])
     largest = max(plain + adapted)
-    return ExportEstimate(kind=export, host_bytes=int(HOST_PROCESS_BYTES + working),
+    return ExportEstimate(kind=export, host_bytes=int(HOST_PROCESS_BYTES + working + MERGE_OVERHEAD_BYTES),
                           disk_bytes=int(arch.total_params * out), largest_tensor_elements=largest,
                           working_set_bytes=int(working))
