@@ -1285,6 +1285,11 @@ class ProvenanceSummary(StatusModel):
     (host, network and cooling not counted). Absent when a GPU type has no board power in the table."""
     record: str
     """Where the trainer's part of the record is: the output location's provenance/ folder."""
+    export: str | None = None
+    """Where the export after training went (spec.export merged or full): the output location's merged/ or
+    full/ folder, as rank 0's success report says; absent for an adapter."""
+    export_bytes: int | None = None
+    """The exported weights' bytes (in the training precision)."""
 
 
 class FineTuneJobStatus(StatusModel):
