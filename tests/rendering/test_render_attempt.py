@@ -435,4 +435,5 @@ def test_spec_export_reaches_the_trainer_and_an_omitted_one_defaults_by_the_plan
                           policy()).trainer_config.export == "merged"
     del lora_job["spec"]["export"]  # job_of updates the fixture in place
     plain = job_of(lora_job)
-    assert trainer(render_attempt(plain, plan_for(plain), 1, policy()))["export"] == "adapter"
+    rendered = render_attempt(plain, plan_for(plain), 1, policy())
+    assert "export" not in trainer(rendered) and rendered.trainer_config.export_kind == "adapter"

@@ -259,7 +259,8 @@ class TrainerConfig(_Contract):
     # What is written after training succeeds (export.py): "adapter" nothing beyond the adapter the
     # Trainer saved; "merged" <output>/merged, the base with the adapter merged in; "full"
     # <output>/full, full fine-tuning's weights. Both folders in the training dtype, as safetensors
-    # shards with index, config and tokenizer. None: by method, adapter for lora/qlora, full for full.
+    # shards with index, config and tokenizer. None: by method (export_kind), adapter for lora/qlora,
+    # full for full.
     export: Literal[EXPORTS] | None = None  # type: ignore[valid-type]
     seed: int = 42
     report_path: str = DEFAULT_REPORT_PATH
@@ -286,9 +287,13 @@ class TrainerConfig(_Contract):
         problems = violations(self.choices())
         if problems:
             raise ValueError(describe(problems))
-        if self.export is None:
-            self.export = default_export(self.method)
         return self
+
+    @property
+    def export_kind(self) -> str:
+        """The export this attempt writes: `export`, or the method's default when the config names none
+        (left out of the JSON then, so a config without it reads the same on a trainer that predates it)."""
+        return self.export or default_export(self.method)
 
     def choices(self) -> Choices:
         """This config's training choices, as combinations.py reads them."""

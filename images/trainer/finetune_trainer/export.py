@@ -536,8 +536,8 @@ def export_after_training(cfg) -> ExportResult | None:
     """The job's export, on rank 0 after the final save (run.main); None for `adapter`."""
     from .model_setup import compute_dtype
 
-    if cfg.export == "adapter":
+    if cfg.export_kind == "adapter":
         return None
-    return export_folder(kind=cfg.export, output=cfg.output_directory, base=cfg.model.path,
+    return export_folder(kind=cfg.export_kind, output=cfg.output_directory, base=cfg.model.path,
                          tokenizer=cfg.model.tokenizer_path or cfg.model.path, dtype=compute_dtype(cfg),
                          qlora=cfg.method == "qlora", trust_remote_code=cfg.model.trust_remote_code)
