@@ -178,10 +178,11 @@ def test_fan_in_fan_out_layers_of_gpt2(tmp_path):
     assert (logits(load(tmp_path / "out" / "merged")) - want).abs().max().item() <= 5e-7 * max(1.0, want.abs().max().item())
 
 
-def test_shards_of_at_most_the_limit_with_a_correct_index(tmp_path):
+@pytest.mark.parametrize("limit", [20_000, 3_000])
+def test_shards_of_at_most_the_limit_with_a_correct_index(tmp_path, limit):
+    """20 kB: a few tensors per shard; 3 kB: the 4 kB matrices each alone in a shard of their own."""
     base = llama(tmp_path / "base")
     reference = adapt(base, tmp_path / "out")
-    limit = 20_000  # bytes: a few tensors per shard, the embeddings (40 x 32 x 4 = 5120) among them
     result = export_folder(kind="merged", output=tmp_path / "out", base=base, tokenizer=base, dtype=torch.float32,
                            max_shard_bytes=limit)
     merged = tmp_path / "out" / "merged"
@@ -192,7 +193,7 @@ def test_shards_of_at_most_the_limit_with_a_correct_index(tmp_path):
     assert set(index["weight_map"].values()) == set(shards)
     from safetensors import safe_open
 
-    total = 0
+    total = oversized = 0
     seen = {}
     for shard in shards:
         with safe_open(merged / shard, framework="pt") as handle:  # the safetensors package reads them
@@ -202,9 +203,11 @@ def test_shards_of_at_most_the_limit_with_a_correct_index(tmp_path):
             for name in names:
                 seen[name] = handle.get_tensor(name)
         assert sum(sizes) <= limit or len(names) == 1
+        oversized += len(names) == 1 and sum(sizes) > limit
         total += sum(sizes)
         assert all(index["weight_map"][n] == shard for n in names)
     assert index["metadata"]["total_size"] == total == result.total_bytes
+    assert (oversized > 0) == (limit < 4096)
     assert set(seen) == set(index["weight_map"]) == set(SafetensorsFile(base / "model.safetensors").names())
     want = logits(reference)
     assert (logits(load(merged)) - want).abs().max().item() <= 5e-7 * max(1.0, want.abs().max().item())
