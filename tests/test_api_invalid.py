@@ -184,6 +184,13 @@ CASES = [
          "spec.evaluation.dataset", "exactly one of pvc, s3", False),
     Case("eval-every-zero", _set("spec.evaluation", {"heldOutFraction": 0.1, "everySteps": 0}),
          "spec.evaluation.everySteps", "greater than or equal to 1", True),
+    # spec.export: adapter | merged | full, each only with the methods it fits
+    Case("export-unknown", _set("spec.export", "gguf"), "spec.export", "'adapter', 'merged' or 'full'", True),
+    Case("export-merged-with-full", _both(_set("spec.method", "full"), _delete("spec.lora"), _set("spec.export", "merged")),
+         "spec.export", "needs method lora or qlora", False),
+    Case("export-full-with-lora", _set("spec.export", "full"), "spec.export", "needs method full", False),
+    Case("export-full-with-qlora", _both(_set("spec.method", "qlora"), _set("spec.export", "full")),
+         "spec.export", "needs method full", False),
 ]
 
 

@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from finetune_trainer.combinations import STRATEGIES, Choices, cel_rules, first_violation
+from finetune_trainer.combinations import EXPORTS, STRATEGIES, Choices, cel_rules, first_violation
 from finetune_trainer.failures import ATTEMPT_OUTCOMES
 from finetune_trainer.memory_levers import choice_values, config_fields, ladder
 
@@ -799,6 +799,7 @@ class OutputSpec(_VolumeOrUri):
 
 
 Method = Literal["full", "lora", "qlora"]
+Export = Literal[EXPORTS]  # type: ignore[valid-type]  (combinations.EXPORTS: the one list)
 
 
 def _immutable(field: str, optional: bool) -> dict[str, str]:
@@ -827,6 +828,7 @@ IMMUTABLE_FIELDS: list[tuple[str, bool]] = [
     ("checkpoint", True),
     ("evaluation", True),
     ("output", True),
+    ("export", True),
     ("image", True),
     ("queueName", True),
 ]
@@ -841,6 +843,7 @@ CHOICE_PATHS: dict[str, str] = {
     "precision": "training.precision",
     "gradient_checkpointing": "training.gradientCheckpointing",
     "target_experts": "lora.targetExperts",
+    "export": "export",
     **{choice: f"training.{field}" for choice, field in config_fields().items()},
 }
 
@@ -865,6 +868,7 @@ def spec_choices(spec: "FineTuneJobSpec") -> Choices:
         gradient_accumulation=accumulation,
         gradient_checkpointing=training.gradient_checkpointing,
         target_experts=spec.lora.target_experts if spec.lora is not None else None,
+        export=spec.export,
         **choice_values(training, auto_is_none=True),
     )
 
@@ -950,6 +954,15 @@ class FineTuneJobSpec(ApiModel):
     """Evaluation on a held-out part of the dataset while it trains (eval loss in status.progress)."""
     output: OutputSpec | None = None
     """Where the result goes; the checkpoint volume's `final/` folder when omitted."""
+    export: Export | None = None
+    """What the job leaves in its output once training succeeded, for a serving stack (vLLM, TGI, KServe's
+    Hugging Face runtime) to load as is. `adapter`: the LoRA adapter as trained (the default for lora and
+    qlora). `merged` (lora and qlora only): also `merged/`, the base with the adapter merged into it; for qlora
+    into the dequantised 4-bit base it trained against. `full` (method full only, its default): also `full/`,
+    the fine-tuned weights. Both folders hold safetensors shards of at most 2 GiB in the training precision with
+    their index, config.json, generation_config.json and the tokenizer; rank 0 writes them on the CPU after
+    training, and the pod's memory request covers it. A merge that fails leaves the adapter and fails the job
+    (ConfigError). No GGUF."""
     image: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")] | None = None
     """Trainer image override; the cluster's default trainer image when omitted."""
     queue_name: Annotated[str, Field(min_length=1, max_length=63, pattern=LABEL_VALUE)] | None = None
@@ -1276,6 +1289,11 @@ class ProvenanceSummary(StatusModel):
     (host, network and cooling not counted). Absent when a GPU type has no board power in the table."""
     record: str
     """Where the trainer's part of the record is: the output location's provenance/ folder."""
+    export: str | None = None
+    """Where the export after training went (spec.export merged or full): the output location's merged/ or
+    full/ folder, as rank 0's success report says; absent for an adapter."""
+    export_bytes: int | None = None
+    """The exported weights' bytes (in the training precision)."""
 
 
 class FineTuneJobStatus(StatusModel):

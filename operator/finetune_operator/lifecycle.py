@@ -834,7 +834,10 @@ def _provenance(observed: Observed, status: api.FineTuneJobStatus, attempt: int)
     if rank0 is None:
         rank0 = next((r for r in reports if r.facts is not None), None)
     job = observed.job.model_copy(update={"status": status})
-    return provenance.summary(job, rank0.facts if rank0 else None, rank0.steps if rank0 else None, observed.now)
+    # Rank 0 exports last; its pod's report carries the export even where another local rank's won on peak.
+    export = next((r.export for r in reports if r.export is not None), None)
+    return provenance.summary(job, rank0.facts if rank0 else None, rank0.steps if rank0 else None, observed.now,
+                              export)
 
 
 def _pod_failure_record(failure: Failure) -> api.PodFailure:

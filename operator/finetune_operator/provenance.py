@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from finetune_trainer.contract import TrainingFacts
+from finetune_trainer.contract import ExportFacts, TrainingFacts
 
 from . import api
 from .planning.gpus import gpu_type_info
@@ -93,6 +93,8 @@ class ProvenanceRecord(api.StatusModel):
     eval_dataset: EvalDatasetRecord | None = None
     requested_image: str | None = None
     output: str
+    export: str | None = None
+    """The merged/ or full/ folder the export after training wrote (spec.export), beside the output."""
     trainer_records: str
     """The trainer's own record of each attempt that finished, with every dataset file's sha256."""
     attempts: list[AttemptRecord]
@@ -183,8 +185,15 @@ def output_records(spec: api.FineTuneJobSpec) -> str:
     return f"{output_location(spec)}/{RECORD_DIRECTORY}/"
 
 
+def export_location(spec: api.FineTuneJobSpec, export: ExportFacts | None) -> str | None:
+    """Where the trainer's export went, in the job's terms: its folder (merged/, full/) in the output location."""
+    if export is None:
+        return None
+    return f"{output_location(spec)}/{export.kind}"
+
+
 def summary(job: api.FineTuneJob, facts: TrainingFacts | None, steps: int | None,
-            now: datetime) -> api.ProvenanceSummary:
+            now: datetime, export: ExportFacts | None = None) -> api.ProvenanceSummary:
     """status.provenance of a job that just succeeded (the lifecycle writes it once)."""
     status = job.status or api.FineTuneJobStatus()
     attempts = [_attempt_record(a, now) for a in status.attempts]
@@ -206,6 +215,8 @@ def summary(job: api.FineTuneJob, facts: TrainingFacts | None, steps: int | None
         gpu_hours=round(sum(a.gpu_hours for a in attempts), 4),
         energy_kwh_estimate=_energy_total(attempts),
         record=output_records(job.spec),
+        export=export_location(job.spec, export),
+        export_bytes=export.total_bytes if export else None,
     )
 
 
@@ -231,6 +242,7 @@ def build_record(job: api.FineTuneJob, now: datetime) -> ProvenanceRecord:
             examples=summed.eval_examples if summed else None),
         requested_image=spec.image,
         output=output_location(spec),
+        export=summed.export if summed else None,
         trainer_records=output_records(spec),
         attempts=attempts,
         steps=summed.steps if summed else None,

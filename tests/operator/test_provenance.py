@@ -28,7 +28,7 @@ def _running(world: World, node: str, started_after: timedelta, image_id: str) -
     world.set_condition("Running")
 
 
-def _oom_then_success() -> World:
+def _oom_then_success(export: contract.ExportFacts | None = None) -> World:
     world = World(example("llama-8b-lora.yaml"))
     world.step()
     _running(world, "gpu-node-1", timedelta(minutes=5), "docker.io/trainer@sha256:" + "1" * 64)
@@ -44,7 +44,7 @@ def _oom_then_success() -> World:
     _running(world, "gpu-node-7", started, "docker.io/trainer@sha256:" + "1" * 64)
     world.step()
     world.now += timedelta(hours=2)
-    report = contract.SuccessReport(steps=500, rank=0, facts=FACTS)
+    report = contract.SuccessReport(steps=500, rank=0, facts=FACTS, export=export)
     world.pods[0]["status"] = {"phase": "Succeeded", "containerStatuses": [
         {"name": "pytorch", "imageID": "docker.io/trainer@sha256:" + "1" * 64,
          "state": {"terminated": {"exitCode": 0, "message": report.to_termination_message()}}}]}
@@ -76,6 +76,16 @@ def test_both_attempts_of_a_recovered_job_are_recorded_with_their_nodes_images_a
     assert summary.attempts == 2 and summary.regions == ["eu-de-berlin"]
     assert (summary.held_out, summary.final_loss, summary.eval_loss) == (32, 1.234, 1.5)
     assert summary.base_model.startswith(world.job.spec.model.name)
+
+
+def test_where_the_export_went_is_in_the_summary_and_the_record():
+    export = contract.ExportFacts(kind="merged", directory="/output/merged", shards=8, total_bytes=16_060_522_496)
+    world = _oom_then_success(export)
+    summary = world.job.status.provenance
+    assert summary.export == provenance.output_location(world.job.spec) + "/merged"
+    assert summary.export_bytes == 16_060_522_496
+    assert provenance.build_record(world.job, world.now).export == summary.export
+    assert _oom_then_success().job.status.provenance.export is None  # an adapter: nothing beyond the output
 
 
 def test_the_record_lists_every_attempt_and_is_complete_only_once_succeeded():

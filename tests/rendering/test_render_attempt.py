@@ -439,3 +439,15 @@ def test_a_separate_eval_dataset_on_a_volume_is_mounted_read_only_and_read_like_
     assert {"name": "eval", "persistentVolumeClaim": {"claimName": "evals", "readOnly": True}} in spec["volumes"]
     assert {"name": "eval", "mountPath": "/mnt/eval", "readOnly": True} in spec["containers"][0]["volumeMounts"]
     assert "initContainers" not in spec  # on a volume: nothing to fetch
+
+
+def test_spec_export_reaches_the_trainer_and_an_omitted_one_defaults_by_the_plans_method(lora_job):
+    job = job_of(lora_job, export="merged")
+    assert trainer(render_attempt(job, plan_for(job), 1, policy()))["export"] == "merged"
+    # Recovery may switch lora to qlora: merged stays valid (the trainer dequantises for the merge).
+    assert render_attempt(job, plan_for(job, method="qlora", optimizer="paged-adamw-8bit"), 2,
+                          policy()).trainer_config.export == "merged"
+    del lora_job["spec"]["export"]  # job_of updates the fixture in place
+    plain = job_of(lora_job)
+    rendered = render_attempt(plain, plan_for(plain), 1, policy())
+    assert "export" not in trainer(rendered) and rendered.trainer_config.export_kind == "adapter"

@@ -25,3 +25,19 @@ def test_a_success_report_fits_and_round_trips():
     text = report.to_termination_message()
     assert len(text) < 4096 and parse_success_report(text) == report
     assert parse_success_report("RuntimeError: CUDA out of memory") is None
+
+
+def test_rank_zeros_export_joins_the_report_of_a_local_rank_with_a_higher_peak(tmp_path):
+    """Rank 0 merges after the other local ranks wrote theirs: the pod's report keeps the highest peak
+    and gains where the export went."""
+    from finetune_trainer.contract import ExportFacts
+
+    path = tmp_path / "termination-log"
+    assert write_success(SuccessReport(steps=10, peak_allocated_bytes=200, rank=1), path)
+    export = ExportFacts(kind="merged", directory="/output/merged", shards=3, total_bytes=123, peak_rss_bytes=456)
+    assert write_success(SuccessReport(steps=10, peak_allocated_bytes=100, rank=0, export=export), path)
+    report = parse_success_report(path.read_text())
+    assert (report.rank, report.peak_allocated_bytes) == (1, 200) and report.export == export
+    # A later rank with a lower peak and no export changes nothing.
+    assert not write_success(SuccessReport(steps=10, peak_allocated_bytes=50, rank=2), path)
+    assert parse_success_report(path.read_text()).export == export

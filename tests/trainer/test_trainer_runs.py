@@ -49,6 +49,11 @@ def test_full_finetuning_loss_goes_down_and_keeps_last_checkpoints(reference):
     [summary] = run.of("summary")
     assert summary["status"] == "completed" and summary["step"] == 10 and summary["tokens"] > 0
     assert (work / "out" / "model.safetensors").is_file() and (work / "out" / "tokenizer.json").is_file()
+    # Full fine-tuning exports its weights by default: <output>/full, in the training dtype (bf16).
+    [export] = run.of("export", rank=None)
+    assert export["kind"] == "full" and export["directory"] == str(work / "out" / "full")
+    config = json.loads((work / "out" / "full" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and (work / "out" / "full" / "model.safetensors.index.json").is_file()
 
 
 def test_a_finished_run_records_what_it_trained_on_beside_its_output(reference, assets):
@@ -93,6 +98,34 @@ def test_lora_loss_goes_down_and_resumes_adapters_with_another_micro_batch(asset
     # Same global batch and data: step 5 matches the first attempt's step 5.
     assert second.losses()[5] == pytest.approx(first.losses()[5], abs=0.02)
     assert second.losses()[10] < first.losses()[1] - 0.3
+
+
+def test_a_lora_run_on_two_ranks_exports_a_merged_folder_that_computes_base_plus_adapter(assets, tmp_path):
+    """export merged: rank 0 alone merges after training (after the ranks' teardown); the folder loads
+    with transformers and gives the logits of the base with the adapter the run saved (fp32 training,
+    so the comparison is tight); the success report says where it went."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = trainer_config(assets, tmp_path, method="lora", precision="fp32", learningRate=1e-2, maxSteps=3,
+                            checkpoint=None, export="merged",
+                            lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"})
+    run = run_trainer(write_config(tmp_path, config), nproc=2)
+    assert run.returncode == 0, run.output[-3000:]
+    out = tmp_path / "out"
+    [export] = run.of("export", rank=None)
+    assert export["rank"] == 0 and export["kind"] == "merged" and export["directory"] == str(out / "merged")
+    assert export["peakRssBytes"] > 0 and export["shards"] == 1
+    report = read_report(tmp_path / "termination-log")
+    assert report["export"]["directory"] == str(out / "merged") and report["export"]["kind"] == "merged"
+    assert (out / "adapter_model.safetensors").is_file()  # the adapter stays beside it
+    tokens = torch.tensor([[2, 8, 9, 10, 11, 12, 3]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()(tokens).logits
+        base = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
+        adapted = PeftModel.from_pretrained(base, out).eval()(tokens).logits
+    assert (merged - adapted).abs().max().item() <= 5e-7 * max(1.0, adapted.abs().max().item())
 
 
 def test_the_same_lora_config_gives_the_same_losses(assets, tmp_path):

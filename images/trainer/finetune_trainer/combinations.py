@@ -30,6 +30,9 @@ STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 MASTER_WEIGHTS = ("fp32", "bf16")
 UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
+# What the job leaves behind (export.py): the adapter as trained, the base with the adapter merged
+# into it, or full fine-tuning's weights.
+EXPORTS = ("adapter", "merged", "full")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Choices:
     moe: bool | None = None  # whether the model has mixture-of-experts layers
     chunked_loss: bool | None = None  # loss chunks > 1
     logit_transform: bool | None = None  # the model changes logits after the head (soft-capping, scales)
+    export: str | None = None  # what the job exports after training (EXPORTS)
 
     def but(self, **changes: Any) -> "Choices":
         return replace(self, **changes)
@@ -83,6 +87,13 @@ RULES: tuple[Rule, ...] = (
          "targetExperts adds adapters: it needs method lora or qlora"),
     Rule("experts-dense", {"target_experts": _set(True), "moe": _set(False)}, "target_experts",
          "the model has no mixture-of-experts layers to adapt"),
+    # ---- export -------------------------------------------------------------------------------
+    Rule("merged-full", {"export": _set("merged"), "method": _set("full")}, "export",
+         "merged merges a LoRA adapter into the base: it needs method lora or qlora (full fine-tuning exports "
+         "its weights: use full)"),
+    Rule("full-adapter", {"export": _set("full"), "method": _set("lora", "qlora")}, "export",
+         "full exports full fine-tuning's weights: it needs method full (a lora or qlora job exports its "
+         "adapter, or merged)"),
 )
 
 

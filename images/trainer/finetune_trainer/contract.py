@@ -30,7 +30,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from .combinations import STRATEGIES, Choices, describe, violations
+from .combinations import EXPORTS, STRATEGIES, Choices, describe, violations
 from .failures import (  # noqa: F401  (the exit codes are the contract's names too)
     EXIT_CONFIG_ERROR,
     EXIT_DATA_ERROR,
@@ -65,6 +65,7 @@ class Phase(str, Enum):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     CHECKPOINT = "checkpoint"
+    EXPORT = "export"  # after training: the merged or full folder (export.py)
 
 
 EXIT_CODE_FOR_REASON: dict[FailureReason, int] = {
@@ -198,6 +199,11 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 ZERO_STAGE: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
+def default_export(method: str) -> str:
+    """The export of a job that names none: the adapter for lora/qlora, the weights for full."""
+    return "full" if method == "full" else "adapter"
+
+
 class TrainerConfig(_Contract):
     """The trainer's whole input, one JSON document."""
 
@@ -260,6 +266,12 @@ class TrainerConfig(_Contract):
     checkpoint: CheckpointSettings | None = None
     evaluation: EvaluationSettings | None = None
     output_directory: str = Field(min_length=1)
+    # What is written after training succeeds (export.py): "adapter" nothing beyond the adapter the
+    # Trainer saved; "merged" <output>/merged, the base with the adapter merged in; "full"
+    # <output>/full, full fine-tuning's weights. Both folders in the training dtype, as safetensors
+    # shards with index, config and tokenizer. None: by method (export_kind), adapter for lora/qlora,
+    # full for full.
+    export: Literal[EXPORTS] | None = None  # type: ignore[valid-type]
     seed: int = 42
     report_path: str = DEFAULT_REPORT_PATH
     log_every_steps: int = Field(1, ge=1)
@@ -287,6 +299,12 @@ class TrainerConfig(_Contract):
             raise ValueError(describe(problems))
         return self
 
+    @property
+    def export_kind(self) -> str:
+        """The export this attempt writes: `export`, or the method's default when the config names none
+        (left out of the JSON then, so a config without it reads the same on a trainer that predates it)."""
+        return self.export or default_export(self.method)
+
     def choices(self) -> Choices:
         """This config's training choices, as combinations.py reads them."""
         return Choices(
@@ -294,6 +312,7 @@ class TrainerConfig(_Contract):
             precision=self.precision, gradient_accumulation=self.gradient_accumulation,
             gradient_clipping=self.max_grad_norm > 0, gradient_checkpointing=self.gradient_checkpointing,
             target_experts=self.lora.target_experts if self.method != "full" else None,
+            export=self.export,
             **choice_values(self),
         )
 
@@ -655,6 +674,17 @@ class TrainingFacts(_Contract):
     eval_examples: int | None = Field(None, ge=0, description="sequences of that separate evaluation dataset")
 
 
+class ExportFacts(_Contract):
+    """What the export after training wrote (export.py; spec.export merged or full)."""
+
+    kind: Literal["merged", "full"]
+    directory: str = Field(description="the folder, in the trainer's file system (the output's mount)")
+    shards: int = Field(ge=1)
+    total_bytes: int = Field(ge=0, description="the weights' bytes, in the training dtype")
+    peak_rss_bytes: int | None = Field(None, ge=0, description="rank 0's resident set during the merge, sampled")
+    seconds: float | None = Field(None, ge=0)
+
+
 class SuccessReport(_Contract):
     """What the trainer writes to the termination message when training finished.
 
@@ -672,6 +702,7 @@ class SuccessReport(_Contract):
     world_size: int | None = Field(None, ge=1)
     attempt: int | None = Field(None, ge=1)
     facts: TrainingFacts | None = None
+    export: ExportFacts | None = None
 
     def to_termination_message(self) -> str:
         return self.model_dump_json(by_alias=True, exclude_none=True)

@@ -23,3 +23,10 @@ class DataError(TrainerFailure):
 
 class InjectedFault(RuntimeError):
     """Raised by the test-only fault injection hook for kind "error"."""
+
+
+class ExportError(ConfigError):
+    """The export after training (spec.export: merged or full) cannot be written: an adapter the
+    merge does not support, a base without safetensors weights, a tensor that does not fit. The
+    training result (the adapter or the weights the Trainer saved) stays in the output as it was;
+    no half-written export folder is left. A retry would fail the same way (a ConfigError)."""

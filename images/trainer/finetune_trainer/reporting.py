@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .contract import EXIT_CODE_FOR_REASON, FailureReason, FailureReport, TrainingFacts
+from .contract import EXIT_CODE_FOR_REASON, ExportFacts, FailureReason, FailureReport, TrainingFacts
 from .errors import TrainerFailure
 from .phases import Progress
 
@@ -90,7 +90,8 @@ def build_report(exc: BaseException, progress: Progress, attempt: int | None) ->
 def _replace_unless(path: str | Path, text: str, keep_existing, what: str) -> bool:
     """Write ``text`` to the termination message shared by all local ranks, under a file lock,
     unless ``keep_existing(previous)`` says the document already there (parsed JSON, or {} when
-    it is not JSON) wins. True when ``text`` was written."""
+    it is not JSON) wins; a string it returns is written instead of ``text``. True when something
+    was written."""
     path = Path(path)
     try:
         with open(path, "a+") as handle:
@@ -102,8 +103,11 @@ def _replace_unless(path: str | Path, text: str, keep_existing, what: str) -> bo
                     previous = json.loads(existing)
                 except ValueError:
                     previous = {}
-                if keep_existing(previous if isinstance(previous, dict) else {}):
+                verdict = keep_existing(previous if isinstance(previous, dict) else {})
+                if verdict is True:
                     return False
+                if isinstance(verdict, str):
+                    text = verdict
             handle.seek(0)
             handle.truncate()
             handle.write(text)
@@ -129,19 +133,28 @@ def write_report(report: FailureReport, path: str | Path) -> bool:
     return _replace_unless(path, report.to_termination_message(), keep, "failure report")
 
 
-def build_success(progress: Progress, attempt: int | None, facts: TrainingFacts | None = None) -> "SuccessReport":
+def build_success(progress: Progress, attempt: int | None, facts: TrainingFacts | None = None,
+                  export: "ExportFacts | None" = None) -> "SuccessReport":
     from .contract import SuccessReport
 
     return SuccessReport(steps=progress.step, rank=rank(), world_size=world_size(), attempt=attempt, facts=facts,
-                         **device_memory())
+                         export=export, **device_memory())
 
 
 def write_success(report: "SuccessReport", path: str | Path) -> bool:
     """Write the success summary (measured peaks, which the operator learns its calibration from)
     unless a failure report or a local rank with a higher peak already wrote one."""
 
-    def keep(previous: dict) -> bool:
-        return previous.get("outcome") != "Succeeded" or (
-            (previous.get("peakAllocatedBytes") or 0) >= (report.peak_allocated_bytes or 0))
+    def keep(previous: dict) -> bool | str:
+        if previous.get("outcome") != "Succeeded":
+            return True
+        if (previous.get("peakAllocatedBytes") or 0) < (report.peak_allocated_bytes or 0):
+            return False
+        # Rank 0 exports after the other local ranks wrote theirs: the pod's report keeps the highest
+        # peak and gains where the export went.
+        if report.export is not None and "export" not in previous:
+            return json.dumps({**previous, "export": report.export.model_dump(mode="json", by_alias=True,
+                                                                                exclude_none=True)})
+        return True
 
     return _replace_unless(path, report.to_termination_message(), keep, "success report")

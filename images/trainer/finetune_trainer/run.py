@@ -37,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(exc)) from exc
         report_path = args.report_path or cfg.report_path
         facts = train(cfg)
-        # The measured peaks, which the operator compares with its prediction (calibration), and what
-        # the attempt trained on (the job's provenance record).
-        write_success(build_success(PROGRESS, cfg.attempt, facts.summary()), report_path)
-        # Inside the try: a teardown that fails is reported like any other failure.
+        # Inside the try: a teardown that fails is reported like any other failure. Before the
+        # export, so that no rank waits in a collective while rank 0 merges (which may take long).
         from .teardown import close_distributed
 
         close_distributed()
+        exported = export_result(cfg) if rank() == 0 else None
+        # The measured peaks, which the operator compares with its prediction (calibration), what
+        # the attempt trained on (the job's provenance record) and where the export went.
+        write_success(build_success(PROGRESS, cfg.attempt, facts.summary(), exported), report_path)
         return 0
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report
         report = build_report(exc, PROGRESS, cfg.attempt if cfg else None)
@@ -51,6 +53,34 @@ def main(argv: list[str] | None = None) -> int:
                  traceback=traceback.format_exc(limit=20))
         write_report(report, report_path)
         return report.exit_code
+
+
+def export_result(cfg: TrainerConfig) -> "ExportFacts | None":
+    """spec.export on rank 0, after the final save and the teardown (export.py): on the CPU, with the
+    training model gone. An ExportError fails the attempt (ConfigError) and leaves the adapter."""
+    import gc
+
+    from .contract import ExportFacts
+    from .export import export_after_training
+
+    gc.collect()  # the Trainer and its model (reference cycles) before the merge needs the memory
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover - the trainer image always has torch
+        pass
+    PROGRESS.enter(Phase.EXPORT, PROGRESS.step)
+    result = export_after_training(cfg)
+    if result is None:
+        return None
+    log_json("export", kind=result.kind, directory=result.directory, shards=result.shards, tensors=result.tensors,
+             totalBytes=result.total_bytes, peakRssBytes=result.peak_rss_bytes, seconds=result.seconds,
+             untied=list(result.untied) or None)
+    return ExportFacts(kind=result.kind, directory=result.directory, shards=result.shards,
+                       total_bytes=result.total_bytes, peak_rss_bytes=result.peak_rss_bytes or None,
+                       seconds=result.seconds)
 
 
 def plan_run(cfg: TrainerConfig, num_examples: int, world: int, checkpoint) -> "RunPlan":

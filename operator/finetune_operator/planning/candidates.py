@@ -22,7 +22,7 @@ from .choice import choose_cheapest_or_startable
 from .estimates import EstimateFacts, Estimates
 from .plan import PlanKey
 from .pools import NodePool
-from .space import Ask, Candidate, Group, Stats, changes, fits, groups, key_of, weights_floor
+from .space import Ask, Candidate, Group, Stats, changes, fits, groups, key_of, pod_host_bytes, weights_floor
 from .throughput import PCIE_GBYTES, JobWork, accumulation_steps, combine, compute_and_communication, offload_costs
 
 FitResult = tuple[int | None, str | None, EstimateFacts | None]
@@ -150,7 +150,7 @@ def largest_fitting_micro(
             # With its cost bound: the plan's reason names the cheaper setup that came closest to fitting.
             stats.gpu_misses.append((bound, group, required, group.usable))
         elif why == "host" and first is not None:
-            needed = first.host_bytes_per_rank * group.gpus_per_node
+            needed = pod_host_bytes(ask, first, group.gpus_per_node) + ask.pod_extra_host_bytes
             ratio = needed / group.pool.host_memory_bytes
             if stats.closest_host is None or ratio < stats.closest_host[0]:
                 stats.closest_host = (ratio, group, needed, group.pool.host_memory_bytes)

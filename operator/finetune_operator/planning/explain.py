@@ -8,7 +8,7 @@ from finetune_trainer.memory_levers import BY_NAME
 from .choice import COST_TIE
 from .plan import Plan
 from .pools import GiB
-from .space import Ask, Candidate, Group, Stats
+from .space import Ask, Candidate, Group, Stats, pod_host_bytes
 
 # Runners-up named in the plan: the best plan of other pools, then another setup in the winner's pool.
 RUNNERS_UP = 3
@@ -170,7 +170,7 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
         required_bytes=required,
         breakdown_bytes=f.breakdown,
         peak_phase=f.peak_phase,
-        host_memory_bytes=f.host_bytes_per_rank * g.gpus_per_node,
+        host_memory_bytes=pod_host_bytes(ask, f, g.gpus_per_node),
         calibration=calibration,
         memory_headroom=ask.headroom,
         estimated_hours=hours,

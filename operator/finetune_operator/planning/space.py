@@ -26,7 +26,9 @@ from typing import Any, Sequence
 
 from .. import api
 from ..sizing import ModelArchitecture, SizingError
+from ..sizing.export import estimate_export
 from ..sizing.from_job import architecture_of
+from finetune_trainer.contract import default_export
 from finetune_trainer.combinations import OFFLOADS, STRATEGIES, Choices, allows, offloads_for, strategies_for
 from finetune_trainer.memory_levers import (
     NO_LEVERS,
@@ -83,8 +85,11 @@ class Ask:
     cost_window: float = COST_TIE
     levers: LeverAsk = LeverAsk()  # the lean-trainer levers the job fixes or leaves to the planner
     target_experts: bool = False
-    # Host memory one pod asks for beside its ranks (the master's upload sidecar, for an output in
-    # object storage): the pod is scheduled on its requests, so a node must hold both.
+    # Host memory the export after training needs (sizing/export.py; 0 for an adapter): rank 0 merges
+    # on the CPU once the other ranks have exited, so one pod's memory must hold it.
+    export_host_bytes: int = 0
+    # Host memory one pod asks for beside its training container (the master's upload sidecar, for an
+    # output in object storage): the pod is scheduled on its requests, so a node must hold both.
     pod_extra_host_bytes: int = 0
 
     def base_choices(self, strategy: str, offload: str, checkpointing: bool) -> Choices:
@@ -202,6 +207,17 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
     if reachable is not None:
         regions = tuple(reg for reg in regions if reg in reachable)
     headroom = r.memory_headroom if r.memory_headroom is not None else policy.default_memory_headroom
+    export = spec.export or default_export(spec.method)
+    target_experts = bool(spec.lora is not None and spec.lora.target_experts)
+    if export == "merged" and arch.is_moe and (lora_targets == "all-linear" or target_experts):
+        # peft puts all-linear adapters on the fused expert weights too (model_setup.apply_lora), and the
+        # trainer's merge refuses those: say so now, not after the training.
+        return Infeasible(message="spec.export: merged does not merge adapters on a mixture-of-experts model's fused "
+                                  "expert weights, which lora.targetModules all-linear (and lora.targetExperts) adapt; "
+                                  "use export adapter, or name the attention modules in lora.targetModules")
+    exported = estimate_export(arch, export=export, method=spec.method, precision=t.precision,
+                               lora_targets=lora_targets, stored_bytes=_stored_bytes(arch),
+                               trained_bytes=2 if t.master_weights == "bf16" else 4)
     return Ask(
         arch=arch,
         method=spec.method,
@@ -228,9 +244,16 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         fixed_checkpointing=t.gradient_checkpointing is not None,
         cost_window=cost_window_of(policy),
         levers=lever_ask(t, spec.method, bool(arch.final_logit_softcapping)),
-        target_experts=bool(spec.lora is not None and spec.lora.target_experts),
+        target_experts=target_experts,
+        export_host_bytes=exported.host_bytes if exported is not None else 0,
         pod_extra_host_bytes=UPLOAD_SIDECAR_HOST_BYTES if spec.output is not None and spec.output.s3 is not None else 0,
     )
+
+
+def _stored_bytes(arch: ModelArchitecture) -> int:
+    """Bytes per element of the base checkpoint on disk, as its config.json says (16-bit unless fp32)."""
+    dtype = arch.extra_hf_config.get("torch_dtype") or arch.extra_hf_config.get("dtype")
+    return 4 if dtype == "float32" else 2
 
 
 def pools_for(ask: Ask, pools: Sequence[NodePool]) -> tuple[list[NodePool], Infeasible | None]:
@@ -389,10 +412,16 @@ def fits(ask: Ask, group: Group, facts: EstimateFacts, calibration: float) -> st
     """None when the setup fits the pool; else which memory does not."""
     if facts.required_bytes * calibration > group.usable:
         return "gpu"
-    host = facts.host_bytes_per_rank * group.gpus_per_node + ask.pod_extra_host_bytes
+    host = pod_host_bytes(ask, facts, group.gpus_per_node) + ask.pod_extra_host_bytes
     if group.pool.host_memory_bytes and host > group.pool.host_memory_bytes:
         return "host"
     return None
+
+
+def pod_host_bytes(ask: Ask, facts: EstimateFacts, gpus_per_node: int) -> int:
+    """Host memory of one pod, its memory request and limit: its training processes', or the export's
+    (on rank 0, after the others exited) where that is more."""
+    return max(facts.host_bytes_per_rank * gpus_per_node, ask.export_host_bytes)
 
 
 def weights_floor(ask: Ask, group: Group) -> float:

@@ -106,6 +106,9 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             checkpoint=checkpoint,
             evaluation=evaluation,
             output_directory=layout.output_path,
+            # None: the trainer's default by method (contract.default_export), which is the plan's
+            # method: a recovery that switches lora to qlora keeps an omitted export at `adapter`.
+            export=spec.export,
             seed=training.seed,
             **warmup,
         )
