@@ -84,7 +84,8 @@ def remove_claims(namespace: str) -> None:
 def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_steps: int = 24,
              every_steps: int = 4, global_batch: int = 4, learning_rate: float = 0.02,
              rule: dict[str, str] | None = None, attempts: int = 4, sized_as: str | None = None,
-             sequence_length: int = 64, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+             sequence_length: int = 64, evaluation: dict[str, Any] | None = None,
+             export: str | None = None) -> dict[str, Any]:
     """A LoRA job on the tiny model. `sized_as` (a preset, e.g. llama-3.1-8b): the operator plans
     (sizes) the job as that model, while the trainer trains the tiny model the claim holds; the
     lab GPU's out-of-memory rule then has a realistic predicted peak to judge (a tiny model's plan
@@ -109,6 +110,7 @@ def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_s
             "recovery": {"maxAttempts": attempts, "backoff": {"initialSeconds": 1, "maxSeconds": 2}},
             "checkpoint": {"pvc": {"claimName": "checkpoints", "path": name}, "everySteps": every_steps},
             **({"evaluation": evaluation} if evaluation else {}),
+            **({"export": export} if export else {}),
         },
     }
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,7 +134,7 @@ def runs(lab, operator, request):
         "gpu-oom": rp.tiny_job("gpu-oom", namespace, vocab, max_steps=40, every_steps=CHECKPOINT_EVERY, global_batch=8,
                                sized_as="llama-3.1-8b", sequence_length=4096,
                                rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)},
-                               evaluation={"heldOutFraction": 0.125, "everySteps": EVAL_EVERY}),
+                               evaluation={"heldOutFraction": 0.125, "everySteps": EVAL_EVERY}, export="merged"),
         "host-oom": rp.tiny_job("host-oom", namespace, vocab, max_steps=8, every_steps=4,
                                 rule={"host-memory-scale": HOST_MEMORY_SCALE}),
     }
@@ -293,6 +294,32 @@ def test_gpu_oom_in_the_real_trainer_then_a_changed_plan_resumes_from_its_checkp
     assert starts[0]["heldOut"] == 8 and starts[0]["heldOutSha256"] == starts[1]["heldOutSha256"], starts
     assert status["progress"]["evalStep"] == 40 and status["progress"]["evalLoss"] == summary["evalLoss"], status
     assert summary["heldOut"] == 8 and trainer_record["summary"]["evalLoss"] == summary["evalLoss"]
+    # export: merged. The merged folder beside the adapter loads with transformers as is and gives the
+    # logits of the base model with the adapter (peft), on the same input.
+    final = rp.claim_dir(namespace, "checkpoints") / "gpu-oom" / "final"
+    merged = final / "merged"
+    assert {"config.json", "model.safetensors.index.json", "generation_config.json"} <= {p.name for p in merged.iterdir()}
+    assert any(p.name.startswith("tokenizer") for p in merged.iterdir()), sorted(p.name for p in merged.iterdir())
+    assert summary["export"] == "pvc://checkpoints/gpu-oom/final/merged" and summary["exportBytes"] > 0, summary
+    _merged_logits_match(rp.claim_dir(namespace, "models") / "tiny-llama", final, merged)
+
+
+def _merged_logits_match(base: Path, adapter: Path, merged: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((merged / "config.json").read_text())
+    saved_dtype = config.get("torch_dtype") or config.get("dtype")
+    merged_model = AutoModelForCausalLM.from_pretrained(merged, torch_dtype=torch.float32).eval()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32),
+                                          adapter).eval()
+    tokens = torch.arange(1, 33).remainder(merged_model.config.vocab_size).unsqueeze(0)
+    with torch.no_grad():
+        got, want = merged_model(tokens).logits, reference(tokens).logits
+    # Saved in the training dtype: bf16 rounds each merged weight (about 3 significant digits).
+    tolerance = 1e-4 if saved_dtype in (None, "float32") else 3e-2 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= tolerance, (saved_dtype, float((got - want).abs().max()), tolerance)
 
 
 def test_suspend_and_resume_continue_from_the_real_checkpoint(lab, runs):
