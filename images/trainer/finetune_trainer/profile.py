@@ -122,12 +122,38 @@ def _patched_transformers():
         return orig_dropout(input, p, training, inplace)
 
     torch.nn.functional.dropout = dropout
+    # CUDA's autocast runs layer_norm and pow in fp32 (its fp32 op list); CPU's autocast leaves
+    # them in bf16. LayerNorm families (phi, gpt_neox) and gelu_new's pow save fp32 tensors on a
+    # GPU: run them as CUDA autocast would.
+    orig_layer_norm, orig_pow = torch.nn.functional.layer_norm, torch.pow
+    torch.nn.functional.layer_norm = _fp32_under_autocast(orig_layer_norm)
+    torch.pow = _fp32_under_autocast(orig_pow)
     try:
         yield
     finally:
         mu.find_packed_sequence_indices = orig_packed
         sa.torch.nn.functional.scaled_dot_product_attention = orig_sdpa
         torch.nn.functional.dropout = orig_dropout
+        torch.nn.functional.layer_norm, torch.pow = orig_layer_norm, orig_pow
+
+
+def _fp32_under_autocast(op):
+    """`op` as CUDA autocast runs an op of its fp32 list: low-precision floating inputs cast to
+    fp32, the op run in fp32 (its output, and what it saves, fp32)."""
+    import torch
+
+    def widen(value):
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
+            return value.float()
+        return value
+
+    def run(*args, **kwargs):
+        if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)):
+            return op(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            return op(*[widen(a) for a in args], **{k: widen(v) for k, v in kwargs.items()})
+
+    return run
 
 
 def _init_fake_world(world_size: int):
