@@ -17,8 +17,10 @@ What runs is what our trainer runs (see notes/trainer_settings.md):
 * non-reentrant gradient checkpointing.
 
 What differs on the CPU is emulated: the CUDA caching allocator's 512-byte rounding
-(in the tracker), dropout (the fused CUDA kernel keeps a bool mask), and sdpa/flash attention,
-which calls the CUDA flash kernel's meta function (bf16, no mask) instead of the CPU kernel.
+(in the tracker), dropout (the fused CUDA kernel keeps a bool mask), sdpa/flash attention,
+which calls the CUDA flash kernel's meta function (bf16, no mask) instead of the CPU kernel,
+and CUDA autocast's fp32 layer_norm and pow (CPU autocast leaves them in bf16); CUDA's other
+fp32-list ops (softmax, exp, ...) are not emulated.
 Two steps run; the second one's peak is reported (AdamW's state exists only after the first
 `step()`). DDP's reducer buckets (C++, outside the dispatcher) are allocated as the reducer does.
 

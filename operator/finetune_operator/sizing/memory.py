@@ -22,7 +22,8 @@ How each part was checked:
   table): full fine-tuning and LoRA, single GPU, DDP (the Reducer's buckets, which run
   in C++ outside the dispatcher, are allocated as the Reducer does), FSDP2 with
   transformers' plan at 2-8 ranks, checkpointing on and off, sdpa and eager, Llama,
-  Qwen2, Mistral, Phi-3 and Gemma 2. The FSDP moments (head and block
+  Qwen2, Mistral, Phi-3 and Gemma 2, the families of issue 16 and phi / gpt_neox (issue 28;
+  their terms are in families.py). The FSDP moments (head and block
   reduce-scatters, the embedding group kept gathered until the root forward returns)
   and the tied-embedding gradient accumulation were read off traced timelines.
 * Derived, not traced: DeepSpeed ZeRO (its partitioning runs in its own C++/CUDA
