@@ -72,3 +72,20 @@ def test_the_trainer_trains_phi_and_gpt_neox(family, method, assets, tmp_path):
     with safe_open(out / "adapter_model.safetensors", "pt") as f:
         saved = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys())
     assert saved == arch.lora_trainable_params(8, "all-linear")
+
+
+@pytest.mark.parametrize("family,method", [("phi", "lora"), ("gpt_neox", "full")])
+def test_fsdp_on_two_ranks_with_checkpointing(family, method, assets, tmp_path):
+    """transformers' FSDP2 at load time (the trainer's FSDP route) shards these families' blocks
+    too, with gradient checkpointing on, as the planner may choose for them."""
+    model_dir, _ = _model(tmp_path, family)
+    lora = {"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"}
+    config = trainer_config(assets, tmp_path, model={"path": str(model_dir)}, method=method, maxSteps=4,
+                            strategy="fsdp", microBatchSize=2, gradientAccumulation=2, gradientCheckpointing=True,
+                            learningRate=1e-2 if method == "lora" else 3e-3, checkpoint=None,
+                            **({"lora": lora} if method == "lora" else {}))
+    run = run_trainer(write_config(tmp_path, config), nproc=2)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.of("start")[0]["worldSize"] == 2
+    losses = run.losses()
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], losses
