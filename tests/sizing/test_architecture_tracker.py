@@ -82,6 +82,10 @@ PER_BLOCK = {
     "gpt_neox-full-eager": "the whole query_key_value output kept alive by the value view",
 }
 PER_BLOCK_TOLERANCE = (-0.04, 0.08)  # (under, over): 5-25% terms stand out either way
+# phi and gpt_neox blocks are traced to within 0.1%; their smaller terms (the attention output's
+# copy is 1.6% of a tiny phi block, the residual dropout masks 2%) need a tighter check to be seen
+# (leaving the copy out passes the tolerance above and fails this one, tried by hand).
+PER_BLOCK_TIGHT = {name: (-0.01, 0.01) for name in ("phi-lora", "phi-full", "phi-lora-fsdp2", "gpt_neox-full-eager")}
 
 _TRUTH: dict = {}
 
@@ -117,4 +121,5 @@ def test_family_block_matches_tracker(name):
     truth = _truth(deeper) - _truth(setup)
     est = estimate_memory(deeper).peak_allocated_bytes - estimate_memory(setup).peak_allocated_bytes
     err = (est - truth) / truth
-    assert PER_BLOCK_TOLERANCE[0] <= err <= PER_BLOCK_TOLERANCE[1], f"{name} ({PER_BLOCK[name]}): one more block costs {est} estimated, {truth} traced ({err:+.1%})"
+    under, over = PER_BLOCK_TIGHT.get(name, PER_BLOCK_TOLERANCE)
+    assert under <= err <= over, f"{name} ({PER_BLOCK[name]}): one more block costs {est} estimated, {truth} traced ({err:+.2%})"
