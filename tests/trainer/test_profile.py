@@ -43,7 +43,8 @@ def test_profiled_corners_bound_an_inside_setup_within_two_percent():
 @pytest.mark.parametrize("config, setup_change, field, words", [
     (dict(CONFIG, model_type="no-such-family"), {}, "model_type", "not known to transformers"),
     (CONFIG, {"lora_targets": ["q_proj"]}, "spec.lora.targetModules", "q_proj"),
-    (dict(CONFIG, num_attention_heads=3), {}, "config", "cannot"),  # 64 / 3: no even rotary width
+    (dict(CONFIG, num_attention_heads=3), {}, "config", "cannot"),  # 64 / 3: the config class refuses it
+    (dict(CONFIG, num_attention_heads=5), {}, "config", "divisible"),  # 64 / 5: the model's own __init__ does
 ])
 def test_a_model_that_cannot_be_built_is_a_report_naming_why(config, setup_change, field, words):
     report = P.run_profile(ProfileRequest(config=config, setups=[TEMPLATE.model_copy(update=setup_change)]))

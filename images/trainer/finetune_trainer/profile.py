@@ -466,7 +466,11 @@ def run_profile(request: ProfileRequest) -> ProfileReport:
         config = hf_config(request.config, model_path=request.model_path,
                            trust_remote_code=request.trust_remote_code)
         shape = shape_of(config)
-        params = param_counts(config, trust_remote_code=request.trust_remote_code)
+        try:
+            params = param_counts(config, trust_remote_code=request.trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 - a model whose own __init__ refuses the config (Falcon: heads)
+            raise ProfileError(f"transformers cannot build the model from its config: {type(exc).__name__}: {exc}",
+                               "config") from exc
         measurements = []
         for setup in request.setups:
             m = measure(config, setup, trust_remote_code=request.trust_remote_code)
