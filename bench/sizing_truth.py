@@ -16,7 +16,7 @@ What runs is what our trainer runs (see notes/trainer_settings.md):
 
 What differs on the CPU is emulated: the CUDA caching allocator's 512-byte rounding
 (in the tracker), dropout (the fused CUDA kernel keeps a bool mask), and sdpa/flash attention, which calls the CUDA flash kernel's meta
-function (bf16, no mask) instead of the CPU kernel. Two steps run; the second one's
+function (bf16, no mask) instead of the CPU kernel; layer_norm and pow run in fp32 under autocast, as CUDA's autocast runs them. Two steps run; the second one's
 peak is reported (AdamW's state exists only after the first `step()`).
 
 Usage: python bench/sizing_truth.py --preset llama-3.2-1b --method lora --seq 2048 [--json]

@@ -1,7 +1,7 @@
 """Sizing for models the analytic model does not know, and estimates that learn, on the lab (issue 16).
 
 1. A FineTuneJob whose config.json (a ConfigMap) names a family the analytic memory model does not
-   know (GPT-NeoX) is planned through the pre-flight profile: the operator creates the CPU-only
+   know (Falcon) is planned through the pre-flight profile: the operator creates the CPU-only
    profile pod; the pod lands on a kwok node (the lab runs no process there), so this test plays
    its kubelet: it reads the pod's request from the pod itself, runs the real profile code on it
    (`python -m finetune_trainer.profile`, a subprocess of the test) and hands the report to the
@@ -33,11 +33,12 @@ from finetune_operator.planning.policy import load_policy
 
 pytestmark = pytest.mark.e2e
 
-# A family the analytic model does not size (GPT-NeoX: its own module names, fused qkv, parallel
-# residual); one block, so the profile traces in seconds.
-CONFIG = {"model_type": "gpt_neox", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+# A family the analytic model does not size (Falcon: fused query_key_value, parallel attention,
+# LayerNorm, a GELU MLP; GPT-NeoX was the example until issue 28 made it analytic); one block, so
+# the profile traces in seconds.
+CONFIG = {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
           "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 2048,
-          "architectures": ["GPTNeoXForCausalLM"], "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 0}
+          "architectures": ["FalconForCausalLM"], "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 0}
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +125,12 @@ def test_an_unknown_family_is_planned_through_the_profile(lab, operator, namespa
     assert not json.loads(lab.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
     traced = time.monotonic()
     report = _run_profile_as_its_kubelet(lab, pod, tmp_path)
-    assert report["ok"] and report["shape"]["modelType"] == "gpt_neox" and len(report["measurements"]) == 4
+    assert report["ok"] and report["shape"]["modelType"] == "falcon" and len(report["measurements"]) == 4
     traced = time.monotonic() - traced
 
     planned = h.wait_phase(lab, namespace, "neox", ("Launching", "Running", "Succeeded"), timeout=90)
     profiled = h.condition(planned, "Profiled")
-    assert profiled["status"] == "True" and "gpt_neox" in profiled["message"], profiled
+    assert profiled["status"] == "True" and "falcon" in profiled["message"], profiled
     plan = planned["status"]["plan"]
     assert "measured" in plan["breakdown"] and plan["strategy"] == "fsdp", plan
     assert h.pytorch_jobs(lab, namespace, "neox")

@@ -442,6 +442,24 @@ class _ConfigKeys(BaseModel):
     """tanh capping of the output logits (Gemma 2)."""
     attn_logit_softcapping: float | None = None
     """tanh capping of the attention scores (Gemma 2; needs eager attention)."""
+    partial_rotary_factor: Annotated[float, Field(gt=0, le=1)] | None = None
+    """phi: share of each head that rotary rotates (rope_parameters.partial_rotary_factor wins where set)."""
+    rotary_pct: Annotated[float, Field(gt=0, le=1)] | None = None
+    """gpt_neox (Pythia): share of each head that rotary rotates."""
+    hidden_act: Annotated[str, Field(min_length=1, max_length=100)] | None = None
+    """The MLP activation (phi and gpt_neox: gelu, gelu_new or gelu_pytorch_tanh are modelled)."""
+    resid_pdrop: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """phi: dropout on the attention and MLP outputs (training keeps a mask of each)."""
+    embd_pdrop: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """phi: dropout on the embeddings."""
+    hidden_dropout: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """gpt_neox: dropout on the embeddings and the attention and MLP outputs."""
+    attention_dropout: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """Dropout on the attention probabilities (phi and gpt_neox: only 0 is sized)."""
+    use_parallel_residual: bool | None = None
+    """gpt_neox: attention and MLP both read the block input."""
+    qk_layernorm: bool | None = None
+    """phi: LayerNorms on q and k (not sized; the published checkpoints have none)."""
 
     def config_json(self) -> dict[str, Any]:
         """The config as given: every key, explicit nulls kept (a null sliding_window means no window)."""

@@ -18,7 +18,7 @@ from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, Profil
 from reconcile_world import NAMESPACE, ReconcileWorld, job_document
 
 OPERATOR_NS = "finetune-system"
-CONFIG = {"model_type": "gpt_neox", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
+CONFIG = {"model_type": "falcon", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
           "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
@@ -36,7 +36,7 @@ def _world() -> ReconcileWorld:
 
 
 def _report(request: ProfileRequest) -> ProfileReport:
-    shape = ProfileShape(model_type="gpt_neox", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
+    shape = ProfileShape(model_type="falcon", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
                          num_key_value_heads=4, head_dim=32, intermediate_size=512)
     return ProfileReport(ok=True, shape=shape, params={"total": 700_000, "embedding": 131_072, "lmHead": 131_072},
                          measurements=[ProfileMeasurement(key=s.key, trainable_params=5000,
@@ -67,7 +67,7 @@ def test_the_shell_profiles_caches_plans_and_cleans_up():
     assert len(world.kube.of_kind("Pod", OPERATOR_NS)) == 1
     # micro-batch 1, 2, 4, 8 x GPUs 1, 2, 4, 8: 16 setups, 12 in the first pod, the rest in a second.
     first = _finish(world, pod)
-    assert len(first.setups) == 12 and first.config["model_type"] == "gpt_neox"
+    assert len(first.setups) == 12 and first.config["model_type"] == "falcon"
     world.reconcile()
     cache = world.kube.get("ConfigMap", OPERATOR_NS, CACHE_CONFIGMAP)
     assert cache is not None and len(cache["data"]) == 14  # twelve setups, the model, when it was written

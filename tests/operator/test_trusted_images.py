@@ -94,7 +94,7 @@ def test_the_profile_pod_runs_the_trainer_image_whatever_the_job_names():
 
 
 def test_the_profile_cache_is_keyed_by_the_trainer_image():
-    config = {"model_type": "gpt_neox", "hidden_size": 128}
+    config = {"model_type": "falcon", "hidden_size": 128}
     assert config_hash(config, TRAINER) != config_hash(config, "registry.eu.example/finetune/trainer:0.2.0")
     assert config_hash(config, TRAINER) == config_hash(dict(reversed(list(config.items()))), TRAINER)
 

@@ -24,11 +24,11 @@ from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, Profil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from test_lifecycle import POLICY, POOLS, T0, example  # noqa: E402
 
-CONFIG = {"model_type": "gpt_neox", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
+CONFIG = {"model_type": "falcon", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 512,
           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096}
 WRITTEN = "2026-11-30T12:00:00Z"  # when the shell wrote a model's entries (orders evictions)
 IMAGE = POLICY.trainer_image  # the policy's trainer image: profile pods run it, the cache is keyed by it
-SHAPE = ProfileShape(model_type="gpt_neox", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
+SHAPE = ProfileShape(model_type="falcon", hidden_size=128, num_layers=2, vocab_size=1024, num_attention_heads=4,
                      num_key_value_heads=4, head_dim=32, intermediate_size=512)
 
 

@@ -13,11 +13,11 @@ transformers = pytest.importorskip("transformers")
 def _kind(name: str) -> str:
     if "vision_tower" in name or "multi_modal_projector" in name:
         return "vision"
-    if "embed_tokens" in name:
+    if "embed_tokens" in name or "embed_in." in name:
         return "embedding"
-    if name.startswith("lm_head"):
+    if name.startswith("lm_head") or name.startswith("embed_out"):
         return "lm_head"
-    if ".self_attn." in name:
+    if ".self_attn." in name or ".attention." in name:
         return "attention"
     if ".mlp.gate." in name or ".mlp.router." in name:
         return "router"
@@ -64,6 +64,13 @@ PUBLISHED_TOTALS = {  # from the model cards / safetensors metadata
     "gemma-2-2b": 2_614_341_888,
     "gemma-2-9b": 9_241_705_984,
     "phi-3-mini": 3_821_079_552,
+    # Issue 28 (model cards; the Pythia paper's table of total parameters).
+    "phi-1_5": 1_418_270_720,
+    "phi-2": 2_779_683_840,
+    "pythia-1b": 1_011_781_632,
+    "pythia-2.8b": 2_775_208_960,
+    "pythia-6.9b": 6_857_302_016,
+    "pythia-12b": 11_846_072_320,
 }
 
 
@@ -104,6 +111,11 @@ SMALL = {
                       sliding_window=32, layer_types=("sliding_attention", "full_attention")),
     "olmo2": _small("olmo2"),
     "granite": _small("granite", tie_word_embeddings=True),
+    # Issue 28: LayerNorm with bias, non-gated biased MLP; phi's head has a bias even when tied.
+    "phi": _small("phi", num_key_value_heads=6),
+    "phi-gqa-tied": _small("phi", tie_word_embeddings=True, partial_rotary_factor=0.4, hidden_act="gelu"),
+    "gpt_neox": _small("gpt_neox", num_key_value_heads=6, attention_bias=True),
+    "gpt_neox-unbiased-sequential": _small("gpt_neox", num_key_value_heads=6, parallel_residual=False),
 }
 
 

@@ -35,11 +35,34 @@ REAL = {
     "gpt-oss-20b.json": ("gpt_oss", "gpt-oss-20b", 20_914_757_184),
     "olmo-2-1124-7b.json": ("olmo2", "olmo-2-7b", 7_298_617_344),
     "granite-3.1-8b-base.json": ("granite", "granite-3.1-8b", 8_170_848_256),
+    # Issue 28: phi-2 (resid_pdrop 0.1, partial_rotary_factor 0.4) and Pythia-1B (rotary_pct,
+    # no num_key_value_heads, attention_bias left to GPTNeoXConfig's default).
+    "phi-2.json": ("phi", "phi-2", 2_779_683_840),
+    "pythia-1b.json": ("gpt_neox", "pythia-1b", 1_011_781_632),
 }
 
 
 def _config(name: str) -> dict:
     return json.loads((CONFIGS / name).read_text())
+
+
+def test_phi_and_pythia_read_what_transformers_reads():
+    """The rotary share from rope_parameters over the top-level key (as transformers 5), the
+    config class's defaults where a key is absent, and gpt_neox's one hidden_dropout."""
+    phi = _config("phi-2.json")
+    assert ModelArchitecture.from_hf_config(phi).rotary_dim == 32  # 0.4 of 80
+    phi["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    assert ModelArchitecture.from_hf_config(phi).rotary_dim == 40
+    for key in ("partial_rotary_factor", "rope_parameters", "hidden_act", "resid_pdrop"):
+        phi.pop(key, None)
+    bare = ModelArchitecture.from_hf_config(phi)  # PhiConfig's defaults: 0.5, gelu_new, no dropout
+    assert (bare.rotary_dim, bare.hidden_act, bare.residual_dropout) == (40, "gelu_new", 0.0)
+    pythia = _config("pythia-1b.json")
+    pythia.update(hidden_dropout=0.1, use_parallel_residual=False)
+    arch = ModelArchitecture.from_hf_config(pythia)
+    assert (arch.residual_dropout, arch.embedding_dropout, arch.parallel_residual, arch.rotary_dim) == (0.1, 0.1, False, 64)
+    pythia.pop("rotary_pct")
+    assert ModelArchitecture.from_hf_config(pythia).rotary_dim == 64  # GPTNeoXConfig's default, 0.25
 
 
 def test_at_least_seven_real_configs():
@@ -56,7 +79,8 @@ def test_real_config_matches_its_preset(name):
     decoder = {k: v for k, v in arch.params_by_kind().items() if k != "vision"}
     assert decoder == {k: v for k, v in want.params_by_kind().items() if k != "vision"}
     for field in ("hidden_size", "num_layers", "dim_per_head", "num_key_value_heads", "vocab_size",
-                  "tie_word_embeddings", "num_sliding_layers", "num_experts", "experts_per_token"):
+                  "tie_word_embeddings", "num_sliding_layers", "num_experts", "experts_per_token",
+                  "rotary_dim", "hidden_act", "residual_dropout", "embedding_dropout", "parallel_residual"):
         assert getattr(arch, field) == getattr(want, field), field
 
 
@@ -157,6 +181,12 @@ def test_a_configmap_config_is_sized_the_same(lora_job):
         ("qwen3-30b-a3b.json", lambda c: c.update(mlp_only_layers=[60]), "mlp_only_layers"),
         ("gemma-3-1b-pt.json", lambda c: c.update(sliding_window_pattern=0), "sliding_window_pattern"),
         ("gemma-3-12b-pt.json", lambda c: c["vision_config"].update(patch_size="14"), "vision_config.patch_size"),
+        ("phi-2.json", lambda c: c.update(hidden_act="relu"), "hidden_act"),
+        ("phi-2.json", lambda c: c.update(qk_layernorm=True), "qk_layernorm"),
+        ("phi-2.json", lambda c: c.update(attention_dropout=0.1), "attention_dropout"),
+        ("phi-2.json", lambda c: c.update(rope_parameters={"rope_type": "default", "partial_rotary_factor": 1.5}),
+         "rope_parameters.partial_rotary_factor"),
+        ("pythia-1b.json", lambda c: c.pop("intermediate_size"), "intermediate_size"),
     ],
 )
 def test_a_key_that_matters_is_named(name, mutate, field, lora_job):
@@ -174,7 +204,8 @@ def test_a_key_that_matters_is_named(name, mutate, field, lora_job):
 @pytest.mark.parametrize(
     "key,value",
     [("hidden_size", "4096"), ("tie_word_embeddings", "no"), ("num_key_value_heads", 0), ("sliding_window", -1),
-     ("head_dim", 12.5), ("layer_types", "sliding_attention")],
+     ("head_dim", 12.5), ("layer_types", "sliding_attention"), ("rotary_pct", 0), ("resid_pdrop", 1.0),
+     ("hidden_dropout", "0.1"), ("use_parallel_residual", "yes"), ("partial_rotary_factor", 2)],
 )
 def test_a_key_that_matters_is_typed_by_the_schema_and_the_api(key, value, lora_job):
     config = _config("gpt-oss-20b.json")

@@ -4,8 +4,9 @@ match the tracker within the benchmark's tolerance (15% over, 5% under).
 One case per family and lever that the family's specific terms touch: q/k norms (Qwen3,
 OLMo 2), grouped-matmul experts with and without expert adapters (Qwen3-MoE), sliding
 windows under sdpa with a 5:1 pattern (Gemma 3), eager attention with sinks and biased
-experts (gpt-oss); full and LoRA, checkpointing on and off, FSDP. Granite (Llama with
-multipliers that save nothing) and the real sizes are in bench/sizing_accuracy.py.
+experts (gpt-oss); LayerNorm, gelu_new, partial rotary and dropout (phi, gpt_neox, issue 28);
+full and LoRA, checkpointing on and off, FSDP. Granite (Llama with multipliers that save
+nothing) and the real sizes are in bench/sizing_accuracy.py.
 """
 
 import os
@@ -38,6 +39,10 @@ GEMMA3 = _arch("gemma3_text", 2, head_dim=32, tie_word_embeddings=True, sliding_
 GPT_OSS = _arch("gpt_oss", head_dim=32, num_experts=8, experts_per_token=2, intermediate_size=256,
                 attention_bias=True, sliding_window=64, layer_types=("sliding_attention", "full_attention"))
 OLMO2 = _arch("olmo2")
+# Issue 28: LayerNorm (fp32 under CUDA autocast, as the tracer runs it), gelu_new's fp32 pow,
+# partial rotary, phi-2's residual dropout, gpt_neox's fused query_key_value.
+PHI = _arch("phi", intermediate_size=1024, num_key_value_heads=8, residual_dropout=0.1)
+GPT_NEOX = _arch("gpt_neox", intermediate_size=1024, num_key_value_heads=8, attention_bias=True)
 
 CASES = {
     "qwen3-full": TrainingSetup(architecture=QWEN3, method="full", micro_batch_size=2, sequence_length=512),
@@ -52,6 +57,14 @@ CASES = {
                                   sequence_length=512),
     "olmo2-lora-gc": TrainingSetup(architecture=OLMO2, method="lora", lora_dropout=0.0, micro_batch_size=2,
                                    sequence_length=1024, gradient_checkpointing=True),
+    "phi-lora": TrainingSetup(architecture=PHI, method="lora", lora_dropout=0.0, micro_batch_size=2, sequence_length=512),
+    "phi-full": TrainingSetup(architecture=PHI, method="full", micro_batch_size=2, sequence_length=512),
+    "phi-lora-fsdp2": TrainingSetup(architecture=PHI, method="lora", lora_dropout=0.0, micro_batch_size=2,
+                                    sequence_length=512, strategy="fsdp", world_size=2),
+    "gpt_neox-full-eager": TrainingSetup(architecture=GPT_NEOX, method="full", micro_batch_size=1, sequence_length=512,
+                                         attention="eager"),
+    "gpt_neox-lora-gc-dropout": TrainingSetup(architecture=GPT_NEOX, method="lora", lora_dropout=0.05,
+                                              micro_batch_size=2, sequence_length=1024, gradient_checkpointing=True),
 }
 
 # The whole-step check cannot see a term of a few percent; one more block can. These cases are
@@ -63,8 +76,16 @@ PER_BLOCK = {
     "qwen3_moe-lora-experts": "grouped experts and peft's merged expert weights",
     "gemma3-lora-sdpa-window": "the sdpa mask of the sliding layers",
     "gpt_oss-lora": "eager softmax with sinks, biased experts",
+    "phi-lora": "fp32 LayerNorm input, gelu_new's fp32 tensors, residual dropout masks",
+    "phi-full": "each linear's bf16 copy of the fp32 LayerNorm output, the attention output's copy",
+    "phi-lora-fsdp2": "peft's cast of the fp32 LayerNorm output per adapter under FSDP",
+    "gpt_neox-full-eager": "the whole query_key_value output kept alive by the value view",
 }
 PER_BLOCK_TOLERANCE = (-0.04, 0.08)  # (under, over): 5-25% terms stand out either way
+# phi and gpt_neox blocks are traced to within 0.1%; their smaller terms (the attention output's
+# copy is 1.6% of a tiny phi block, the residual dropout masks 2%) need a tighter check to be seen
+# (leaving the copy out passes the tolerance above and fails this one, tried by hand).
+PER_BLOCK_TIGHT = {name: (-0.01, 0.01) for name in ("phi-lora", "phi-full", "phi-lora-fsdp2", "gpt_neox-full-eager")}
 
 _TRUTH: dict = {}
 
@@ -100,4 +121,5 @@ def test_family_block_matches_tracker(name):
     truth = _truth(deeper) - _truth(setup)
     est = estimate_memory(deeper).peak_allocated_bytes - estimate_memory(setup).peak_allocated_bytes
     err = (est - truth) / truth
-    assert PER_BLOCK_TOLERANCE[0] <= err <= PER_BLOCK_TOLERANCE[1], f"{name} ({PER_BLOCK[name]}): one more block costs {est} estimated, {truth} traced ({err:+.1%})"
+    under, over = PER_BLOCK_TIGHT.get(name, PER_BLOCK_TOLERANCE)
+    assert under <= err <= over, f"{name} ({PER_BLOCK[name]}): one more block costs {est} estimated, {truth} traced ({err:+.2%})"

@@ -17,8 +17,10 @@ What runs is what our trainer runs (see notes/trainer_settings.md):
 * non-reentrant gradient checkpointing.
 
 What differs on the CPU is emulated: the CUDA caching allocator's 512-byte rounding
-(in the tracker), dropout (the fused CUDA kernel keeps a bool mask), and sdpa/flash attention,
-which calls the CUDA flash kernel's meta function (bf16, no mask) instead of the CPU kernel.
+(in the tracker), dropout (the fused CUDA kernel keeps a bool mask), sdpa/flash attention,
+which calls the CUDA flash kernel's meta function (bf16, no mask) instead of the CPU kernel,
+and CUDA autocast's fp32 layer_norm and pow (CPU autocast leaves them in bf16); CUDA's other
+fp32-list ops (softmax, exp, ...) are not emulated.
 Two steps run; the second one's peak is reported (AdamW's state exists only after the first
 `step()`). DDP's reducer buckets (C++, outside the dispatcher) are allocated as the reducer does.
 
@@ -122,12 +124,38 @@ def _patched_transformers():
         return orig_dropout(input, p, training, inplace)
 
     torch.nn.functional.dropout = dropout
+    # CUDA's autocast runs layer_norm and pow in fp32 (its fp32 op list); CPU's autocast leaves
+    # them in bf16. LayerNorm families (phi, gpt_neox) and gelu_new's pow save fp32 tensors on a
+    # GPU: run them as CUDA autocast would.
+    orig_layer_norm, orig_pow = torch.nn.functional.layer_norm, torch.pow
+    torch.nn.functional.layer_norm = _fp32_under_autocast(orig_layer_norm)
+    torch.pow = _fp32_under_autocast(orig_pow)
     try:
         yield
     finally:
         mu.find_packed_sequence_indices = orig_packed
         sa.torch.nn.functional.scaled_dot_product_attention = orig_sdpa
         torch.nn.functional.dropout = orig_dropout
+        torch.nn.functional.layer_norm, torch.pow = orig_layer_norm, orig_pow
+
+
+def _fp32_under_autocast(op):
+    """`op` as CUDA autocast runs an op of its fp32 list: low-precision floating inputs cast to
+    fp32, the op run in fp32 (its output, and what it saves, fp32)."""
+    import torch
+
+    def widen(value):
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
+            return value.float()
+        return value
+
+    def run(*args, **kwargs):
+        if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)):
+            return op(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            return op(*[widen(a) for a in args], **{k: widen(v) for k, v in kwargs.items()})
+
+    return run
 
 
 def _init_fake_world(world_size: int):
@@ -438,7 +466,11 @@ def run_profile(request: ProfileRequest) -> ProfileReport:
         config = hf_config(request.config, model_path=request.model_path,
                            trust_remote_code=request.trust_remote_code)
         shape = shape_of(config)
-        params = param_counts(config, trust_remote_code=request.trust_remote_code)
+        try:
+            params = param_counts(config, trust_remote_code=request.trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 - a model whose own __init__ refuses the config (Falcon: heads)
+            raise ProfileError(f"transformers cannot build the model from its config: {type(exc).__name__}: {exc}",
+                               "config") from exc
         measurements = []
         for setup in request.setups:
             m = measure(config, setup, trust_remote_code=request.trust_remote_code)

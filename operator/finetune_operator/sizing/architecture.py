@@ -22,6 +22,9 @@ _PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "experts")
 _ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _DENSE_MLP = ("gate_proj", "up_proj", "down_proj")  # the dense layers of a Qwen3-MoE with mlp_only_layers
+# phi (phi-1.5, phi-2) and gpt_neox (Pythia): the older GPT layout, a non-gated MLP, biases, LayerNorm.
+_PHI_TARGETS = ("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")
+_GPT_NEOX_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,17 @@ class FamilyTraits:
     # What peft's "all-linear" adapts, where it is not every name of lora_targets (Qwen3-MoE:
     # not the dense MLP of its mlp_only_layers; observed with peft 0.21, tested).
     all_linear: tuple[str, ...] | None = None
+    # The older GPT layout (phi, gpt_neox). LayerNorm (weight and bias) in place of RMSNorm.
+    layer_norm: bool = False
+    # A non-gated MLP (up, act, down), both linears biased: the names of its two linears.
+    plain_mlp: tuple[str, str] | None = None
+    out_proj: str = "o_proj"  # the attention's output projection
+    qkv_name: str = "qkv_proj"  # the fused q/k/v projection, where fused_qkv
+    head_bias: bool = False  # the output head has a bias (phi)
+    # Attention and MLP both read the block input (phi always, through its one LayerNorm;
+    # gpt_neox where the config's use_parallel_residual says so).
+    parallel_block: bool = False
+    rotary_default: float = 1.0  # share of a head that rotary rotates when the config does not say
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -76,6 +90,13 @@ FAMILIES: dict[str, FamilyTraits] = {
                             attention_bias_default=True, eager_only=True),
     "olmo2": FamilyTraits(False, 2, False, False, _DENSE_TARGETS, qk_norm="full"),
     "granite": FamilyTraits(False, 2, False, False, _DENSE_TARGETS),
+    # Issue 28: phi-1.5 / phi-2 (one LayerNorm read by attention and MLP in parallel, every
+    # linear and the head biased) and Pythia (fused, per-head interleaved query_key_value).
+    "phi": FamilyTraits(True, 1, False, False, _PHI_TARGETS, layer_norm=True, plain_mlp=("fc1", "fc2"),
+                        out_proj="dense", head_bias=True, parallel_block=True, rotary_default=0.5),
+    "gpt_neox": FamilyTraits(False, 2, True, False, _GPT_NEOX_TARGETS, layer_norm=True,
+                             plain_mlp=("dense_h_to_4h", "dense_4h_to_h"), out_proj="dense", qkv_name="query_key_value",
+                             attention_bias_default=True, rotary_default=0.25),
 }
 
 # config.json files whose model_type wraps a text decoder in `text_config` (multimodal
@@ -140,7 +161,10 @@ class LinearShape:
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose config's attention_bias puts a bias on q/k/v/o (Qwen2's q/k/v bias is structural).
-_HONORS_ATTENTION_BIAS = frozenset({"llama", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "gpt_oss", "olmo2", "granite"})
+_HONORS_ATTENTION_BIAS = frozenset({"llama", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "gpt_oss", "olmo2", "granite",
+                                    "gpt_neox"})
+# MLP activations of the plain-MLP families and what each saves (families.plain_mlp_saved).
+PLAIN_MLP_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 _HONORS_MLP_BIAS = frozenset({"llama", "granite"})
 
 
@@ -177,6 +201,15 @@ class ModelArchitecture:
     # gpt-oss: alternating). None: every layer slides when sliding_window is set (Mistral).
     layer_types: tuple[str, ...] | None = None
     vision: VisionTower | None = None  # a multimodal checkpoint's vision tower (never run on text)
+    # phi / gpt_neox: the share of each head rotary rotates (partial_rotary_factor, rotary_pct;
+    # None: the family's default), the MLP activation, the dropout rates the trainer runs with
+    # (config.json's; phi's resid_pdrop / embd_pdrop, gpt_neox's hidden_dropout on both) and
+    # gpt_neox's use_parallel_residual.
+    partial_rotary_factor: float | None = None
+    hidden_act: str = "gelu_new"
+    residual_dropout: float = 0.0
+    embedding_dropout: float = 0.0
+    parallel_residual: bool = True
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -226,6 +259,26 @@ class ModelArchitecture:
                 raise SizingError("layer_types", f"unknown layer types {unknown}; known: {', '.join(LAYER_TYPES)}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise SizingError("sliding_window", "layer_types has sliding_attention layers but no sliding_window")
+        if self.traits.plain_mlp:
+            if self.hidden_act not in PLAIN_MLP_ACTIVATIONS:
+                raise SizingError("hidden_act", f"{self.hidden_act!r} is not modelled for {self.family}; "
+                                  f"known: {', '.join(PLAIN_MLP_ACTIVATIONS)}")
+            for name in ("residual_dropout", "embedding_dropout"):
+                value = getattr(self, name)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+                    raise SizingError(name, f"must be a number in [0, 1), got {value!r}")
+        if self.family == "gpt_neox":
+            # transformers' GPTNeoX has neither grouped-query attention nor a head_dim, and one
+            # hidden_dropout for the embeddings and both residual branches.
+            if self.num_key_value_heads != self.num_attention_heads:
+                raise SizingError("num_key_value_heads", "gpt_neox has no grouped-query attention: must equal num_attention_heads")
+            if self.head_dim is not None:
+                raise SizingError("head_dim", "gpt_neox heads are hidden_size / num_attention_heads wide; give no head_dim")
+            if self.embedding_dropout != self.residual_dropout:
+                raise SizingError("embedding_dropout", "gpt_neox's hidden_dropout is one rate: must equal residual_dropout")
+        if self.partial_rotary_factor is not None and not (
+                isinstance(self.partial_rotary_factor, (int, float)) and 0 < self.partial_rotary_factor <= 1):
+            raise SizingError("partial_rotary_factor", f"must be in (0, 1], got {self.partial_rotary_factor!r}")
 
     # ---- derived shapes -------------------------------------------------
     @property
@@ -235,6 +288,17 @@ class ModelArchitecture:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rotary rotates (the cos/sin width): all but in phi and gpt_neox."""
+        factor = self.traits.rotary_default if self.partial_rotary_factor is None else self.partial_rotary_factor
+        return int(self.dim_per_head * factor)
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm over the hidden size: LayerNorm has a bias beside its weight."""
+        return (2 if self.traits.layer_norm else 1) * self.hidden_size
 
     @property
     def q_size(self) -> int:
@@ -286,18 +350,22 @@ class ModelArchitecture:
         h, t = self.hidden_size, self.traits
         qkv_bias = t.qkv_bias or self.attention_bias
         if t.fused_qkv:
-            attn = (LinearShape("qkv_proj", h, self.q_size + 2 * self.kv_size),)
+            attn = (LinearShape(t.qkv_name, h, self.q_size + 2 * self.kv_size, qkv_bias),)
         else:
             attn = (
                 LinearShape("q_proj", h, self.q_size, qkv_bias),
                 LinearShape("k_proj", h, self.kv_size, qkv_bias),
                 LinearShape("v_proj", h, self.kv_size, qkv_bias),
             )
-        return attn + (LinearShape("o_proj", self.q_size, h, self.attention_bias),)
+        out_bias = self.attention_bias or t.head_bias  # phi: every linear has a bias
+        return attn + (LinearShape(t.out_proj, self.q_size, h, out_bias),)
 
     @cached_property
     def _dense_mlp(self) -> tuple[LinearShape, ...]:
         h, i = self.hidden_size, self.intermediate_size
+        if self.traits.plain_mlp:
+            up, down = self.traits.plain_mlp
+            return (LinearShape(up, h, i, True), LinearShape(down, i, h, True))
         if self.traits.fused_gate_up:
             return (LinearShape("gate_up_proj", h, 2 * i), LinearShape("down_proj", i, h))
         return (
@@ -329,7 +397,7 @@ class ModelArchitecture:
     def _block_extra_params(self) -> int:
         """Parameters of one block outside its linears: norms, q/k norms, attention sinks."""
         sinks = self.num_attention_heads if self.traits.attention_sinks else 0
-        return self.traits.norms_per_layer * self.hidden_size + self.qk_norm_params + sinks
+        return self.traits.norms_per_layer * self.norm_params + self.qk_norm_params + sinks
 
     # ---- parameter counts -------------------------------------------------
     def params_by_kind(self) -> dict[str, int]:
@@ -351,8 +419,8 @@ class ModelArchitecture:
             "attention": self.num_layers * attn,
             "mlp": n_moe * (moe_mlp - router) + n_dense * dense_mlp,
             "router": n_moe * router,
-            "norm": (self.num_layers * self.traits.norms_per_layer + 1) * self.hidden_size,
-            "lm_head": 0 if self.tie_word_embeddings else embed,
+            "norm": (self.num_layers * self.traits.norms_per_layer + 1) * self.norm_params,
+            "lm_head": (0 if self.tie_word_embeddings else embed) + (self.vocab_size if self.traits.head_bias else 0),
             "vision": self.vision.params if self.vision else 0,
         }
 
@@ -502,6 +570,18 @@ class ModelArchitecture:
         if self.family in ("gemma2", "gemma3_text"):
             cfg["final_logit_softcapping"] = self.final_logit_softcapping
             cfg["attn_logit_softcapping"] = self.attn_logit_softcapping
+        if self.traits.layer_norm:
+            del cfg["rms_norm_eps"]
+            cfg.update(layer_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act, attention_dropout=0.0)
+        if self.family == "phi":
+            cfg.update(partial_rotary_factor=self.partial_rotary_factor or self.traits.rotary_default,
+                       resid_pdrop=self.residual_dropout, embd_pdrop=self.embedding_dropout, qk_layernorm=False)
+        if self.family == "gpt_neox":
+            # Pythia has neither grouped-query attention nor an MLP bias switch.
+            del cfg["num_key_value_heads"]
+            cfg.update(rotary_pct=self.partial_rotary_factor or self.traits.rotary_default,
+                       rotary_emb_base=self.rope_theta, use_parallel_residual=self.parallel_residual,
+                       hidden_dropout=self.residual_dropout)
         cfg.update(self.extra_hf_config)
         return cfg
 

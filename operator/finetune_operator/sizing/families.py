@@ -82,3 +82,83 @@ def eager_sinks_saved(arch: ModelArchitecture, compute: int, seq: int) -> float:
     of it) with the int64 argmax of the max subtracted for stability.
     """
     return compute * arch.num_attention_heads * (seq + 1) + 8 * arch.num_attention_heads
+
+
+# ---- the older GPT layout: phi (phi-1.5, phi-2) and gpt_neox (Pythia), issue 28 ----------
+#
+# LayerNorm in place of RMSNorm, a non-gated MLP, dropout from config.json. Under mixed
+# precision CUDA's autocast runs layer_norm (and pow) in fp32, which decides what is saved;
+# the fake-tensor truth runs them so too (finetune_trainer.profile._fp32_under_autocast).
+
+
+def reads_block_input(arch: ModelArchitecture) -> bool:
+    """Attention and MLP read the block input (phi; gpt_neox with use_parallel_residual)."""
+    return arch.traits.parallel_block or (arch.family == "gpt_neox" and arch.parallel_residual)
+
+
+def layer_norms_saved(arch: ModelArchitecture, residual: int, autocast: bool, weights_trainable: bool) -> float:
+    """The block's LayerNorms and the inputs of the linears that read them, bytes per token.
+
+    native_layer_norm saves its input and an fp32 mean and rstd per row. Under autocast a bf16
+    input is cast to fp32 first (each norm its own cast, saved); an fp32 input (full fine-tuning's
+    residual stream) is saved as it is, once where two norms read the same tensor (gpt_neox's
+    parallel residual). The output is fp32 under autocast: every linear that reads it casts it
+    to bf16 on its own, and saves that copy when its weight trains; without autocast the
+    linears share each norm's output.
+    """
+    h, norms = arch.hidden_size, arch.traits.norms_per_layer
+    saved = 8.0 * norms
+    if autocast and residual != 4:
+        saved += norms * 4 * h
+    else:
+        inputs = 1 if reads_block_input(arch) else norms
+        saved += inputs * residual * h
+    if weights_trainable:
+        if autocast:
+            attn_reads = 1 if arch.traits.fused_qkv else 3
+            saved += (attn_reads + 1) * 2 * h
+        else:
+            saved += norms * residual * h
+    return saved
+
+
+def attention_output_copy_saved(arch: ModelArchitecture, compute: int, weights_trainable: bool) -> float:
+    """q and k leave phi's and gpt_neox's partial rotary through torch.cat, laid out per head, so
+    flash attention's output is laid out per head too and transformers' transpose(1, 2).contiguous()
+    copies it: when the output projection's weight trains it saves that copy beside the output
+    flash saved (Llama's rotary keeps the projection's layout and the copy is a no-op)."""
+    return compute * arch.q_size if weights_trainable else 0.0
+
+
+def final_layer_norm_saved(arch: ModelArchitecture, residual: int, autocast: bool) -> float:
+    """The final LayerNorm: its input (cast to fp32 under autocast) and the fp32 mean and rstd."""
+    return (4 if autocast else residual) * arch.hidden_size + 8
+
+
+def plain_mlp_saved(arch: ModelArchitecture, compute: int, autocast: bool, weights_trainable: bool) -> float:
+    """A non-gated MLP (fc1 -> act -> fc2), bytes per token.
+
+    gelu and gelu_pytorch_tanh are one kernel that saves its input. gelu_new is transformers'
+    Python formula 0.5 x (1 + tanh(c (x + 0.044715 x^3))): pow saves its input, tanh its
+    output, the last product both factors (0.5 x and 1 + tanh); under autocast pow runs in
+    fp32, so the input it saves, tanh's output, 1 + tanh and the product are fp32 (0.5 x stays
+    bf16). fc2 saves its input (the product, cast to bf16 under autocast) when its weight trains.
+    """
+    i = arch.intermediate_size
+    if arch.hidden_act == "gelu_new":
+        saved = (12 + compute) * i if autocast else 4 * compute * i
+    else:
+        saved = compute * i
+    if weights_trainable:
+        saved += compute * i
+    return saved
+
+
+def residual_dropout_saved(arch: ModelArchitecture) -> float:
+    """Dropout on the attention and MLP outputs: the fused kernel's bool mask for each (1 byte)."""
+    return 2.0 * arch.hidden_size if arch.residual_dropout > 0 else 0.0
+
+
+def embedding_dropout_saved(arch: ModelArchitecture) -> float:
+    """Dropout on the embeddings' output: one bool mask."""
+    return float(arch.hidden_size) if arch.embedding_dropout > 0 else 0.0

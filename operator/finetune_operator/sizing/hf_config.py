@@ -45,6 +45,16 @@ MEMORY_KEYS: dict[str, str] = {
     "final_logit_softcapping": "tanh capping of the logits (extra vocab-sized tensors)",
     "attn_logit_softcapping": "tanh capping of attention scores (eager attention)",
     "text_config": "the decoder's config inside a multimodal config (Gemma 3)",
+    # rope_parameters.partial_rotary_factor, where set, wins over these two (as in transformers).
+    "partial_rotary_factor": "share of each head rotary rotates (phi; the cos/sin width)",
+    "rotary_pct": "share of each head rotary rotates (gpt_neox)",
+    "hidden_act": "the MLP activation (phi, gpt_neox: gelu_new saves several tensors, gelu one)",
+    "resid_pdrop": "dropout on both residual branches (phi): a mask per branch",
+    "embd_pdrop": "dropout on the embeddings (phi)",
+    "hidden_dropout": "dropout on the embeddings and both residual branches (gpt_neox)",
+    "attention_dropout": "dropout on the attention probabilities (phi, gpt_neox: only 0 is modelled)",
+    "use_parallel_residual": "gpt_neox: attention and MLP both read the block input",
+    "qk_layernorm": "phi: LayerNorms on q and k (not modelled; the published checkpoints have none)",
 }
 
 # Defaults of transformers 5's config classes for keys that real config.json files leave
@@ -58,6 +68,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"sliding_window": 4096, "max_window_layers": 28},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128},
     "mistral": {"sliding_window": 4096},
+    # phi and gpt_neox have no sliding windows and an attention bias of their own.
+    "phi": {"max_position_embeddings": 2048},
+    "gpt_neox": {"max_position_embeddings": 2048},
 }
 
 _MOE_COUNT_KEY = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "qwen3_moe": "num_experts"}
@@ -208,6 +221,8 @@ def architecture_fields(config: Mapping[str, Any], name: str = "") -> dict[str, 
         rms_norm_eps=_number_or(inner.get("rms_norm_eps"), 1e-5),
         name=name or (config.get("_name_or_path") if isinstance(config.get("_name_or_path"), str) else ""),
     )
+    if traits.layer_norm:
+        fields.update(_gpt_layout_fields(r, family))
     if traits.moe:
         count_key = _MOE_COUNT_KEY[traits.moe]
         if not r.has(count_key):
@@ -230,6 +245,55 @@ def architecture_fields(config: Mapping[str, Any], name: str = "") -> dict[str, 
         fields["dense_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step)
     if prefix and config.get("vision_config") is not None:
         fields["vision"] = _vision_tower(config["vision_config"], hidden)
+    return fields
+
+
+def _rate(r: _Reader, key: str) -> float:
+    """A dropout rate: a number in [0, 1) (absent: 0, as transformers' phi and gpt_neox configs default)."""
+    value = r.number(key, 0.0)
+    if not 0 <= value < 1:
+        raise SizingError(r.field(key), f"must be a dropout rate in [0, 1), got {value!r}")
+    return value
+
+
+def _gpt_layout_fields(r: _Reader, family: str) -> dict[str, Any]:
+    """phi and gpt_neox: partial rotary, the MLP activation, dropout, gpt_neox's parallel residual.
+
+    The rotary share is read as transformers 5 reads it: rope_parameters' partial_rotary_factor
+    first, then the top-level key (phi partial_rotary_factor, gpt_neox rotary_pct), then the
+    config class's default (0.5, 0.25).
+    """
+    from .architecture import PLAIN_MLP_ACTIVATIONS
+
+    rope = r.config.get("rope_parameters")
+    key = "partial_rotary_factor" if family == "phi" else "rotary_pct"
+    if isinstance(rope, Mapping) and rope.get("partial_rotary_factor") is not None:
+        factor = _Reader(rope, r.field("rope_parameters.")).number("partial_rotary_factor")
+        where = "rope_parameters.partial_rotary_factor"
+    else:
+        factor, where = r.number(key), key
+    if factor is not None and not 0 < factor <= 1:
+        raise SizingError(r.field(where), f"must be a share of the head in (0, 1], got {factor!r}")
+    act = r.config.get("hidden_act", "gelu_new" if family == "phi" else "gelu")
+    if act not in PLAIN_MLP_ACTIVATIONS:
+        raise SizingError(r.field("hidden_act"), f"{act!r} is not modelled for {family}; known: {', '.join(PLAIN_MLP_ACTIVATIONS)}")
+    if _rate(r, "attention_dropout"):
+        raise SizingError(r.field("attention_dropout"), "dropout on the attention probabilities is not modelled "
+                          "(the published phi and Pythia checkpoints have 0)")
+    fields: dict[str, Any] = dict(partial_rotary_factor=factor, hidden_act=act,
+                                  rms_norm_eps=_number_or(r.config.get("layer_norm_eps"), 1e-5))
+    if family == "phi":
+        if r.bool("qk_layernorm", False):
+            raise SizingError(r.field("qk_layernorm"), "phi's q/k LayerNorms are not modelled (the published phi-1.5 "
+                              "and phi-2 have none)")
+        fields.update(residual_dropout=_rate(r, "resid_pdrop"), embedding_dropout=_rate(r, "embd_pdrop"))
+    else:
+        rate = _rate(r, "hidden_dropout")
+        fields.update(residual_dropout=rate, embedding_dropout=rate,
+                      parallel_residual=r.bool("use_parallel_residual", True),
+                      # transformers' GPTNeoX: heads of hidden_size / num_attention_heads, no grouped kv.
+                      num_key_value_heads=r.need_int("num_attention_heads"), head_dim=None,
+                      rope_theta=_number_or(r.config.get("rotary_emb_base"), _rope_theta(r.config)))
     return fields
 
 

@@ -22,7 +22,8 @@ How each part was checked:
   table): full fine-tuning and LoRA, single GPU, DDP (the Reducer's buckets, which run
   in C++ outside the dispatcher, are allocated as the Reducer does), FSDP2 with
   transformers' plan at 2-8 ranks, checkpointing on and off, sdpa and eager, Llama,
-  Qwen2, Mistral, Phi-3 and Gemma 2. The FSDP moments (head and block
+  Qwen2, Mistral, Phi-3 and Gemma 2, the families of issue 16 and phi / gpt_neox (issue 28;
+  their terms are in families.py). The FSDP moments (head and block
   reduce-scatters, the embedding group kept gathered until the root forward returns)
   and the tied-embedding gradient accumulation were read off traced timelines.
 * Derived, not traced: DeepSpeed ZeRO (its partitioning runs in its own C++/CUDA
@@ -168,6 +169,9 @@ _INPUT_OF = {  # which tensor a block linear reads, to find adapters that share 
     "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
     "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "gate": "mlp_in",
     "experts.gate_up_proj": "mlp_in", "down_proj": "mlp_mid", "experts.down_proj": "mlp_mid",
+    # phi reads its one LayerNorm's output in attention and MLP; gpt_neox has two.
+    "query_key_value": "attn_in", "dense": "attn_out", "fc1": "attn_in", "fc2": "mlp_mid",
+    "dense_h_to_4h": "mlp_in", "dense_4h_to_h": "mlp_mid",
 }
 
 
@@ -180,7 +184,9 @@ def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) 
     # Under FSDP the adapters are gathered in the compute dtype with the base, so peft's
     # cast of the input to the adapter dtype is a no-op and adapters reading the same
     # tensor save that one tensor; the attention output is saved by attention already.
-    shared_inputs = setup.strategy == "fsdp" and regime.compute == 2
+    # Not so in phi and gpt_neox: their LayerNorms' (and gelu_new's) outputs are fp32 under autocast,
+    # peft casts them once per adapter, and their attention output is a copy attention did not save.
+    shared_inputs = setup.strategy == "fsdp" and regime.compute == 2 and not arch.traits.layer_norm
     saved = 0.0
     seen: set[str] = set()
     for lin in arch.resolve_lora_targets(setup.lora_targets):
@@ -217,13 +223,22 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
     traits = arch.traits
     seq = setup.sequence_length
 
-    saved = traits.norms_per_layer * _norm_saved(arch, regime)
+    autocast = compute == 2 and not regime.master_bf16  # the forward runs under autocast
+    if traits.layer_norm:
+        # phi / gpt_neox: LayerNorms and the linears' inputs, non-gated MLP, dropout masks.
+        saved = families.layer_norms_saved(arch, regime.residual, autocast, regime.weights_trainable)
+        saved += families.plain_mlp_saved(arch, compute, autocast, regime.weights_trainable)
+        saved += families.residual_dropout_saved(arch)
+        if setup.attention != "eager":
+            saved += families.attention_output_copy_saved(arch, compute, regime.weights_trainable)
+    else:
+        saved = traits.norms_per_layer * _norm_saved(arch, regime)
     saved += families.qk_norm_saved(arch, compute, regime.weights_trainable)
     # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
     # pre-norms (two per block) feed linears. Only those two feed linears below.
 
     # Inputs the base linears save (only when their weights train).
-    if regime.weights_trainable:
+    if regime.weights_trainable and not traits.layer_norm:
         if regime.autocast_fp32_weights:
             # Autocast casts the fp32 norm output separately for every linear that reads it.
             attn_reads = 1 if traits.fused_qkv else 3
@@ -236,6 +251,8 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
     if setup.attention == "eager":
         kv_saved = q_width if arch.num_key_value_heads < heads else kv_width  # repeat_kv copies
         saved += compute * (q_width + 2 * kv_saved) + compute * q_width  # q, repeated k/v, contiguous output
+        if traits.fused_qkv and traits.layer_norm:
+            saved += compute * (q_width + kv_width)  # gpt_neox: v is a view, the whole query_key_value output stays
         if traits.attention_sinks:
             saved += families.eager_sinks_saved(arch, compute, seq)
         else:
@@ -252,7 +269,9 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
             saved += compute * seq * families.sliding_share(arch)  # only the sliding layers get one
 
     # MLP.
-    if arch.is_moe and traits.moe != "mixtral":
+    if traits.plain_mlp:
+        pass  # counted with the LayerNorms above
+    elif arch.is_moe and traits.moe != "mixtral":
         saved += families.grouped_experts_saved(arch, 4 if regime.autocast_fp32_weights else compute,
                                                 regime.weights_trainable)
     elif arch.is_moe:
@@ -586,13 +605,17 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     # ---- activations ----
     block_per_token, lora_per_token = _block_saved_bytes_per_token(arch, setup, regime)
     # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
-    shared = 2 * regime.compute * arch.dim_per_head * tokens
+    shared = 2 * regime.compute * arch.rotary_dim * tokens
     if setup.attention == "eager":
         shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
     elif _sdpa_needs_mask(arch, setup):
         shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
     # The final norm's saved input and its output (the head's input), the embedding output.
     around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
+    if arch.traits.layer_norm:
+        autocast = regime.compute == 2 and not regime.master_bf16
+        around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
+                  + regime.residual * hidden + families.embedding_dropout_saved(arch)) * tokens
     one_block = (block_per_token + lora_per_token) * tokens
     block_input = regime.residual * hidden * tokens
     offloaded_to_host = 0.0

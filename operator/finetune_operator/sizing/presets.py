@@ -77,6 +77,24 @@ def _granite(name, hidden, inter, layers, heads, kv):
     )
 
 
+def _phi(name, hidden, inter, layers, rotary, resid_pdrop):
+    """phi-1.5 / phi-2 (model_type phi): resid_pdrop is the published config's (phi-2 trains with 0.1)."""
+    return ModelArchitecture(
+        family="phi", vocab_size=51200, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, partial_rotary_factor=rotary,
+        hidden_act="gelu_new", residual_dropout=resid_pdrop, rope_theta=10000.0, name=name,
+    )
+
+
+def _pythia(name, hidden, layers, heads, vocab):
+    """Pythia (model_type gpt_neox): MLP 4 x hidden, a quarter of each head rotary, parallel residual."""
+    return ModelArchitecture(
+        family="gpt_neox", vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048, attention_bias=True,
+        partial_rotary_factor=0.25, hidden_act="gelu", rope_theta=10000.0, name=name,
+    )
+
+
 PRESETS: dict[str, ModelArchitecture] = {
     "llama-3.2-1b": _llama("meta-llama/Llama-3.2-1B", 2048, 8192, 16, 32, 8, True, head_dim=64),
     "llama-3.2-3b": _llama("meta-llama/Llama-3.2-3B", 3072, 8192, 28, 24, 8, True, head_dim=128),
@@ -128,4 +146,11 @@ PRESETS: dict[str, ModelArchitecture] = {
     "olmo-2-13b": _olmo2("allenai/OLMo-2-1124-13B", 5120, 13824, 40, 40),
     "granite-3.1-2b": _granite("ibm-granite/granite-3.1-2b-base", 2048, 8192, 40, 32, 8),
     "granite-3.1-8b": _granite("ibm-granite/granite-3.1-8b-base", 4096, 12800, 40, 32, 8),
+    # Issue 28: phi and gpt_neox (Pythia), from their published config.json files.
+    "phi-1_5": _phi("microsoft/phi-1_5", 2048, 8192, 24, 0.5, 0.0),
+    "phi-2": _phi("microsoft/phi-2", 2560, 10240, 32, 0.4, 0.1),
+    "pythia-1b": _pythia("EleutherAI/pythia-1b", 2048, 16, 8, 50304),
+    "pythia-2.8b": _pythia("EleutherAI/pythia-2.8b", 2560, 32, 32, 50304),
+    "pythia-6.9b": _pythia("EleutherAI/pythia-6.9b", 4096, 32, 32, 50432),
+    "pythia-12b": _pythia("EleutherAI/pythia-12b", 5120, 36, 40, 50688),
 }
