@@ -182,6 +182,8 @@ CASES = [
          "pvc": {"claimName": "e"}, "s3": {"endpoint": "https://s3.x", "bucket": "evals", "key": "k",
                                            "credentialsSecretRef": {"name": "s"}}}}),
          "spec.evaluation.dataset", "exactly one of pvc, s3", False),
+    Case("eval-micro-batch-zero", _set("spec.evaluation", {"heldOutFraction": 0.1, "microBatchSize": 0}),
+         "spec.evaluation.microBatchSize", "greater than or equal to 1", True),
     Case("eval-every-zero", _set("spec.evaluation", {"heldOutFraction": 0.1, "everySteps": 0}),
          "spec.evaluation.everySteps", "greater than or equal to 1", True),
     # spec.export: adapter | merged | full, each only with the methods it fits

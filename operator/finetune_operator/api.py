@@ -915,6 +915,10 @@ class EvaluationSpec(ApiModel):
     does not exist or holds no example fails the job with a DataError naming this field."""
     every_steps: Annotated[int, Field(ge=1)] | None = None
     """Evaluate every this many optimizer steps; always at the end. Omitted: only at the end."""
+    micro_batch_size: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Sequences per GPU per evaluation forward (no gradients, so often larger than training's). The
+    planner sizes it: a plan is chosen only where it fits beside the setup's resident memory.
+    Omitted: the plan's training micro-batch."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvaluationSpec":

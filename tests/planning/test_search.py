@@ -564,3 +564,18 @@ def test_when_every_pool_queues_the_shortest_queue_within_the_margin_wins_and_sa
     # An equal queue is no reason to pay more.
     level = paris.model_copy(update={"queued_gpus": 96})
     assert plan(job, [berlin, level], start_time).pool.name == "h100-b"
+
+
+def test_an_eval_micro_batch_is_sized_and_one_that_fits_nowhere_is_infeasible_saying_so():
+    """spec.evaluation.microBatchSize: the forward of that micro-batch must fit beside the setup's
+    resident memory (sized by the real model: simple_estimate has no phases, so it would count the
+    whole training step at that micro-batch, more than evaluation needs)."""
+    pools = [pool("h100")]
+    job = {"model.architecture": {"preset": "llama-3.1-8b"}, "evaluation": {"heldOutFraction": 0.05}}
+    plain = plan_job(spec(**job), pools, POLICY)
+    assert isinstance(plain, Plan), plain
+    small = plan_job(spec(**{**job, "evaluation": {"heldOutFraction": 0.05, "microBatchSize": 2}}), pools, POLICY)
+    assert isinstance(small, Plan) and _shape(small) == _shape(plain), (small, plain)
+    huge = plan_job(spec(**{**job, "evaluation": {"heldOutFraction": 0.05, "microBatchSize": 1024}}), pools, POLICY)
+    assert isinstance(huge, Infeasible), huge
+    assert "evaluation.microBatchSize" in huge.message, huge.message

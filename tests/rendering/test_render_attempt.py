@@ -419,9 +419,9 @@ def test_rendered_json_refuses_duplicate_keys(tmp_path, monkeypatch):
 
 
 def test_the_evaluation_settings_reach_the_trainer_and_are_absent_without_spec_evaluation(lora_job):
-    job = job_of(lora_job, evaluation={"heldOutFraction": 0.05, "everySteps": 50})
+    job = job_of(lora_job, evaluation={"heldOutFraction": 0.05, "everySteps": 50, "microBatchSize": 8})
     rendered = render_attempt(job, plan_for(job, gpus_per_node=2), 1, policy())
-    assert trainer(rendered)["evaluation"] == {"heldOutFraction": 0.05, "everySteps": 50}
+    assert trainer(rendered)["evaluation"] == {"heldOutFraction": 0.05, "everySteps": 50, "microBatchSize": 8}
     del lora_job["spec"]["evaluation"]  # job_of updates the fixture in place
     plain = job_of(lora_job)
     assert "evaluation" not in trainer(render_attempt(plain, plan_for(plain, gpus_per_node=2), 1, policy()))

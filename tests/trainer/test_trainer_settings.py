@@ -40,3 +40,14 @@ def test_an_epoch_based_job_warms_up_by_ratio(tmp_path):
     assert training_arguments(by_epochs, max_steps=100, cuda=False).warmup_steps == 0.05
     by_steps = by_epochs.model_copy(update={"warmup_steps": 3})
     assert training_arguments(by_steps, max_steps=100, cuda=False).warmup_steps == 3
+
+
+def test_evaluation_runs_at_its_own_micro_batch_or_at_trainings(tmp_path):
+    from finetune_trainer.run import training_arguments
+
+    base = TrainerConfig(job_name="j", model={"path": str(tmp_path)}, dataset={"path": "/data"}, max_steps=10,
+                         output_directory=str(tmp_path / "out"), precision="fp32", micro_batch_size=2,
+                         evaluation={"heldOutFraction": 0.1})
+    assert training_arguments(base, max_steps=10, cuda=False).per_device_eval_batch_size == 2
+    own = base.model_copy(update={"evaluation": base.evaluation.model_copy(update={"micro_batch_size": 16})})
+    assert training_arguments(own, max_steps=10, cuda=False).per_device_eval_batch_size == 16

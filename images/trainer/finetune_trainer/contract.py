@@ -169,6 +169,8 @@ class EvaluationSettings(_Contract):
     the training dataset."""
     every_steps: int | None = Field(None, ge=1)
     """Evaluate every this many optimizer steps, and always at the end; None: only at the end."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Sequences per device per evaluation forward; None: the training micro-batch."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvaluationSettings":

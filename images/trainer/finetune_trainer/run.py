@@ -158,7 +158,7 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         # its memory stays under the training peak the plan sized (README, "Evaluation").
         eval_strategy="steps" if cfg.evaluation and cfg.evaluation.every_steps else "no",
         eval_steps=cfg.evaluation.every_steps if cfg.evaluation else None,
-        per_device_eval_batch_size=cfg.micro_batch_size,
+        per_device_eval_batch_size=(cfg.evaluation.micro_batch_size if cfg.evaluation else None) or cfg.micro_batch_size,
         prediction_loss_only=True,
         save_strategy="no",  # our own atomic, reshardable checkpoints (checkpointing.py)
         report_to=[],

@@ -99,6 +99,10 @@ def find(
     found = []
     for group in space:
         stats.groups_visited += 1
+        why_not = eval_misfit(ask, group, estimates, calibration)
+        if why_not is not None:
+            stats.reject("GPU memory (evaluation.microBatchSize)" if why_not == "eval" else "setup not supported")
+            continue
         for micro in group.micros:
             facts = estimates.get(group.world, group.strategy, group.offload, group.checkpointing, micro, group.levers)
             if isinstance(facts, SizingError):
@@ -131,11 +135,15 @@ def largest_fitting_micro(
     key = group.fit_key()
     cached = fit_cache.get(key)
     if cached is None:
-        cached = fit_cache[key] = fit_index(ask, group, probe, calibration)
+        why_not = eval_misfit(ask, group, estimates, calibration)
+        cached = fit_cache[key] = (None, why_not, None) if why_not else fit_index(ask, group, probe, calibration)
     index, why, first = cached
     if index is None:
         if why == "unsupported":
             stats.reject("setup not supported")
+            return None
+        if why == "eval":
+            stats.reject("GPU memory (evaluation.microBatchSize)")
             return None
         stats.reject("host memory" if why == "host" else "GPU memory")
         if why == "gpu" and first is None:  # rejected on the weights alone, without sizing
@@ -165,6 +173,17 @@ def largest_fitting_micro(
             return None
         return micros[i], facts
     return None
+
+
+def eval_misfit(ask: Ask, group: Group, estimates: Estimates, calibration: float) -> str | None:
+    """Why the group cannot evaluate at the job's own eval micro-batch ("eval", "unsupported"), or None
+    (it can, or the job evaluates at the training micro-batch, which the step's estimate covers)."""
+    if ask.eval_micro_batch is None:
+        return None
+    need = estimates.eval_required(group.world, group.strategy, group.offload, group.levers)
+    if isinstance(need, SizingError):
+        return "unsupported"
+    return "eval" if need * calibration > group.usable else None
 
 
 def fit_index(ask: Ask, group: Group, probe: Callable[[int], Any], calibration: float) -> FitResult:

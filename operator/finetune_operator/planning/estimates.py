@@ -136,6 +136,23 @@ class Estimates:
         self.cache[key] = hit
         return hit
 
+    def eval_required(self, world: int, strategy: str, offload: str, levers: Levers = NO_LEVERS) -> int | SizingError:
+        """Required bytes per GPU while it evaluates at the job's eval micro-batch (ask.eval_micro_batch):
+        the forward phase of that micro-batch with gradient checkpointing, which bounds a forward under
+        no_grad from above (it keeps each block's input for backward; no_grad keeps nothing), with the
+        resident states of the setup and the estimate's own allocator margin. An estimator that says
+        nothing of its phases counts its whole step (more, never less)."""
+        micro = self.ask.eval_micro_batch
+        assert micro is not None
+        facts = self.get(world, strategy, offload, True, micro, levers)
+        if isinstance(facts, SizingError):
+            return facts
+        phases = getattr(facts.source, "phase_peaks", None) or {}
+        forward = phases.get("forward")
+        if forward is None:
+            return facts.required_bytes
+        return int(facts.required_bytes - facts.peak_bytes + forward)
+
     def setup(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
               levers: Levers = NO_LEVERS) -> TrainingSetup:
         a = self.ask  # a field of the job read here belongs in `self.shared` too (the memo's key)

@@ -91,6 +91,9 @@ class Ask:
     # Host memory one pod asks for beside its training container (the master's upload sidecar, for an
     # output in object storage): the pod is scheduled on its requests, so a node must hold both.
     pod_extra_host_bytes: int = 0
+    # spec.evaluation.microBatchSize: evaluation's own micro-batch, which must fit beside what the
+    # setup keeps resident (estimates.Estimates.eval_required); None: the plan's micro-batch.
+    eval_micro_batch: int | None = None
 
     def base_choices(self, strategy: str, offload: str, checkpointing: bool) -> Choices:
         """A group's choices before its levers, for combinations.py."""
@@ -247,6 +250,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         target_experts=target_experts,
         export_host_bytes=exported.host_bytes if exported is not None else 0,
         pod_extra_host_bytes=UPLOAD_SIDECAR_HOST_BYTES if spec.output is not None and spec.output.s3 is not None else 0,
+        eval_micro_batch=spec.evaluation.micro_batch_size if spec.evaluation is not None else None,
     )
 
 

@@ -76,7 +76,7 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             # The eval data is read like the training data (its format and packing).
             dataset=None if eval_path is None else DatasetSource(path=eval_path, format=spec.dataset.format,
                                                                  packing=spec.dataset.packing),
-            every_steps=spec.evaluation.every_steps)
+            every_steps=spec.evaluation.every_steps, micro_batch_size=spec.evaluation.micro_batch_size)
 
     try:
         return TrainerConfig(
