@@ -891,6 +891,15 @@ def spec_choices(spec: "FineTuneJobSpec") -> Choices:
     )
 
 
+class EarlyStoppingSpec(ApiModel):
+    """Stop training once the eval loss stops improving."""
+
+    patience: Annotated[int, Field(ge=1, le=1000)]
+    """Evaluations in a row that may pass without improving the best eval loss; the next step does not run."""
+    min_delta: Annotated[float, Field(ge=0)] = 0.0
+    """An improvement counts only when the eval loss falls by more than this."""
+
+
 class EvaluationSpec(ApiModel):
     """Evaluation while it trains: the loss on data the run does not train on."""
 
@@ -899,6 +908,9 @@ class EvaluationSpec(ApiModel):
             "x-kubernetes-validations": [
                 {"rule": "has(self.heldOutFraction) != has(self.dataset)",
                  "message": "set exactly one of heldOutFraction, dataset"},
+                {"rule": "!has(self.earlyStopping) || has(self.everySteps)",
+                 "message": "earlyStopping needs everySteps (without it the only evaluation is at the end)",
+                 "fieldPath": ".earlyStopping"},
             ]
         }
     )
@@ -919,11 +931,19 @@ class EvaluationSpec(ApiModel):
     """Sequences per GPU per evaluation forward (no gradients, so often larger than training's). The
     planner sizes it: a plan is chosen only where it fits beside the setup's resident memory.
     Omitted: the plan's training micro-batch."""
+    early_stopping: EarlyStoppingSpec | None = None
+    """Stop once `patience` evaluations in a row did not improve the best eval loss by more than
+    `minDelta`; the count carries over a resumed attempt. Needs everySteps."""
+    keep_best: bool = False
+    """The output is the model of the evaluation with the lowest eval loss (kept beside the
+    checkpoints as training goes), not the last step's. Needs spec.checkpoint."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvaluationSpec":
         if (self.held_out_fraction is None) == (self.dataset is None):
             raise _FieldError("heldOutFraction", "set exactly one of heldOutFraction, dataset")
+        if self.early_stopping is not None and self.every_steps is None:
+            raise _FieldError("earlyStopping", "needs everySteps (without it the only evaluation is at the end)")
         return self
 
 
@@ -938,6 +958,12 @@ class FineTuneJobSpec(ApiModel):
                     "rule": "self.method == 'full' ? !has(self.lora) : has(self.lora)",
                     "message": "lora is required for methods lora and qlora, and not allowed for full",
                     "fieldPath": ".lora",
+                },
+                {
+                    "rule": "!has(self.evaluation) || !has(self.evaluation.keepBest) || !self.evaluation.keepBest"
+                    " || has(self.checkpoint)",
+                    "message": "evaluation.keepBest needs checkpoint (the best model is kept beside the checkpoints)",
+                    "fieldPath": ".evaluation.keepBest",
                 },
                 {
                     "rule": "!has(self.training) || !has(self.training.microBatchSize) || "
@@ -994,6 +1020,8 @@ class FineTuneJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> "FineTuneJobSpec":
+        if self.evaluation is not None and self.evaluation.keep_best and self.checkpoint is None:
+            raise _field_error("evaluation.keepBest", "needs checkpoint (the best model is kept beside the checkpoints)")
         if self.method == "full" and self.lora is not None:
             raise _field_error("lora", "not allowed with method full (remove it, or use method lora)")
         if self.method in ("lora", "qlora") and self.lora is None:
@@ -1292,6 +1320,14 @@ class ProvenanceSummary(StatusModel):
     """sha256 over spec.evaluation.dataset's files (a separate evaluation dataset)."""
     eval_examples: int | None = None
     """Sequences of that separate evaluation dataset."""
+    best_eval_step: int | None = None
+    """The step of the lowest eval loss (spec.evaluation), and that loss."""
+    best_eval_loss: float | None = None
+    stopped_early_at: int | None = None
+    """The step spec.evaluation.earlyStopping ended training at; absent when it ran to the end."""
+    output_is_best: bool | None = None
+    """spec.evaluation.keepBest: the output holds the model of bestEvalStep (false: it was not found,
+    and the output is the last step's; the trainer's log says so)."""
     tokens_last_attempt: int | None = None
     """Tokens the succeeding attempt trained on (all GPUs); earlier attempts' tokens are not counted."""
     steps: int | None = None

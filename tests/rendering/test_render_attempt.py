@@ -427,6 +427,15 @@ def test_the_evaluation_settings_reach_the_trainer_and_are_absent_without_spec_e
     assert "evaluation" not in trainer(render_attempt(plain, plan_for(plain, gpus_per_node=2), 1, policy()))
 
 
+def test_early_stopping_and_keep_best_reach_the_trainer(lora_job):
+    lora_job["spec"]["checkpoint"] = {"pvc": {"claimName": "ckpt"}, "everySteps": 50}
+    job = job_of(lora_job, evaluation={"heldOutFraction": 0.05, "everySteps": 50, "keepBest": True,
+                                       "earlyStopping": {"patience": 3, "minDelta": 0.01}})
+    rendered = render_attempt(job, plan_for(job, gpus_per_node=2), 1, policy())
+    assert trainer(rendered)["evaluation"] == {"heldOutFraction": 0.05, "everySteps": 50, "keepBest": True,
+                                               "earlyStopping": {"patience": 3, "minDelta": 0.01}}
+
+
 def test_a_separate_eval_dataset_on_a_volume_is_mounted_read_only_and_read_like_the_training_data(lora_job):
     lora_job["spec"]["dataset"]["format"] = "instruction"
     job = job_of(lora_job, evaluation={"dataset": {"pvc": {"claimName": "evals", "path": "support/eval.jsonl"}},

@@ -380,3 +380,56 @@ def test_a_separate_eval_dataset_is_evaluated_whole_and_training_keeps_all_of_it
     report = read_report(tmp_path / "missing-log")
     assert failed.returncode != 0 and report["reason"] == "DataError", failed.output[-2000:]
     assert "spec.evaluation.dataset" in report["message"]
+
+
+def test_early_stopping_counts_across_a_resumed_attempt(assets, tmp_path):
+    """earlyStopping: with a learning rate of 1e-9 the eval loss never improves on the first
+    evaluation by more than minDelta, so patience 2 stops after the third; an attempt that fails after the second and
+    resumes from its checkpoint carries the count (a fresh count would run two evaluations more)."""
+    config = trainer_config(assets, tmp_path, method="lora", learningRate=1e-9, maxSteps=20,
+                            lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"},
+                            evaluation={"heldOutFraction": 0.25, "everySteps": 2,
+                                        "earlyStopping": {"patience": 2, "minDelta": 0.001}},
+                            checkpoint={"directory": str(tmp_path / "ckpt"), "everySteps": 4, "keepLast": 2},
+                            faultInjection={"kind": "error", "step": 5, "phase": "forward", "attempt": 1})
+    first = run_trainer(write_config(tmp_path, config))
+    assert first.returncode != 0 and [e["step"] for e in first.of("eval")] == [2, 4], first.output[-2000:]
+    resumed = dict(config, attempt=2, reportPath=str(tmp_path / "log2"))  # a new pod's termination log
+    again = run_trainer(write_config(tmp_path, resumed, "config2.json"))
+    assert again.returncode == 0, again.output[-3000:]
+    assert [e["step"] for e in again.of("eval")] == [6]
+    [stop] = again.of("early-stop")
+    assert (stop["step"], stop["bestStep"]) == (6, 2), stop
+    [summary] = again.of("summary")
+    assert summary["step"] == 6
+    facts = read_report(tmp_path / "log2")["facts"]
+    assert (facts["stoppedEarlyAt"], facts["bestEvalStep"]) == (6, 2), facts
+
+
+def test_keep_best_makes_the_output_the_best_evaluations_model(assets, tmp_path):
+    """keepBest: an improvement counts only beyond minDelta, so with minDelta 1.0 the first
+    evaluation stays the best while training goes on to step 8; the output is then the adapter
+    saved at that evaluation (in <checkpoints>/best), not the last step's."""
+    config = trainer_config(assets, tmp_path, method="lora", learningRate=1e-2, maxSteps=8,
+                            lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"},
+                            evaluation={"heldOutFraction": 0.25, "everySteps": 2, "keepBest": True,
+                                        "earlyStopping": {"patience": 10, "minDelta": 1.0}},
+                            checkpoint={"directory": str(tmp_path / "ckpt"), "everySteps": 4, "keepLast": 2})
+    run = run_trainer(write_config(tmp_path, config))
+    assert run.returncode == 0, run.output[-3000:]
+    evals = {e["step"]: e["evalLoss"] for e in run.of("eval")}
+    assert sorted(evals) == [2, 4, 6, 8] and evals[8] < evals[2], evals  # it learned, by less than 1.0
+    [saved] = run.of("best-model")
+    assert saved["step"] == 2
+    facts = read_report(tmp_path / "termination-log")["facts"]
+    assert (facts["bestEvalStep"], facts["outputIsBest"]) == (2, True), facts
+    output, best = Path(config["outputDirectory"]), tmp_path / "ckpt" / "best"
+    assert json.loads((best / "best-eval.json").read_text())["step"] == 2
+    assert (output / "adapter_model.safetensors").read_bytes() == (best / "adapter_model.safetensors").read_bytes()
+    # The same run without keepBest ends with another adapter: the last step's.
+    last = dict(config, evaluation=dict(config["evaluation"], keepBest=False),
+                outputDirectory=str(tmp_path / "last"), checkpoint=None, reportPath=str(tmp_path / "last-log"))
+    plain = run_trainer(write_config(tmp_path, last, "last.json"))
+    assert plain.returncode == 0, plain.output[-3000:]
+    assert [round(e["evalLoss"], 4) for e in plain.of("eval")] == [round(evals[s], 4) for s in (2, 4, 6, 8)]
+    assert (output / "adapter_model.safetensors").read_bytes() != (tmp_path / "last" / "adapter_model.safetensors").read_bytes()

@@ -157,6 +157,13 @@ class CheckpointSettings(_Contract):
     keep_last: int = Field(2, ge=1)
 
 
+class EarlyStopping(_Contract):
+    """Stop once `patience` evaluations in a row improved the best eval loss by no more than `min_delta`."""
+
+    patience: int = Field(ge=1)
+    min_delta: float = Field(0.0, ge=0)
+
+
 class EvaluationSettings(_Contract):
     """Evaluation on a held-out part of the dataset or on a dataset of its own (FineTuneJob
     spec.evaluation): exactly one of the two."""
@@ -171,6 +178,10 @@ class EvaluationSettings(_Contract):
     """Evaluate every this many optimizer steps, and always at the end; None: only at the end."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Sequences per device per evaluation forward; None: the training micro-batch."""
+    early_stopping: EarlyStopping | None = None
+    keep_best: bool | None = None
+    """True: the output is the model of the best evaluation (kept in <checkpoints>/best), not the
+    last step's; needs the checkpoint directory (evaluation.py). None (left out of the JSON): no."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvaluationSettings":
@@ -299,6 +310,8 @@ class TrainerConfig(_Contract):
         problems = violations(self.choices())
         if problems:
             raise ValueError(describe(problems))
+        if self.evaluation is not None and self.evaluation.keep_best and self.checkpoint is None:
+            raise ValueError("evaluation.keepBest needs checkpoint (the best model is kept beside the checkpoints)")
         return self
 
     @property
@@ -672,6 +685,10 @@ class TrainingFacts(_Contract):
     tokens: int = Field(ge=0, description="tokens this attempt trained on, all ranks")
     final_loss: float | None = None
     eval_loss: float | None = Field(None, description="held-out loss at the last evaluation (spec.evaluation)")
+    best_eval_step: int | None = Field(None, ge=0, description="the step of the lowest eval loss")
+    best_eval_loss: float | None = None
+    stopped_early_at: int | None = Field(None, ge=0, description="the step early stopping ended training at")
+    output_is_best: bool | None = Field(None, description="keepBest: the output holds the best evaluation's model")
     eval_dataset_sha256: str | None = Field(None, description="sha256 over spec.evaluation.dataset's files, when separate")
     eval_examples: int | None = Field(None, ge=0, description="sequences of that separate evaluation dataset")
 

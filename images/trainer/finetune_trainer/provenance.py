@@ -75,6 +75,10 @@ class AttemptFacts:
     eval_loss: float | None = None
     eval_files: list[FileDigest] = field(default_factory=list)  # spec.evaluation.dataset's, when separate
     eval_examples: int = 0
+    best_eval_step: int | None = None
+    best_eval_loss: float | None = None
+    stopped_early_at: int | None = None
+    output_is_best: bool | None = None
 
     @classmethod
     def read(cls, cfg: TrainerConfig, records: int, examples: int) -> "AttemptFacts":
@@ -89,7 +93,9 @@ class AttemptFacts:
                              records=self.records, examples=self.examples, held_out=self.held_out,
                              tokens=self.tokens, final_loss=self.final_loss, eval_loss=self.eval_loss,
                              eval_dataset_sha256=combined_digest(self.eval_files) if self.eval_files else None,
-                             eval_examples=self.eval_examples or None)
+                             eval_examples=self.eval_examples or None, best_eval_step=self.best_eval_step,
+                             best_eval_loss=self.best_eval_loss, stopped_early_at=self.stopped_early_at,
+                             output_is_best=self.output_is_best)
 
 
 def write_attempt_record(cfg: TrainerConfig, facts: AttemptFacts, steps: int) -> Path:

@@ -269,11 +269,18 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
                               faults=faults, cfg=cfg, chunked_loss=chunked)
     trainer.remove_callback(PrinterCallback)
     progress = ProgressCallback(trainer, plan, attempt=cfg.attempt)
+    evaluation = None
+    if eval_dataset is not None and cfg.evaluation is not None:
+        from .evaluation import EvalCallback
+
+        evaluation = EvalCallback(trainer, cfg.evaluation, cfg.checkpoint.directory if cfg.checkpoint else None,
+                                  checkpoint.meta.step if checkpoint is not None else None)
     # The levers callback first: it checks the optimizer before resume loads into it.
     for callback in (LeversCallback(trainer, cfg), PhaseCallback(faults),
                      ResumeCallback(trainer, plan, cfg.method != "full"),
-                     CheckpointCallback(trainer, cfg, plan, faults), progress):
-        trainer.add_callback(callback)
+                     CheckpointCallback(trainer, cfg, plan, faults), progress, evaluation):
+        if callback is not None:
+            trainer.add_callback(callback)
 
     # Until the first forward, train() wraps the model and builds the optimizer (and
     # DeepSpeed's partitions): memory for those counts as loading.
@@ -285,6 +292,21 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
 
     PROGRESS.enter(Phase.CHECKPOINT, trainer.state.global_step)
     trainer.save_model(cfg.output_directory)
+    if evaluation is not None:
+        best = evaluation.best()
+        facts.best_eval_step, facts.best_eval_loss = best if best is not None else (None, None)
+        facts.stopped_early_at = evaluation.stopped_at
+        if cfg.evaluation.keep_best and best is not None and trainer.is_world_process_zero():
+            from .evaluation import take_best
+
+            assert cfg.checkpoint is not None  # the contract requires it
+            facts.output_is_best = best[0] == trainer.state.global_step or take_best(
+                cfg.checkpoint.directory, cfg.output_directory, best[0])
+            if not facts.output_is_best:
+                log_json("warning", message=f"keepBest: the best model (step {best[0]}) was not found in "
+                                            f"{cfg.checkpoint.directory}/best; the output is the last step's")
+            else:
+                log_json("output", best=True, step=best[0], evalLoss=best[1])
     elapsed = time.time() - started
     tokens = progress.global_tokens()
     if trainer.is_world_process_zero():

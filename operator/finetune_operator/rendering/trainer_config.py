@@ -7,6 +7,7 @@ import math
 from finetune_trainer.contract import (
     CheckpointSettings,
     DatasetSource,
+    EarlyStopping,
     EvaluationSettings,
     LoraSettings,
     ModelSource,
@@ -76,7 +77,10 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             # The eval data is read like the training data (its format and packing).
             dataset=None if eval_path is None else DatasetSource(path=eval_path, format=spec.dataset.format,
                                                                  packing=spec.dataset.packing),
-            every_steps=spec.evaluation.every_steps, micro_batch_size=spec.evaluation.micro_batch_size)
+            every_steps=spec.evaluation.every_steps, micro_batch_size=spec.evaluation.micro_batch_size,
+            early_stopping=None if spec.evaluation.early_stopping is None else EarlyStopping(
+                patience=spec.evaluation.early_stopping.patience, min_delta=spec.evaluation.early_stopping.min_delta),
+            keep_best=spec.evaluation.keep_best or None)
 
     try:
         return TrainerConfig(
