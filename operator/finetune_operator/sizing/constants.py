@@ -41,14 +41,11 @@ BNB_8BIT_MIN_SIZE = 4096
 # 8-bit absmax per block of 64, one fp32 constant per 256 absmax blocks.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 
-# DeepSpeed ZeRO bucket sizes (elements): the values the trainer's DeepSpeed config sets
-# explicitly (contract.deepspeed_config), so the model and the config cannot disagree.
-ZERO_REDUCE_BUCKET_ELEMENTS = _contract.ZERO_REDUCE_BUCKET_ELEMENTS
-ZERO_ALLGATHER_BUCKET_ELEMENTS = _contract.ZERO_ALLGATHER_BUCKET_ELEMENTS
-ZERO3_PREFETCH_BUCKET_ELEMENTS = _contract.ZERO3_PREFETCH_BUCKET_ELEMENTS
-# ZeRO-3 holds this many bytes per parameter of its partition beyond the documented states
-# (measured on DeepSpeed's code with bench/zero_truth.py: 28 B/param/rank against 16).
-ZERO3_EXTRA_BYTES_PER_PARAM = 12
+# DeepSpeed ZeRO settings (elements): the ones the trainer's DeepSpeed config writes
+# (contract.ZERO_SETTINGS, read by contract.deepspeed_config), so the model and the config
+# cannot disagree. Stage 3's buffers are replayed from them in zero3.py.
+ZERO_SETTINGS = _contract.ZERO_SETTINGS
+ZERO_REDUCE_BUCKET_ELEMENTS = ZERO_SETTINGS.reduce_bucket_size
 
 # The trainer's bf16 AdamW (bf16_adamw.py) computes one parameter's step in fp32: the
 # gradient, both moments and the old weight (4 x 4 bytes per element), and for the
