@@ -92,12 +92,20 @@ def test_qlora_nf4_weights():
     lin = a.linear_params
     lora = a.lora_trainable_params(16, "all-linear")
     est = estimate_memory(TrainingSetup(architecture=a, method="qlora", lora_rank=16, gradient_checkpointing=True))
-    # 4-bit weights + one 8-bit absmax per 64 + one fp32 per 256 absmax blocks; the rest
-    # (embeddings, norms, head) is cast to fp32 by peft's prepare_model_for_kbit_training.
-    nf4 = lin * (0.5 + 1 / 64 + 4 / (64 * 256))
+    # 4-bit weights + one 8-bit absmax per 64 + one fp32 per 256 absmax blocks (and per weight an
+    # offset and two code tables); the rest (embeddings, norms, head) is cast to fp32 by peft's
+    # prepare_model_for_kbit_training.
+    from finetune_operator.sizing.memory import nf4_quant_state_bytes
+
+    state = nf4_quant_state_bytes(a)
+    nf4 = 0.5 * lin + state
     expected = nf4 + 4 * (p - lin) + 4 * lora
     assert est.phase_peaks["optimizer"] == round(expected + 4 * lora + 8 * lora)
     assert 0.515 < nf4 / lin < 0.517
+    # about 1 GiB at 70B: 80 layers x 7 weights
+    per_weight_tables = 512 + 512 + 1024  # offset, NF4 code, absmax code: one 512-byte block or two each
+    assert state == pytest.approx(lin / 64 + 4 * lin / (64 * 256) + 80 * 7 * per_weight_tables, rel=1e-4)
+    assert 0.95 * GIB < state < 1.1 * GIB
 
 
 def test_offload_moves_states_to_host():

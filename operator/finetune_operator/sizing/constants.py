@@ -37,9 +37,17 @@ DDP_BUCKETS_COPY_GRADIENTS = True
 BNB_8BIT_STATE_BYTES_PER_PARAM = 2 + 2 * 4 / 256
 BNB_8BIT_MIN_SIZE = 4096
 
-# bitsandbytes NF4 with double quantisation, block size 64: 4 bits per weight, one
-# 8-bit absmax per block of 64, one fp32 constant per 256 absmax blocks.
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# bitsandbytes NF4 with double quantisation (the trainer's BitsAndBytesConfig: nf4,
+# bnb_4bit_use_double_quant): 4 bits per weight, packed (what FSDP shards). Each quantised
+# weight's quant_state beside it (memory.nf4_quant_state_bytes): one 8-bit absmax per block of
+# 64 weights, one fp32 second-level absmax per 256 of those blocks, the fp32 offset, the 16-entry
+# NF4 code and the 256-entry dynamic code of the absmax quantisation (fp32 each). Checked against
+# bitsandbytes.functional.quantize_4bit in tests/sizing/test_memory_levers.py.
+NF4_PACKED_BYTES_PER_PARAM = 0.5
+NF4_BLOCKSIZE = 64
+NF4_ABSMAX_BLOCKSIZE = 256
+NF4_CODE_ENTRIES = 16
+NF4_ABSMAX_CODE_ENTRIES = 256
 
 # DeepSpeed ZeRO settings (elements): the ones the trainer's DeepSpeed config writes
 # (contract.ZERO_SETTINGS, read by contract.deepspeed_config), so the model and the config

@@ -319,6 +319,30 @@ class _Static:
     zero3: "zero3.Zero3Memory | None" = None  # ZeRO-3's terms (its gradient partition lives through the step)
 
 
+def _allocated(nbytes: float) -> int:
+    """Bytes the CUDA caching allocator gives one tensor of `nbytes` (512-byte blocks)."""
+    return -(-int(math.ceil(nbytes)) // 512) * 512
+
+
+def nf4_weight_quant_state_bytes(numel: int) -> int:
+    """One NF4 weight's quantisation state (constants.py: double quantisation) as bitsandbytes
+    allocates it: ceil(n/64) uint8 absmax, ceil of that /256 fp32 second-level absmax, an fp32
+    offset and the two fp32 code tables, each tensor in whole 512-byte blocks."""
+    blocks = -(-numel // K.NF4_BLOCKSIZE)
+    return (_allocated(blocks) + _allocated(4 * -(-blocks // K.NF4_ABSMAX_BLOCKSIZE)) + _allocated(4)
+            + _allocated(4 * K.NF4_CODE_ENTRIES) + _allocated(4 * K.NF4_ABSMAX_CODE_ENTRIES))
+
+
+def nf4_quant_state_bytes(arch: ModelArchitecture) -> int:
+    """The NF4 quantisation state of every quantised weight of the model (QLoRA): FSDP does not
+    shard it (no parameter), so under FSDP too every GPU holds all of it."""
+    def block(linears) -> int:
+        return sum(nf4_weight_quant_state_bytes(lin.in_features * lin.out_features * lin.experts) for lin in linears)
+
+    moe_layers = arch.num_moe_layers
+    return moe_layers * block(arch.block_linears()) + (arch.num_layers - moe_layers) * block(arch._dense_block_linears)
+
+
 def _optimizer_bytes_per_param(setup: TrainingSetup, regime: _Regime) -> float:
     """Optimizer state per trainable parameter.
 
@@ -405,9 +429,13 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
         linear = arch.linear_params
         # The rest: fp32 under DDP (prepare_model_for_kbit_training), the compute dtype under FSDP.
         rest_bytes = regime.residual if strategy != "fsdp" else regime.compute
-        base = K.NF4_BYTES_PER_PARAM * linear + rest_bytes * (params - linear)
+        base = K.NF4_PACKED_BYTES_PER_PARAM * linear + rest_bytes * (params - linear)
+        # The quantisation state is no parameter: FSDP neither shards nor gathers it, so every
+        # GPU holds all of it (as every DDP replica does).
+        quant_state = float(nf4_quant_state_bytes(arch))
     else:
         base = base_bytes * params
+        quant_state = 0.0
     shards = world if strategy == "fsdp" else 1
     weights = (base + 4 * trainable) / shards
     grad_shards = world if strategy in ("fsdp", "zero2") else 1
@@ -424,9 +452,10 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
     if offload_optimizer:
         host += opt
         opt = 0.0
-    if offload_params:  # fsdp / zero3: the sharded base and adapters live on the host
+    if offload_params:  # fsdp: the sharded base and adapters live on the host
         host += weights
         weights = 0.0
+    weights += quant_state  # on the GPU whatever FSDP offloads (it moves parameters only)
     return _Static(weights, grads, opt, 0.0, buffers, host, unified, 4.0 * largest / grad_shards)
 
 
@@ -527,7 +556,7 @@ def _sharding(setup: TrainingSetup, regime: _Regime, static: _Static) -> _Shardi
         if regime.qlora:
             # fsdp_qlora gathers the 4-bit storage; bitsandbytes dequantises per matmul.
             linear = sum(lin.params for lin in arch.block_linears())
-            block_gathered = K.NF4_BYTES_PER_PARAM * linear + gathered_bytes * (block - linear)
+            block_gathered = K.NF4_PACKED_BYTES_PER_PARAM * linear + gathered_bytes * (block - linear)
         tail = gathered_bytes * (embed + arch.hidden_size)
         tail_grad = gathered_bytes * grad_frac * embed
         reduce = (gathered_bytes + 4) * grad_frac

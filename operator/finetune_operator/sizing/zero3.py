@@ -23,10 +23,12 @@ and at moments of the step:
   into the reduce bucket; a bucket that would overflow is reduce-scattered first, through a
   concatenated copy of its gradients (padded to the world size); a gradient larger than the
   bucket stays in its own tensor until the next reduce.
-* optimizer step: gathered parameters are released; one sub-group (`sub_group_size`
-  elements of the partition, closed at the first parameter that reaches it) at a time gets
-  its gradients flattened (compute dtype, a copy when it holds more than one parameter) and
-  cast to fp32; a fused AdamW steps it in place.
+* optimizer step: gathered parameters are released; the gradient norm casts each trainable
+  parameter's gradient partition to fp64 in turn (DeepSpeed's get_norm_dtype: fp64 wherever
+  the device has it); then one sub-group (`sub_group_size` elements of the partition, closed
+  at the first parameter that reaches it) at a time gets its gradients flattened (compute
+  dtype, a copy when it holds more than one parameter) and cast to fp32; a fused AdamW steps
+  it in place.
 
 With the optimizer offloaded, the fp32 master copy, the optimizer states, the gradient
 partition and each sub-group's fp32 gradient buffer live in host memory (pinned); the device
@@ -101,7 +103,7 @@ class Zero3Memory:
     reduce_bucket: float
     gathered_forward: float
     gathered_backward: float
-    step_transient: float  # one sub-group's fp32 gradient (and its flattened copy)
+    step_transient: float  # one sub-group's fp32 gradient (and its flattened copy), or a norm's fp64 copy
     host: float  # what offload keeps in host memory instead
 
 
@@ -315,6 +317,12 @@ def rank_memory(trace: ModuleTrace, *, world: int, compute_bytes: int, optimizer
     else:
         flattened = compute_bytes * sub_elements if sub_params > 1 else 0
         step = flattened + 4.0 * sub_elements
+    # Before the sub-groups: the gradient norm's fp64 copy of the largest gradient partition.
+    # (With the optimizer offloaded DeepSpeed takes each norm in backward, as the partition goes
+    # to the host; that copy is not counted.)
+    largest_part = max((_partition(p.numel, world) for p in params if p.trainable), default=0)
+    if offload not in ("optimizer", "optimizer+params"):
+        step = max(step, 8.0 * largest_part)
     if offload == "optimizer+params":
         host += weights
         weights = 0.0
