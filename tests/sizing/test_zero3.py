@@ -193,3 +193,24 @@ def test_deepspeed_reads_the_written_settings_as_the_sizing_does():
     assert parsed.max_live_parameters == ZERO_SETTINGS.max_live_parameters
     assert parsed.max_reuse_distance == ZERO_SETTINGS.max_reuse_distance
     assert parsed.sub_group_size == ZERO_SETTINGS.sub_group_size
+
+
+# ---- against DeepSpeed's own code ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_replay_matches_deepspeed_on_the_cpu():
+    # bench/zero_truth.py at a small size: two gloo ranks run DeepSpeed's ZeRO-3 with the trainer's
+    # config (its budgets divided by 256) and count every allocation; the estimate per phase.
+    pytest.importorskip("deepspeed")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "zero_truth.py"
+    spec = importlib.util.spec_from_file_location("zero_truth", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    measured = bench.run(3, 2, 512, 6, 256, 29650)
+    predicted = bench.estimate(3, 2, 512, 6, 256)
+    for phase in bench.PHASES:
+        assert predicted[phase] == pytest.approx(measured[phase], rel=0.01), phase
