@@ -47,6 +47,7 @@ block's forward again, then its backward).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -115,24 +116,39 @@ def _partition(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What the replay reads of a trace, whatever the world size and settings."""
+
+    order: tuple[int, ...]
+    prefix: tuple[int, ...]  # elements traversed before each step (the reuse window counts every parameter)
+    queue: tuple[tuple[int, int], ...]  # the trace's parameter queue: (parameter, step using it)
+    uses: dict  # parameter -> the steps using it, ascending
+
+
+@lru_cache(maxsize=256)
+def _prepare(trace: ModuleTrace) -> _Prepared:
+    order = trace.forward + trace.backward
+    prefix = [0]
+    uses: dict[int, list[int]] = {}
+    for step, m in enumerate(order):
+        prefix.append(prefix[-1] + sum(trace.params[i].numel for i in trace.modules[m]))
+        for i in trace.modules[m]:
+            uses.setdefault(i, []).append(step)
+    queue = tuple((i, step) for step, m in enumerate(order) for i in sorted(trace.modules[m]))
+    return _Prepared(order, tuple(prefix), queue, {i: tuple(v) for i, v in uses.items()})
+
+
 def replay(trace: ModuleTrace, settings: ZeroSettings = ZERO_SETTINGS, world: int = 1) -> Replay:
     """Follow DeepSpeed's parameter coordinator (with a complete trace, as from the third step on)
     and the gradient hooks over one forward and backward; the peak elements of each phase."""
     params = trace.params
     persistent = [p.numel <= settings.param_persistence_threshold for p in params]
-    order = trace.forward + trace.backward
+    prepared = _prepare(trace)
+    order, prefix, uses = prepared.order, prepared.prefix, prepared.uses
     n_forward = len(trace.forward)
     mods = trace.modules
-    # Elements traversed before each step of the trace (the reuse window counts every parameter).
-    prefix = [0]
-    for m in order:
-        prefix.append(prefix[-1] + sum(params[i].numel for i in mods[m]))
-    # The trace's parameter queue: each step's parameters with the step that uses them.
-    queue = deque((i, step) for step, m in enumerate(order) for i in sorted(mods[m]))
-    uses: dict[int, list[int]] = {}
-    for step, m in enumerate(order):
-        for i in mods[m]:
-            uses.setdefault(i, []).append(step)
+    queue = deque(prepared.queue)
 
     storage: dict[tuple, int] = {}  # live buffers: ("param", i), ("flat", batch), ("grad", i), ("cat",)
     live = 0
@@ -179,7 +195,7 @@ def replay(trace: ModuleTrace, settings: ZeroSettings = ZERO_SETTINGS, world: in
             for j in batch["members"]:
                 alloc(("param", j), params[j].numel)
         batch["members"].discard(i)
-        if not any(pending.get(j) == key for j in batch["members"]):
+        if not batch["members"]:  # every member waited for: the flat buffer goes
             free(("flat", key))
 
     def release(module: int, step: int) -> None:
@@ -189,8 +205,9 @@ def replay(trace: ModuleTrace, settings: ZeroSettings = ZERO_SETTINGS, world: in
                 continue
             if most_recent.get(i, -10**18) > step:
                 continue  # its next use was skipped over by a prefetch: kept for it
-            later = [s for s in uses[i] if s >= step]
-            if later and prefix[later[0]] - prefix[step] < settings.max_reuse_distance:
+            steps = uses[i]
+            k = bisect_left(steps, step)
+            if k < len(steps) and prefix[steps[k]] - prefix[step] < settings.max_reuse_distance:
                 continue  # used again within the reuse distance
             available.discard(i)
             n_available -= params[i].numel
@@ -281,12 +298,13 @@ def largest_sub_group(trace: ModuleTrace, settings: ZeroSettings, world: int) ->
         if sum(group) <= settings.sub_group_size:
             sub_groups = [group] if group else []
         else:
-            sub_groups, current = [], []
+            sub_groups, current, total = [], [], 0
             for n in group:
                 current.append(n)
-                if sum(current) >= settings.sub_group_size:
+                total += n
+                if total >= settings.sub_group_size:
                     sub_groups.append(current)
-                    current = []
+                    current, total = [], 0
             if current:
                 sub_groups.append(current)
         for sub in sub_groups:
@@ -295,6 +313,7 @@ def largest_sub_group(trace: ModuleTrace, settings: ZeroSettings, world: int) ->
     return largest, count
 
 
+@lru_cache(maxsize=1024)
 def rank_memory(trace: ModuleTrace, *, world: int, compute_bytes: int, optimizer_bytes_per_param: float,
                 offload: str = "none", settings: ZeroSettings = ZERO_SETTINGS) -> Zero3Memory:
     """Stage 3's bytes per rank for `trace` (the module docstring says what each term is)."""
@@ -337,8 +356,16 @@ def rank_memory(trace: ModuleTrace, *, world: int, compute_bytes: int, optimizer
     )
 
 
-@lru_cache(maxsize=256)
 def _cached_replay(trace: ModuleTrace, settings: ZeroSettings, world: int) -> Replay:
+    # The world size enters the replay only through padding to a multiple of it: where every
+    # parameter divides evenly (the usual case) every world size replays as one.
+    if all(p.numel % world == 0 for p in trace.params):
+        world = 1
+    return _replay_once(trace, settings, world)
+
+
+@lru_cache(maxsize=256)
+def _replay_once(trace: ModuleTrace, settings: ZeroSettings, world: int) -> Replay:
     return replay(trace, settings, world)
 
 
