@@ -88,10 +88,18 @@ class Scale(torch.nn.Module):
 
 
 torch.manual_seed(0)
-blocks = []
-for _ in range(layers):
-    blocks += [torch.nn.Linear(width, width, bias=False), Scale(width)]
-model = torch.nn.Sequential(*blocks)
+llama = sys.argv[7] == "llama"
+if llama:
+    # A small Llama from its config (random weights): the module tree transformers runs.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**json.loads(sys.argv[8])))
+    model.config.use_cache = False
+else:
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width, bias=False), Scale(width)]
+    model = torch.nn.Sequential(*blocks)
 decay = [p for n, p in model.named_parameters() if p.ndim > 1]
 no_decay = [p for n, p in model.named_parameters() if p.ndim == 1]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -102,12 +110,15 @@ with tracker:
     for p in model.parameters():
         tracker.track(p)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
-    x = torch.randn(1, width, dtype=torch.bfloat16)
+    if llama:
+        x = torch.randint(0, model.config.vocab_size, (1, 2))  # two tokens: activations of a few kB
+    else:
+        x = torch.randn(1, width, dtype=torch.bfloat16)
     for step in range(4):
         phases = {"steady": tracker.current}
         tracker.reset_peak()
         tracker.mark("forward")
-        loss = engine(x).float().sum()
+        loss = engine(input_ids=x, labels=x).loss if llama else engine(x).float().sum()
         tracker.mark("backward")
         engine.backward(loss)
         tracker.mark("step")
@@ -119,13 +130,35 @@ print(json.dumps(phases))
 PHASES = ("steady", "forward", "backward", "step")
 
 
-def run(stage: int, world: int, width: int, layers: int, scale: int, port: int, nccl_like: bool = True) -> dict[str, int]:
+def llama_config(width: int, layers: int) -> dict:
+    """A small Llama (Llama 2's proportions: no GQA, MLP 2.6875 x hidden, heads of 64) of `layers` blocks."""
+    return {"vocab_size": 4096, "hidden_size": width, "intermediate_size": int(width * 2.6875) // 64 * 64,
+            "num_hidden_layers": layers, "num_attention_heads": width // 64, "num_key_value_heads": width // 64,
+            "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def run(stage: int, world: int, width: int, layers: int, scale: int, port: int, nccl_like: bool = True,
+        llama: bool = False) -> dict[str, int]:
+    """The fullest rank's figures per phase. A rank that aborts inside gloo ("terminate called without
+    an active exception": 2 of about 20 runs here, at random sizes) is run again once, on another port."""
+    try:
+        return _run(stage, world, width, layers, scale, port, nccl_like, llama)
+    except RuntimeError as exc:
+        if "terminate called without an active exception" not in str(exc):
+            raise
+        print(f"  (a rank aborted inside gloo; running {width}x{layers} again)", file=sys.stderr, flush=True)
+        return _run(stage, world, width, layers, scale, port + 500, nccl_like, llama)
+
+
+def _run(stage: int, world: int, width: int, layers: int, scale: int, port: int, nccl_like: bool,
+         llama: bool) -> dict[str, int]:
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(ROOT / "images" / "trainer"), str(stage),
-                                       str(width), str(layers), str(scale), "1" if nccl_like else "0"],
+                                       str(width), str(layers), str(scale), "1" if nccl_like else "0",
+                                       "llama" if llama else "stack", json.dumps(llama_config(width, layers))],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -153,13 +186,19 @@ def bench_trace(width: int, layers: int):
     return ModuleTrace(tuple(params), tuple(modules), forward, backward)
 
 
-def estimate(stage: int, world: int, width: int, layers: int, scale: int) -> dict[str, float]:
-    """The memory model's figure for each phase of the bench model (no activations to speak of)."""
-    from finetune_operator.sizing.zero3 import rank_memory
+def estimate(stage: int, world: int, width: int, layers: int, scale: int, llama: bool = False) -> dict[str, float]:
+    """The memory model's figure for each phase of the bench model (no activations to speak of:
+    one token, or two for the Llama)."""
+    from finetune_operator.sizing import ModelArchitecture
+    from finetune_operator.sizing.zero3 import decoder_trace, rank_memory
     from finetune_trainer.contract import ZERO_SETTINGS
 
     settings = ZERO_SETTINGS.scaled(scale)
-    trace = bench_trace(width, layers)
+    if llama:
+        arch = ModelArchitecture.from_hf_config(dict(llama_config(width, layers), model_type="llama"))
+        trace = decoder_trace(arch, "full", 16, "all-linear", False, False)
+    else:
+        trace = bench_trace(width, layers)
     params = sum(p.numel for p in trace.params)
     if stage == 3:
         m = rank_memory(trace, world=world, compute_bytes=2, optimizer_bytes_per_param=8, settings=settings)
@@ -173,9 +212,18 @@ def estimate(stage: int, world: int, width: int, layers: int, scale: int) -> dic
     return {"steady": steady, "forward": steady, "backward": steady + grads, "step": steady + grads}
 
 
+def llama_params(width: int, layers: int) -> int:
+    from finetune_operator.sizing import ModelArchitecture
+
+    return ModelArchitecture.from_hf_config(dict(llama_config(width, layers), model_type="llama")).total_params
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1024x8,1536x8,2048x8,1024x16", help="width x layers, comma-separated")
+    ap.add_argument("--llama", action="store_true",
+                    help="a small transformers Llama (hidden x layers) instead of the Linear stack: the estimate"
+                         " replays the decoder trace sizing builds for any Llama (sizing/zero3.decoder_trace)")
     ap.add_argument("--worlds", default="2")
     ap.add_argument("--stages", default="3")
     ap.add_argument("--scale", type=int, default=64)
@@ -194,13 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         for stage in [int(s) for s in ns.stages.split(",")]:
             for world in [int(w) for w in ns.worlds.split(",")]:
                 port += 1
-                measured = run(stage, world, width, layers, ns.scale, port, not ns.gloo_reduce_scatter)
-                predicted = estimate(stage, world, width, layers, ns.scale)
+                measured = run(stage, world, width, layers, ns.scale, port, not ns.gloo_reduce_scatter, ns.llama)
+                predicted = estimate(stage, world, width, layers, ns.scale, ns.llama)
                 cells = []
                 for ph in PHASES:
                     err = predicted[ph] / measured[ph] - 1
                     cells.append(f"{measured[ph] / mb:>9.1f}/{predicted[ph] / mb:>9.1f} {err:>+6.1%}")
-                params = (width * width + width) * layers
+                params = (sum(p.numel for p in bench_trace(width, layers).params) if not ns.llama else
+                          llama_params(width, layers))
                 print(f"{size:>8} {params / 1e6:>6.1f}M {stage:>5} {world:>5} " + " ".join(cells), flush=True)
                 rows.append({"size": size, "stage": stage, "world": world, "measured": measured,
                              "estimate": {k: v for k, v in predicted.items()}})

@@ -447,7 +447,12 @@ def decoder_trace(arch: ModelArchitecture, method: str, lora_rank: int, lora_tar
             attention.append(_Node(b.module(b.param(extra, full, no_decay=True))))
         attention.append(linear(by_name["o_proj"]))
         mlp_lins = [lin for lin in linears if lin.name not in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")]
-        mlp = [linear(lin) for lin in mlp_lins[:-1]] + [_Node(b.module())] + [linear(mlp_lins[-1])]  # activation
+        names = [lin.name for lin in mlp_lins]
+        if names[:2] == ["gate_proj", "up_proj"]:
+            # down_proj(act_fn(gate_proj(x)) * up_proj(x)): gate, its activation, up, down
+            mlp = [linear(mlp_lins[0]), _Node(b.module()), *(linear(lin) for lin in mlp_lins[1:])]
+        else:  # a fused gate_up (or the experts), the activation, the last projection
+            mlp = [linear(lin) for lin in mlp_lins[:-1]] + [_Node(b.module())] + [linear(mlp_lins[-1])]
         norms = [norm(hidden) for _ in range(arch.traits.norms_per_layer)]
         attention_node, mlp_node = _Node(b.module(), tuple(attention)), _Node(b.module(), tuple(mlp))
         if len(norms) <= 2:  # Llama: input norm, attention, post-attention norm, MLP
