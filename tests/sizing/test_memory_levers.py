@@ -9,7 +9,7 @@ import pytest
 
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
 from finetune_operator.sizing import constants as K
-from finetune_operator.sizing.memory import lever_savings
+from finetune_operator.sizing.memory import lever_savings, nf4_quant_state_bytes, nf4_weight_quant_state_bytes
 from finetune_trainer.memory_levers import in_use as levers_in_use
 
 L8 = ModelArchitecture.from_preset("llama-3.1-8b")
@@ -106,11 +106,39 @@ def test_qlora_under_fsdp_shards_the_4bit_base_and_offload_moves_it_to_the_host(
                                         strategy="fsdp", world_size=2, offload="optimizer+params"))
     linear = l70.linear_params
     trainable = l70.lora_trainable_params(64)
-    expected = (K.NF4_BYTES_PER_PARAM * linear + 2 * (l70.total_params - linear) + 4 * trainable) / 2
-    assert fsdp.breakdown["weights"] == round(expected)
+    expected = (K.NF4_PACKED_BYTES_PER_PARAM * linear + 2 * (l70.total_params - linear) + 4 * trainable) / 2
+    # FSDP shards the packed 4-bit weights; their quantisation state (no parameter) is whole on each GPU
+    state = nf4_quant_state_bytes(l70)
+    assert fsdp.breakdown["weights"] == round(expected + state)
     assert fsdp.peak_allocated_bytes < ddp.peak_allocated_bytes / 1.8
-    assert off.breakdown["weights"] == 0
+    assert off.breakdown["weights"] == state
     assert off.host_required_bytes > fsdp.host_required_bytes + expected * 0.99
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_fsdp_qlora_keeps_the_whole_quantisation_state_on_every_gpu(world):
+    l70 = ModelArchitecture.from_preset("llama-3.1-70b")
+    one = estimate_memory(TrainingSetup(l70, method="qlora", lora_rank=64, gradient_checkpointing=True,
+                                        strategy="fsdp", world_size=world))
+    two = estimate_memory(TrainingSetup(l70, method="qlora", lora_rank=64, gradient_checkpointing=True,
+                                        strategy="fsdp", world_size=2 * world))
+    sharded = one.breakdown["weights"] - nf4_quant_state_bytes(l70)
+    # doubling the ranks halves the sharded part only
+    assert two.breakdown["weights"] == pytest.approx(sharded / 2 + nf4_quant_state_bytes(l70), abs=2)
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (896, 4864), (100, 3)])
+def test_nf4_quant_state_matches_bitsandbytes_layout(shape):
+    # bitsandbytes' CPU backend quantises as its CUDA one (same blocks, same state tensors).
+    torch = pytest.importorskip("torch")
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    weight = torch.randn(*shape, dtype=torch.bfloat16)
+    _, state = bnb_functional.quantize_4bit(weight, blocksize=K.NF4_BLOCKSIZE, quant_type="nf4",
+                                            compress_statistics=True, quant_storage=torch.bfloat16)
+    tensors = [state.absmax, state.offset, state.code, state.state2.absmax, state.state2.code]
+    allocated = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+    assert state.blocksize == K.NF4_BLOCKSIZE and state.state2.blocksize == K.NF4_ABSMAX_BLOCKSIZE
+    assert nf4_weight_quant_state_bytes(weight.numel()) == allocated
 
 
 def _presets():

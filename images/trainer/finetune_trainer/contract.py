@@ -16,6 +16,7 @@ codes the trainer signals them with are the failure vocabulary's (`failures.py`)
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
@@ -368,21 +369,56 @@ def _offload_device(block: Any) -> str:
     return str(block.get("device", "none"))
 
 
-# DeepSpeed ZeRO bucket sizes (elements), set in every config deepspeed_config writes.
-# 5e7 elements is 100 MB in bf16 per bucket: large enough for full-bandwidth collectives
-# (DeepSpeed's docs tune between 5e7 and 5e8), small enough that the two reduce buckets
-# overlap_comm keeps cost 0.2 GB per GPU, not DeepSpeed's default 2 GB.
-ZERO_REDUCE_BUCKET_ELEMENTS = 50_000_000
-ZERO_ALLGATHER_BUCKET_ELEMENTS = 50_000_000
-ZERO3_PREFETCH_BUCKET_ELEMENTS = 50_000_000
-# Parameters smaller than this stay gathered on every rank (norms, biases): DeepSpeed's default.
-ZERO3_PARAM_PERSISTENCE_THRESHOLD = 100_000
-# Gathered parameters alive at once, and how far ahead one is kept for reuse: DeepSpeed's default.
-ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The DeepSpeed ZeRO settings every config `deepspeed_config` writes, in elements.
+
+    One place for both sides: the trainer writes these into its DeepSpeed config and the
+    operator's memory model (finetune_operator/sizing/zero3.py) replays stage 3 with the same
+    numbers, so the estimate and the run cannot disagree.
+    """
+
+    # 5e7 elements is 100 MB in bf16 per bucket: large enough for full-bandwidth collectives
+    # (DeepSpeed's docs tune between 5e7 and 5e8), small enough that the two reduce buckets
+    # overlap_comm keeps cost 0.2 GB per GPU, not DeepSpeed's default 2 GB.
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    # Stage 3: elements gathered ahead of the module that runs, per fetch (DeepSpeed's default).
+    prefetch_bucket_size: int = 50_000_000
+    # Parameters of at most this many elements stay gathered on every rank (norms, biases):
+    # DeepSpeed's default.
+    param_persistence_threshold: int = 100_000
+    # Gathered elements alive at once (bounds the prefetch), and how far ahead in the trace a
+    # released parameter is looked for to keep it gathered for its next use: DeepSpeed's defaults.
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    # The optimizer step runs one sub-group of the rank's partition at a time and builds that
+    # sub-group's fp32 gradient (4 bytes per element) for it. DeepSpeed's default (1e9) makes
+    # that 4 GB per GPU once a partition holds a billion elements; 1e8 keeps it at 0.4 GB and
+    # still steps in large fused kernels.
+    sub_group_size: int = 100_000_000
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ZeroSettings.{name} must be a positive integer, not {value!r}")
+
+    def scaled(self, divisor: int) -> "ZeroSettings":
+        """The settings with every element budget divided by `divisor` (bench/zero_truth.py runs
+        small models on the CPU with budgets in the proportion a large model meets them); the
+        persistence threshold is per tensor and stays."""
+        keep = {"param_persistence_threshold"}
+        return ZeroSettings(**{name: getattr(self, name) if name in keep else max(1, getattr(self, name) // divisor)
+                               for name in self.__dataclass_fields__})
 
 
-def deepspeed_config(stage: int, offload: str = "none") -> dict[str, Any]:
-    """A complete DeepSpeed config for ZeRO ``stage`` that the trainer accepts.
+ZERO_SETTINGS = ZeroSettings()
+
+
+def deepspeed_config(stage: int, offload: str = "none", settings: ZeroSettings = ZERO_SETTINGS) -> dict[str, Any]:
+    """A complete DeepSpeed config for ZeRO ``stage`` that the trainer accepts, with `settings`
+    (ZERO_SETTINGS unless a bench scales them).
 
     Batch sizes, precision and optimizer hyper-parameters are "auto": the transformers
     Trainer fills them from the TrainerConfig, so the renderer need not repeat them and
@@ -397,14 +433,15 @@ def deepspeed_config(stage: int, offload: str = "none") -> dict[str, Any]:
         # Set explicitly: transformers fills only keys spelled "auto", and DeepSpeed's own
         # defaults (5e8-element buckets, doubled by overlap_comm) would hold gigabytes per
         # GPU that the memory model (sizing/constants.py reads these names) must agree with.
-        "reduce_bucket_size": ZERO_REDUCE_BUCKET_ELEMENTS,
-        "allgather_bucket_size": ZERO_ALLGATHER_BUCKET_ELEMENTS,
+        "reduce_bucket_size": settings.reduce_bucket_size,
+        "allgather_bucket_size": settings.allgather_bucket_size,
     }
     if stage == 3:
-        zero["stage3_prefetch_bucket_size"] = ZERO3_PREFETCH_BUCKET_ELEMENTS
-        zero["stage3_param_persistence_threshold"] = ZERO3_PARAM_PERSISTENCE_THRESHOLD
-        zero["stage3_max_live_parameters"] = ZERO3_MAX_LIVE_PARAMETERS
-        zero["stage3_max_reuse_distance"] = ZERO3_MAX_LIVE_PARAMETERS
+        zero["stage3_prefetch_bucket_size"] = settings.prefetch_bucket_size
+        zero["stage3_param_persistence_threshold"] = settings.param_persistence_threshold
+        zero["stage3_max_live_parameters"] = settings.max_live_parameters
+        zero["stage3_max_reuse_distance"] = settings.max_reuse_distance
+        zero["sub_group_size"] = settings.sub_group_size
     if offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload == "optimizer+params":

@@ -37,18 +37,23 @@ DDP_BUCKETS_COPY_GRADIENTS = True
 BNB_8BIT_STATE_BYTES_PER_PARAM = 2 + 2 * 4 / 256
 BNB_8BIT_MIN_SIZE = 4096
 
-# bitsandbytes NF4 with double quantisation, block size 64: 4 bits per weight, one
-# 8-bit absmax per block of 64, one fp32 constant per 256 absmax blocks.
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# bitsandbytes NF4 with double quantisation (the trainer's BitsAndBytesConfig: nf4,
+# bnb_4bit_use_double_quant): 4 bits per weight, packed (what FSDP shards). Each quantised
+# weight's quant_state beside it (memory.nf4_quant_state_bytes): one 8-bit absmax per block of
+# 64 weights, one fp32 second-level absmax per 256 of those blocks, the fp32 offset, the 16-entry
+# NF4 code and the 256-entry dynamic code of the absmax quantisation (fp32 each). Checked against
+# bitsandbytes.functional.quantize_4bit in tests/sizing/test_memory_levers.py.
+NF4_PACKED_BYTES_PER_PARAM = 0.5
+NF4_BLOCKSIZE = 64
+NF4_ABSMAX_BLOCKSIZE = 256
+NF4_CODE_ENTRIES = 16
+NF4_ABSMAX_CODE_ENTRIES = 256
 
-# DeepSpeed ZeRO bucket sizes (elements): the values the trainer's DeepSpeed config sets
-# explicitly (contract.deepspeed_config), so the model and the config cannot disagree.
-ZERO_REDUCE_BUCKET_ELEMENTS = _contract.ZERO_REDUCE_BUCKET_ELEMENTS
-ZERO_ALLGATHER_BUCKET_ELEMENTS = _contract.ZERO_ALLGATHER_BUCKET_ELEMENTS
-ZERO3_PREFETCH_BUCKET_ELEMENTS = _contract.ZERO3_PREFETCH_BUCKET_ELEMENTS
-# ZeRO-3 holds this many bytes per parameter of its partition beyond the documented states
-# (measured on DeepSpeed's code with bench/zero_truth.py: 28 B/param/rank against 16).
-ZERO3_EXTRA_BYTES_PER_PARAM = 12
+# DeepSpeed ZeRO settings (elements): the ones the trainer's DeepSpeed config writes
+# (contract.ZERO_SETTINGS, read by contract.deepspeed_config), so the model and the config
+# cannot disagree. Stage 3's buffers are replayed from them in zero3.py.
+ZERO_SETTINGS = _contract.ZERO_SETTINGS
+ZERO_REDUCE_BUCKET_ELEMENTS = ZERO_SETTINGS.reduce_bucket_size
 
 # The trainer's bf16 AdamW (bf16_adamw.py) computes one parameter's step in fp32: the
 # gradient, both moments and the old weight (4 x 4 bytes per element), and for the

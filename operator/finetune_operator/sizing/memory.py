@@ -57,7 +57,7 @@ from typing import Mapping
 from finetune_trainer.memory_levers import Levers, levers_of, savings
 
 from . import constants as K
-from . import families
+from . import families, zero3
 from .architecture import ModelArchitecture
 from .errors import SizingError
 from .setup import TrainingSetup
@@ -335,6 +335,31 @@ class _Static:
     host_offloaded: float
     unified: float = 0.0  # paged optimizer states (CUDA unified memory, outside torch's allocator)
     largest_gradient: float = 0.0  # the largest single parameter's gradient (shard), bytes
+    zero3: "zero3.Zero3Memory | None" = None  # ZeRO-3's terms (its gradient partition lives through the step)
+
+
+def _allocated(nbytes: float) -> int:
+    """Bytes the CUDA caching allocator gives one tensor of `nbytes` (512-byte blocks)."""
+    return -(-int(math.ceil(nbytes)) // 512) * 512
+
+
+def nf4_weight_quant_state_bytes(numel: int) -> int:
+    """One NF4 weight's quantisation state (constants.py: double quantisation) as bitsandbytes
+    allocates it: ceil(n/64) uint8 absmax, ceil of that /256 fp32 second-level absmax, an fp32
+    offset and the two fp32 code tables, each tensor in whole 512-byte blocks."""
+    blocks = -(-numel // K.NF4_BLOCKSIZE)
+    return (_allocated(blocks) + _allocated(4 * -(-blocks // K.NF4_ABSMAX_BLOCKSIZE)) + _allocated(4)
+            + _allocated(4 * K.NF4_CODE_ENTRIES) + _allocated(4 * K.NF4_ABSMAX_CODE_ENTRIES))
+
+
+def nf4_quant_state_bytes(arch: ModelArchitecture) -> int:
+    """The NF4 quantisation state of every quantised weight of the model (QLoRA): FSDP does not
+    shard it (no parameter), so under FSDP too every GPU holds all of it."""
+    def block(linears) -> int:
+        return sum(nf4_weight_quant_state_bytes(lin.in_features * lin.out_features * lin.experts) for lin in linears)
+
+    moe_layers = arch.num_moe_layers
+    return moe_layers * block(arch.block_linears()) + (arch.num_layers - moe_layers) * block(arch._dense_block_linears)
 
 
 def _optimizer_bytes_per_param(setup: TrainingSetup, regime: _Regime) -> float:
@@ -373,26 +398,28 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
     host = 0.0
     largest = _largest_trainable(setup)
 
+    if strategy == "zero3":
+        # Stage 3's partitions, persistent parameters and reduce bucket, from the module trace
+        # and the settings the trainer's DeepSpeed config writes (zero3.py).
+        stage3 = _zero3(setup, regime)
+        return _Static(stage3.weights + stage3.persistent, stage3.gradients, stage3.optimizer, stage3.master,
+                       stage3.reduce_bucket, stage3.host,
+                       largest_gradient=regime.compute * largest / world, zero3=stage3)
     if setup.method == "full":
-        if strategy in ("zero1", "zero2", "zero3"):
+        if strategy in ("zero1", "zero2"):
             # DeepSpeed keeps the compute-dtype weights and gradients, and an fp32 master
             # copy beside fp32 Adam states, each divided by the stage's divisor.
             weight_bytes = float(regime.compute)
             master_pp = 4 if regime.compute == 2 else 0
-            weights = weight_bytes * params / (world if strategy == "zero3" else 1)
-            grad_shards = world if strategy in ("zero2", "zero3") else 1
+            weights = weight_bytes * params
+            grad_shards = world if strategy == "zero2" else 1
             grads = weight_bytes * params / grad_shards
             master = master_pp * params / world
             opt = optimizer_pp * params / world
-            buffers = _zero_buckets(strategy, weight_bytes, params, world)
-            extra = _zero3_partition_extra(params, world) if strategy == "zero3" else 0.0
+            buffers = _zero_buckets(weight_bytes)
             if offload_optimizer:
-                host += master + opt + extra
-                master, opt, extra = 0.0, 0.0, 0.0
-            buffers += extra
-            if offload_params and strategy == "zero3":
-                host += weights
-                weights = 0.0
+                host += master + opt
+                master, opt = 0.0, 0.0
             return _Static(weights, grads, opt, master, buffers, host,
                            largest_gradient=weight_bytes * largest / grad_shards)
         # DDP / FSDP: the weights the optimizer updates are the model's weights (fp32, or bf16
@@ -421,19 +448,21 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
         linear = arch.linear_params
         # The rest: fp32 under DDP (prepare_model_for_kbit_training), the compute dtype under FSDP.
         rest_bytes = regime.residual if strategy != "fsdp" else regime.compute
-        base = K.NF4_BYTES_PER_PARAM * linear + rest_bytes * (params - linear)
+        base = K.NF4_PACKED_BYTES_PER_PARAM * linear + rest_bytes * (params - linear)
+        # The quantisation state is no parameter: FSDP neither shards nor gathers it, so every
+        # GPU holds all of it (as every DDP replica does).
+        quant_state = float(nf4_quant_state_bytes(arch))
     else:
         base = base_bytes * params
-    shards = world if strategy in ("fsdp", "zero3") else 1
+        quant_state = 0.0
+    shards = world if strategy == "fsdp" else 1
     weights = (base + 4 * trainable) / shards
-    grad_shards = world if strategy in ("fsdp", "zero2", "zero3") else 1
+    grad_shards = world if strategy in ("fsdp", "zero2") else 1
     grads = 4.0 * trainable / grad_shards
     opt_shards = 1 if strategy == "ddp" else world
     opt = optimizer_pp * trainable / opt_shards
     if strategy.startswith("zero"):
-        buffers = _zero_buckets(strategy, 4.0, trainable, world)
-        if strategy == "zero3" and not offload_optimizer:
-            buffers += _zero3_partition_extra(trainable, world)
+        buffers = _zero_buckets(4.0)
     else:
         buffers = 4.0 * trainable if (strategy == "ddp" and world > 1) else 0.0
     unified = 0.0
@@ -442,31 +471,33 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
     if offload_optimizer:
         host += opt
         opt = 0.0
-    if offload_params:  # fsdp / zero3: the sharded base and adapters live on the host
+    if offload_params:  # fsdp: the sharded base and adapters live on the host
         host += weights
         weights = 0.0
+    weights += quant_state  # on the GPU whatever FSDP offloads (it moves parameters only)
     return _Static(weights, grads, opt, 0.0, buffers, host, unified, 4.0 * largest / grad_shards)
 
 
-def _zero_buckets(strategy: str, grad_bytes: float, trainable: float, world: int) -> float:
-    """DeepSpeed ZeRO's buffers alive through the step, with the bucket sizes the trainer's
-    config sets (contract.deepspeed_config; overlap_comm and contiguous_gradients on).
+def _zero_buckets(grad_bytes: float) -> float:
+    """DeepSpeed ZeRO-1/2's buffers alive through the step, with the bucket size the trainer's
+    config sets (contract.ZERO_SETTINGS; overlap_comm and contiguous_gradients on).
 
     Measured on DeepSpeed's own code (bench/zero_truth.py, CPU, gloo, 1-2 ranks): stages 1/2
     allocate two reduce buckets of reduce_bucket_size elements (overlap_comm's double buffer)
-    whatever the model's size; stage 3 one reduce bucket (and `_zero3_partition_extra`). Stage 3 also prefetches
-    parameters ahead of the module that runs, up to stage3_prefetch_bucket_size elements (not seen
-    on the small traced models: their layers are smaller than the bucket).
+    whatever the model's size. Stage 3 is zero3.py's.
     """
-    if strategy == "zero3":
-        return grad_bytes * (K.ZERO_REDUCE_BUCKET_ELEMENTS + min(K.ZERO3_PREFETCH_BUCKET_ELEMENTS, trainable))
     return grad_bytes * 2 * K.ZERO_REDUCE_BUCKET_ELEMENTS
 
 
-def _zero3_partition_extra(trainable: float, world: int) -> float:
-    """ZeRO-3's bytes per parameter of its partition beyond the documented states (measured without
-    offload; with the optimizer offloaded they are taken to live with it, in host memory)."""
-    return K.ZERO3_EXTRA_BYTES_PER_PARAM * trainable / world
+def _zero3(setup: TrainingSetup, regime: _Regime) -> zero3.Zero3Memory:
+    """Stage 3 per rank (zero3.py) for this setup's model, method and world size."""
+    trace = zero3.decoder_trace(setup.architecture, setup.method, setup.lora_rank,
+                                tuple(setup.lora_targets) if not isinstance(setup.lora_targets, str)
+                                else setup.lora_targets,
+                                setup.method != "full" and setup.lora_dropout > 0, setup.gradient_checkpointing)
+    return zero3.rank_memory(trace, world=setup.world_size, compute_bytes=regime.compute,
+                             optimizer_bytes_per_param=_optimizer_bytes_per_param(setup, regime),
+                             offload=setup.offload, settings=K.ZERO_SETTINGS)
 
 
 # ---- the estimate ---------------------------------------------------------------------
@@ -490,7 +521,11 @@ def _notes(setup: TrainingSetup) -> list[str]:
         notes.append("paged 8-bit AdamW states live in CUDA unified memory: not in the allocator's peak (the figure"
                      " torch.cuda.max_memory_allocated reports) nor in the required GPU memory; the driver pages"
                      " them to host memory when the GPU is full, and host memory counts them")
-    if setup.strategy.startswith("zero"):
+    if setup.strategy == "zero3":
+        notes.append("DeepSpeed ZeRO-3 replayed from the settings the trainer's DeepSpeed config writes (partitions,"
+                     " persistent parameters, prefetch and reuse of gathered parameters, reduce bucket, optimizer"
+                     " sub-groups; sizing/zero3.py), checked against DeepSpeed's own code on the CPU (bench/zero_truth.py)")
+    elif setup.strategy.startswith("zero"):
         notes.append("DeepSpeed ZeRO terms use the bucket sizes the trainer's DeepSpeed config sets, as DeepSpeed's own"
                      " code allocates them on the CPU (bench/zero_truth.py); its states are derived, not traced at size")
     if setup.activation_offloading:
@@ -540,7 +575,7 @@ def _sharding(setup: TrainingSetup, regime: _Regime, static: _Static) -> _Shardi
         if regime.qlora:
             # fsdp_qlora gathers the 4-bit storage; bitsandbytes dequantises per matmul.
             linear = sum(lin.params for lin in arch.block_linears())
-            block_gathered = K.NF4_BYTES_PER_PARAM * linear + gathered_bytes * (block - linear)
+            block_gathered = K.NF4_PACKED_BYTES_PER_PARAM * linear + gathered_bytes * (block - linear)
         tail = gathered_bytes * (embed + arch.hidden_size)
         tail_grad = gathered_bytes * grad_frac * embed
         reduce = (gathered_bytes + 4) * grad_frac
@@ -556,9 +591,15 @@ def _sharding(setup: TrainingSetup, regime: _Regime, static: _Static) -> _Shardi
             end_grads_missing=4 * grad_frac * embed / world,
             optimizer=0.0,
         )
-    if setup.strategy == "zero3":
-        gathered = static.buffers_step + 2 * gathered_bytes * block + gathered_bytes * (embed + (0 if tied else embed))
-        return _Sharding(gathered, gathered, gathered, gathered, gathered, gathered, 0.0, static.buffers_step)
+    if static.zero3 is not None:
+        # Stage 3 (zero3.py): the parameters gathered at the high point of forward; in backward
+        # with the gradients on their way into the reduce bucket; in the step one sub-group's
+        # fp32 gradient, while the persistent parameters are partitioned too.
+        stage3 = static.zero3
+        fwd = static.buffers_step + stage3.gathered_forward
+        bwd = static.buffers_step + stage3.gathered_backward
+        step = max(0.0, static.buffers_step + stage3.step_transient - stage3.persistent)
+        return _Sharding(fwd, bwd, bwd, bwd, bwd, bwd, 0.0, step)
     buffers = static.buffers_step
     return _Sharding(buffers, buffers, buffers, buffers, buffers, buffers, 0.0, buffers)
 
@@ -642,7 +683,9 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         copies_block = 2 * arch.block_params
     elif regime.lora and regime.compute == 2:
         # Cached bf16 copies of the fp32 adapters (FSDP gathers them in bf16 already).
-        copies_fwd = 0.0 if setup.strategy == "fsdp" else 2 * lora_params / (world if setup.strategy == "zero3" else 1)
+        # (ZeRO-3: DeepSpeed casts the adapters to bf16 with the model and keeps their fp32
+        # master copy in the optimizer, zero3.py; nothing to cast per forward.)
+        copies_fwd = 0.0 if setup.strategy in ("fsdp", "zero3") else 2 * lora_params
         if regime.qlora and setup.strategy != "fsdp":
             # The frozen fp32 head is cast on every call (not cached: it needs no grad) and
             # the cast is saved for the input gradient.
@@ -754,6 +797,11 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     else:
         optimizer.update(gradients=static.gradients, buffers=sharding.optimizer, optimizer_step=step_temporaries)
 
+    if static.zero3 is not None:
+        # ZeRO-3 allocates its gradient partition once, at start-up: it is there in every phase,
+        # and a gradient on its way there is in the replayed buffers (zero3.py).
+        for terms in (forward, backward, optimizer):
+            terms["gradients"] = static.gradients
     phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
     totals = {k: round(sum(v.values())) for k, v in phases.items()}
     peak_phase = max(PHASES, key=lambda k: totals[k])
