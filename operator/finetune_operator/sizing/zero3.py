@@ -57,6 +57,12 @@ from finetune_trainer.contract import ZERO_SETTINGS, ZeroSettings
 from .architecture import ModelArchitecture
 
 
+# The attention's input and output projections by the names the families give them (architecture.py);
+# every other block linear is the MLP's.
+_ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
+_ATTENTION_OUTPUTS = ("o_proj", "dense")
+
+
 @dataclass(frozen=True)
 class Param:
     """One parameter of the model, in model.parameters() order."""
@@ -441,12 +447,14 @@ def decoder_trace(arch: ModelArchitecture, method: str, lora_rank: int, lora_tar
         dense = arch.is_moe and arch.num_moe_layers < arch.num_layers and layer in arch.dense_layers
         linears = arch._dense_block_linears if (dense or not arch.is_moe) else arch.block_linears()
         by_name = {lin.name: lin for lin in linears}
-        attn_names = [n for n in ("q_proj", "k_proj", "v_proj", "qkv_proj") if n in by_name]
+        attn_names = [n for n in _ATTENTION_INPUTS if n in by_name]
+        # The attention's output projection: o_proj, or `dense` (phi, gpt_neox).
+        out_name = next(n for n in _ATTENTION_OUTPUTS if n in by_name)
         attention = [linear(by_name[n]) for n in attn_names]
         if extra:
             attention.append(_Node(b.module(b.param(extra, full, no_decay=True))))
-        attention.append(linear(by_name["o_proj"]))
-        mlp_lins = [lin for lin in linears if lin.name not in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")]
+        attention.append(linear(by_name[out_name]))
+        mlp_lins = [lin for lin in linears if lin.name not in (*attn_names, out_name)]
         names = [lin.name for lin in mlp_lins]
         if names[:2] == ["gate_proj", "up_proj"]:
             # down_proj(act_fn(gate_proj(x)) * up_proj(x)): gate, its activation, up, down
