@@ -138,7 +138,8 @@ def prune(root: str | Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (checkpoints here, the export's folder in export.py)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -210,11 +211,11 @@ def save_checkpoint(
             handle.write(meta.to_json())
             handle.flush()
             os.fsync(handle.fileno())
-        _fsync_dir(staging)
+        fsync_dir(staging)
         if final.exists():  # the same step saved by an earlier attempt
             shutil.rmtree(final)
         os.rename(staging, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         removed = prune(root, keep_last)
         log_json("checkpoint", step=meta.step, path=str(final), samplesConsumed=meta.samples_consumed,
                  pruned=[str(p) for p in removed])

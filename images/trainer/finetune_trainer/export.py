@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 import torch
 
+from .checkpointing import fsync_dir
 from .errors import ExportError
 from .safetensors_io import FormatError, SafetensorsFile, TensorInfo, write_file
 
@@ -443,14 +444,6 @@ def export_config(config_dir: Path, dtype: torch.dtype, untied: bool) -> dict[st
     return config
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _copy_tokenizer(tokenizer_dir: Path, target: Path) -> None:
     copied = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
     copied += [p.name for p in tokenizer_dir.glob("*.tiktoken") if p.is_file()]
@@ -509,14 +502,14 @@ def export_folder(*, kind: str, output: str | Path, base: str | Path, tokenizer:
         if (base / "generation_config.json").is_file():
             shutil.copyfile(base / "generation_config.json", staging / "generation_config.json")
         _copy_tokenizer(tokenizer, staging)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         # Publish: the finished folder replaces an earlier attempt's in two renames, so a reader
         # sees the old folder, none, or the new one, never half of one.
         old = output / f".{kind}.old-{os.getpid()}"
         if final.exists():
             os.rename(final, old)
         os.rename(staging, final)
-        _fsync_dir(output)
+        fsync_dir(output)
         shutil.rmtree(old, ignore_errors=True)
     except ExportError:
         shutil.rmtree(staging, ignore_errors=True)
