@@ -133,6 +133,22 @@ class EvalCallback(TrainerCallback):
     def best(self) -> tuple[int, float] | None:
         return self.history.best(self.min_delta)
 
+    def finish(self, facts, output_dir: str, last_step: int) -> None:
+        """After the final save: the facts of the evaluations for the report, and with keepBest the
+        output made the best evaluation's model (rank 0; the files of <checkpoints>/best)."""
+        best = self.best()
+        facts.best_eval_step, facts.best_eval_loss = best if best is not None else (None, None)
+        facts.stopped_early_at = self.stopped_at
+        if not self.settings.keep_best or best is None or not self.trainer.is_world_process_zero():
+            return
+        assert self.root is not None  # keepBest needs the checkpoint directory (the contract says so)
+        facts.output_is_best = best[0] == last_step or take_best(str(self.root), output_dir, best[0])
+        if facts.output_is_best:
+            log_json("output", best=True, step=best[0], evalLoss=best[1])
+        else:
+            log_json("warning", message=f"keepBest: the best model (step {best[0]}) was not found in "
+                                        f"{self.root / BEST_DIR}; the output is the last step's")
+
 
 def barrier() -> None:
     import torch.distributed as dist

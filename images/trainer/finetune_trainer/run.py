@@ -292,21 +292,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
 
     PROGRESS.enter(Phase.CHECKPOINT, trainer.state.global_step)
     trainer.save_model(cfg.output_directory)
-    if evaluation is not None:
-        best = evaluation.best()
-        facts.best_eval_step, facts.best_eval_loss = best if best is not None else (None, None)
-        facts.stopped_early_at = evaluation.stopped_at
-        if cfg.evaluation.keep_best and best is not None and trainer.is_world_process_zero():
-            from .evaluation import take_best
-
-            assert cfg.checkpoint is not None  # the contract requires it
-            facts.output_is_best = best[0] == trainer.state.global_step or take_best(
-                cfg.checkpoint.directory, cfg.output_directory, best[0])
-            if not facts.output_is_best:
-                log_json("warning", message=f"keepBest: the best model (step {best[0]}) was not found in "
-                                            f"{cfg.checkpoint.directory}/best; the output is the last step's")
-            else:
-                log_json("output", best=True, step=best[0], evalLoss=best[1])
+    if evaluation is not None:  # the best evaluation's model in place of the last step's (keepBest)
+        evaluation.finish(facts, cfg.output_directory, trainer.state.global_step)
     elapsed = time.time() - started
     tokens = progress.global_tokens()
     if trainer.is_world_process_zero():

@@ -22,10 +22,12 @@ from .choice import choose_cheapest_or_startable
 from .estimates import EstimateFacts, Estimates
 from .plan import PlanKey
 from .pools import NodePool
-from .space import Ask, Candidate, Group, Stats, changes, fits, groups, key_of, pod_host_bytes, weights_floor
+from .space import Ask, Candidate, Group, Stats, changes, fits, groups, key_of, node_host_bytes, weights_floor
 from .throughput import PCIE_GBYTES, JobWork, accumulation_steps, combine, compute_and_communication, offload_costs
 
 FitResult = tuple[int | None, str | None, EstimateFacts | None]
+# Why a group is left out when its own eval micro-batch does not fit (the job's NoFit message counts these).
+EVAL_MISFIT = "GPU memory (evaluation.microBatchSize)"
 
 
 class Costs:
@@ -101,7 +103,7 @@ def find(
         stats.groups_visited += 1
         why_not = eval_misfit(ask, group, estimates, calibration)
         if why_not is not None:
-            stats.reject("GPU memory (evaluation.microBatchSize)" if why_not == "eval" else "setup not supported")
+            stats.reject(EVAL_MISFIT if why_not == "eval" else "setup not supported")
             continue
         for micro in group.micros:
             facts = estimates.get(group.world, group.strategy, group.offload, group.checkpointing, micro, group.levers)
@@ -143,7 +145,7 @@ def largest_fitting_micro(
             stats.reject("setup not supported")
             return None
         if why == "eval":
-            stats.reject("GPU memory (evaluation.microBatchSize)")
+            stats.reject(EVAL_MISFIT)
             return None
         stats.reject("host memory" if why == "host" else "GPU memory")
         if why == "gpu" and first is None:  # rejected on the weights alone, without sizing
@@ -158,7 +160,7 @@ def largest_fitting_micro(
             # With its cost bound: the plan's reason names the cheaper setup that came closest to fitting.
             stats.gpu_misses.append((bound, group, required, group.usable))
         elif why == "host" and first is not None:
-            needed = pod_host_bytes(ask, first, group.gpus_per_node) + ask.pod_extra_host_bytes
+            needed = node_host_bytes(ask, first, group.gpus_per_node)
             ratio = needed / group.pool.host_memory_bytes
             if stats.closest_host is None or ratio < stats.closest_host[0]:
                 stats.closest_host = (ratio, group, needed, group.pool.host_memory_bytes)

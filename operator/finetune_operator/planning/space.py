@@ -416,7 +416,7 @@ def fits(ask: Ask, group: Group, facts: EstimateFacts, calibration: float) -> st
     """None when the setup fits the pool; else which memory does not."""
     if facts.required_bytes * calibration > group.usable:
         return "gpu"
-    host = pod_host_bytes(ask, facts, group.gpus_per_node) + ask.pod_extra_host_bytes
+    host = node_host_bytes(ask, facts, group.gpus_per_node)
     if group.pool.host_memory_bytes and host > group.pool.host_memory_bytes:
         return "host"
     return None
@@ -426,6 +426,12 @@ def pod_host_bytes(ask: Ask, facts: EstimateFacts, gpus_per_node: int) -> int:
     """Host memory of one pod, its memory request and limit: its training processes', or the export's
     (on rank 0, after the others exited) where that is more."""
     return max(facts.host_bytes_per_rank * gpus_per_node, ask.export_host_bytes)
+
+
+def node_host_bytes(ask: Ask, facts: EstimateFacts, gpus_per_node: int) -> int:
+    """Host memory a node must have for the pod: its training container's and what its other
+    containers request (the upload sidecar)."""
+    return pod_host_bytes(ask, facts, gpus_per_node) + ask.pod_extra_host_bytes
 
 
 def weights_floor(ask: Ask, group: Group) -> float:

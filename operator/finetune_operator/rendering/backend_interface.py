@@ -108,16 +108,21 @@ class Backend:
         return f"<backend {self.name}: {self.resource}>"
 
 
+def value_at(obj: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at `path` in a job object, or None where a key along it is missing."""
+    node: Any = obj
+    for key in path:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    return node
+
+
 class Suspendable:
     """Capability: the job has a suspend switch at `suspend_path` (spec.suspend, Kueue's admission)."""
 
     suspend_path: tuple[str, ...]
 
     def suspended(self, obj: Mapping[str, Any]) -> bool:
-        node: Any = obj
-        for key in self.suspend_path:
-            node = (node or {}).get(key) if isinstance(node, Mapping) else None
-        return bool(node)
+        return bool(value_at(obj, self.suspend_path))
 
     def suspend_patch(self, suspend: bool) -> dict[str, Any]:
         """The merge-patch body that sets the suspend switch."""
@@ -145,10 +150,7 @@ class ReportsTrainerStatus:
     trainer_status_path: tuple[str, ...]
 
     def trainer_status(self, obj: Mapping[str, Any]) -> Any:
-        node: Any = obj
-        for key in self.trainer_status_path:
-            node = node.get(key) if isinstance(node, Mapping) else None
-        return node
+        return value_at(obj, self.trainer_status_path)
 
 
 @dataclass(frozen=True)

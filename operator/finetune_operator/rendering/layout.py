@@ -147,6 +147,18 @@ def training_image(spec: api.FineTuneJobSpec, policy: ClusterPolicy) -> str:
     return image
 
 
+def _data_source(role: Role, field: str, source: api.DataSource, local_dir: str,
+                 fetches: list[Transfer]) -> ClaimMount | None:
+    """The training or the evaluation data: a mount on its volume, or (None) a fetch from object
+    storage appended to `fetches`."""
+    if source.pvc is not None:
+        return ClaimMount(role, source.pvc.claim_name, local_dir, source.pvc.read_only, source.pvc.path)
+    if source.s3 is not None:
+        fetches.append(Transfer(role, f"{field}.s3", source.s3, local_dir))
+        return None
+    raise RenderError(f"{field}.uri", api.UNSUPPORTED_URI_MESSAGE)
+
+
 def layout_of(spec: api.FineTuneJobSpec, policy: ClusterPolicy | None = None) -> Layout:
     """The layout for a job; sources the pods cannot read are errors naming the field.
 
@@ -168,24 +180,10 @@ def layout_of(spec: api.FineTuneJobSpec, policy: ClusterPolicy | None = None) ->
         fetches.append(Transfer("model", "spec.model.source.s3", source.s3, MODEL_DIR))
     elif source.hf is None:
         raise RenderError("spec.model.source.uri", api.UNSUPPORTED_URI_MESSAGE)
-    data_source = spec.dataset.source
-    data = None
-    if data_source.pvc is not None:
-        data = ClaimMount("data", data_source.pvc.claim_name, DATA_DIR, data_source.pvc.read_only, data_source.pvc.path)
-    elif data_source.s3 is not None:
-        fetches.append(Transfer("data", "spec.dataset.source.s3", data_source.s3, DATA_DIR))
-    else:
-        raise RenderError("spec.dataset.source.uri", api.UNSUPPORTED_URI_MESSAGE)
-    eval_mount = None
+    data = _data_source("data", "spec.dataset.source", spec.dataset.source, DATA_DIR, fetches)
     eval_source = spec.evaluation.dataset if spec.evaluation is not None else None
-    if eval_source is not None:
-        if eval_source.pvc is not None:
-            eval_mount = ClaimMount("eval", eval_source.pvc.claim_name, EVAL_DIR, eval_source.pvc.read_only,
-                                    eval_source.pvc.path)
-        elif eval_source.s3 is not None:
-            fetches.append(Transfer("eval", "spec.evaluation.dataset.s3", eval_source.s3, EVAL_DIR))
-        else:
-            raise RenderError("spec.evaluation.dataset.uri", api.UNSUPPORTED_URI_MESSAGE)
+    eval_mount = None if eval_source is None else _data_source(
+        "eval", "spec.evaluation.dataset", eval_source, EVAL_DIR, fetches)
     checkpoints = None
     if spec.checkpoint is not None:
         pvc = spec.checkpoint.pvc

@@ -123,7 +123,7 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
             "annotations": {
                 PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
                 JOB_NAME_ANNOTATION: job.metadata.name,
-                **pod.scanner_skips(pod.takes_credentials([*init_containers, {"env": training_env}]),
+                **pod.scanner_skips(pod.takes_credentials(init_containers),
                                     network_policy=policy.network_policy.enabled),
             },
             "security_context": pod.pod_security_context(),

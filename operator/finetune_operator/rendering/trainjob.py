@@ -130,8 +130,8 @@ def render_trainjob(
             "annotations": {
                 PREDICTED_PEAK_ANNOTATION: str(plan.predicted_peak_bytes),
                 JOB_NAME_ANNOTATION: job.metadata.name,
-                **pod.scanner_skips(pod.takes_credentials([{"env": pod.env(layout)}]),
-                                    network_policy=policy.network_policy.enabled),
+                # No container of a TrainJob's pod takes a credential (it carries no transfer containers).
+                **pod.scanner_skips(False, network_policy=policy.network_policy.enabled),
             },
         },
         "spec": {
