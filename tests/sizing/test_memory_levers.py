@@ -10,6 +10,8 @@ import pytest
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
 from finetune_operator.sizing import constants as K
 from finetune_operator.sizing.memory import lever_savings, nf4_quant_state_bytes, nf4_weight_quant_state_bytes
+from finetune_operator.sizing.optimizer_state import state_bytes, trained_tensors
+from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import in_use as levers_in_use
 
 L8 = ModelArchitecture.from_preset("llama-3.1-8b")
@@ -59,7 +61,8 @@ def test_kahan_adds_a_bf16_buffer_per_parameter():
 def test_paged_states_live_in_unified_memory_not_in_the_allocator_peak():
     eight = estimate_memory(full(optimizer="adamw-8bit"))
     paged = estimate_memory(full(optimizer="paged-adamw-8bit"))
-    states = K.BNB_8BIT_STATE_BYTES_PER_PARAM * P8
+    # bitsandbytes' 8-bit states, tensor by tensor (test_optimizer_state.py checks the rule)
+    states = state_bytes(optimizers.kind("paged-adamw-8bit"), trained_tensors(L8, "full"), 4.0)
     assert paged.unified_memory_bytes == round(states)
     assert eight.phase_peaks["optimizer"] - paged.phase_peaks["optimizer"] == round(states)
     assert paged.host_required_bytes - eight.host_required_bytes == round(states)

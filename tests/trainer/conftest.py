@@ -62,11 +62,12 @@ class TrainerRun:
         return {e["step"]: e["loss"] for e in self.of("progress")}
 
 
-def run_trainer(config_path: Path, nproc: int = 1, launcher: bool = False, timeout: int = 300) -> TrainerRun:
+def run_trainer(config_path: Path, nproc: int = 1, launcher: bool = False, timeout: int = 300,
+                extra_env: dict[str, str] | None = None) -> TrainerRun:
     """Run the trainer in a fresh process, as a pod does: one process, torchrun, or the launcher."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", **(extra_env or {}))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     if launcher:

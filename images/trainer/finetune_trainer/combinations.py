@@ -19,12 +19,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Iterable, Mapping
 
 from .memory_levers import LEVERS
-from .rules import BNB_OPTIMIZERS, OFFLOADING, ZERO, AtLeast, Rule
+from . import optimizers
+from .rules import OFFLOADING, ZERO, AtLeast, Rule
 from .rules import one_of as _set
 
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+OPTIMIZERS = optimizers.NAMES  # optimizers.KINDS: the one list
 ATTENTIONS = ("sdpa", "flash", "eager")
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -78,8 +79,8 @@ RULES: tuple[Rule, ...] = (
     # ---- precision / optimizer x strategy ---------------------------------------------
     Rule("fsdp-fp16", {"strategy": _set("fsdp"), "precision": _set("fp16")}, "precision",
          "strategy fsdp computes in bf16 (or fp32), not fp16"),
-    Rule("bnb-zero", {"optimizer": BNB_OPTIMIZERS, "strategy": ZERO}, "optimizer",
-         "bitsandbytes 8-bit optimizers do not run under DeepSpeed ZeRO; use adamw (or ddp/fsdp)"),
+    # ---- the optimizers' own (optimizers.py states them) ---------------------------------
+    *optimizers.RULES,
     # ---- the memory levers' own (each lever's module states them) ------------------------
     *(rule for lever in LEVERS for rule in lever.rules),
     # ---- LoRA on experts -----------------------------------------------------------------------

@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from .combinations import EXPORTS, STRATEGIES, Choices, describe, violations
+from .combinations import EXPORTS, OPTIMIZERS, STRATEGIES, Choices, describe, violations
 from .failures import (  # noqa: F401  (the exit codes are the contract's names too)
     EXIT_CONFIG_ERROR,
     EXIT_DATA_ERROR,
@@ -241,7 +241,7 @@ class TrainerConfig(_Contract):
     # (stochastic rounding of the updated weight, no extra memory) or "kahan" (a bf16
     # compensation buffer per parameter, 2 bytes each).
     update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
-    optimizer: Literal["adamw", "adamw-8bit", "paged-adamw-8bit"] = "adamw"
+    optimizer: Literal[OPTIMIZERS] = "adamw"  # type: ignore[valid-type]  (optimizers.py)
     # Run the optimizer step for each parameter inside backward, as soon as its gradient
     # is ready, and free that gradient at once (torchtune's optimizer_in_bwd). Needs
     # gradient_accumulation 1 and strategy ddp or fsdp; gradient clipping by global norm

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import optimizers
 from .contract import TrainerConfig
 from .errors import ConfigError
 from .memory_levers import config_fields
@@ -59,8 +60,10 @@ class StartupLevers:
 
     @property
     def custom_optimizer(self) -> bool:
-        """Whether the trainer builds the optimizer itself instead of the Trainer's default."""
-        return self.optimizer_in_backward or (self.bf16_master and self.optimizer == "adamw")
+        """Whether the trainer builds the optimizer itself instead of the Trainer's default (which
+        builds only the optimizers that name a `trainer_optim`, optimizers.py)."""
+        return (self.optimizer_in_backward or (self.bf16_master and self.optimizer == "adamw")
+                or optimizers.kind(self.optimizer).trainer_optim is None)
 
     def fields(self) -> dict:
         """The startup line's fields (camelCase, as in the config)."""

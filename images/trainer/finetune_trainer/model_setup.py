@@ -20,13 +20,13 @@ import json
 import logging
 from pathlib import Path
 
+from . import optimizers
 from .contract import TrainerConfig
 from .errors import ConfigError
 
 log = logging.getLogger("finetune_trainer")
 
 ATTENTION = {"sdpa": "sdpa", "flash": "flash_attention_2", "eager": "eager"}
-OPTIMIZER = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit"}
 
 
 def check_runnable(cfg: TrainerConfig, cuda: bool) -> None:
@@ -37,11 +37,11 @@ def check_runnable(cfg: TrainerConfig, cuda: bool) -> None:
             raise ConfigError("method qlora needs CUDA (4-bit NF4 via bitsandbytes); no GPU is visible")
         if not has_bnb:
             raise ConfigError("method qlora needs the bitsandbytes package, which this image lacks")
-    if cfg.optimizer != "adamw":
-        if not cuda:
-            raise ConfigError(f"optimizer {cfg.optimizer} needs CUDA (bitsandbytes); no GPU is visible")
-        if not has_bnb:
-            raise ConfigError(f"optimizer {cfg.optimizer} needs the bitsandbytes package, which this image lacks")
+    optimizer = optimizers.kind(cfg.optimizer)
+    if optimizer.cuda_only and not cuda:
+        raise ConfigError(f"optimizer {cfg.optimizer} needs CUDA ({optimizer.library}); no GPU is visible")
+    if optimizer.library != "torch" and importlib.util.find_spec(optimizer.library) is None:
+        raise ConfigError(f"optimizer {cfg.optimizer} needs the {optimizer.library} package, which this image lacks")
     if cfg.attention == "flash":
         if not cuda:
             raise ConfigError("attention flash needs CUDA; no GPU is visible")

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 ZERO = frozenset({"zero1", "zero2", "zero3"})
-BNB_OPTIMIZERS = frozenset({"adamw-8bit", "paged-adamw-8bit"})
 OFFLOADING = frozenset({"optimizer", "optimizer+params"})
 
 

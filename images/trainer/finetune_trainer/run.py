@@ -9,7 +9,7 @@ import os
 import time
 import traceback
 
-from . import checkpointing
+from . import checkpointing, optimizers
 from .contract import DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH, ConfigLoadError, Phase, TrainerConfig, load_trainer_config
 from .errors import ConfigError
 from .phases import PROGRESS
@@ -133,7 +133,7 @@ def usable_checkpoint(cfg: TrainerConfig):
 def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
     from transformers import TrainingArguments
 
-    from .model_setup import OPTIMIZER, accelerate_fsdp_arguments, fsdp_route
+    from .model_setup import accelerate_fsdp_arguments, fsdp_route
 
     return TrainingArguments(
         output_dir=cfg.output_directory,
@@ -149,7 +149,9 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         max_steps=max_steps,
         bf16=cfg.precision == "bf16",
         fp16=cfg.precision == "fp16",
-        optim=OPTIMIZER[cfg.optimizer],
+        # The Trainer builds the optimizers that name theirs; the trainer builds the rest (and its
+        # levers' own): then this is never read.
+        optim=optimizers.kind(cfg.optimizer).trainer_optim or "adamw_torch",
         gradient_checkpointing=cfg.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
         deepspeed=cfg.deepspeed if cfg.zero_stage else None,

@@ -3,6 +3,7 @@ fault injection, our own checkpoints and resume, and JSON progress lines."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import resource
 import sys
@@ -14,7 +15,7 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 
-from . import checkpointing
+from . import checkpointing, optimizers
 from .checkpointing import Checkpoint, CheckpointMeta
 from .contract import Phase, ProgressReport, TrainerConfig
 from .faults import FaultInjector
@@ -66,6 +67,7 @@ class FineTuneTrainer(Trainer):
             # parameter name, which torch cannot load into an empty group: drop it (before
             # the LR scheduler is made from the groups).
             optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+            _log_optimizer(cfg, optimizer)
             return optimizer
         opt_model = self.model if model is None else model
         cls, kwargs = self._optimizer_class()
@@ -78,6 +80,7 @@ class FineTuneTrainer(Trainer):
                  "weight_decay": 0.0},
             ]
             self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+            _log_optimizer(cfg, self.optimizer)
             return self.optimizer
         from .optimizer_in_backward import InBackwardOptimizer
 
@@ -87,10 +90,13 @@ class FineTuneTrainer(Trainer):
         self.optimizer = InBackwardOptimizer(named, lambda groups: cls(groups, **kwargs))
         if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
             _embeddings_in_32_bit(opt_model)
+        _log_optimizer(cfg, self.optimizer, cls)
         return self.optimizer
 
     def _optimizer_class(self):
         cfg = self.cfg
+        if optimizers.kind(cfg.optimizer).library == "torchao":
+            return _torchao_optimizer(cfg, self.args)
         if cfg.method == "full" and cfg.master_weights == "bf16" and cfg.optimizer == "adamw":
             from .bf16_adamw import BF16AdamW
             from .reporting import rank
@@ -150,6 +156,25 @@ class FineTuneTrainer(Trainer):
             # An empty dict: prediction_step takes the logits from it (none: prediction_loss_only).
             return (loss, {}) if return_outputs else loss
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+def _log_optimizer(cfg: TrainerConfig | None, optimizer, cls=None) -> None:
+    """Which implementation steps the weights (the `optimizer` line): what the config names is not
+    proof of what runs."""
+    cls = cls or type(getattr(optimizer, "optimizer", optimizer))
+    log_json("optimizer", optimizer=cfg.optimizer if cfg is not None else None,
+             implementation=f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _torchao_optimizer(cfg: TrainerConfig, args):
+    """torchao's low-bit AdamW (optimizers.py): block-wise quantised moments, each parameter's step
+    in fp32 (torchao compiles it per parameter shape). With bf16 master weights, the update is
+    rounded to nearest or stochastically (torchao's `bf16_stochastic_round`); fp32 weights need no
+    rounding."""
+    module, name = optimizers.kind(cfg.optimizer).optimizer_class.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
+                 "bf16_stochastic_round": cfg.master_weights == "bf16" and cfg.update_rounding == "stochastic"}
 
 
 def _embeddings_in_32_bit(model) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Literal, NamedTuple, Union
 from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from finetune_trainer.combinations import STRATEGIES
+from finetune_trainer.combinations import OPTIMIZERS, STRATEGIES
 from finetune_trainer.memory_levers import Levers, camel, levers_of
 
 from .. import api
@@ -51,7 +51,7 @@ class Plan(BaseModel):
     method: Literal["full", "lora", "qlora"]
     strategy: StrategyName
     offload: OffloadName
-    optimizer: Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
+    optimizer: Literal[OPTIMIZERS]  # type: ignore[valid-type]
     micro_batch_size: int = Field(ge=1)
     gradient_accumulation: int = Field(ge=1)
     gradient_checkpointing: bool

@@ -84,8 +84,8 @@ def job_profile(spec: api.FineTuneJobSpec) -> JobProfile:
         raise NotProfilable("spec.method", "qlora cannot be profiled (bitsandbytes' 4-bit kernels need CUDA); "
                             "use lora or full for a model the analytic memory model does not know")
     if t.optimizer != "adamw":
-        raise NotProfilable("spec.training.optimizer", f"{t.optimizer} cannot be profiled (bitsandbytes needs "
-                            "CUDA); use adamw for a model the analytic memory model does not know")
+        raise NotProfilable("spec.training.optimizer", f"{t.optimizer} cannot be profiled (the trace steps fused "
+                            "AdamW only); use adamw for a model the analytic memory model does not know")
     if t.precision not in ("bf16", "fp32"):
         raise NotProfilable("spec.training.precision", f"{t.precision} cannot be profiled; use bf16 or fp32")
     if r.offload not in ("auto", "none"):

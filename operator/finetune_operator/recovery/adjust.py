@@ -14,7 +14,8 @@ of change per rung, in this documented order:
   3. microBatch             smaller micro-batch, more accumulation (the global batch is kept)
   4. sharding               ddp -> fsdp / zero2 -> zero3
   5. activationOffloading   checkpointed activations to host memory (time, not results)
-  6. optimizer8bit          the optimizer may switch between AdamW and 8-bit AdamW
+  6. optimizer8bit          the optimizer may switch to its counterpart (optimizers.py: AdamW and
+                            bitsandbytes' 8-bit AdamW, torchao's 8-bit and 4-bit AdamW)
   7. offload                optimizer (and parameter) states to host memory
   8. optimizerInBackward    each parameter's step inside backward (no gradient clipping then)
   9. moreGPUs               more GPUs, or another pool, in the allowed regions
@@ -82,6 +83,7 @@ from ..planning.pools import GiB, NodePool
 from ..planning.search import choose_cheapest_or_startable, cost_window_of, plan_job
 from ..sizing import ModelArchitecture
 from .classify import Failure, FailureKind, Remedy
+from finetune_trainer import optimizers
 from finetune_trainer.combinations import Choices, allows
 from finetune_trainer.memory_levers import LEVERS, by_rung
 
@@ -102,7 +104,6 @@ MEMORY_OUTCOMES: dict[str, FailureKind] = {
 _MEMORY_KINDS = frozenset(MEMORY_OUTCOMES.values())
 
 # The optimizer rung lets the plan switch between these two (see the module's docstring).
-_OPTIMIZER_COUNTERPART = {"adamw": "adamw-8bit", "adamw-8bit": "adamw", "paged-adamw-8bit": "adamw"}
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,7 @@ def _optimizer_choices(failed: api.PlanStatus, free: set[str]) -> tuple[str, ...
     optimizer rung on, its counterpart."""
     if "optimizer" not in free:
         return (failed.optimizer,)
-    return (failed.optimizer, _OPTIMIZER_COUNTERPART[failed.optimizer])
+    return (failed.optimizer, optimizers.kind(failed.optimizer).counterpart)
 
 
 def _best_of_optimizers(planner: _Planner, spec: api.FineTuneJobSpec, failed: api.PlanStatus,

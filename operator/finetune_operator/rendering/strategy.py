@@ -57,8 +57,8 @@ def build_deepspeed_config(strategy: str, offload: str, batch: BatchSettings) ->
         if batch.optimizer != "adamw":
             raise RenderError(
                 "plan.optimizer",
-                f"{batch.optimizer} runs on the GPU (bitsandbytes) and cannot step offloaded"
-                " optimizer states; offload needs adamw",
+                f"{batch.optimizer} cannot step offloaded optimizer states (DeepSpeed steps them with its own"
+                " CPU AdamW); offload needs adamw",
             )
         config["optimizer"] = {
             "type": "AdamW",

@@ -460,6 +460,22 @@ class ModelArchitecture:
             targets = tuple(targets)
         return _resolve_lora_targets(self, targets)
 
+    def block_kinds(self) -> tuple[tuple[tuple[LinearShape, ...], int], ...]:
+        """The blocks' linears with how many blocks have them: mixture-of-experts blocks and the
+        dense blocks of a model that mixes both (Qwen3-MoE's mlp_only_layers) apart."""
+        n_moe = self.num_moe_layers
+        if not n_moe:
+            return ((self._block_linears, self.num_layers),)
+        return tuple((linears, n) for linears, n in ((self._block_linears, n_moe),
+                                                     (self._dense_block_linears, self.num_layers - n_moe)) if n)
+
+    def adapted_linears(self, targets: str | tuple[str, ...]) -> tuple[tuple[LinearShape, int], ...]:
+        """Each decoder linear LoRA adapts, with the number of blocks that have it."""
+        if isinstance(targets, list):
+            targets = tuple(targets)
+        self.resolve_lora_targets(targets)  # names checked against the family's modules
+        return tuple((lin, n) for linears, n in self.block_kinds() for lin in self._resolve_lora_targets(targets, linears))
+
     def _resolve_lora_targets(self, targets: str | tuple[str, ...], linears=None) -> tuple[LinearShape, ...]:
         linears = self.block_linears() if linears is None else linears
         known = self.traits.lora_targets

@@ -32,10 +32,7 @@ NCCL_RESERVE_BYTES = 512 * MIB  # added when world_size > 1
 # bucket tensors as large as all trainable gradients, in the gradient dtype.
 DDP_BUCKETS_COPY_GRADIENTS = True
 
-# bitsandbytes blockwise 8-bit Adam: two uint8 states per parameter plus one fp32
-# absmax per 256-element block per state; tensors under 4096 elements keep fp32 states.
-BNB_8BIT_STATE_BYTES_PER_PARAM = 2 + 2 * 4 / 256
-BNB_8BIT_MIN_SIZE = 4096
+# The low-bit optimizers' states (bitsandbytes, torchao): finetune_trainer/optimizers.py.
 
 # bitsandbytes NF4 with double quantisation (the trainer's BitsAndBytesConfig: nf4,
 # bnb_4bit_use_double_quant): 4 bits per weight, packed (what FSDP shards). Each quantised

@@ -54,10 +54,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import Levers, levers_of, savings
 
 from . import constants as K
-from . import families, zero3
+from . import families, optimizer_state, zero3
 from .architecture import ModelArchitecture
 from .errors import SizingError
 from .setup import TrainingSetup
@@ -367,11 +368,17 @@ def _optimizer_bytes_per_param(setup: TrainingSetup, regime: _Regime) -> float:
 
     AdamW keeps two moments in the dtype of what it trains: fp32 (8 bytes) for fp32 master
     weights and for adapters, bf16 (4 bytes) with bf16 master weights, plus Kahan's bf16
-    compensation buffer (2 bytes) when the update rounding is kahan. bitsandbytes' 8-bit
-    AdamW: blockwise uint8 moments with fp32 absmax, whatever the weights' dtype.
+    compensation buffer (2 bytes) when the update rounding is kahan. The low-bit optimizers
+    (bitsandbytes' and torchao's): block-wise quantised moments of the large tensors, the rest
+    in the weights' dtype, tensor by tensor (optimizer_state.py), as an average per parameter.
     """
-    if setup.optimizer != "adamw":
-        return K.BNB_8BIT_STATE_BYTES_PER_PARAM
+    kind = optimizers.kind(setup.optimizer)
+    if kind.quantised is not None:
+        groups = optimizer_state.trained_tensors(setup.architecture, setup.method, setup.lora_rank,
+                                                 _targets(setup.lora_targets))
+        full_bytes = 2.0 if regime.master_bf16 else 4.0
+        trained = sum(g.numel * g.count for g in groups)
+        return optimizer_state.state_bytes(kind, groups, full_bytes) / trained
     if regime.master_bf16:
         return 4.0 + (2.0 if setup.update_rounding == "kahan" else 0.0)
     return 8.0
@@ -431,7 +438,7 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
         opt = optimizer_pp * params / shards
         buffers = weight_bytes * params if (strategy == "ddp" and world > 1 and K.DDP_BUCKETS_COPY_GRADIENTS) else 0.0
         unified = 0.0
-        if setup.optimizer == "paged-adamw-8bit":
+        if optimizers.kind(setup.optimizer).paged:
             unified, opt = opt, 0.0
         if offload_optimizer:
             host += opt
@@ -466,7 +473,7 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
     else:
         buffers = 4.0 * trainable if (strategy == "ddp" and world > 1) else 0.0
     unified = 0.0
-    if setup.optimizer == "paged-adamw-8bit":
+    if optimizers.kind(setup.optimizer).paged:
         unified, opt = opt, 0.0
     if offload_optimizer:
         host += opt
@@ -476,6 +483,11 @@ def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
         weights = 0.0
     weights += quant_state  # on the GPU whatever FSDP offloads (it moves parameters only)
     return _Static(weights, grads, opt, 0.0, buffers, host, unified, 4.0 * largest / grad_shards)
+
+
+def _targets(targets) -> str | tuple[str, ...]:
+    """The setup's LoRA targets in a hashable form (a list comes in from the API)."""
+    return targets if isinstance(targets, str) else tuple(targets)
 
 
 def _zero_buckets(grad_bytes: float) -> float:
@@ -492,8 +504,7 @@ def _zero_buckets(grad_bytes: float) -> float:
 def _zero3(setup: TrainingSetup, regime: _Regime) -> zero3.Zero3Memory:
     """Stage 3 per rank (zero3.py) for this setup's model, method and world size."""
     trace = zero3.decoder_trace(setup.architecture, setup.method, setup.lora_rank,
-                                tuple(setup.lora_targets) if not isinstance(setup.lora_targets, str)
-                                else setup.lora_targets,
+                                _targets(setup.lora_targets),
                                 setup.method != "full" and setup.lora_dropout > 0, setup.gradient_checkpointing)
     return zero3.rank_memory(trace, world=setup.world_size, compute_bytes=regime.compute,
                              optimizer_bytes_per_param=_optimizer_bytes_per_param(setup, regime),
@@ -515,9 +526,13 @@ def _notes(setup: TrainingSetup) -> list[str]:
         notes.append("transformers' sdpa rejects attention soft-capping (Gemma 2); estimated as eager")
     elif arch.traits.eager_only and setup.attention == "sdpa":
         notes.append(f"transformers has no sdpa for {arch.family} (attention sinks); estimated as eager, as the trainer runs it")
-    if setup.method == "qlora" or setup.optimizer != "adamw":
+    optimizer = optimizers.kind(setup.optimizer)
+    if setup.method == "qlora" or optimizer.library == "bitsandbytes":
         notes.append("bitsandbytes (qlora / 8-bit optimizers) needs CUDA; derived from storage sizes, not traced")
-    if setup.optimizer == "paged-adamw-8bit":
+    if optimizer.library == "torchao":
+        notes.append("torchao's low-bit AdamW states sized tensor by tensor as torchao quantises them (checked against"
+                     " its states on the CPU); its per-parameter fp32 step temporaries are derived, not traced")
+    if optimizer.paged:
         notes.append("paged 8-bit AdamW states live in CUDA unified memory: not in the allocator's peak (the figure"
                      " torch.cuda.max_memory_allocated reports) nor in the required GPU memory; the driver pages"
                      " them to host memory when the GPU is full, and host memory counts them")
@@ -608,7 +623,11 @@ def _optimizer_step_temporaries(setup: TrainingSetup, regime: _Regime, static: _
     """Transient bytes of one optimizer step. Fused torch AdamW and bitsandbytes' kernels
     update in place; the trainer's bf16 AdamW (bf16_adamw.py) computes one parameter at a
     time in fp32 (gradient, both moments, the old weight, and for stochastic rounding the
-    random bits and the rounded value): bytes per element of the largest parameter's shard."""
+    random bits and the rounded value): bytes per element of the largest parameter's shard.
+    torchao's low-bit AdamW steps one parameter at a time too (`step_temp_bytes_per_value`)."""
+    kind = optimizers.kind(setup.optimizer)
+    if kind.step_temp_bytes_per_value:
+        return kind.step_temp_bytes_per_value * static.largest_gradient / (2.0 if regime.master_bf16 else 4.0)
     if not regime.master_bf16 or setup.optimizer != "adamw":
         return 0.0
     elements = static.largest_gradient / 2.0  # bf16 gradients: 2 bytes per element

@@ -7,7 +7,8 @@ last, only when more GPUs cannot help."""
 
 from __future__ import annotations
 
-from ..rules import BNB_OPTIMIZERS, ZERO, Rule, one_of
+from ..optimizers import BNB, kind
+from ..rules import ZERO, Rule, one_of
 from .lever import Lever, Setting
 
 _Freedom = tuple[tuple[str, ...], "str | None"]  # (master weights to try, the rounding or None: auto)
@@ -22,8 +23,9 @@ def _ask(training, method: str, logit_transform: bool) -> tuple[_Freedom, bool]:
 
 
 def _auto_rounding(master: str, optimizer: str | None) -> str:
-    # Stochastic rounding is done by the trainer's bf16 AdamW; otherwise plain bf16 arithmetic.
-    return "stochastic" if (master == "bf16" and optimizer == "adamw") else "nearest"
+    # Stochastic rounding where the optimizer does it (optimizers.py); otherwise plain bf16 arithmetic.
+    return "stochastic" if (master == "bf16" and optimizer is not None and kind(optimizer).stochastic_rounding) \
+        else "nearest"
 
 
 def _settings(freedom: _Freedom, base) -> tuple[Setting, ...]:
@@ -70,7 +72,7 @@ LEVER = Lever(
              "master_weights", "bf16 master weights need precision bf16"),
         Rule("bf16-master-zero", {"master_weights": one_of("bf16"), "strategy": ZERO}, "master_weights",
              "DeepSpeed ZeRO keeps fp32 master weights; bf16 master weights need ddp or fsdp"),
-        Rule("rounding-bnb", {"update_rounding": one_of("stochastic", "kahan"), "optimizer": BNB_OPTIMIZERS},
+        Rule("rounding-bnb", {"update_rounding": one_of("stochastic", "kahan"), "optimizer": BNB},
              "update_rounding",
              "stochastic and kahan rounding are done by the trainer's bf16 AdamW; bitsandbytes 8-bit optimizers"
              " round their own updates: use nearest (or optimizer adamw)"),
