@@ -63,7 +63,7 @@ def test_the_operator_image_leaves_the_training_code_out():
     levers = {f.relative_to(REPO_ROOT).as_posix()
               for f in (REPO_ROOT / "images/trainer/finetune_trainer/memory_levers").glob("*.py")}
     assert trainer == {f"images/trainer/finetune_trainer/{m}.py"
-                       for m in ("__init__", "contract", "combinations", "failures", "rules")} | levers
+                       for m in ("__init__", "contract", "combinations", "failures", "rules", "optimizers")} | levers
     assert not any("__pycache__" in f for f in files), ".dockerignore keeps build outputs out"
 
 
