@@ -1071,18 +1071,20 @@ def claim_of(decision: lifecycle.Decision) -> Claim | None:
 def _still_fits(decision: lifecycle.Decision, held: Held | None, seen: Sequence[NodePool],
                 now: Sequence[NodePool]) -> bool:
     """Whether a decision planned on the free pools `seen` may be noted when the books show `now`:
-    the GPUs it newly claims wait no longer on their pool than the plan counted on (a wait of 0:
-    they were free then and are still free; planning ranks a pool by exactly this, NodePool.wait_share).
-    A decision that keeps the claim its job held, or claims nothing, takes nothing new."""
+    GPUs it newly claims as free now (its plan starts without a scale-up) are still free. A plan
+    that waits for its pool (a queue, a scale-up) takes no free GPUs: noted as it is, even where
+    another claim made the queue longer since (waiting_to_wake and the lifecycle's move of an
+    unschedulable attempt look at it again). A decision that keeps the claim its job held, or
+    claims nothing, takes nothing new."""
     claim = claim_of(decision)
     if claim is None or (held is not None and held.claim == claim and not decision.create):
         return True
-    return _wait_share(now, claim) <= _wait_share(seen, claim)
+    return not _fits_now(seen, claim) or _fits_now(now, claim)
 
 
-def _wait_share(pools: Sequence[NodePool], claim: Claim) -> float:
+def _fits_now(pools: Sequence[NodePool], claim: Claim) -> bool:
     pool = next((p for p in pools if p.name == claim.pool), None)
-    return math.inf if pool is None else pool.wait_share(claim.nodes, claim.gpus_per_node)
+    return pool is not None and pool.fits_now(claim.nodes, claim.gpus_per_node)
 
 
 class ForeignObject(Exception):

@@ -35,6 +35,7 @@ class Parked:
         self.planned = {name: threading.Event() for name in names}
         self.go = {name: threading.Event() for name in names}
         self.steps: Counter[str] = Counter()
+        self.lost: set[str] = set()  # waited for longer than PATIENCE: the interleaving was not the test's
         self._lock = threading.Lock()
 
     def __call__(self, observed: lifecycle.Observed) -> lifecycle.Decision:
@@ -45,7 +46,8 @@ class Parked:
             first = self.steps[name] == 1
         if first:
             self.planned[name].set()
-            self.go[name].wait(PATIENCE)
+            if not self.go[name].wait(PATIENCE):
+                self.lost.add(name)
         return decision
 
 
@@ -96,6 +98,7 @@ def workers(names: list[str], free_gpus: int) -> Iterator[Workers]:
                 go.set()
             for thread in pool.threads.values():
                 thread.join(PATIENCE)
+        assert not parked.lost, f"{sorted(parked.lost)} went on before the test let them"
 
 
 def plans(world: ReconcileWorld, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -179,3 +182,41 @@ def test_no_interleaving_of_plans_and_commits_overcommits_a_pool_or_leaves_a_job
     assert reconciler.replans <= len(names) and sum(pool.parked.steps.values()) == len(names) + reconciler.replans
     # Every job holds its claim: the next plan counts it.
     assert all(reconciler.claims.get((NAMESPACE, name)) is not None for name in names)
+
+
+def test_a_job_waiting_on_a_full_pool_is_woken_when_another_pool_in_its_regions_has_room():
+    """waiting_to_wake reads the claims and the waiting jobs under the placement lock, on a snapshot
+    taken outside it."""
+    import dataclasses
+
+    from finetune_operator.rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+
+    world = ReconcileWorld(job_document("first", resources=ONE_GPU))
+    world.kube.put("FineTuneJob", job_document("second", resources=ONE_GPU))
+    world.kube.put("Node", gpu_node("h100-0", POOL, "NVIDIA-H100-80GB-HBM3", 1))
+    reconciler = world.reconciler
+    reconciler.reconcile(NAMESPACE, "first")
+    reconciler.reconcile(NAMESPACE, "second")
+    second = world.kube.get("FineTuneJob", NAMESPACE, "second")["status"]["plan"]
+    assert second["nodePool"] == POOL and second["needsScaleUp"], second
+    # Its pod exists and waits for a node; it has waited long enough to be worth a move.
+    world.kube.put("Pod", {"metadata": {"name": "second-a1-master-0", "namespace": NAMESPACE,
+                                        "labels": {JOB_LABEL: "second", ATTEMPT_LABEL: "1"}},
+                           "spec": {}, "status": {"phase": "Pending"}})
+    reconciler.reconcile(NAMESPACE, "second")
+    key = (NAMESPACE, "second")
+    held = reconciler.claims.get(key)
+    assert held is not None and held.waiting_since is not None
+    reconciler.claims.restore(key, dataclasses.replace(held, waiting_since=held.waiting_since - 3600))
+    with mock.patch("finetune_operator.controller.DISCOVERY_CACHE_SECONDS", -1.0):  # every look lists the nodes
+        assert reconciler.waiting_to_wake() == []  # nowhere else to go
+        # A GPU frees up in another pool, and a new job claims it before the waiting one is looked at.
+        world.kube.put("Node", gpu_node("a100-0", "a100-berlin", "NVIDIA-A100-SXM4-80GB", 1))
+        world.kube.put("FineTuneJob", job_document("third", resources=dict(ONE_GPU, gpuTypes=["A100-80GB"])))
+        reconciler.reconcile(NAMESPACE, "third")
+        third = world.kube.get("FineTuneJob", NAMESPACE, "third")["status"]["plan"]
+        assert third["nodePool"] == "a100-berlin" and not third["needsScaleUp"], third
+        assert reconciler.waiting_to_wake() == []  # the room is claimed
+        world.kube.put("Node", gpu_node("a100-1", "a100-berlin", "NVIDIA-A100-SXM4-80GB", 1))
+        assert reconciler.waiting_to_wake() == [key]
+        assert reconciler.waiting_to_wake() == []  # not woken again at once
