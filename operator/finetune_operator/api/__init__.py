@@ -485,8 +485,8 @@ class InlineArchitecture(_ConfigKeys):
     @model_validator(mode="after")
     def _sizable(self) -> "InlineArchitecture":
         # One rule, sizing's: what a family needs, its defaults, how the numbers fit together.
-        from .sizing.architecture import ModelArchitecture
-        from .sizing.errors import SizingError, UnknownArchitecture
+        from ..sizing.architecture import ModelArchitecture
+        from ..sizing.errors import SizingError, UnknownArchitecture
 
         try:
             ModelArchitecture.from_hf_config(self.config_json())
