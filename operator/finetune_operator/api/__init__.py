@@ -33,113 +33,35 @@ from finetune_trainer.combinations import EXPORTS, STRATEGIES, Choices, cel_rule
 from finetune_trainer.failures import ATTEMPT_OUTCOMES
 from finetune_trainer.memory_levers import choice_values, config_fields, ladder
 
-GROUP = "finetune.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "FineTuneJob"
-PLURAL = "finetunejobs"
-SINGULAR = "finetunejob"
-SHORT_NAMES = ["ftj"]
-
-DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-# Label values: what `kueue.x-k8s.io/queue-name` and region label values must satisfy.
-LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-
-# Bounds that keep CEL rules within the API server's cost budget and catch typos
-# such as a sequence length of 4_000_000. They are generous on purpose.
-MAX_SEQUENCE_LENGTH = 1_048_576
-MAX_GLOBAL_BATCH = 1_048_576
-MAX_GPUS = 4096
-MAX_NAME = 253
-MAX_TEXT = 1024
-
-# ---------------------------------------------------------------------------
-# Building blocks
-# ---------------------------------------------------------------------------
-
-
-class ApiModel(BaseModel):
-    """Base of every spec model: camelCase in YAML, unknown fields are errors."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_default=True,
-        # Strict, like the API server: "yes" is not a boolean and "4" is not an integer.
-        strict=True,
-    )
-
-
-ACCEPTS_KEY = "x-finetune-accepts"
-
-
-def _auto_or_int(minimum: int, maximum: int, what: str) -> Any:
-    """`auto` or an integer in [minimum, maximum], spelled the way Kubernetes can check it."""
-    return WithJsonSchema(
-        {
-            "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            # What the field accepts, added to its description by crd.py: `kubectl explain` can only
-            # call an int-or-string field <Object>.
-            ACCEPTS_KEY: f"`auto` or an integer from {minimum} to {maximum}",
-            "x-kubernetes-validations": [
-                {
-                    "rule": (
-                        f"type(self) == int ? (self >= {minimum} && self <= {maximum})"
-                        " : self == 'auto'"
-                    ),
-                    "message": f"must be 'auto' or an integer {what} between {minimum} and {maximum}",
-                }
-            ],
-        }
-    )
-
-
-AutoOrPositiveInt = Annotated[
-    Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_GPUS)]],
-    _auto_or_int(1, MAX_GPUS, "count"),
-]
-AutoOrMicroBatch = Annotated[
-    Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]],
-    _auto_or_int(1, 4096, "micro-batch size"),
-]
-AutoOrLossChunks = Annotated[
-    Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]],
-    _auto_or_int(1, 64, "number of loss chunks"),
-]
-
-def _text_matching(pattern: str, message: str, max_length: int) -> Any:
-    """A string the CRD checks with `pattern` (Go RE2 at the API server) and pydantic with the
-    same pattern and a message a person reads (`fullmatch`: no trailing newline slips through)."""
-    compiled = re.compile(pattern)
-
-    def check(value: str) -> str:
-        if not compiled.fullmatch(value):
-            raise ValueError(message)
-        return value
-
-    return Annotated[
-        str, Field(min_length=1, max_length=max_length, json_schema_extra={"pattern": pattern}), AfterValidator(check)
-    ]
-
-
-# One line of printable text: no C0/C1 control characters (line breaks, tabs, ESC and CSI, which
-# start terminal escape sequences) in what `kubectl get` and logs print.
-PRINTABLE_LINE = r"^[^\x00-\x1f\x7f-\x9f]+$"
-# A git revision (commit hash, tag, branch, `refs/pr/N`) that no command reads as an option:
-# starts with a letter, digit or `_`, never with `-`.
-GIT_REVISION = r"^[A-Za-z0-9_][-A-Za-z0-9_.+/]*$"
-
-ShortName = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=DNS1123_SUBDOMAIN)]
-Text = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
-RelativePath = Annotated[
-    str,
-    Field(min_length=1, max_length=MAX_TEXT, pattern=r"^[^/].*$"),
-]
-
+from .schema import (
+    ACCEPTS_KEY,
+    API_VERSION,
+    DNS1123_LABEL,
+    DNS1123_SUBDOMAIN,
+    GIT_REVISION,
+    GROUP,
+    KIND,
+    LABEL_VALUE,
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS,
+    MAX_NAME,
+    MAX_SEQUENCE_LENGTH,
+    MAX_TEXT,
+    PLURAL,
+    PRINTABLE_LINE,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    ApiModel,
+    AutoOrLossChunks,
+    AutoOrMicroBatch,
+    AutoOrPositiveInt,
+    RelativePath,
+    ShortName,
+    Text,
+    require_exactly_one,
+    text_matching,
+)
 
 class _ClaimPath(ApiModel):
     """A path inside a PersistentVolumeClaim in the job's namespace."""
@@ -182,7 +104,7 @@ class HuggingFaceSource(ApiModel):
 
     repo: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")]
     """Repository id, `owner/name`."""
-    revision: _text_matching(
+    revision: text_matching(
         GIT_REVISION,
         "must be a commit hash, tag or branch: letters, digits and . _ - + /, starting with a letter,"
         " digit or '_' (a leading '-' would be read as an option of the download command)",
@@ -307,7 +229,7 @@ class ModelSource(ApiModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelSource":
-        _require_exactly_one(self, ("pvc", "s3", "hf"), also=("uri",))
+        require_exactly_one(self, ("pvc", "s3", "hf"), also=("uri",))
         return self
 
 
@@ -332,7 +254,7 @@ class _VolumeOrUri(ApiModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "_VolumeOrUri":
-        _require_exactly_one(self, ("pvc", "s3"), also=("uri",))
+        require_exactly_one(self, ("pvc", "s3"), also=("uri",))
         return self
 
 
@@ -346,15 +268,6 @@ class DataSource(_VolumeOrUri):
     storage; downloaded into the pods before training."""
     uri: UnsupportedUri | None = None
     """Not supported yet (`s3://`, `gs://`, `https://`): refused. Use `s3` or `pvc`."""
-
-
-def _require_exactly_one(model: BaseModel, names: tuple[str, ...], also: tuple[str, ...] = ()) -> None:
-    """Exactly one of `names` set; `also` are fields that count as set but are refused elsewhere."""
-    set_names = [n for n in names + also if getattr(model, n) is not None]
-    if len(set_names) != 1:
-        spelled = ", ".join(to_camel(n) for n in names)
-        found = ", ".join(to_camel(n) for n in set_names) or "none"
-        raise ValueError(f"set exactly one of {spelled} (found: {found})")
 
 
 # ---------------------------------------------------------------------------
@@ -529,14 +442,14 @@ class ArchitectureSource(ApiModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ArchitectureSource":
-        _require_exactly_one(self, ("preset", "inline", "config_map_ref"))
+        require_exactly_one(self, ("preset", "inline", "config_map_ref"))
         return self
 
 
 class ModelSpec(ApiModel):
     """The model to fine-tune."""
 
-    name: _text_matching(
+    name: text_matching(
         PRINTABLE_LINE, "must be one line of printable text: no line breaks, tabs, escape or other control characters", 200
     )
     """Human-readable model name, e.g. `meta-llama/Llama-3.1-8B-Instruct` (shown in `kubectl get`): one line of printable text."""
@@ -686,7 +599,7 @@ class TrainingSpec(ApiModel):
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of maxSteps, epochs")
         if isinstance(self.micro_batch_size, int) and self.global_batch_size % self.micro_batch_size:
-            raise _field_error(
+            raise field_error(
                 "globalBatchSize",
                 f"must be a multiple of microBatchSize ({self.micro_batch_size}); got {self.global_batch_size}",
             )
@@ -735,7 +648,7 @@ class ResourcesSpec(ApiModel):
     @model_validator(mode="after")
     def _consistent(self) -> "ResourcesSpec":
         if isinstance(self.gpus, int) and self.max_gpus < self.gpus:
-            raise _field_error("maxGPUs", f"must be at least gpus ({self.gpus}); got {self.max_gpus}")
+            raise field_error("maxGPUs", f"must be at least gpus ({self.gpus}); got {self.max_gpus}")
         return self
 
 
@@ -941,9 +854,9 @@ class EvaluationSpec(ApiModel):
     @model_validator(mode="after")
     def _one_source(self) -> "EvaluationSpec":
         if (self.held_out_fraction is None) == (self.dataset is None):
-            raise _FieldError("heldOutFraction", "set exactly one of heldOutFraction, dataset")
+            raise FieldError("heldOutFraction", "set exactly one of heldOutFraction, dataset")
         if self.early_stopping is not None and self.every_steps is None:
-            raise _FieldError("earlyStopping", "needs everySteps (without it the only evaluation is at the end)")
+            raise FieldError("earlyStopping", "needs everySteps (without it the only evaluation is at the end)")
         return self
 
 
@@ -1021,17 +934,17 @@ class FineTuneJobSpec(ApiModel):
     @model_validator(mode="after")
     def _cross_field(self) -> "FineTuneJobSpec":
         if self.evaluation is not None and self.evaluation.keep_best and self.checkpoint is None:
-            raise _field_error("evaluation.keepBest", "needs checkpoint (the best model is kept beside the checkpoints)")
+            raise field_error("evaluation.keepBest", "needs checkpoint (the best model is kept beside the checkpoints)")
         if self.method == "full" and self.lora is not None:
-            raise _field_error("lora", "not allowed with method full (remove it, or use method lora)")
+            raise field_error("lora", "not allowed with method full (remove it, or use method lora)")
         if self.method in ("lora", "qlora") and self.lora is None:
-            raise _field_error("lora", f"required for method {self.method} (e.g. lora: {{rank: 16}})")
+            raise field_error("lora", f"required for method {self.method} (e.g. lora: {{rank: 16}})")
         problem = first_violation(spec_choices(self))
         if problem is not None:
-            raise _field_error(CHOICE_PATHS[problem.field], problem.message)
+            raise field_error(CHOICE_PATHS[problem.field], problem.message)
         micro, gpus = self.training.micro_batch_size, self.resources.gpus
         if isinstance(micro, int) and isinstance(gpus, int) and self.training.global_batch_size % (micro * gpus):
-            raise _field_error(
+            raise field_error(
                 "training.globalBatchSize",
                 f"must be a multiple of microBatchSize x gpus ({micro} x {gpus} = {micro * gpus});"
                 f" got {self.training.global_batch_size}",
@@ -1435,7 +1348,7 @@ class FineTuneJob(BaseModel):
 # ---------------------------------------------------------------------------
 
 
-class _FieldError(ValueError):
+class FieldError(ValueError):
     """A cross-field error that belongs to a field other than where the validator runs."""
 
     def __init__(self, path: str, message: str) -> None:
@@ -1444,8 +1357,8 @@ class _FieldError(ValueError):
         self.message = message
 
 
-def _field_error(path: str, message: str) -> _FieldError:
-    return _FieldError(path, message)
+def field_error(path: str, message: str) -> FieldError:
+    return FieldError(path, message)
 
 
 class FieldProblem(BaseModel):
@@ -1483,14 +1396,14 @@ def _path_of(loc: tuple[Any, ...]) -> str:
     return "".join(parts)
 
 
-def _problems_from(error: ValidationError) -> list[FieldProblem]:
+def problems_from(error: ValidationError) -> list[FieldProblem]:
     problems: list[FieldProblem] = []
     seen: set[tuple[str, str]] = set()
     for item in error.errors(include_url=False):
         path = _path_of(item["loc"])
         message = item["msg"]
         ctx_error = (item.get("ctx") or {}).get("error")
-        if isinstance(ctx_error, _FieldError):
+        if isinstance(ctx_error, FieldError):
             # A cross-field rule raised from a parent: report the field it is about.
             path = ".".join(p for p in (path, ctx_error.path) if p)
             message = ctx_error.message
@@ -1514,9 +1427,9 @@ def parse_job(document: dict[str, Any]) -> FineTuneJob:
     try:
         return FineTuneJob.model_validate(document)
     except ValidationError as error:
-        problems = _problems_from(error)
+        problems = problems_from(error)
         # A failed union (auto|int) reports once per member; keep the clearest.
-        raise JobValidationError(_merge_union_problems(problems)) from None
+        raise JobValidationError(merge_union_problems(problems)) from None
 
 
 def parse_spec(spec: dict[str, Any]) -> FineTuneJobSpec:
@@ -1526,12 +1439,12 @@ def parse_spec(spec: dict[str, Any]) -> FineTuneJobSpec:
     except ValidationError as error:
         problems = [
             FieldProblem(path=f"spec.{p.path}" if p.path != "(root)" else "spec", message=p.message)
-            for p in _problems_from(error)
+            for p in problems_from(error)
         ]
-        raise JobValidationError(_merge_union_problems(problems)) from None
+        raise JobValidationError(merge_union_problems(problems)) from None
 
 
-def _merge_union_problems(problems: list[FieldProblem]) -> list[FieldProblem]:
+def merge_union_problems(problems: list[FieldProblem]) -> list[FieldProblem]:
     by_path: dict[str, list[FieldProblem]] = {}
     for problem in problems:
         by_path.setdefault(problem.path, []).append(problem)
