@@ -27,6 +27,9 @@ def _config_keys_nullable(schema: dict[str, Any]) -> None:
             prop["nullable"] = True
 
 
+# The keys are those sizing.hf_config.MEMORY_KEYS names (tests/sizing/test_architecture_configs.py
+# checks that both list the same). Written out twice on purpose: here each key needs its type, bounds
+# and CRD description, and sizing cannot derive its list from these models (the API imports sizing).
 class _ConfigKeys(BaseModel):
     """The keys of a Hugging Face `config.json` that decide memory, typed and bounded.
 
