@@ -66,7 +66,6 @@ from .sources import (
 from .model import ArchitectureSource, ConfigMapKeyRef, InlineArchitecture, ModelSpec, TextConfig
 from .training import (
     Attention,
-    Export,
     GpuType,
     LoraAdjustableModule,
     LoraSpec,
@@ -114,6 +113,7 @@ from .spec import (
     DatasetSpec,
     EarlyStoppingSpec,
     EvaluationSpec,
+    Export,
     FineTuneJobSpec,
     PlacementSpec,
     RecoverySpec,

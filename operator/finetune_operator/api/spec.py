@@ -8,14 +8,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from finetune_trainer.combinations import Choices, cel_rules, first_violation
+from finetune_trainer.combinations import EXPORTS, Choices, cel_rules, first_violation
 from finetune_trainer.memory_levers import choice_values, config_fields, ladder
 
 from .errors import FieldError, field_error
 from .model import ModelSpec
 from .schema import LABEL_VALUE, ApiModel
 from .sources import DataSource, OutputSpec, PvcTarget
-from .training import Export, LoraSpec, Method, ResourcesSpec, TrainingSpec
+from .training import LoraSpec, Method, ResourcesSpec, TrainingSpec
 
 
 class DatasetSpec(ApiModel):
@@ -93,6 +93,9 @@ class CheckpointSpec(ApiModel):
     """Save every N optimizer steps."""
     keep_last: Annotated[int, Field(ge=1, le=100)] = 2
     """Checkpoints to keep."""
+
+
+Export = Literal[EXPORTS]  # type: ignore[valid-type]  (combinations.EXPORTS: the one list)
 
 
 def _immutable(field: str, optional: bool) -> dict[str, str]:

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from finetune_trainer.combinations import EXPORTS, STRATEGIES
+from finetune_trainer.combinations import STRATEGIES
 
 from .errors import field_error
 from .schema import (
@@ -22,7 +22,6 @@ from .schema import (
 
 
 Method = Literal["full", "lora", "qlora"]
-Export = Literal[EXPORTS]  # type: ignore[valid-type]  (combinations.EXPORTS: the one list)
 
 
 LoraAdjustableModule = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")]
