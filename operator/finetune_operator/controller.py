@@ -12,7 +12,6 @@ create is answered AlreadyExists and the existing object is adopted), then event
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -22,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -622,7 +621,10 @@ class Reconciler:
     # How a write runs beside the status write (the attempt's ConfigMap): a thread pool's submit in
     # the operator, which makes the path to the training job two API round trips long, not three.
     alongside: Callable[[Callable[[], Any]], Pending] = Later
+    # Held only to check and note the claim of a decision that planned (`_commit`), never while planning.
     _placement: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Decisions made again under the placement lock because another job claimed their GPUs first.
+    replans: int = field(default=0, repr=False)
     _woken: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)  # waiting_to_wake's memory
 
     def reconcile(self, namespace: str, name: str) -> float | None:
@@ -698,15 +700,18 @@ class Reconciler:
         learned = self.calibration.read() if self.calibration is not None else {}
         regions = frozenset(job.spec.placement.regions) & frozenset(policy.allowed_regions)
         held_before = self.claims.get(key)
-        # A decision that plans reads free GPUs and claims them in one step: two plans made at once
-        # would otherwise both take the same free GPUs (the scheduler's "assume" before its bind).
-        with self._placement if needs_plan else contextlib.nullcontext():
-            pools = self._free_pools(policy, key) if needs_plan else []
-            observed = lifecycle.Observed(job=job, now=now, policy=policy, pools=pools, children=children, pods=pods,
-                                          foreign=foreign, invalid=problems, model_config=model_config,
-                                          waiting_for=waiting_for, backends=backends, default_queue=default_queue,
-                                          unusable=unusable, profile=profile, learned=learned)
-            decision = lifecycle.step(observed)
+        # Planning reads the free GPUs of one pool snapshot, net of the claims noted so far, and runs
+        # outside the placement lock: the plans of several jobs are made at once (`_commit` checks them).
+        snapshot, as_of = self.cluster.pool_snapshot(policy) if needs_plan else ([], math.inf)
+        observed = lifecycle.Observed(job=job, now=now, policy=policy,
+                                      pools=with_claims(snapshot, self.claims.others(key, as_of)) if needs_plan else [],
+                                      children=children, pods=pods, foreign=foreign, invalid=problems,
+                                      model_config=model_config, waiting_for=waiting_for, backends=backends,
+                                      default_queue=default_queue, unusable=unusable, profile=profile, learned=learned)
+        decision = lifecycle.step(observed)
+        if needs_plan:
+            decision = self._commit(key, observed, decision, snapshot, as_of, held_before, current, regions)
+        else:
             self.claims.note(key, decision, current, pods, regions, self.cluster.gpu_pods_counted)
         try:
             self._apply(body, job=job, decision=decision, policy=policy, current=current)
@@ -720,11 +725,25 @@ class Reconciler:
         metrics.observe_reconcile(decision, time.monotonic() - started, planned=needs_plan)
         return decision.requeue_after
 
-    def _free_pools(self, policy: ClusterPolicy, key: tuple[str, str] | None) -> list[NodePool]:
-        """(Under the placement lock.) The pools, their free GPUs net of what the attempts of jobs
-        other than `key` ask for and the nodes do not show yet."""
-        snapshot, as_of = self.cluster.pool_snapshot(policy)
-        return with_claims(snapshot, self.claims.others(key, as_of))
+    def _commit(self, key: tuple[str, str], observed: lifecycle.Observed, decision: lifecycle.Decision,
+                snapshot: list[NodePool], as_of: float, held: Held | None, current: Child | None,
+                regions: frozenset[str]) -> lifecycle.Decision:
+        """Note the claim of a decision that planned, as the Kubernetes scheduler "assumes" a pod on
+        its node before the bind: under the placement lock, the GPUs the decision newly claims are
+        checked against the claim book as it is now (the same snapshot, net of every claim noted
+        since the plan read it). Two plans made at once may both have counted the same free GPUs;
+        the one that comes second finds them claimed and is made again, here, under the lock, on
+        the books as they are: nothing changes them before its note, so one step more is enough,
+        and the job neither over-commits a pool nor waits for another look. Returns the decision
+        noted."""
+        with self._placement:
+            pools_now = with_claims(snapshot, self.claims.others(key, as_of))
+            if not _still_fits(decision, held, observed.pools, pools_now):
+                self.replans += 1
+                log.debug("%s/%s: the GPUs its plan counted were claimed meanwhile; planning again", *key)
+                decision = lifecycle.step(dataclasses.replace(observed, pools=pools_now))
+            self.claims.note(key, decision, current, list(observed.pods), regions, self.cluster.gpu_pods_counted)
+        return decision
 
     def waiting_to_wake(self) -> list[tuple[str, str]]:
         """Jobs whose attempts wait for a node while another pool in their regions has room now
@@ -732,8 +751,9 @@ class Reconciler:
         WAKE_REPEAT_SECONDS: one that stays (its plan prefers to wait) is not woken on every change."""
         policy = self.policy.get()
         now = time.monotonic()
-        with self._placement:
-            pools = self._free_pools(policy, None)
+        snapshot, as_of = self.cluster.pool_snapshot(policy)  # outside the lock: it may list the API
+        with self._placement:  # the claims and the waiting jobs as one look: no decision noted in between
+            pools = with_claims(snapshot, self.claims.others(None, as_of))
             waiting = [Waiting(key, held.claim, held.regions, now - held.waiting_since)
                        for key, held in self.claims.waiting()
                        if now - self._woken.get(key, -math.inf) >= WAKE_REPEAT_SECONDS]
@@ -973,9 +993,9 @@ class ClaimBook:
     """The GPUs each job's current attempt asks for that the nodes may not show yet (planning/
     capacity.py). Kept from one reconcile of a job to the next, read by the planning of others.
     A claim is noted when the decision is made (before its writes, under the reconciler's placement
-    lock: two plans made at once must not take the same free GPUs), and dropped once a pool
-    snapshot made after discovery's inputs held the attempt's bound pods counts them: before that
-    the GPUs are missing, after it they would be counted twice.
+    lock, after checking that no claim noted since the plan took the same free GPUs: `Reconciler._commit`),
+    and dropped once a pool snapshot made after discovery's inputs held the attempt's bound pods
+    counts them: before that the GPUs are missing, after it they would be counted twice.
     After a restart it fills again as every job is reconciled once."""
 
     def __init__(self) -> None:
@@ -1015,13 +1035,13 @@ class ClaimBook:
         """After a decision: does the job's attempt still ask for GPUs discovery may not count?
         `counted(pods)`: whether discovery's inputs hold these bound pods (Cluster.gpu_pods_counted)."""
         status, plan = decision.status, decision.status.plan
+        claim = claim_of(decision)
         now = time.monotonic()
         with self._lock:
             previous = self._held.get(key)
-            if plan is None or status.phase in ("Succeeded", "Failed", "Suspended", "Queued", "Pending"):
-                self._held.pop(key, None)  # nothing asks; a queue (Kueue) owns admission
+            if plan is None or claim is None:
+                self._held.pop(key, None)  # nothing asks (claim_of)
                 return
-            claim = Claim(plan.node_pool, plan.nodes, plan.gpus_per_node)
             same = previous is not None and previous.claim == claim and not decision.create
             attempt_pods = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL)
                             == str(status.current_attempt)]
@@ -1037,6 +1057,34 @@ class ClaimBook:
             if counted_since is None and counted(bound):
                 counted_since = now
             self._held[key] = Held(claim, regions, counted_since=counted_since)
+
+
+def claim_of(decision: lifecycle.Decision) -> Claim | None:
+    """The GPUs a decision's attempt asks for, or None: nothing asks (no plan, the job ended or is
+    suspended), or a queue (Kueue) owns admission."""
+    status, plan = decision.status, decision.status.plan
+    if plan is None or status.phase in ("Succeeded", "Failed", "Suspended", "Queued", "Pending"):
+        return None
+    return Claim(plan.node_pool, plan.nodes, plan.gpus_per_node)
+
+
+def _still_fits(decision: lifecycle.Decision, held: Held | None, seen: Sequence[NodePool],
+                now: Sequence[NodePool]) -> bool:
+    """Whether a decision planned on the free pools `seen` may be noted when the books show `now`:
+    GPUs it newly claims as free now (its plan starts without a scale-up) are still free. A plan
+    that waits for its pool (a queue, a scale-up) takes no free GPUs: noted as it is, even where
+    another claim made the queue longer since (waiting_to_wake and the lifecycle's move of an
+    unschedulable attempt look at it again). A decision that keeps the claim its job held, or
+    claims nothing, takes nothing new."""
+    claim = claim_of(decision)
+    if claim is None or (held is not None and held.claim == claim and not decision.create):
+        return True
+    return not _fits_now(seen, claim) or _fits_now(now, claim)
+
+
+def _fits_now(pools: Sequence[NodePool], claim: Claim) -> bool:
+    pool = next((p for p in pools if p.name == claim.pool), None)
+    return pool is not None and pool.fits_now(claim.nodes, claim.gpus_per_node)
 
 
 class ForeignObject(Exception):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -553,3 +554,24 @@ class _Core:
 
     def patch_namespaced_event(self, name, namespace, body, **_):
         return self.kube._patch("Event", namespace, name, body, status=False)
+
+
+class Serialised:
+    """One of the facades (`core`, `custom`, `networking`) for callers on several threads: each call
+    runs alone under `lock` (shared by the facades of one FakeKube: the store is not thread safe, and
+    the API server orders its writes too), after `latency` seconds outside it, as a round trip waits
+    on the network with the GIL released."""
+
+    def __init__(self, facade: Any, lock: Any, latency: float = 0.0) -> None:
+        self._facade, self._lock, self._latency = facade, lock, latency
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._facade, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._latency:
+                time.sleep(self._latency)
+            with self._lock:
+                return method(*args, **kwargs)
+
+        return call

@@ -42,6 +42,15 @@ def job_document(name: str = "support-bot", **spec_changes: Any) -> dict[str, An
     return doc
 
 
+def gpu_node(name: str, pool: str, product: str, gpus: int, region: str = "eu-de-berlin") -> dict[str, Any]:
+    """A Ready node of `pool` with `gpus` GPUs, none of them used (no pod is bound to it)."""
+    return {"metadata": {"name": name, "labels": {
+        "karpenter.sh/nodepool": pool, "topology.kubernetes.io/region": region,
+        "nvidia.com/gpu.product": product}},
+        "status": {"allocatable": {"nvidia.com/gpu": str(gpus), "memory": "1900Gi", "cpu": "190"},
+                   "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
 def live(pj: dict[str, Any]) -> bool:
     conditions = {c["type"]: c["status"] for c in (pj.get("status") or {}).get("conditions") or []}
     return conditions.get("Succeeded") != "True" and conditions.get("Failed") != "True"

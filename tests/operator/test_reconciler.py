@@ -18,7 +18,7 @@ from finetune_operator import api
 from finetune_operator.rendering.renderer import ATTEMPT_LABEL
 
 from fake_kube import _error
-from reconcile_world import ALLOWED, NAMESPACE, ReconcileWorld, job_document, live
+from reconcile_world import ALLOWED, NAMESPACE, ReconcileWorld, gpu_node, job_document, live
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["status-first", "configmap-first"])
@@ -499,20 +499,12 @@ def test_statuses_of_earlier_versions_stay_readable_and_a_lost_plan_comes_back_f
     assert "Blocked" not in world.conditions()
 
 
-def _gpu_node(name: str, pool: str, product: str, gpus: int) -> dict:
-    return {"metadata": {"name": name, "labels": {
-        "karpenter.sh/nodepool": pool, "topology.kubernetes.io/region": "eu-de-berlin",
-        "nvidia.com/gpu.product": product}},
-        "status": {"allocatable": {"nvidia.com/gpu": str(gpus), "memory": "1900Gi", "cpu": "190"},
-                   "conditions": [{"type": "Ready", "status": "True"}]}}
-
-
 def test_an_attempt_just_planned_counts_against_the_free_gpus_of_the_next_plan():
     """Two jobs planned one after the other: the second sees that the first took the free GPU,
     though no pod of the first is bound yet (the 5 s discovery cache would not show it anyway)."""
     world = ReconcileWorld(job_document("first"))
-    world.kube.put("Node", _gpu_node("h100-0", "h100-berlin", "NVIDIA-H100-80GB-HBM3", 1))
-    world.kube.put("Node", _gpu_node("a100-0", "a100-berlin", "NVIDIA-A100-SXM4-80GB", 1))
+    world.kube.put("Node", gpu_node("h100-0", "h100-berlin", "NVIDIA-H100-80GB-HBM3", 1))
+    world.kube.put("Node", gpu_node("a100-0", "a100-berlin", "NVIDIA-A100-SXM4-80GB", 1))
     world.kube.put("FineTuneJob", job_document("second"))
     world.reconcile()
     first = world.status["plan"]

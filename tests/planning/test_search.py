@@ -109,12 +109,13 @@ def test_full_8b_on_at_most_two_h100s_shards_with_fsdp():
     assert _shape(result) == ("h100", 1, 2, "fsdp", "none", False, 2, 16)
     assert result.changes == ["strategy fsdp"]
     # With offload allowed, ZeRO-Offload fits one GPU (zero1: 15 + 15 + 4 x 8 + 1 = 63 GiB), but Adam over
-    # 8e9 parameters on the pod's 12 cores (96 / 8) takes 33 s a step on top of 32 s of compute: 2 GPUs win.
+    # 8e9 parameters on the pod's 12 cores (96 / 8) takes 11 s a step on top of 26 s of compute (37 GPU-seconds
+    # against 2 x 14.5): 2 GPUs win by more than a fifth.
     offloaded = plan(full_8b(**{"resources.maxGPUs": 2}), [pool("h100")])
     assert _shape(offloaded) == _shape(result)
     one_gpu = plan(full_8b(**{"resources.maxGPUs": 1}), [pool("h100")])
     assert _shape(one_gpu)[:5] == ("h100", 1, 1, "zero1", "optimizer")
-    assert one_gpu.cost_per_step > 1.5 * result.cost_per_step
+    assert one_gpu.cost_per_step > 1.2 * result.cost_per_step
 
 
 def test_every_plan_keeps_the_global_batch_exact():

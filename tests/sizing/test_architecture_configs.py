@@ -19,6 +19,7 @@ import pytest
 from finetune_operator import api, crd
 from finetune_operator.sizing import PRESETS, ModelArchitecture, SizingError, UnknownArchitecture
 from finetune_operator.sizing.from_job import architecture_of
+from finetune_operator.sizing.hf_config import MEMORY_KEYS
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -215,6 +216,13 @@ def test_a_key_that_matters_is_typed_by_the_schema_and_the_api(key, value, lora_
     with pytest.raises(api.JobValidationError) as refused:
         api.parse_job(doc)
     assert any(p.path == f"spec.model.architecture.inline.{key}" for p in refused.value.problems), refused.value.problems
+
+
+def test_the_api_types_the_keys_sizing_documents():
+    """The inline architecture types and bounds the keys sizing's MEMORY_KEYS names, no more and no
+    fewer. Both lists are written out: the API's keys need types, bounds and CRD descriptions, and
+    sizing cannot read them from the API, which imports sizing."""
+    assert set(api.InlineArchitecture.model_fields) == set(MEMORY_KEYS)
 
 
 def test_an_unknown_family_is_accepted_and_named_by_sizing(lora_job):

@@ -5,16 +5,22 @@ Compute
     full:   6 x N   (forward 2N, backward 4N: gradients of activations and of weights)
     lora:   4 x N + 6 x N_adapter   (the frozen base needs activation gradients (2N) but no
             weight gradients (2N saved); the adapters are trained fully)
-    qlora:  as lora; the 4-bit base is dequantised on the fly, which `QLORA_EFFICIENCY` charges.
-  N counts the parameters a token passes through: for a mixture of experts only the
-  experts it is routed to. Attention adds 6 x layers x seq x q_width per token for full
+    qlora:  as lora; the 4-bit base is dequantised on the fly (see below).
+  N counts the parameters whose matmuls a token passes through: for a mixture of experts only
+  the experts it is routed to, and not an untied input embedding (a lookup, no matmul; Kaplan's
+  N leaves embeddings out too). Attention adds 6 x layers x seq x q_width per token for full
   fine-tuning (4 x ... for LoRA; causal masking halves the 12 of a full score matrix).
   Gradient checkpointing recomputes the forward pass: + 2N per token, which is +1/3 of
   full fine-tuning's compute and +1/2 of LoRA's (whose backward is cheaper).
-  Achieved throughput = peak dense tensor FLOP/s x utilisation (`STRATEGY_MFU`, typical
-  model-FLOPs utilisation of each strategy in published runs) x a micro-batch factor
+  Achieved throughput = peak dense tensor FLOP/s x utilisation (`STRATEGY_MFU`, of each
+  strategy in an eager run, from published runs: bench/throughput_published.py compares the
+  model with them; one figure for every GPU generation, which over-predicts H100s, whose
+  bandwidth grew less than their FLOP/s) x a micro-batch factor
   tokens / (tokens + `MICRO_BATCH_HALF_TOKENS`) (small micro-batches leave the GPU idle
   between kernels). fp32 runs on TF32 tensor cores at half the bf16 rate.
+  QLoRA dequantises each 4-bit weight to bf16 every time a pass uses it (forward, backward,
+  recompute): a memory-bound cost per weight and pass, not per token, so it is amortised over
+  the micro-batch like the idle time above: a factor tokens / (tokens + `QLORA_DEQUANT_TOKENS`).
 Communication (per optimizer step, bytes each GPU moves, ring collectives)
   ddp, zero1, zero2: one all-reduce (or reduce-scatter + all-gather) of the trainable
       gradients: 2 x G bytes.
@@ -29,7 +35,8 @@ Offload (DeepSpeed ZeRO-Offload / ZeRO-Infinity, FSDP CPUOffload)
   optimizer: each optimizer step moves the rank's shard of the trainable gradients to the
       host and the updated weights back over PCIe (`PCIE_GBYTES` per GPU), and the CPU runs
       Adam on the rank's shard with the pod's share of the node's cores
-      (`CPU_ADAM_PARAMS_PER_CORE_SECOND`). The CPU step does not overlap with the GPU.
+      (`CPU_ADAM_PARAMS_PER_CORE_SECOND`, bound by the node's DRAM bandwidth). The CPU step
+      does not overlap with the GPU.
   optimizer+params: in addition, every micro-step streams the rank's shard of the weights
       from the host for each all-gather (forward, backward, and the recompute) and its
       gradient shard back.
@@ -44,13 +51,27 @@ from dataclasses import dataclass
 from ..sizing import ModelArchitecture
 from .pools import NodePool
 
-STRATEGY_MFU = {"ddp": 0.45, "zero1": 0.43, "zero2": 0.42, "fsdp": 0.40, "zero3": 0.38}
+# Utilisation of an eager (not torch.compile'd) run. ddp: torchtune's eager Llama 3.2 3B full
+# fine-tune on one A100 (7075 tokens/s at 2 x 4096 tokens a micro-batch, README) is 49% of the
+# peak at a micro-batch factor of 0.94; the others keep their gaps to it (0.45 ... 0.38 before:
+# every in-sample row of bench/throughput_published.py was under-predicted by 7-24% after the
+# structural fixes, the compiled ones compared at torchtune's measured compile gain).
+STRATEGY_MFU = {"ddp": 0.52, "zero1": 0.50, "zero2": 0.49, "fsdp": 0.47, "zero3": 0.45}
 MICRO_BATCH_HALF_TOKENS = 512
-QLORA_EFFICIENCY = 0.70
+# QLoRA's dequantisation, in tokens: one pass's dequantisation of a weight (read half a byte, write
+# two, at memory bandwidth) takes as long as that weight's matmuls over this many tokens, about
+# 2.5-4 bytes x (achieved FLOP/s per byte/s of bandwidth: 140-300 on A100-H100) / 2 FLOPs. A flat
+# factor (0.70 before) charged a 3B QLoRA at 8192 tokens a micro-batch 30%; torchtune measured 2%
+# against LoRA (8035 against 8210 tokens/s, Llama 3.2 3B on an A100).
+QLORA_DEQUANT_TOKENS = 256
 FP32_RATE = 0.5
 PCIE_GBYTES = 20.0  # achieved host<->GPU bandwidth per GPU (PCIe 4/5 x16, pinned buffers), GB/s
-# DeepSpeed CPUAdam (AVX-512): about 2e9 parameters/s on a ~100-core training node.
-CPU_ADAM_PARAMS_PER_CORE_SECOND = 2e7
+# CPU AdamW (DeepSpeed CPUAdam, fused torch AdamW): about 6e9 parameters/s on a ~100-core training
+# node, where ~30 bytes of DRAM traffic per parameter (weight, gradient, two moments, read and
+# written) take ~180 GB/s. torchtune's Llama 3.1 70B full fine-tune with fsdp_cpu_offload on
+# 8 x A100 (1568 tokens/s, README: 26.6 s a step at its compile gain, of which 17.8 s compute)
+# leaves about 9 s for AdamW over 70.6e9 parameters; the 2e7 per core of before took 37 s.
+CPU_ADAM_PARAMS_PER_CORE_SECOND = 6e7
 DEFAULT_NODE_CPUS = 96  # when the pool does not say
 INTRA_NODE_GBYTES = {"nvlink": 200.0, "pcie": 20.0}  # achieved collective bandwidth per GPU, GB/s
 COMM_OVERLAP = 0.5
@@ -66,7 +87,7 @@ class JobWork:
     weight_bytes: float  # bytes of the weights a sharded strategy all-gathers
     grad_bytes: float  # bytes of the trainable gradients that are reduced
     trainable_params: float  # parameters the optimizer updates
-    efficiency: float  # method factor (QLoRA dequantisation)
+    dequant_tokens: float  # QLoRA: `QLORA_DEQUANT_TOKENS`; 0 for methods that do not dequantise
     rate: float  # precision factor on the peak (fp32 on TF32)
     sequence_length: int
 
@@ -75,6 +96,13 @@ def active_params(arch: ModelArchitecture) -> int:
     """Parameters a token passes through (a mixture of experts routes it to a few experts; a
     multimodal checkpoint's vision tower is not run on text)."""
     return arch.active_params
+
+
+def matmul_params(arch: ModelArchitecture) -> int:
+    """Active parameters that multiply a token's activations: an untied input embedding is only
+    looked up (a tied one is the output head too, and counted once by the architecture)."""
+    embedding = 0 if arch.tie_word_embeddings else arch.params_by_kind()["embedding"]
+    return active_params(arch) - embedding
 
 
 def job_work(
@@ -87,7 +115,7 @@ def job_work(
     sequence_length: int,
     global_batch_size: int,
 ) -> JobWork:
-    n = float(active_params(arch))
+    n = float(matmul_params(arch))
     attention = 2.0 * arch.num_layers * sequence_length * arch.q_size  # forward, causal
     compute_bytes = 4 if precision == "fp32" else 2
     if method == "full":
@@ -107,7 +135,7 @@ def job_work(
         weight_bytes=weight_bytes,
         grad_bytes=compute_bytes * trainable,
         trainable_params=trainable,
-        efficiency=QLORA_EFFICIENCY if method == "qlora" else 1.0,
+        dequant_tokens=QLORA_DEQUANT_TOKENS if method == "qlora" else 0.0,
         rate=FP32_RATE if precision == "fp32" else 1.0,
         sequence_length=sequence_length,
     )
@@ -133,7 +161,8 @@ def compute_and_communication(
     per_token = work.flops_per_token + (work.recompute_flops_per_token if gradient_checkpointing else 0.0)
     micro_tokens = micro_batch_size * work.sequence_length
     utilisation = STRATEGY_MFU[strategy] * micro_tokens / (micro_tokens + MICRO_BATCH_HALF_TOKENS)
-    flops_per_second = world * (tflops if tflops is not None else pool.tflops) * 1e12 * utilisation * work.efficiency * work.rate
+    dequantisation = micro_tokens / (micro_tokens + work.dequant_tokens)
+    flops_per_second = world * (tflops if tflops is not None else pool.tflops) * 1e12 * utilisation * dequantisation * work.rate
     compute = per_token * work.tokens_per_step / flops_per_second
 
     communication = 0.0

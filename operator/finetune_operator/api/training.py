@@ -1,0 +1,196 @@
+"""spec.method, spec.lora, spec.training and spec.resources: what is trained and how, the memory
+levers, the strategy and the GPUs; the planner decides what a job leaves `auto`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from finetune_trainer.combinations import STRATEGIES
+
+from .errors import field_error
+from .schema import (
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS,
+    MAX_SEQUENCE_LENGTH,
+    ApiModel,
+    AutoOrLossChunks,
+    AutoOrMicroBatch,
+    AutoOrPositiveInt,
+)
+
+
+Method = Literal["full", "lora", "qlora"]
+
+
+LoraAdjustableModule = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+class LoraSpec(ApiModel):
+    """LoRA adapter settings (methods `lora` and `qlora`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!('all-linear' in self.targetModules) || size(self.targetModules) == 1",
+                    "message": "targetModules: 'all-linear' stands alone; do not combine it with module names",
+                    "fieldPath": ".targetModules",
+                }
+            ]
+        }
+    )
+
+    rank: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Rank r of the adapter matrices."""
+    alpha: Annotated[float, Field(gt=0, le=100_000)] = 32
+    """Scaling numerator: the update is scaled by alpha / rank."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    """Dropout on the adapter input."""
+    target_modules: Annotated[list[LoraAdjustableModule], Field(min_length=1, max_length=64)] = ["all-linear"]
+    """Modules that get adapters: `[all-linear]` (every linear layer of the blocks, not the output head),
+    or module names such as `[q_proj, v_proj]`."""
+    target_experts: bool = False
+    """Also adapt the fused 3-D expert weights of mixture-of-experts layers (peft `target_parameters`),
+    which `targetModules` cannot name because they are parameters, not linear layers. Needs a
+    mixture-of-experts model (Mixtral, Qwen-MoE)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _all_linear_alone(cls, value: list[str]) -> list[str]:
+        if "all-linear" in value and len(value) != 1:
+            raise ValueError("'all-linear' stands alone; do not combine it with module names")
+        if len(set(value)) != len(value):
+            raise ValueError("module names must be unique")
+        return value
+
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
+Attention = Literal["sdpa", "flash", "eager"]
+MasterWeights = Literal["auto", "fp32", "bf16"]
+UpdateRounding = Literal["auto", "nearest", "stochastic", "kahan"]
+
+
+class TrainingSpec(ApiModel):
+    """Training hyper-parameters. The global batch is kept exact whatever the plan."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.maxSteps) != has(self.epochs)",
+                    "message": "set exactly one of maxSteps, epochs",
+                },
+                {
+                    "rule": "!has(self.microBatchSize) || type(self.microBatchSize) == string || "
+                    "self.globalBatchSize % int(self.microBatchSize) == 0",
+                    "message": "globalBatchSize must be a multiple of microBatchSize",
+                    "fieldPath": ".globalBatchSize",
+                },
+            ]
+        }
+    )
+
+    sequence_length: Annotated[int, Field(ge=16, le=MAX_SEQUENCE_LENGTH)] = 2048
+    """Tokens per training sequence (longer examples are truncated)."""
+    global_batch_size: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)] = 32
+    """Sequences per optimizer step, over all GPUs: microBatchSize x gradient accumulation x data-parallel size."""
+    micro_batch_size: AutoOrMicroBatch = "auto"
+    """Sequences per GPU per forward pass; `auto`: the planner picks the largest that fits."""
+    max_steps: Annotated[int, Field(ge=1, le=100_000_000)] | None = None
+    """Optimizer steps to run. Set this or `epochs`."""
+    epochs: Annotated[float, Field(gt=0, le=10_000)] | None = None
+    """Passes over the dataset. Set this or `maxSteps`."""
+    learning_rate: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Peak learning rate; when omitted 2e-4 for lora/qlora and 2e-5 for full fine-tuning."""
+    warmup_ratio: Annotated[float, Field(ge=0, le=1)] = 0.03
+    """Fraction of steps spent warming the learning rate up."""
+    precision: Precision = "bf16"
+    """Compute precision: `bf16` (Ampere and newer), `fp16`, or `fp32`."""
+    optimizer: Optimizer = "adamw"
+    """`adamw` (fused torch AdamW), `adamw-8bit` or `paged-adamw-8bit` (bitsandbytes, CUDA only)."""
+    gradient_checkpointing: bool | None = None
+    """Recompute activations in backward to save memory: true or false; omit to let the planner decide."""
+    master_weights: MasterWeights = "auto"
+    """Full fine-tuning: the dtype of the weights the optimizer updates. `fp32`: fp32 weights, gradients and
+    AdamW states, computing in `precision` under autocast (16 bytes per parameter, plus the compute copies).
+    `bf16`: weights, gradients and optimizer states all in bf16, as torchtune and lit-gpt run it (8 bytes per
+    parameter with AdamW, no autocast copies); needs precision bf16 and strategy ddp or fsdp. `auto`: the
+    planner chooses, fp32 unless only bf16 makes the plan cheaper. LoRA adapters always train in fp32."""
+    update_rounding: UpdateRounding = "auto"
+    """With bf16 master weights, how each update is rounded into the weight: `nearest` (plain bf16),
+    `stochastic` (stochastic rounding, no extra memory) or `kahan` (Kahan summation with a bf16 compensation
+    buffer, 2 bytes per parameter). `auto`: stochastic. Not allowed with fp32 master weights."""
+    optimizer_in_backward: bool | None = None
+    """Run each parameter's optimizer step inside backward, as soon as its gradient exists, and free that
+    gradient at once: the full set of gradients never exists. Needs gradient accumulation 1 (globalBatchSize =
+    microBatchSize x GPUs), strategy ddp or fsdp and no offload; gradient clipping is off then. Omit to let the
+    planner decide."""
+    loss_chunks: AutoOrLossChunks = "auto"
+    """Compute the cross-entropy over this many sequence chunks, so the fp32 logits of the whole micro-batch
+    never exist at once (the loss is the same); 1: the plain loss. `auto`: 8, as torchtune."""
+    activation_offloading: bool | None = None
+    """Move the checkpointed activations (each block's input) to host memory during forward and back in
+    backward: GPU memory for host memory, which the pod's memory request includes. Needs gradient
+    checkpointing. Omit to let the planner decide."""
+    attention: Attention = "sdpa"
+    """Attention kernel: `sdpa` (PyTorch), `flash` (flash-attention 2), `eager` (keeps the s x s scores)."""
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 42
+    """Random seed of the run: the sample order, the LoRA adapters' initial weights, dropout and stochastic
+    rounding. The same spec on the same software gives the same loss curve (checked on the CPU; GPU kernels
+    may differ in the last digits)."""
+
+    @model_validator(mode="after")
+    def _steps_and_batch(self) -> "TrainingSpec":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of maxSteps, epochs")
+        if isinstance(self.micro_batch_size, int) and self.global_batch_size % self.micro_batch_size:
+            raise field_error(
+                "globalBatchSize",
+                f"must be a multiple of microBatchSize ({self.micro_batch_size}); got {self.global_batch_size}",
+            )
+        return self
+
+
+Strategy = Literal[("auto", *STRATEGIES)]  # type: ignore[valid-type]  (combinations.STRATEGIES: the one list)
+Offload = Literal["auto", "none", "optimizer", "optimizer+params"]
+GpuType = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9.\-_]*$")]
+
+
+class ResourcesSpec(ApiModel):
+    """GPUs and how the model is spread over them. `auto` fields are searched by the planner."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "type(self.gpus) == string || self.maxGPUs >= int(self.gpus)",
+                    "message": "maxGPUs must be at least gpus",
+                    "fieldPath": ".maxGPUs",
+                },
+            ]
+        }
+    )
+
+    gpus: AutoOrPositiveInt = "auto"
+    """Total GPUs; `auto`: the planner picks the cheapest count that fits."""
+    max_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS, alias="maxGPUs")] = 8
+    """Upper bound for `gpus: auto` and for recovery."""
+    strategy: Strategy = "auto"
+    """`ddp`, `fsdp` (full shard), DeepSpeed `zero1`, `zero2`, `zero3`, or `auto`."""
+    offload: Offload = "auto"
+    """Move optimizer states (and parameters) to host memory: `none`, `optimizer`, `optimizer+params`, or `auto`."""
+    gpu_types: Annotated[list[GpuType], Field(max_length=32)] = []
+    """GPU types allowed, e.g. `[H100-80GB, A100-80GB]`; empty means any."""
+    node_pool: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^(auto|[a-z0-9]([-a-z0-9]*[a-z0-9])?)$")] = "auto"
+    """Node pool to use, or `auto`."""
+    memory_headroom: Annotated[float, Field(ge=0, le=0.5)] | None = None
+    """Fraction of GPU memory the plan leaves free (0.10 plans to at most 90%); the cluster policy's default when omitted."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ResourcesSpec":
+        if isinstance(self.gpus, int) and self.max_gpus < self.gpus:
+            raise field_error("maxGPUs", f"must be at least gpus ({self.gpus}); got {self.max_gpus}")
+        return self
