@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from finetune_trainer.combinations import STRATEGIES
+from finetune_trainer.combinations import OPTIMIZERS, STRATEGIES
 
 from .errors import field_error
 from .schema import (
@@ -67,7 +67,7 @@ class LoraSpec(ApiModel):
 
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
+Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (finetune_trainer.optimizers: the one list)
 Attention = Literal["sdpa", "flash", "eager"]
 MasterWeights = Literal["auto", "fp32", "bf16"]
 UpdateRounding = Literal["auto", "nearest", "stochastic", "kahan"]
@@ -110,7 +110,9 @@ class TrainingSpec(ApiModel):
     precision: Precision = "bf16"
     """Compute precision: `bf16` (Ampere and newer), `fp16`, or `fp32`."""
     optimizer: Optimizer = "adamw"
-    """`adamw` (fused torch AdamW), `adamw-8bit` or `paged-adamw-8bit` (bitsandbytes, CUDA only)."""
+    """`adamw` (fused torch AdamW), `adamw-8bit` or `paged-adamw-8bit` (bitsandbytes, CUDA only; transformers keeps
+    embeddings' states in 32 bits), `torchao-adamw-8bit` or `torchao-adamw-4bit` (torchao's block-wise 8-bit and
+    4-bit AdamW, any device; strategy ddp only, and with bf16 master weights nearest or stochastic rounding)."""
     gradient_checkpointing: bool | None = None
     """Recompute activations in backward to save memory: true or false; omit to let the planner decide."""
     master_weights: MasterWeights = "auto"
