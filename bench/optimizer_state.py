@@ -28,12 +28,14 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from finetune_trainer import optimizers  # noqa: E402
 
 
-def _tensor_bytes(value) -> int:
+def tensor_bytes(value) -> int:
+    """Storage bytes of an optimizer state value, a tensor subclass's inner tensors included (the
+    test of the state term reads it too)."""
     if not isinstance(value, torch.Tensor):
         return 0
     if hasattr(value, "__tensor_flatten__"):
         names, _ = value.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(value, name)) for name in names)
+        return sum(tensor_bytes(getattr(value, name)) for name in names)
     return value.numel() * value.element_size()
 
 
@@ -76,7 +78,7 @@ def main() -> None:
             optimizer.step()
             warm = time.time() - start
             peak = _peak_during(optimizer.step)
-            kept = sum(_tensor_bytes(v) for k, v in optimizer.state[param].items() if k != "step")
+            kept = sum(tensor_bytes(v) for k, v in optimizer.state[param].items() if k != "step")
             full = param.element_size()
             rows.append((name, str(dtype).removeprefix("torch."), kept, kind.state_bytes(param.numel(), full),
                          peak / param.numel(), kind.step_temp_bytes_per_value, warm))

@@ -9,6 +9,9 @@ not depend on that, so the step runs eagerly here. bitsandbytes needs CUDA: its 
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,14 +36,15 @@ CONFIGS = {
 }
 
 
-def _tensor_bytes(value) -> int:
-    """Storage bytes of a state value, a tensor subclass's inner tensors included."""
-    if not isinstance(value, torch.Tensor):
-        return 0
-    if hasattr(value, "__tensor_flatten__"):
-        names, _ = value.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(value, name)) for name in names)
-    return value.numel() * value.element_size()
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("optimizer_state_bench",
+                                                  Path(__file__).resolve().parents[2] / "bench" / "optimizer_state.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tensor_bytes = _load_bench().tensor_bytes
 
 
 @pytest.fixture(autouse=True)
