@@ -49,6 +49,24 @@ def install_chart(lab: Any, *extra: str) -> None:
         raise RuntimeError(f"helm install failed: {proc.stderr or proc.stdout}")
 
 
+def install_chart_on_real_node(lab: Any, *extra: str, timeout: str = "5m") -> None:
+    """helm install as a platform team would: the chart's operator Deployment (two replicas, leader
+    election through the Lease) as real pods of the operator image, pinned to the lab's real kubelet
+    node (e2e/lab/realnode.py), which repels other pods with its taints."""
+    from e2e.lab import nodes as lab_nodes
+
+    pool = lab_nodes.load_pools().kubelet_pool()
+    tolerations = [{"key": t["key"], "operator": "Exists", "effect": t["effect"]} for t in lab_nodes.node_taints(pool)]
+    cmd = [lab.binary("helm"), "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+           "--create-namespace", "--wait", f"--timeout={timeout}",
+           "--set-json", "nodeSelector=" + json.dumps({lab_nodes.RUNNER_LABEL: lab_nodes.RUNNER_KUBELET}),
+           "--set-json", "tolerations=" + json.dumps(tolerations), *extra]
+    proc = subprocess.run(cmd, env=lab.env(), capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pods = lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide", check=False).stdout
+        raise RuntimeError(f"helm install failed: {proc.stderr or proc.stdout}\n{pods}")
+
+
 def service_account() -> str:
     return f"{RELEASE}-finetune-operator"
 
@@ -162,6 +180,30 @@ def volumes(lab: Any, namespace: str, claims: list[str]) -> None:
         docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                      "metadata": {"name": claim, "namespace": namespace},
                      "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                              "resources": {"requests": {"storage": "100Gi"}}}})
+    lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def local_volumes(lab: Any, namespace: str, claims: list[str], node: str, owner: int = 1000) -> None:
+    """`local` PersistentVolumes on the real node, pre-bound to the job's claims: directories of this
+    machine (the node's disk), owned by the pods' user (rendering/pod.py runs them as uid 1000)."""
+    docs = []
+    for claim in claims:
+        pv = f"{namespace}-{claim}"
+        path = Path("/tmp/lab-volumes") / pv
+        path.mkdir(parents=True, exist_ok=True)
+        for p in [path, *path.rglob("*")]:
+            os.chown(p, owner, owner)
+        docs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                     "spec": {"capacity": {"storage": "100Gi"}, "accessModes": ["ReadWriteOnce"],
+                              "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                              "local": {"path": str(path)},
+                              "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                                  {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}},
+                              "claimRef": {"namespace": namespace, "name": claim}}})
+        docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                     "metadata": {"name": claim, "namespace": namespace},
+                     "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
                               "resources": {"requests": {"storage": "100Gi"}}}})
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 

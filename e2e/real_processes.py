@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from e2e.lab.nodes import RUNNER_TAINT, load_pools
+from e2e.lab.nodes import load_pools, node_taints
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REGION = "lab-local"
@@ -42,19 +42,27 @@ def _trainer_assets():
     return module
 
 
-def chart_args() -> list[str]:
-    """helm arguments: the default policy's regions plus lab-local, and its catalog plus the runner pool."""
-    values = yaml.safe_load((REPO_ROOT / "charts" / "finetune-operator" / "values.yaml").read_text())
-    policy = values["policy"]
-    pool = load_pools().pool(POOL)
-    catalog = list(policy["catalog"]) + [{
-        "name": POOL, "region": pool.region, "zones": list(pool.zones), "gpuType": "H100-80GB",
+def catalog_entry(pool_name: str) -> dict[str, Any]:
+    """The policy catalog's entry for a lab pool (what the operator plans with), its taints the nodes'."""
+    pool = load_pools().pool(pool_name)
+    return {
+        "name": pool.name, "region": pool.region, "zones": list(pool.zones), "gpuType": "H100-80GB",
         "gpusPerNode": pool.gpu.count, "maxNodes": pool.nodes, "pricePerGpuHour": 0.1,
         "hostMemory": pool.memory, "cpus": int(pool.cpu),
-        "selector": {"karpenter.sh/nodepool": POOL},
-        "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}, dict(RUNNER_TAINT)],
-    }]
-    return ["--set-json", f"policy.allowedRegions={json.dumps(list(policy['allowedRegions']) + [REGION])}",
+        "selector": {"karpenter.sh/nodepool": pool.name},
+        "taints": node_taints(pool),
+    }
+
+
+def chart_args(*pools: str) -> list[str]:
+    """helm arguments: the default policy's regions and catalog plus the given lab pools (default: the
+    process runner's) and their regions."""
+    values = yaml.safe_load((REPO_ROOT / "charts" / "finetune-operator" / "values.yaml").read_text())
+    policy = values["policy"]
+    pools = pools or (POOL,)
+    regions = list(policy["allowedRegions"]) + sorted({load_pools().pool(p).region for p in pools})
+    catalog = list(policy["catalog"]) + [catalog_entry(p) for p in pools]
+    return ["--set-json", f"policy.allowedRegions={json.dumps(regions)}",
             "--set-json", f"policy.catalog={json.dumps(catalog)}"]
 
 

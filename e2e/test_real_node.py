@@ -45,7 +45,8 @@ def _pod(name: str, image: str, command: list[str], **container) -> dict:
         "spec": {
             "restartPolicy": "Never",
             "nodeSelector": {RUNNER_LABEL: RUNNER_KUBELET},
-            "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"},
+                            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True},
             "containers": [{"name": "main", "image": image, "imagePullPolicy": "IfNotPresent",
                             "command": command, **container}],
@@ -182,21 +183,13 @@ def test_crictl_sees_the_node_s_containers(node_lab):
 def test_the_chart_runs_the_operator_as_real_pods(node_lab):
     """`helm install` as a platform team would, pinned to the real node: two replicas of the operator
     image, their ServiceAccount tokens, probes and one leader through the Lease."""
-    import subprocess
-
-    from e2e.lab.realnode import NODE_NAME, RUNNER_KUBELET, RUNNER_LABEL
-    from e2e.operator_harness import CHART, RELEASE, RELEASE_NAMESPACE
+    from e2e.lab.realnode import NODE_NAME
+    from e2e.operator_harness import RELEASE_NAMESPACE, install_chart_on_real_node
 
     lab, _ = node_lab
     t0 = time.monotonic()
-    proc = subprocess.run([
-        lab.binary("helm"), "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
-        "--create-namespace", "--wait", "--timeout=5m",
-        "--set-json", json.dumps({RUNNER_LABEL: RUNNER_KUBELET}).join(["nodeSelector=", ""]),
-        "--set-json", "tolerations=" + json.dumps([{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}]),
-    ], env=lab.env(), capture_output=True, text=True, timeout=400)
+    install_chart_on_real_node(lab)
     pods = json.loads(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "json").stdout)["items"]
-    assert proc.returncode == 0, f"{proc.stderr}\n{json.dumps([p['status'] for p in pods])[:3000]}"
     print(f"real node: chart installed, 2 operator pods Ready in {time.monotonic() - t0:.1f}s")
     print(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide").stdout)
     assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} == {NODE_NAME}

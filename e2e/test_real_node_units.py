@@ -94,3 +94,98 @@ def test_an_empty_table_counts_as_no_table():
     assert _state(iptables={"iptables": ""}).differences(_state(iptables={"iptables": empty_nat})) == []
     dropping = "*filter\n:INPUT DROP [0:0]\nCOMMIT\n"
     assert _state(iptables={"iptables": ""}).differences(_state(iptables={"iptables": dropping}))
+
+
+# ---- the real node's pool, its GPUs and the lab GPU's variables -------------------------------------
+
+def test_the_real_node_is_the_kubelet_pool_and_kwok_never_makes_it():
+    from e2e.lab import nodes
+
+    pool = nodes.load_pools().kubelet_pool()
+    assert realnode.NODE_NAME == pool.node_names()[0] and pool.gpu is not None
+    assert realnode.NODE_NAME not in {n["metadata"]["name"] for n in nodes.all_node_manifests()}
+    labels = nodes.node_labels(pool, 0)
+    assert labels["karpenter.sh/nodepool"] == pool.name and labels[nodes.RUNNER_LABEL] == nodes.RUNNER_KUBELET
+    assert labels["nvidia.com/gpu.count"] == str(pool.gpu.count)
+    # The kubelet may set only these kubernetes.io labels on itself (NodeRestriction's list).
+    allowed = {"node.kubernetes.io/instance-type", "topology.kubernetes.io/region", "topology.kubernetes.io/zone"}
+    assert {k for k in labels if "kubernetes.io" in k} <= allowed
+    taints = realnode.kubelet_config(NodePaths(Path("/x")), {"kubelet": 1, "kubelet-healthz": 2})["registerWithTaints"]
+    assert {"key": nodes.RUNNER_LABEL, "value": nodes.RUNNER_KUBELET, "effect": "NoSchedule"} in taints
+
+
+def test_a_catalog_with_two_kubelet_pools_is_refused():
+    from e2e.lab import nodes
+
+    catalog = nodes.load_pools()
+    twice = nodes.PoolCatalog(pools=[*catalog.pools, catalog.kubelet_pool().model_copy(update={"name": "again"})])
+    with pytest.raises(ValueError, match="exactly one pool with runner: kubelet"):
+        twice.kubelet_pool()
+
+
+def test_the_base_spec_adds_the_host_python_read_only_and_nothing_else():
+    default = {"ociVersion": "1.0.2-dev", "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}]}
+    spec = realnode.base_spec(default, Path("/root/.pyenv/versions/3.11.7"))
+    assert spec["mounts"][0] == default["mounts"][0] and len(spec["mounts"]) == 2
+    assert spec["mounts"][1] == {"destination": "/root/.pyenv/versions/3.11.7", "type": "bind",
+                                 "source": "/root/.pyenv/versions/3.11.7", "options": ["rbind", "ro", "nosuid", "nodev"]}
+    assert len(default["mounts"]) == 1, "the default spec is not changed in place"
+    with pytest.raises(realnode.RealNodeError, match="already mounts"):
+        realnode.base_spec(spec, Path("/root/.pyenv/versions/3.11.7"))
+    cfg = tomllib.loads(realnode.containerd_config(NodePaths(Path("/lab/node"))))
+    runc = cfg["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"]
+    assert runc["base_runtime_spec"] == "/lab/node/containerd/base-spec.json"
+
+
+def _gpu_pod(memory: str = "5120Mi", peak: str | None = "1000000") -> dict:
+    return {"metadata": {"name": "j-a1-master-0", "labels": {"finetune.dev/attempt": "1"},
+                         "annotations": {"finetune.dev/predicted-peak-bytes": peak} if peak else {}},
+            "spec": {"containers": [
+                {"name": "pytorch", "env": [{"name": "A", "value": "1"}],
+                 "resources": {"requests": {"memory": memory, "cpu": "1", "nvidia.com/gpu": "1"},
+                               "limits": {"memory": memory, "cpu": "1", "nvidia.com/gpu": "1"}}},
+                {"name": "side", "resources": {"limits": {"memory": "100Mi"}}}]}}
+
+
+def test_the_webhook_gives_gpu_containers_the_lab_gpu_variables():
+    from e2e.lab import fate, gpuwebhook
+
+    ops = gpuwebhook.pod_patch(_gpu_pod(), "ns", fate.Rule(true_peak_factor=2.0), gpu_memory_mib=1000)
+    added = {op["value"]["name"]: op["value"]["value"] for op in ops if op["path"] == "/spec/containers/0/env/-"}
+    assert added == {fate.LAB_GPU_MEMORY_ENV: str(1000 * fate.MIB), fate.LAB_PEAK_ENV: "2000000",
+                     fate.LAB_OOM_PHASE_ENV: "backward"}
+    assert not any(op["path"].startswith("/spec/containers/1") for op in ops), "a container without a GPU is left alone"
+    forced = gpuwebhook.pod_patch(_gpu_pod(), "ns", fate.Rule(outcome_by_attempt=("gpu-oom", "auto"), oom_step=6), 1000)
+    env = {op["value"]["name"]: op["value"]["value"] for op in forced if op["path"].endswith("/env/-")}
+    assert int(env[fate.LAB_PEAK_ENV]) > 1000 * fate.MIB and env[fate.LAB_OOM_STEP_ENV] == "6"
+
+
+def test_the_webhook_scales_pod_memory_and_says_so():
+    from e2e.lab import fate, gpuwebhook
+
+    ops = gpuwebhook.pod_patch(_gpu_pod(), "ns", fate.Rule(host_memory_scale=0.15), 1000)
+    replaced = {op["path"]: op["value"] for op in ops if op["op"] == "replace"}
+    assert replaced == {"/spec/containers/0/resources/requests/memory": "768Mi",
+                        "/spec/containers/0/resources/limits/memory": "768Mi",
+                        "/spec/containers/1/resources/limits/memory": "15Mi"}
+    note = [op for op in ops if op["path"] == "/metadata/annotations/lab.finetune.dev~1host-memory-scaled"]
+    assert note and "pytorch 5120Mi -> 768Mi" in note[0]["value"]
+    assert not [op for op in gpuwebhook.pod_patch(_gpu_pod(), "ns", fate.Rule(), 1000) if op["op"] == "replace"]
+
+
+def test_the_webhook_refuses_what_a_real_node_cannot_fake():
+    from e2e.lab import fate, gpuwebhook
+
+    with pytest.raises(fate.RuleError, match="host-oom"):
+        gpuwebhook.pod_patch(_gpu_pod(), "ns", fate.Rule(outcome="host-oom"), 1000)
+    with pytest.raises(fate.RuleError, match="annotation"):
+        gpuwebhook.pod_patch(_gpu_pod(peak=None), "ns", fate.Rule(), 1000)
+
+
+def test_the_webhook_is_asked_only_for_gpu_pods_on_the_real_node():
+    from e2e.lab import gpuwebhook
+
+    hook = gpuwebhook.webhook_configuration(8443, b"CA")["webhooks"][0]
+    assert hook["clientConfig"]["url"] == "https://127.0.0.1:8443/mutate-pod" and hook["failurePolicy"] == "Fail"
+    conditions = " && ".join(c["expression"] for c in hook["matchConditions"])
+    assert "'nvidia.com/gpu' in c.resources.limits" in conditions and "'lab.finetune.dev/runner'" in conditions

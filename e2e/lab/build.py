@@ -541,8 +541,10 @@ def build_v2(force: bool = False, say=None) -> Installation | None:
 # The real node (`up --with kubelet`): kubelet, kube-proxy, crictl, CoreDNS and the pause binary
 # ---------------------------------------------------------------------------
 
-NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns", "pause")
-NODE_RECIPE = 1
+NODE_BINARIES = ("kubelet", "kube-proxy", "crictl", "coredns", "pause", "lab-gpu-plugin")
+NODE_RECIPE = 2
+# The lab's `nvidia.com/gpu` device plugin: a small main module of its own (gpuplugin/main.go).
+GPU_PLUGIN_DIR = Path(__file__).resolve().parent / "gpuplugin"
 CRICTL_MODULE = "sigs.k8s.io/cri-tools"
 COREDNS_MODULE = "github.com/coredns/coredns"
 # The sandbox's one process, from the kubernetes module at KUBERNETES_VERSION; compiled static so the
@@ -557,6 +559,8 @@ def node_home(v: Versions | None = None) -> Path:
 
     v = v or load_versions()
     h = hashlib.sha256(f"crictl={v.crictl}|coredns={v.coredns}|{go_version()}|recipe={NODE_RECIPE}".encode())
+    for name in ("go.mod", "go.sum", "main.go"):
+        h.update((GPU_PLUGIN_DIR / name).read_bytes())
     return lab_home(v) / "node" / h.hexdigest()[:16]
 
 
@@ -599,7 +603,10 @@ def build_node(force: bool = False, say=None) -> Installation:
         timed("pause", lambda: _run(
             ["gcc", "-Os", "-Wall", "-Werror", "-static", f"-DVERSION={v.kubernetes}", "-o",
              str(bindir / "pause"), str(pause_c)], staging, env, log))
+        timed("lab GPU device plugin", lambda: _run(
+            ["go", "build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w", "-o", str(bindir / "lab-gpu-plugin"), "."],
+            GPU_PLUGIN_DIR, {**env, "CGO_ENABLED": "0"}, log))
 
-    return _cached_build(node_home(v), f"kubelet, kube-proxy, crictl {v.crictl}, CoreDNS {v.coredns}, pause",
+    return _cached_build(node_home(v), f"kubelet, kube-proxy, crictl {v.crictl}, CoreDNS {v.coredns}, pause, the lab GPU plugin",
                          lambda: find_node(v), force, say, steps,
                          {"versions": {"kubernetes": v.kubernetes, "crictl": v.crictl, "coredns": v.coredns}})

@@ -633,6 +633,30 @@ def _start_real_node(lab: Lab, pki, core, launch, say) -> None:
     client.DiscoveryV1Api(lab.api_client()).create_namespaced_endpoint_slice(
         "default", realnode.kubernetes_endpoints(lab.ports["apiserver"]))
     realnode.start(lab, node, pki, launch, say, archives)
+    _start_gpu_webhook(lab, pki, launch)
+
+
+def _start_gpu_webhook(lab: Lab, pki, launch) -> None:
+    """The lab GPU's variables for the real node's training pods (gpuwebhook.py), behind the API server."""
+    import socket
+
+    from kubernetes import client
+
+    from . import gpuwebhook
+
+    port = free_ports(["gpu-webhook"])["gpu-webhook"]
+    lab.ports["gpu-webhook"] = port
+    lab.save()
+    proc = launch("gpu-webhook", [sys.executable, "-m", "e2e.lab.gpuwebhook", f"--kubeconfig={lab.kubeconfig}",
+                                  f"--port={port}", f"--cert={pki.webhook_server.cert}", f"--key={pki.webhook_server.key}"])
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until("the lab GPU webhook", listening, proc, 60)
+    client.AdmissionregistrationV1Api(lab.api_client()).create_mutating_webhook_configuration(
+        gpuwebhook.webhook_configuration(port, pki.webhook_ca.cert_pem()))
 
 
 def _start_training_operator(lab: Lab, inst: Installation, pki, kubeconfigs, core, api, launch) -> Proc:

@@ -1,4 +1,5 @@
-"""The lab's fake nodes: pools.yaml (plain data) -> Node manifests kwok will manage."""
+"""The lab's nodes: pools.yaml (plain data) -> Node manifests kwok will manage, and the labels and
+taints the real kubelet node (realnode.py) registers with."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ KWOK_ANNOTATION_VALUE = "fake"
 RUNNER_LABEL = "lab.finetune.dev/runner"
 RUNNER_PROCESS = "process"
 RUNNER_TAINT = {"key": RUNNER_LABEL, "value": RUNNER_PROCESS, "effect": "NoSchedule"}
+# The pool with `runner: kubelet` is the lab's real node (realnode.py): a real kubelet registers it
+# with this pool's labels and taints, and runs its pods as containers. kwok never sees it.
+RUNNER_KUBELET = "kubelet"
+GPU_TAINT = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 # The policy the chart ships by default (issue 9); the lab's scenarios check placement against it.
 DEFAULT_ALLOWED_REGIONS = ("eu-de-berlin", "eu-fr-paris")
 
@@ -42,8 +47,9 @@ class Pool(BaseModel):
     gpu: GPU | None
     cpu: str
     memory: str
-    # "process": the lab's process runner runs this pool's pods as real local processes.
-    runner: Literal["process"] | None = None
+    # "process": the lab's process runner runs this pool's pods as real local processes;
+    # "kubelet": the pool is the lab's one real kubelet node (nodes: 1), its pods real containers.
+    runner: Literal["process", "kubelet"] | None = None
 
     def node_names(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.nodes)]
@@ -65,27 +71,30 @@ class PoolCatalog(BaseModel):
     def runner_nodes(self) -> list[str]:
         return [n for p in self.pools if p.runner == RUNNER_PROCESS for n in p.node_names()]
 
+    def kubelet_pool(self) -> Pool:
+        """The real node's pool (exactly one, of one node: realnode.py runs one node per machine)."""
+        found = [p for p in self.pools if p.runner == RUNNER_KUBELET]
+        if len(found) != 1 or found[0].nodes != 1:
+            raise ValueError(f"{POOLS_FILE.name} must have exactly one pool with runner: kubelet and nodes: 1,"
+                             f" found {[(p.name, p.nodes) for p in found]}")
+        return found[0]
+
 
 def load_pools(path: Path = POOLS_FILE) -> PoolCatalog:
     return PoolCatalog.model_validate(yaml.safe_load(path.read_text()))
 
 
-def node_manifest(pool: Pool, index: int) -> dict:
-    name = pool.node_names()[index]
+def node_labels(pool: Pool, index: int) -> dict[str, str]:
+    """What a node of the pool is labelled with: the topology, Karpenter's pool, GPU Feature Discovery's
+    GPU labels, and the runner. The real kubelet sets its own hostname, os and arch labels."""
     zone = pool.zones[index % len(pool.zones)]
     labels = {
-        "kubernetes.io/hostname": name,
-        "kubernetes.io/os": "linux",
-        "kubernetes.io/arch": "amd64",
         "node.kubernetes.io/instance-type": pool.instance_type,
         REGION_LABEL: pool.region,
         ZONE_LABEL: zone,
         POOL_LABEL: pool.name,
         "karpenter.sh/capacity-type": "on-demand",
-        "type": "kwok",
     }
-    capacity = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110", "ephemeral-storage": "3Ti"}
-    taints = []
     if pool.gpu:
         labels |= {
             "nvidia.com/gpu.present": "true",
@@ -93,14 +102,33 @@ def node_manifest(pool: Pool, index: int) -> dict:
             "nvidia.com/gpu.memory": str(pool.gpu.memory_mib),
             "nvidia.com/gpu.count": str(pool.gpu.count),
         }
-        capacity[GPU_RESOURCE] = str(pool.gpu.count)
+    if pool.runner:
+        labels[RUNNER_LABEL] = pool.runner
+    return labels
+
+
+def node_taints(pool: Pool) -> list[dict[str, str]]:
+    taints = []
+    if pool.gpu:
         # GPU nodes repel everything that does not ask for a GPU (the usual EKS/GKE/Karpenter setup).
-        taints.append({"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"})
-    if pool.runner == RUNNER_PROCESS:
+        taints.append(dict(GPU_TAINT))
+    if pool.runner:
         # A dedicated pool: only pods that tolerate it (the operator's, planned there) land on it,
         # never a scenario's fake-GPU pod that asks for a GPU without naming a region.
-        labels[RUNNER_LABEL] = RUNNER_PROCESS
-        taints.append(RUNNER_TAINT)
+        taints.append({"key": RUNNER_LABEL, "value": pool.runner, "effect": "NoSchedule"})
+    return taints
+
+
+def node_manifest(pool: Pool, index: int) -> dict:
+    if pool.runner == RUNNER_KUBELET:
+        raise ValueError(f"pool {pool.name} is the real kubelet node's: the kubelet registers it, not kwok")
+    name = pool.node_names()[index]
+    labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+              **node_labels(pool, index), "type": "kwok"}
+    capacity = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110", "ephemeral-storage": "3Ti"}
+    if pool.gpu:
+        capacity[GPU_RESOURCE] = str(pool.gpu.count)
+    taints = node_taints(pool)
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -116,4 +144,4 @@ def node_manifest(pool: Pool, index: int) -> dict:
 
 def all_node_manifests(catalog: PoolCatalog | None = None) -> list[dict]:
     catalog = catalog or load_pools()
-    return [node_manifest(p, i) for p in catalog.pools for i in range(p.nodes)]
+    return [node_manifest(p, i) for p in catalog.pools if p.runner != RUNNER_KUBELET for i in range(p.nodes)]

@@ -1,7 +1,9 @@
 """One real node in the lab (`python -m e2e.lab up --with kubelet`), beside kwok's fake GPU fleet.
 
     containerd (Debian's, runc)  -- its own root, state, socket and runc root under <lab>/node/
-    kubelet                      -- registers node `lab-real-0`, cgroupfs driver, pods under CGROUP_ROOT
+    kubelet                      -- registers node `lab-real-0` (pools.yaml's `runner: kubelet` pool), cgroupfs
+                                    driver, pods under CGROUP_ROOT
+    lab GPU plugin (gpuplugin/)  -- a device plugin: the pool's `nvidia.com/gpu` count, allocated by the kubelet
     CNI bridge                   -- BRIDGE with GATEWAY on POD_CIDR (created here, deleted by `down`)
     kube-proxy (iptables mode)   -- Services, including `kubernetes` (10.96.0.1:443 -> GATEWAY:apiserver)
     CoreDNS                      -- on GATEWAY:53, the kubernetes plugin for cluster.local; the kubelet's clusterDNS
@@ -32,10 +34,13 @@ from pathlib import Path
 
 import yaml
 
+from . import nodes as lab_nodes
 from . import pki as lab_pki
 from .processes import LabStartError, Proc, free_ports, http_ok, wait_until
 
-NODE_NAME = "lab-real-0"
+# The node is the one of pools.yaml's `runner: kubelet` pool: its name, labels, taints and GPU count.
+POOL = lab_nodes.load_pools().kubelet_pool()
+NODE_NAME = POOL.node_names()[0]
 BRIDGE = "ftlab0"
 POD_CIDR = "10.85.0.0/24"
 GATEWAY = "10.85.0.1"
@@ -44,9 +49,8 @@ CGROUP_ROOT = "finetune-lab"
 CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 PAUSE_IMAGE = "registry.k8s.io/pause:lab"
 # The real node's label and taint: only pods that ask for it (a toleration) land there.
-RUNNER_LABEL = "lab.finetune.dev/runner"
-RUNNER_KUBELET = "kubelet"
-TAINT = f"{RUNNER_LABEL}={RUNNER_KUBELET}:NoSchedule"
+RUNNER_LABEL = lab_nodes.RUNNER_LABEL
+RUNNER_KUBELET = lab_nodes.RUNNER_KUBELET
 PORTS = ("kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics")
 
 KUBELET = lab_pki.ClientIdentity("kubelet", f"system:node:{NODE_NAME}", ("system:nodes", "system:masters"))
@@ -202,6 +206,15 @@ class NodePaths:
     def host_state(self) -> Path:
         return self.root / "host-state.json"
 
+    @property
+    def base_spec(self) -> Path:
+        return self.containerd / "base-spec.json"
+
+    @property
+    def device_plugins(self) -> Path:
+        """The kubelet's device-plugin directory (its kubelet.sock, and the lab GPU plugin's socket)."""
+        return self.kubelet / "device-plugins"
+
 
 def containerd_config(paths: NodePaths) -> str:
     c = paths.containerd
@@ -244,6 +257,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
 
+      # Every container starts from this OCI spec: containerd's own default plus the host's Python,
+      # read-only at its own path (base_spec below). Only the lab's trainer image uses it.
+      base_runtime_spec = "{paths.base_spec}"
+
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         # crun fails on this host (cgroups in hybrid mode); runc works.
         BinaryName = "{shutil.which('runc') or '/usr/sbin/runc'}"
@@ -254,6 +271,21 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     bin_dir = "{CNI_BIN_DIR}"
     conf_dir = "{paths.cni_conf}"
 """
+
+
+def base_spec(default_spec: dict, host_python: Path) -> dict:
+    """containerd's default OCI spec (`ctr oci spec`) plus one read-only bind mount: the host's Python
+    at its own path. The lab trainer image's /opt/venv runs on it (e2e/lab/images.py: the PyPI torch
+    is a CUDA build of several GB, too much to build into an image here), as NVIDIA's container
+    toolkit mounts the driver's libraries into every GPU container. The pod specs stay exactly as the
+    operator renders them (no hostPath volume, which the restricted Pod Security Standard refuses)."""
+    spec = json.loads(json.dumps(default_spec))
+    target = str(host_python)
+    if any(m.get("destination") == target for m in spec.get("mounts", [])):
+        raise RealNodeError(f"containerd's default spec already mounts {target}")
+    spec.setdefault("mounts", []).append({"destination": target, "type": "bind", "source": target,
+                                          "options": ["rbind", "ro", "nosuid", "nodev"]})
+    return spec
 
 
 def cni_config(paths: NodePaths) -> dict:
@@ -309,7 +341,7 @@ def kubelet_config(paths: NodePaths, ports: dict[str, int]) -> dict:
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "nodeStatusReportFrequency": "10s",
-        "registerWithTaints": [{"key": RUNNER_LABEL, "value": RUNNER_KUBELET, "effect": "NoSchedule"}],
+        "registerWithTaints": lab_nodes.node_taints(POOL),
     }
 
 
@@ -392,6 +424,10 @@ def write_configs(lab, paths: NodePaths, pki, ports: dict[str, int]) -> dict[str
         "corefile": paths.root / "Corefile",
     }
     files["containerd"].write_text(containerd_config(paths))
+    from .images import host_python_prefix
+
+    default = json.loads(_run(["ctr", "oci", "spec"]).stdout)
+    paths.base_spec.write_text(json.dumps(base_spec(default, host_python_prefix()), indent=2) + "\n")
     (paths.cni_conf / "10-finetune-lab.conflist").write_text(json.dumps(cni_config(paths), indent=2) + "\n")
     files["kubelet"].write_text(yaml.safe_dump(kubelet_config(paths, ports), sort_keys=False))
     files["kube-proxy"].write_text(yaml.safe_dump(kube_proxy_config(kubeconfigs["kube-proxy"], ports), sort_keys=False))
@@ -429,7 +465,7 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
         f"--root-dir={paths.kubelet}",
         f"--node-ip={GATEWAY}",
         f"--hostname-override={NODE_NAME}",
-        f"--node-labels={RUNNER_LABEL}={RUNNER_KUBELET}",
+        "--node-labels=" + ",".join(f"{k}={v}" for k, v in lab_nodes.node_labels(POOL, 0).items()),
         "--v=1",
     ])
     core = client.CoreV1Api(lab.api_client())
@@ -439,6 +475,17 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
         return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
     wait_until(f"node {NODE_NAME} Ready (kubelet, containerd, CNI)", ready, kubelet, 180)
+    gpus = POOL.gpu.count if POOL.gpu else 0
+    if gpus:
+        plugin = launch("lab-gpu-plugin", [node_inst.binary("lab-gpu-plugin"), "-dir", str(paths.device_plugins),
+                                           "-count", str(gpus)])
+
+        def advertised() -> bool:
+            allocatable = core.read_node(NODE_NAME).status.allocatable or {}
+            return allocatable.get(lab_nodes.GPU_RESOURCE) == str(gpus)
+
+        wait_until(f"{gpus} x {lab_nodes.GPU_RESOURCE} allocatable on {NODE_NAME} (the lab GPU plugin)",
+                   advertised, plugin, 60)
     wait_until("kube-proxy /healthz", lambda: http_ok(f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz"),
                None, 60)
     say(f"real node {NODE_NAME} ready")

@@ -1,0 +1,214 @@
+"""Training pods as real containers on the lab's real kubelet node (issue 24 item 4).
+
+Everything here is what a platform team runs: the operator is the chart's Deployment (two replicas of
+the operator image, leader election through the Lease) on the real node; the training operator turns
+the PyTorchJob into pods; the kubelet runs them as containers of the trainer image built from its
+Dockerfile (e2e/lab/images.py), with the securityContext, volumes, `/dev/shm`, termination message
+and ServiceAccount setting the renderer writes; the lab's device plugin (e2e/lab/gpuplugin) gives
+them `nvidia.com/gpu`; their claims are `local` PersistentVolumes on the node. The lab adds two
+things a GPU cluster has and this machine does not: the host's Python (torch) mounted read-only into
+every container by the node's runtime (realnode.base_spec), and the lab GPU's variables injected
+into each GPU pod when it is created (e2e/lab/gpuwebhook.py, the rule the other runners apply).
+
+Jobs run one after the other: the node has two CPUs, and each training pod asks for one.
+
+Opt-in, like e2e/test_real_node.py: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins,
+mmdebstrap, umoci; it changes host-wide state while it runs and puts it back at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from e2e import operator_harness as h
+from e2e import real_processes as rp
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("FINETUNE_LAB_REAL_NODE", "") in ("", "0"),
+    reason="the real node is opt-in: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins, mmdebstrap, umoci)")]
+
+POOL = "lab-real"
+OOM_STEP = 6
+CHECKPOINT_EVERY = 4
+
+
+@pytest.fixture(scope="module")
+def node_lab():
+    from e2e.lab import images
+    from e2e.lab.build import build_node
+    from e2e.lab.cluster import up
+    from e2e.lab.realnode import HostState
+
+    build_node()
+    t0 = time.monotonic()
+    images.build_all()
+    print(f"images (operator, trainer): {time.monotonic() - t0:.1f}s")
+    before = HostState.capture()
+    lab = up(die_with_parent=True, components=("kubelet",))
+    try:
+        yield lab
+    finally:
+        if lab.procs:
+            lab.down()
+        assert lab.host_left == [] and before.differences(HostState.capture()) == []
+
+
+@pytest.fixture(scope="module")
+def operator(node_lab):
+    lab = node_lab
+    lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
+    t0 = time.monotonic()
+    h.install_chart_on_real_node(lab, *rp.chart_args(POOL))
+    print(f"chart installed, operator pods Ready: {time.monotonic() - t0:.1f}s")
+    print(lab.kubectl("get", "pods", "-n", h.RELEASE_NAMESPACE, "-o", "wide").stdout)
+    return lab
+
+
+@pytest.fixture(scope="module")
+def namespace(operator):
+    from kubernetes import client
+
+    from e2e.lab.realnode import NODE_NAME
+    from e2e.lab.waiting import wait_for
+
+    lab = operator
+    ns = f"real-pods-{uuid.uuid4().hex[:5]}"
+    core = client.CoreV1Api(lab.api_client())
+    core.create_namespace({"metadata": {"name": ns}})
+    wait_for(lambda: core.read_namespaced_service_account("default", ns), 30, "the default ServiceAccount")
+    vocab = rp.write_assets(ns)
+    h.local_volumes(lab, ns, ["models", "data", "checkpoints"], NODE_NAME)
+    yield ns, vocab
+    try:
+        core.delete_namespace(ns)
+    finally:
+        rp.remove_claims(ns)
+
+
+def _job(name: str, ns: str, vocab: int, **kw: Any) -> dict[str, Any]:
+    job = rp.tiny_job(name, ns, vocab, **kw)
+    job["spec"]["placement"] = {"regions": [rp.load_pools().pool(POOL).region]}
+    return job
+
+
+def _run(lab, ns: str, job: dict[str, Any], timeout: float = 900) -> tuple[dict[str, Any], float]:
+    """Apply, wait for a terminal phase; (status, seconds). Logs of the pods are read while they exist."""
+    name = job["metadata"]["name"]
+    t0 = time.monotonic()
+    lab.kubectl("apply", "-f", "-", input=json.dumps(job))
+    while time.monotonic() - t0 < timeout:
+        status = json.loads(lab.kubectl("get", "ftj", name, "-n", ns, "-o", "json").stdout).get("status") or {}
+        if status.get("phase") in ("Succeeded", "Failed"):
+            return status, time.monotonic() - t0
+        time.sleep(2)
+    raise AssertionError(f"{name} did not end in {timeout}s:\n{_diagnose(lab, ns, name)}")
+
+
+def _diagnose(lab, ns: str, name: str) -> str:
+    parts = [lab.kubectl("get", "ftj", name, "-n", ns, "-o", "yaml", check=False).stdout[-4000:],
+             lab.kubectl("get", "pods,pytorchjobs,events", "-n", ns, "-o", "wide", check=False).stdout[-4000:]]
+    for pod in json.loads(lab.kubectl("get", "pods", "-n", ns, "-o", "json", check=False).stdout or '{"items": []}')["items"]:
+        parts.append(lab.kubectl("logs", "-n", ns, pod["metadata"]["name"], "--all-containers", "--tail=30",
+                                 check=False).stdout)
+    parts.append(lab.kubectl("logs", "-n", h.RELEASE_NAMESPACE, "deploy/finetune-operator", "--tail=40",
+                             check=False).stdout)
+    return "\n".join(parts)
+
+
+def _trainer_events(lab, ns: str, pod: str, kind: str | None = None) -> list[dict[str, Any]]:
+    """The trainer's JSON log lines, through the kubelet's log endpoint (`kubectl logs`)."""
+    out = lab.kubectl("logs", "-n", ns, pod, "-c", "pytorch", check=False).stdout
+    return rp.events(out.splitlines(), kind)
+
+
+def _pod(lab, ns: str, name: str) -> dict[str, Any]:
+    return json.loads(lab.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout)
+
+
+def _crictl_containers(lab) -> list[dict[str, Any]]:
+    from e2e.lab.build import Installation
+    from e2e.lab.realnode import NodePaths
+
+    paths = NodePaths(lab.workdir / "node")
+    out = subprocess.run([Installation(lab.node_home).binary("crictl"), f"--runtime-endpoint={paths.endpoint}",
+                          "ps", "-a", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["containers"]
+
+
+def test_a_two_rank_lora_job_runs_in_a_real_container_and_writes_its_adapter(operator, namespace):
+    from e2e.lab import images
+    from e2e.lab.realnode import NODE_NAME
+
+    lab = operator
+    ns, vocab = namespace
+    status, seconds = _run(lab, ns, _job("two-rank", ns, vocab, gpus=2, max_steps=12, every_steps=4))
+    print(f"scenario real-node two-rank: {seconds:.1f}s")
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "two-rank")
+    plan = status["attempts"][-1]["plan"]
+    assert plan["gpus"] == 2 and plan["nodePool"] == POOL, plan
+    master = f"two-rank-a{len(status['attempts'])}-master-0"
+    pod = _pod(lab, ns, master)
+    print(lab.kubectl("get", "pods", "-n", ns, "-o", "wide").stdout)
+    # On the real node, in the trainer image, with the GPUs the device plugin allocated ...
+    assert pod["spec"]["nodeName"] == NODE_NAME
+    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "pytorch")
+    assert trainer["image"] == images.image_names()["trainer"][0]
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod["spec"].get("automountServiceAccountToken") is False
+    state = next(c for c in pod["status"]["containerStatuses"] if c["name"] == "pytorch")["state"]["terminated"]
+    assert state["exitCode"] == 0 and state["reason"] == "Completed", state
+    # ... as a container the runtime ran (crictl), ...
+    ran = [c for c in _crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == master]
+    assert any(c["metadata"]["name"] == "pytorch" for c in ran), ran
+    # ... two ranks that met through torchrun's rendezvous at the master's Service name ...
+    start = _trainer_events(lab, ns, master, "start")
+    assert start and start[0]["worldSize"] == 2, start
+    summary = _trainer_events(lab, ns, master, "summary")
+    assert summary and summary[-1]["status"] == "completed" and summary[-1]["step"] == 12, summary
+    # ... and the adapter in the claim, a local volume of the node, written by uid 1000.
+    final = rp.claim_dir(ns, "checkpoints") / "two-rank" / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_config.json").stat().st_uid == 1000
+
+
+def test_a_gpu_oom_in_the_real_container_then_the_next_attempt_resumes_from_its_checkpoint(operator, namespace):
+    lab = operator
+    ns, vocab = namespace
+    job = _job("gpu-oom", ns, vocab, max_steps=12, every_steps=CHECKPOINT_EVERY,
+               rule={"outcome-by-attempt": "gpu-oom,auto", "oom-step": str(OOM_STEP)})
+    status, seconds = _run(lab, ns, job)
+    print(f"scenario real-node gpu-oom: {seconds:.1f}s ({len(status.get('attempts') or [])} attempts)")
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "gpu-oom")
+    first, last = status["attempts"][0], status["attempts"][-1]
+    assert first["outcome"] == "GPUOutOfMemory" and last["outcome"] == "Succeeded", status["attempts"]
+    # The trainer's failure report came through the kubelet's termination message: exit 75 at the step.
+    failed = first["failedPods"][0]
+    assert failed["exitCode"] == 75 and failed["step"] == OOM_STEP and failed["source"] == "report", failed
+    assert first["plan"] != last["plan"], (first["plan"], last["plan"])
+    # The next attempt resumed from the checkpoint attempt 1 wrote before the OOM.
+    saved = (OOM_STEP - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+    start = _trainer_events(lab, ns, f"gpu-oom-a{len(status['attempts'])}-master-0", "start")
+    assert start and start[0]["startStep"] == saved, start
+
+
+def test_a_real_oomkilled_from_the_kubelet_then_the_pod_memory_is_raised(operator, namespace):
+    lab = operator
+    ns, vocab = namespace
+    # The pod's memory limit is scaled to 0.15 of what the operator planned (gpuwebhook.py): less than
+    # one trainer process's resident memory, so the kernel kills it; each raise gives the next more.
+    job = _job("host-oom", ns, vocab, max_steps=4, every_steps=4, rule={"host-memory-scale": "0.15"})
+    status, seconds = _run(lab, ns, job)
+    print(f"scenario real-node host-oom: {seconds:.1f}s ({len(status.get('attempts') or [])} attempts)")
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "host-oom")
+    attempts = status["attempts"]
+    outcomes = [a["outcome"] for a in attempts]
+    assert outcomes[0] == "HostOutOfMemory" and outcomes[-1] == "Succeeded", outcomes
+    assert set(outcomes[:-1]) == {"HostOutOfMemory"}, outcomes
+    memory = [float(a["plan"]["hostMemory"].removesuffix("Gi")) for a in attempts]
+    assert memory == sorted(memory) and len(set(memory)) == len(memory), memory
