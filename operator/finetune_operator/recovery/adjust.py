@@ -90,7 +90,7 @@ from .gpu_oom import CALIBRATION_MARGIN, after_gpu_oom, calibration_factor
 from .history import MEMORY_KINDS, MEMORY_OUTCOMES, Excluded, FailedRun, failed_runs, is_repeat, learned_calibration
 from .host_oom import HOST_MEMORY_GROWTH, HOST_MEMORY_NODE_SHARE, after_host_oom
 from .ladder import LADDER, Rung
-from .next_step import NextStep, describe_change
+from .next_step import AfterFailure, NextStep, describe_change
 from .pinning import calibration_floor, pinned_spec, replan_pinned
 
 __all__ = [
@@ -150,8 +150,9 @@ def decide_next(
     excluded: list[Excluded] = [k for k in failed_keys if isinstance(k, FailedRun) or plan_key_of(k) != own]
     if failure.kind in MEMORY_KINDS:
         excluded.append(FailedRun.of(failed, failure.kind))
+    after = AfterFailure(spec, failed, excluded, floor, pools, policy, what, architecture)
     if failure.remedy is Remedy.RETRY_SAME:
-        return after_loss(spec, failed, excluded, floor, pools, policy, what, architecture)
+        return after_loss(after)
     if failure.kind is FailureKind.HOST_OUT_OF_MEMORY:
-        return after_host_oom(spec, failed, excluded, floor, pools, policy, what, architecture)
-    return after_gpu_oom(spec, failure, failed, excluded, floor, pools, policy, what, architecture)
+        return after_host_oom(after)
+    return after_gpu_oom(after, failure)

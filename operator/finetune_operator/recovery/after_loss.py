@@ -12,7 +12,7 @@ from ..planning.pools import NodePool
 from ..planning.search import plan_job
 from ..sizing import ModelArchitecture
 from .history import Excluded, excluded_keys, is_repeat
-from .next_step import NextStep, describe_change
+from .next_step import AfterFailure, NextStep, describe_change
 from .pinning import calibration_floor, pinned_spec, replan_pinned
 
 
@@ -44,16 +44,9 @@ def replan_after_loss(
     return plan_job(spec, pools, policy, exclude=keys, calibration=floor, architecture=architecture)
 
 
-def after_loss(
-    spec: api.FineTuneJobSpec,
-    failed: api.PlanStatus,
-    excluded: Sequence[Excluded],
-    floor: float,
-    pools: Sequence[NodePool],
-    policy: ClusterPolicy,
-    what: str,
-    architecture: ModelArchitecture | None,
-) -> NextStep:
+def after_loss(after: AfterFailure) -> NextStep:
+    spec, failed, excluded, floor = after.spec, after.failed, after.excluded, after.floor
+    pools, policy, what, architecture = after.pools, after.policy, after.what, after.architecture
     plan = replan_after_loss(spec, failed, failed=excluded, calibration=floor, pools=pools, policy=policy,
                              architecture=architecture)
     if isinstance(plan, Infeasible):

@@ -13,9 +13,9 @@ from ..planning.pools import GiB, NodePool
 from ..planning.search import choose_cheapest_or_startable, cost_window_of, plan_job
 from ..sizing import ModelArchitecture
 from .classify import Failure
-from .history import Excluded, excluded_keys
+from .history import excluded_keys
 from .ladder import LADDER
-from .next_step import NextStep, describe_change
+from .next_step import AfterFailure, NextStep, describe_change
 from .pinning import pinned_spec
 from finetune_trainer import optimizers
 
@@ -50,17 +50,9 @@ def calibration_factor(failure: Failure, failed: api.PlanStatus) -> float:
     return max(factor * CALIBRATION_MARGIN, old, 1.0)
 
 
-def after_gpu_oom(
-    spec: api.FineTuneJobSpec,
-    failure: Failure,
-    failed: api.PlanStatus,
-    excluded: Sequence[Excluded],
-    floor: float,
-    pools: Sequence[NodePool],
-    policy: ClusterPolicy,
-    what: str,
-    architecture: ModelArchitecture | None,
-) -> NextStep:
+def after_gpu_oom(after: AfterFailure, failure: Failure) -> NextStep:
+    spec, failed, excluded, floor = after.spec, after.failed, after.excluded, after.floor
+    pools, policy, what, architecture = after.pools, after.policy, after.what, after.architecture
     factor = max(calibration_factor(failure, failed), floor)
     allowed = set(spec.recovery.allowed_adjustments)
     keys = excluded_keys(excluded)

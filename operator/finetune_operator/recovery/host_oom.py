@@ -3,16 +3,11 @@ exhausted, host-memory levers and offload turned off."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from .. import api
 from ..planning.plan import Plan
-from ..planning.policy import ClusterPolicy
-from ..planning.pools import GiB, NodePool
+from ..planning.pools import GiB
 from ..planning.search import plan_job
-from ..sizing import ModelArchitecture
-from .history import Excluded, excluded_keys, host_bytes, is_repeat
-from .next_step import NextStep
+from .history import excluded_keys, host_bytes, is_repeat
+from .next_step import AfterFailure, NextStep
 from .pinning import pinned_spec, replan_pinned
 from finetune_trainer.memory_levers import LEVERS
 
@@ -24,16 +19,9 @@ HOST_MEMORY_GROWTH = 1.5
 HOST_MEMORY_NODE_SHARE = 0.90
 
 
-def after_host_oom(
-    spec: api.FineTuneJobSpec,
-    failed: api.PlanStatus,
-    excluded: Sequence[Excluded],
-    floor: float,
-    pools: Sequence[NodePool],
-    policy: ClusterPolicy,
-    what: str,
-    architecture: ModelArchitecture | None,
-) -> NextStep:
+def after_host_oom(after: AfterFailure) -> NextStep:
+    spec, failed, excluded, floor = after.spec, after.failed, after.excluded, after.floor
+    pools, policy, what, architecture = after.pools, after.policy, after.what, after.architecture
     allowed = set(spec.recovery.allowed_adjustments)
     pool = next((p for p in pools if p.name == failed.node_pool), None)
     current = host_bytes(failed)

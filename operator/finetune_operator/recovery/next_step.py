@@ -1,13 +1,33 @@
-"""The answer after a failed attempt (`NextStep`), and how the change between two plans reads
-for a person."""
+"""What a remedy is given after a failed attempt (`AfterFailure`), its answer (`NextStep`), and
+how the change between two plans reads for a person."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from .. import api
 from ..planning.plan import Plan
+from ..planning.policy import ClusterPolicy
+from ..planning.pools import NodePool
+from ..sizing import ModelArchitecture
+from .history import Excluded
 from .ladder import LEVERS_BY_RUNG
+
+
+@dataclass(frozen=True)
+class AfterFailure:
+    """What every remedy (after_loss, gpu_oom, host_oom) starts from: the failed plan and what
+    bounds the next one (adjust.decide_next gathers it)."""
+
+    spec: api.FineTuneJobSpec
+    failed: api.PlanStatus  # the plan that failed
+    excluded: Sequence[Excluded]  # what may not be proposed again, the failed plan included if it ran out of memory
+    floor: float  # the calibration the next plan carries at least
+    pools: Sequence[NodePool]
+    policy: ClusterPolicy
+    what: str  # the failure, for a person
+    architecture: ModelArchitecture | None
 
 
 @dataclass(frozen=True)
