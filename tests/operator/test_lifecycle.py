@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from finetune_operator import api, lifecycle
+from finetune_operator.lifecycle import starting
 from finetune_operator.children import SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Child, child_of
 from finetune_operator.rendering.pytorchjob import PYTORCH_JOB
 from finetune_operator.planning.policy import load_policy
@@ -479,12 +480,12 @@ def test_a_pool_full_of_other_work_is_a_queue_the_attempt_moves_only_to_a_pool_w
     world.pods = [_pending_pod(world, world.now)]
     world.now += timedelta(seconds=POLICY.unschedulable_timeout_seconds * 2)
     replans = []
-    real_replan = lifecycle.replan_after_loss
-    lifecycle.replan_after_loss = lambda *a, **k: replans.append(1) or real_replan(*a, **k)
+    real_replan = starting.replan_after_loss
+    starting.replan_after_loss = lambda *a, **k: replans.append(1) or real_replan(*a, **k)
     try:
         decision = world.step()
     finally:
-        lifecycle.replan_after_loss = real_replan
+        starting.replan_after_loss = real_replan
     assert replans == []  # no pool has room: nothing to plan (a busy cluster has many such waits)
     assert decision.delete == [] and decision.create == [] and world.job.status.current_attempt == 1
     assert world.job.status.phase not in ("Failed",)

@@ -510,7 +510,7 @@ def test_an_evicted_plan_that_ran_out_of_memory_before_is_not_run_again():
 
 
 def test_a_caller_listing_every_attempt_still_reruns_an_evicted_plan():
-    # lifecycle.py lists every attempt's plan key, the evicted one included.
+    # lifecycle/ lists every attempt's plan key, the evicted one included.
     spec = spec_of(LORA)
     plain = first_plan(spec)
     failed = decide(spec, gpu_oom(plain), plain).plan.to_status()
