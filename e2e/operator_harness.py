@@ -184,9 +184,10 @@ def volumes(lab: Any, namespace: str, claims: list[str]) -> None:
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
 
-def local_volumes(lab: Any, namespace: str, claims: list[str], node: str, owner: int = 1000) -> None:
-    """`local` PersistentVolumes on the real node, pre-bound to the job's claims: directories of this
-    machine (the node's disk), owned by the pods' user (rendering/pod.py runs them as uid 1000)."""
+def local_volumes(lab: Any, namespace: str, claims: list[str], nodes: tuple[str, ...], owner: int = 1000) -> None:
+    """`local` PersistentVolumes on the real nodes, pre-bound to the job's claims: directories of this
+    machine, owned by the pods' user (rendering/pod.py runs them as uid 1000). The real nodes share this
+    machine's disk, so one directory is reachable from each of them, as a shared filesystem is."""
     docs = []
     for claim in claims:
         pv = f"{namespace}-{claim}"
@@ -195,15 +196,15 @@ def local_volumes(lab: Any, namespace: str, claims: list[str], node: str, owner:
         for p in [path, *path.rglob("*")]:
             os.chown(p, owner, owner)
         docs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-                     "spec": {"capacity": {"storage": "100Gi"}, "accessModes": ["ReadWriteOnce"],
+                     "spec": {"capacity": {"storage": "100Gi"}, "accessModes": ["ReadWriteMany"],
                               "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
                               "local": {"path": str(path)},
                               "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                                  {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}},
+                                  {"key": "kubernetes.io/hostname", "operator": "In", "values": list(nodes)}]}]}},
                               "claimRef": {"namespace": namespace, "name": claim}}})
         docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                      "metadata": {"name": claim, "namespace": namespace},
-                     "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+                     "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
                               "resources": {"requests": {"storage": "100Gi"}}}})
     lab.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 

@@ -84,7 +84,7 @@ print(json.dumps({"uid": os.getuid(), "dns": socket.gethostbyname("kubernetes.de
 
 def test_a_pod_runs_as_a_real_container_with_dns_and_the_api_server(node_lab):
     from e2e.lab import images
-    from e2e.lab.realnode import NODE_NAME
+    from e2e.lab.realnode import NODE_NAMES
 
     lab, _ = node_lab
     ns = f"real-{uuid.uuid4().hex[:5]}"
@@ -92,7 +92,7 @@ def test_a_pod_runs_as_a_real_container_with_dns_and_the_api_server(node_lab):
     image = images.image_names()["operator"][0]
     lab.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_pod("probe", image, ["python", "-c", PROBE])))
     pod = _wait_terminated(lab, ns, "probe")
-    assert pod["spec"]["nodeName"] == NODE_NAME
+    assert pod["spec"]["nodeName"] in NODE_NAMES
     state = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     logs = lab.kubectl("logs", "-n", ns, "probe").stdout  # through the kubelet's own log endpoint
     assert state["exitCode"] == 0, logs
@@ -170,10 +170,10 @@ def test_a_training_container_cannot_read_the_upload_sidecar_s_credentials(node_
 
 def test_crictl_sees_the_node_s_containers(node_lab):
     from e2e.lab.build import Installation
-    from e2e.lab.realnode import NodePaths
+    from e2e.lab.realnode import NODE_NAME, node_paths
 
     lab, _ = node_lab
-    paths = NodePaths(lab.workdir / "node")
+    paths = node_paths(lab.workdir, NODE_NAME)
     out = os.popen(f"{Installation(lab.node_home).binary('crictl')} --runtime-endpoint={paths.endpoint}"
                    " ps -a -o json").read()
     names = {c["metadata"]["name"] for c in json.loads(out)["containers"]}
@@ -183,7 +183,7 @@ def test_crictl_sees_the_node_s_containers(node_lab):
 def test_the_chart_runs_the_operator_as_real_pods(node_lab):
     """`helm install` as a platform team would, pinned to the real node: two replicas of the operator
     image, their ServiceAccount tokens, probes and one leader through the Lease."""
-    from e2e.lab.realnode import NODE_NAME
+    from e2e.lab.realnode import NODE_NAMES
     from e2e.operator_harness import RELEASE_NAMESPACE, install_chart_on_real_node
 
     lab, _ = node_lab
@@ -192,7 +192,7 @@ def test_the_chart_runs_the_operator_as_real_pods(node_lab):
     pods = json.loads(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "json").stdout)["items"]
     print(f"real node: chart installed, 2 operator pods Ready in {time.monotonic() - t0:.1f}s")
     print(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide").stdout)
-    assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} == {NODE_NAME}
+    assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} <= set(NODE_NAMES)
     assert all(c["ready"] for p in pods for c in p["status"]["containerStatuses"])
     lease = json.loads(lab.kubectl("get", "lease", "-n", RELEASE_NAMESPACE, "finetune-operator", "-o", "json").stdout)
     assert lease["spec"]["holderIdentity"].startswith(tuple(p["metadata"]["name"] for p in pods))

@@ -10,7 +10,7 @@ things a GPU cluster has and this machine does not: the host's Python (torch) mo
 every container by the node's runtime (realnode.base_spec), and the lab GPU's variables injected
 into each GPU pod when it is created (e2e/lab/gpuwebhook.py, the rule the other runners apply).
 
-Jobs run one after the other: the node has two CPUs, and each training pod asks for one.
+Jobs run one after the other: the machine has two CPUs, and each training pod asks for one.
 
 Opt-in, like e2e/test_real_node.py: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins,
 mmdebstrap, umoci; it changes host-wide state while it runs and puts it back at the end).
@@ -75,16 +75,19 @@ def operator(node_lab):
 def namespace(operator):
     from kubernetes import client
 
-    from e2e.lab.realnode import NODE_NAME
+    from e2e.lab.realnode import NODE_NAMES
     from e2e.lab.waiting import wait_for
 
     lab = operator
     ns = f"real-pods-{uuid.uuid4().hex[:5]}"
     core = client.CoreV1Api(lab.api_client())
-    core.create_namespace({"metadata": {"name": ns}})
+    # The restricted Pod Security Standard, enforced by the API server (issue 26 item 4): the pods
+    # below are admitted as the renderer writes them and then run, read-only root filesystem and all.
+    core.create_namespace({"metadata": {"name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                                                               "pod-security.kubernetes.io/enforce-version": "latest"}}})
     wait_for(lambda: core.read_namespaced_service_account("default", ns), 30, "the default ServiceAccount")
     vocab = rp.write_assets(ns)
-    h.local_volumes(lab, ns, ["models", "data", "checkpoints"], NODE_NAME)
+    h.local_volumes(lab, ns, ["models", "data", "checkpoints"], NODE_NAMES)
     yield ns, vocab
     try:
         core.delete_namespace(ns)
@@ -133,47 +136,54 @@ def _pod(lab, ns: str, name: str) -> dict[str, Any]:
 
 
 def _crictl_containers(lab) -> list[dict[str, Any]]:
+    """Every container of every real node's runtime, as `crictl ps -a` lists them."""
     from e2e.lab.build import Installation
-    from e2e.lab.realnode import NodePaths
+    from e2e.lab.realnode import NODE_NAMES, node_paths
 
-    paths = NodePaths(lab.workdir / "node")
-    out = subprocess.run([Installation(lab.node_home).binary("crictl"), f"--runtime-endpoint={paths.endpoint}",
-                          "ps", "-a", "-o", "json"], capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["containers"]
+    found = []
+    for name in NODE_NAMES:
+        endpoint = node_paths(lab.workdir, name).endpoint
+        out = subprocess.run([Installation(lab.node_home).binary("crictl"), f"--runtime-endpoint={endpoint}",
+                              "ps", "-a", "-o", "json"], capture_output=True, text=True, check=True).stdout
+        found += json.loads(out)["containers"]
+    return found
 
 
-def test_a_two_rank_lora_job_runs_in_a_real_container_and_writes_its_adapter(operator, namespace):
+def test_a_two_pod_lora_job_runs_in_real_containers_and_writes_its_adapter(operator, namespace):
     from e2e.lab import images
-    from e2e.lab.realnode import NODE_NAME
+    from e2e.lab.realnode import NODE_NAMES
 
     lab = operator
     ns, vocab = namespace
-    status, seconds = _run(lab, ns, _job("two-rank", ns, vocab, gpus=2, max_steps=12, every_steps=4))
-    print(f"scenario real-node two-rank: {seconds:.1f}s")
-    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "two-rank")
-    plan = status["attempts"][-1]["plan"]
-    assert plan["gpus"] == 2 and plan["nodePool"] == POOL, plan
-    master = f"two-rank-a{len(status['attempts'])}-master-0"
-    pod = _pod(lab, ns, master)
+    status, seconds = _run(lab, ns, _job("two-pod", ns, vocab, gpus=2, max_steps=12, every_steps=4))
+    print(f"scenario real-node two-pod: {seconds:.1f}s")
     print(lab.kubectl("get", "pods", "-n", ns, "-o", "wide").stdout)
-    # On the real node, in the trainer image, with the GPUs the device plugin allocated ...
-    assert pod["spec"]["nodeName"] == NODE_NAME
-    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "pytorch")
-    assert trainer["image"] == images.image_names()["trainer"][0]
-    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert pod["spec"].get("automountServiceAccountToken") is False
-    state = next(c for c in pod["status"]["containerStatuses"] if c["name"] == "pytorch")["state"]["terminated"]
-    assert state["exitCode"] == 0 and state["reason"] == "Completed", state
-    # ... as a container the runtime ran (crictl), ...
-    ran = [c for c in _crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == master]
-    assert any(c["metadata"]["name"] == "pytorch" for c in ran), ran
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "two-pod")
+    attempt = len(status["attempts"])
+    plan = status["attempts"][-1]["plan"]
+    assert plan["gpus"] == 2 and plan["nodes"] == 2 and plan["nodePool"] == POOL, plan
+    master, worker = f"two-pod-a{attempt}-master-0", f"two-pod-a{attempt}-worker-0"
+    pods = {name: _pod(lab, ns, name) for name in (master, worker)}
+    # One pod on each real node, in the trainer image, with the GPU the device plugin allocated ...
+    assert {p["spec"]["nodeName"] for p in pods.values()} == set(NODE_NAMES)
+    for pod in pods.values():
+        trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "pytorch")
+        assert trainer["image"] == images.image_names()["trainer"][0]
+        assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert pod["spec"].get("automountServiceAccountToken") is False
+        state = next(c for c in pod["status"]["containerStatuses"] if c["name"] == "pytorch")["state"]["terminated"]
+        assert state["exitCode"] == 0 and state["reason"] == "Completed", state
+    # ... as containers their node's runtime ran (crictl), ...
+    ran = {(c["labels"].get("io.kubernetes.pod.name"), c["metadata"]["name"]) for c in _crictl_containers(lab)}
+    assert {(master, "pytorch"), (worker, "pytorch")} <= ran, ran
     # ... two ranks that met through torchrun's rendezvous at the master's Service name ...
     start = _trainer_events(lab, ns, master, "start")
     assert start and start[0]["worldSize"] == 2, start
+    assert [e["rank"] for e in _trainer_events(lab, ns, worker, "start")] == [1]
     summary = _trainer_events(lab, ns, master, "summary")
     assert summary and summary[-1]["status"] == "completed" and summary[-1]["step"] == 12, summary
     # ... and the adapter in the claim, a local volume of the node, written by uid 1000.
-    final = rp.claim_dir(ns, "checkpoints") / "two-rank" / "final"
+    final = rp.claim_dir(ns, "checkpoints") / "two-pod" / "final"
     assert (final / "adapter_config.json").is_file() and (final / "adapter_config.json").stat().st_uid == 1000
 
 

@@ -61,14 +61,14 @@ def test_containerd_config_keeps_everything_under_the_lab_and_restricts_oom_scor
 def test_kubelet_config_fits_this_host(tmp_path: Path):
     cfg = realnode.kubelet_config(NodePaths(tmp_path), {"kubelet": 1, "kubelet-healthz": 2})
     assert cfg["failCgroupV1"] is False and cfg["cgroupDriver"] == "cgroupfs"
-    assert cfg["cgroupRoot"] == f"/{realnode.CGROUP_ROOT}"
+    assert cfg["cgroupRoot"] == f"/{realnode.CGROUP_ROOT}/{realnode.NODE_NAME}"
     assert cfg["clusterDNS"] == [realnode.GATEWAY]
     assert cfg["containerRuntimeEndpoint"] == f"unix://{tmp_path / 'containerd' / 'containerd.sock'}"
     assert cfg["volumePluginDir"].startswith(str(tmp_path)), "not /usr/libexec/kubernetes"
 
 
 def test_cni_bridge_is_the_one_the_lab_creates_and_ipam_state_stays_in_the_lab(tmp_path: Path):
-    plugin = realnode.cni_config(NodePaths(tmp_path))["plugins"][0]
+    plugin = realnode.cni_config(tmp_path / "ipam")["plugins"][0]
     assert plugin["bridge"] == realnode.BRIDGE
     assert plugin["ipam"]["ranges"] == [[{"subnet": realnode.POD_CIDR, "gateway": realnode.GATEWAY}]]
     assert plugin["ipam"]["dataDir"].startswith(str(tmp_path))
@@ -102,8 +102,8 @@ def test_the_real_node_is_the_kubelet_pool_and_kwok_never_makes_it():
     from e2e.lab import nodes
 
     pool = nodes.load_pools().kubelet_pool()
-    assert realnode.NODE_NAME == pool.node_names()[0] and pool.gpu is not None
-    assert realnode.NODE_NAME not in {n["metadata"]["name"] for n in nodes.all_node_manifests()}
+    assert realnode.NODE_NAMES == tuple(pool.node_names()) and pool.gpu is not None
+    assert not set(realnode.NODE_NAMES) & {n["metadata"]["name"] for n in nodes.all_node_manifests()}
     labels = nodes.node_labels(pool, 0)
     assert labels["karpenter.sh/nodepool"] == pool.name and labels[nodes.RUNNER_LABEL] == nodes.RUNNER_KUBELET
     assert labels["nvidia.com/gpu.count"] == str(pool.gpu.count)

@@ -286,7 +286,7 @@ class Lab:
 
         killed: list[str] = []
         if self.real_node:
-            killed += stop([p for p in self.procs if p.name == "kubelet"])
+            killed += stop([p for p in self.procs if p.name.startswith("kubelet")])
             realnode.remove_pods(self, self.node_home)
         backend = ("kube-apiserver", "etcd")
         killed += stop([p for p in self.procs if p.name not in backend])

@@ -22,8 +22,8 @@ KWOK_ANNOTATION_VALUE = "fake"
 RUNNER_LABEL = "lab.finetune.dev/runner"
 RUNNER_PROCESS = "process"
 RUNNER_TAINT = {"key": RUNNER_LABEL, "value": RUNNER_PROCESS, "effect": "NoSchedule"}
-# The pool with `runner: kubelet` is the lab's real node (realnode.py): a real kubelet registers it
-# with this pool's labels and taints, and runs its pods as containers. kwok never sees it.
+# The pool with `runner: kubelet` is the lab's real nodes (realnode.py): real kubelets register them
+# with this pool's labels and taints, and run their pods as containers. kwok never sees them.
 RUNNER_KUBELET = "kubelet"
 GPU_TAINT = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 # The policy the chart ships by default (issue 9); the lab's scenarios check placement against it.
@@ -48,7 +48,7 @@ class Pool(BaseModel):
     cpu: str
     memory: str
     # "process": the lab's process runner runs this pool's pods as real local processes;
-    # "kubelet": the pool is the lab's one real kubelet node (nodes: 1), its pods real containers.
+    # "kubelet": the pool is the lab's real kubelet nodes (nodes: 1 or 2), its pods real containers.
     runner: Literal["process", "kubelet"] | None = None
 
     def node_names(self) -> list[str]:
@@ -72,10 +72,11 @@ class PoolCatalog(BaseModel):
         return [n for p in self.pools if p.runner == RUNNER_PROCESS for n in p.node_names()]
 
     def kubelet_pool(self) -> Pool:
-        """The real node's pool (exactly one, of one node: realnode.py runs one node per machine)."""
+        """The real nodes' pool: exactly one, of one or two nodes (realnode.py runs each node's kubelet and
+        containerd on this machine; more would only share its two CPUs thinner)."""
         found = [p for p in self.pools if p.runner == RUNNER_KUBELET]
-        if len(found) != 1 or found[0].nodes != 1:
-            raise ValueError(f"{POOLS_FILE.name} must have exactly one pool with runner: kubelet and nodes: 1,"
+        if len(found) != 1 or not 1 <= found[0].nodes <= 2:
+            raise ValueError(f"{POOLS_FILE.name} must have exactly one pool with runner: kubelet and nodes: 1 or 2,"
                              f" found {[(p.name, p.nodes) for p in found]}")
         return found[0]
 

@@ -38,9 +38,13 @@ from . import nodes as lab_nodes
 from . import pki as lab_pki
 from .processes import LabStartError, Proc, free_ports, http_ok, wait_until
 
-# The node is the one of pools.yaml's `runner: kubelet` pool: its name, labels, taints and GPU count.
+# The nodes are those of pools.yaml's `runner: kubelet` pool: their names, labels, taints and GPUs.
+# Each has a containerd and a kubelet of its own; they share this machine's bridge, kube-proxy,
+# CoreDNS and iptables (one network namespace: the host's), and each reports the whole machine's
+# CPUs and memory as its capacity (a lab limit: two nodes here are two kubelets, not two machines).
 POOL = lab_nodes.load_pools().kubelet_pool()
-NODE_NAME = POOL.node_names()[0]
+NODE_NAMES = tuple(POOL.node_names())
+NODE_NAME = NODE_NAMES[0]
 BRIDGE = "ftlab0"
 POD_CIDR = "10.85.0.0/24"
 GATEWAY = "10.85.0.1"
@@ -51,12 +55,16 @@ PAUSE_IMAGE = "registry.k8s.io/pause:lab"
 # The real node's label and taint: only pods that ask for it (a toleration) land there.
 RUNNER_LABEL = lab_nodes.RUNNER_LABEL
 RUNNER_KUBELET = lab_nodes.RUNNER_KUBELET
-PORTS = ("kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics")
+NODE_PORTS = ("kubelet", "kubelet-healthz")
+SHARED_PORTS = ("kube-proxy-healthz", "kube-proxy-metrics")
 
-KUBELET = lab_pki.ClientIdentity("kubelet", f"system:node:{NODE_NAME}", ("system:nodes", "system:masters"))
 KUBE_PROXY = lab_pki.ClientIdentity("kube-proxy", "system:kube-proxy", ("system:masters",))
 COREDNS = lab_pki.ClientIdentity("coredns", "lab-coredns", ("system:masters",))
-IDENTITIES = (KUBELET, KUBE_PROXY, COREDNS)
+SHARED_IDENTITIES = (KUBE_PROXY, COREDNS)
+
+
+def kubelet_identity(name: str) -> lab_pki.ClientIdentity:
+    return lab_pki.ClientIdentity(f"kubelet-{name}", f"system:node:{name}", ("system:nodes", "system:masters"))
 
 # What the kubelet (protectKernelDefaults: false), the bridge plugin and kube-proxy may set.
 SYSCTLS = (
@@ -178,9 +186,22 @@ def _rules(saved: str) -> set[str]:
 
 # ---- configuration files ---------------------------------------------------------------------------
 
+def nodes_root(workdir: Path) -> Path:
+    """<lab>/node: the nodes' directories, the shared configuration and the host's record."""
+    return workdir / "node"
+
+
+def node_paths(workdir: Path, name: str) -> "NodePaths":
+    return NodePaths(nodes_root(workdir) / name)
+
+
+def host_state_file(workdir: Path) -> Path:
+    return nodes_root(workdir) / "host-state.json"
+
+
 @dataclass(frozen=True)
 class NodePaths:
-    root: Path  # <lab>/node
+    root: Path  # <lab>/node/<node name>
 
     @property
     def containerd(self) -> Path:
@@ -201,10 +222,6 @@ class NodePaths:
     @property
     def cni_conf(self) -> Path:
         return self.root / "cni" / "net.d"
-
-    @property
-    def host_state(self) -> Path:
-        return self.root / "host-state.json"
 
     @property
     def base_spec(self) -> Path:
@@ -288,7 +305,9 @@ def base_spec(default_spec: dict, host_python: Path) -> dict:
     return spec
 
 
-def cni_config(paths: NodePaths) -> dict:
+def cni_config(ipam_dir: Path) -> dict:
+    """One bridge network for every node's pods: one subnet, one host-local allocation directory
+    (its file lock keeps two containerds from handing out the same address)."""
     return {
         "cniVersion": "1.0.0",
         "name": "finetune-lab",
@@ -303,13 +322,13 @@ def cni_config(paths: NodePaths) -> dict:
                 "type": "host-local",
                 "ranges": [[{"subnet": POD_CIDR, "gateway": GATEWAY}]],
                 "routes": [{"dst": "0.0.0.0/0"}],
-                "dataDir": str(paths.root / "cni" / "ipam"),
+                "dataDir": str(ipam_dir),
             },
         }],
     }
 
 
-def kubelet_config(paths: NodePaths, ports: dict[str, int]) -> dict:
+def kubelet_config(paths: NodePaths, ports: dict[str, int], name: str = NODE_NAME) -> dict:
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -322,7 +341,7 @@ def kubelet_config(paths: NodePaths, ports: dict[str, int]) -> dict:
         "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
         "authorization": {"mode": "AlwaysAllow"},
         "cgroupDriver": "cgroupfs",
-        "cgroupRoot": f"/{CGROUP_ROOT}",
+        "cgroupRoot": f"/{CGROUP_ROOT}/{name}",
         # The host is cgroup v1 (hybrid); kubelet 1.35+ refuses it unless told.
         "failCgroupV1": False,
         "failSwapOn": False,
@@ -350,6 +369,7 @@ def kube_proxy_config(kubeconfig: Path, ports: dict[str, int]) -> dict:
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
         "clientConnection": {"kubeconfig": str(kubeconfig)},
+        # One kube-proxy serves every node: they share the host's network namespace and iptables.
         "hostnameOverride": NODE_NAME,
         "mode": "iptables",
         "clusterCIDR": POD_CIDR,
@@ -383,56 +403,63 @@ def _bridge_exists() -> bool:
     return _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0
 
 
-def prepare_host(paths: NodePaths) -> HostState:
-    """Record the host, then make what the node needs before its processes: the bridge with GATEWAY
-    (CoreDNS and the API server's address live there before any pod) and the pod cgroup root."""
+def prepare_host(workdir: Path) -> HostState:
+    """Record the host, then make what the nodes need before their processes: the bridge with GATEWAY
+    (CoreDNS and the API server's address live there before any pod) and the pod cgroup roots."""
     if _bridge_exists():
         raise RealNodeError(f"bridge {BRIDGE} exists: another real node runs on this machine (or a lab was not"
                             " stopped); stop it with `python -m e2e.lab down` first")
-    paths.root.mkdir(parents=True, exist_ok=True)
+    nodes_root(workdir).mkdir(parents=True, exist_ok=True)
     state = HostState.capture()
-    state.save(paths.host_state)
+    state.save(host_state_file(workdir))
     _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
     _run(["ip", "addr", "add", f"{GATEWAY}/{POD_CIDR.split('/')[1]}", "dev", BRIDGE])
     _run(["ip", "link", "set", BRIDGE, "up"])
     for h in cgroup_hierarchies():
-        (h / CGROUP_ROOT).mkdir(exist_ok=True)
-        # cgroup v1 cpuset: a new group has no CPUs or memory nodes, and nothing can join it until it does.
-        for f in ("cpuset.cpus", "cpuset.mems"):
-            if (h / f).exists() and not (h / CGROUP_ROOT / f).read_text().strip():
-                (h / CGROUP_ROOT / f).write_text((h / f).read_text())
+        for group in (h / CGROUP_ROOT, *(h / CGROUP_ROOT / name for name in NODE_NAMES)):
+            group.mkdir(exist_ok=True)
+            # cgroup v1 cpuset: a new group has no CPUs or memory nodes, and nothing can join it until it does.
+            for f in ("cpuset.cpus", "cpuset.mems"):
+                if (group.parent / f).exists() and not (group / f).read_text().strip():
+                    (group / f).write_text((group.parent / f).read_text())
     return state
 
 
-def write_configs(lab, paths: NodePaths, pki, ports: dict[str, int]) -> dict[str, Path]:
+def _client_kubeconfig(lab, pki, ident: lab_pki.ClientIdentity, path: Path) -> Path:
     from .cluster import write_kubeconfig
 
-    for d in (paths.containerd, paths.kubelet, paths.cni_conf, paths.root / "pod-logs"):
-        d.mkdir(parents=True, exist_ok=True)
-    ca = lab.pki_dir / "ca.crt"
-    kubeconfigs = {}
-    for ident in IDENTITIES:
-        pair = lab_pki.make_leaf(lab.pki_dir, pki.ca, ident.file_stem, ident.common_name, ident.organizations,
-                                 client=True)
-        kubeconfigs[ident.file_stem] = write_kubeconfig(
-            paths.root / f"{ident.file_stem}.kubeconfig", lab.server, ca,
-            {"client-certificate": str(pair.cert), "client-key": str(pair.key)})
-    files = {
-        "containerd": paths.root / "containerd.toml",
-        "kubelet": paths.root / "kubelet.yaml",
-        "kube-proxy": paths.root / "kube-proxy.yaml",
-        "corefile": paths.root / "Corefile",
-    }
-    files["containerd"].write_text(containerd_config(paths))
-    from .images import host_python_prefix
+    pair = lab_pki.make_leaf(lab.pki_dir, pki.ca, ident.file_stem, ident.common_name, ident.organizations, client=True)
+    return write_kubeconfig(path, lab.server, lab.pki_dir / "ca.crt",
+                            {"client-certificate": str(pair.cert), "client-key": str(pair.key)})
 
-    default = json.loads(_run(["ctr", "oci", "spec"]).stdout)
-    paths.base_spec.write_text(json.dumps(base_spec(default, host_python_prefix()), indent=2) + "\n")
-    (paths.cni_conf / "10-finetune-lab.conflist").write_text(json.dumps(cni_config(paths), indent=2) + "\n")
-    files["kubelet"].write_text(yaml.safe_dump(kubelet_config(paths, ports), sort_keys=False))
+
+def write_shared_configs(lab, pki, ports: dict[str, int]) -> dict[str, Path]:
+    """kube-proxy's and CoreDNS's configuration (one of each for all nodes)."""
+    root = nodes_root(lab.workdir)
+    kubeconfigs = {i.file_stem: _client_kubeconfig(lab, pki, i, root / f"{i.file_stem}.kubeconfig")
+                   for i in SHARED_IDENTITIES}
+    files = {"kube-proxy": root / "kube-proxy.yaml", "corefile": root / "Corefile"}
     files["kube-proxy"].write_text(yaml.safe_dump(kube_proxy_config(kubeconfigs["kube-proxy"], ports), sort_keys=False))
     files["corefile"].write_text(corefile(kubeconfigs["coredns"]))
-    return {**files, **{f"{k}.kubeconfig": v for k, v in kubeconfigs.items()}}
+    return files
+
+
+def write_node_configs(lab, name: str, pki, ports: dict[str, int]) -> dict[str, Path]:
+    """One node's containerd (with its base spec), CNI and kubelet configuration and kubeconfig."""
+    from .images import host_python_prefix
+
+    paths = node_paths(lab.workdir, name)
+    for d in (paths.containerd, paths.kubelet, paths.cni_conf, paths.root / "pod-logs"):
+        d.mkdir(parents=True, exist_ok=True)
+    files = {"containerd": paths.root / "containerd.toml", "kubelet": paths.root / "kubelet.yaml",
+             "kubelet.kubeconfig": _client_kubeconfig(lab, pki, kubelet_identity(name), paths.root / "kubelet.kubeconfig")}
+    files["containerd"].write_text(containerd_config(paths))
+    default = json.loads(_run(["ctr", "oci", "spec"]).stdout)
+    paths.base_spec.write_text(json.dumps(base_spec(default, host_python_prefix()), indent=2) + "\n")
+    ipam = nodes_root(lab.workdir) / "cni-ipam"
+    (paths.cni_conf / "10-finetune-lab.conflist").write_text(json.dumps(cni_config(ipam), indent=2) + "\n")
+    files["kubelet"].write_text(yaml.safe_dump(kubelet_config(paths, ports, name), sort_keys=False))
+    return files
 
 
 def import_image(paths: NodePaths, archive: Path) -> None:
@@ -442,53 +469,61 @@ def import_image(paths: NodePaths, archive: Path) -> None:
 
 
 def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
-    """Start the node's processes (launch = lab.spawn); returns when the node is Ready."""
+    """Start the nodes' processes (launch = lab.spawn); returns when every node is Ready with its GPUs."""
     from kubernetes import client
 
-    paths = NodePaths(lab.workdir / "node")
-    ports = free_ports(list(PORTS))
-    lab.ports.update({f"node-{k}": v for k, v in ports.items()})
+    shared_ports = free_ports(list(SHARED_PORTS))
+    node_ports = {name: free_ports(list(NODE_PORTS)) for name in NODE_NAMES}
+    lab.ports.update({f"node-{k}": v for k, v in shared_ports.items()})
+    lab.ports.update({f"{name}-{k}": v for name, ports in node_ports.items() for k, v in ports.items()})
     lab.save()
-    prepare_host(paths)
-    files = write_configs(lab, paths, pki, ports)
-    containerd = launch("containerd", ["containerd", f"--config={files['containerd']}", "--log-level=warn"])
-    wait_until("containerd socket", lambda: paths.socket.exists(), containerd, 60)
-    for archive in images:
-        import_image(paths, archive)
-    say(f"containerd ready; imported {', '.join(a.parent.name for a in images)}")
-    launch("coredns", [node_inst.binary("coredns"), "-conf", str(files["corefile"]), "-dns.port", "53"])
-    launch("kube-proxy", [node_inst.binary("kube-proxy"), f"--config={files['kube-proxy']}"])
-    kubelet = launch("kubelet", [
-        node_inst.binary("kubelet"),
-        f"--config={files['kubelet']}",
-        f"--kubeconfig={files['kubelet.kubeconfig']}",
-        f"--root-dir={paths.kubelet}",
-        f"--node-ip={GATEWAY}",
-        f"--hostname-override={NODE_NAME}",
-        "--node-labels=" + ",".join(f"{k}={v}" for k, v in lab_nodes.node_labels(POOL, 0).items()),
-        "--v=1",
-    ])
+    prepare_host(lab.workdir)
+    shared = write_shared_configs(lab, pki, shared_ports)
+    node_files = {name: write_node_configs(lab, name, pki, ports) for name, ports in node_ports.items()}
+    for name in NODE_NAMES:
+        paths = node_paths(lab.workdir, name)
+        containerd = launch(f"containerd-{name}", ["containerd", f"--config={node_files[name]['containerd']}",
+                                                   "--log-level=warn"])
+        wait_until(f"{name}'s containerd socket", lambda: paths.socket.exists(), containerd, 60)
+        for archive in images:
+            import_image(paths, archive)
+        say(f"{name}: containerd ready; imported {', '.join(a.parent.name for a in images)}")
+    launch("coredns", [node_inst.binary("coredns"), "-conf", str(shared["corefile"]), "-dns.port", "53"])
+    launch("kube-proxy", [node_inst.binary("kube-proxy"), f"--config={shared['kube-proxy']}"])
+    kubelets = {}
+    for index, name in enumerate(NODE_NAMES):
+        paths = node_paths(lab.workdir, name)
+        kubelets[name] = launch(f"kubelet-{name}", [
+            node_inst.binary("kubelet"),
+            f"--config={node_files[name]['kubelet']}",
+            f"--kubeconfig={node_files[name]['kubelet.kubeconfig']}",
+            f"--root-dir={paths.kubelet}",
+            f"--node-ip={GATEWAY}",
+            f"--hostname-override={name}",
+            "--node-labels=" + ",".join(f"{k}={v}" for k, v in lab_nodes.node_labels(POOL, index).items()),
+            "--v=1",
+        ])
     core = client.CoreV1Api(lab.api_client())
-
-    def ready() -> bool:
-        node = core.read_node(NODE_NAME)
-        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
-
-    wait_until(f"node {NODE_NAME} Ready (kubelet, containerd, CNI)", ready, kubelet, 180)
     gpus = POOL.gpu.count if POOL.gpu else 0
-    if gpus:
-        plugin = launch("lab-gpu-plugin", [node_inst.binary("lab-gpu-plugin"), "-dir", str(paths.device_plugins),
-                                           "-count", str(gpus)])
+    for name in NODE_NAMES:
+        def ready(name: str = name) -> bool:
+            node = core.read_node(name)
+            return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
-        def advertised() -> bool:
-            allocatable = core.read_node(NODE_NAME).status.allocatable or {}
+        wait_until(f"node {name} Ready (kubelet, containerd, CNI)", ready, kubelets[name], 180)
+        if not gpus:
+            continue
+        plugin = launch(f"lab-gpu-plugin-{name}", [node_inst.binary("lab-gpu-plugin"), "-dir",
+                                                   str(node_paths(lab.workdir, name).device_plugins), "-count", str(gpus)])
+
+        def advertised(name: str = name) -> bool:
+            allocatable = core.read_node(name).status.allocatable or {}
             return allocatable.get(lab_nodes.GPU_RESOURCE) == str(gpus)
 
-        wait_until(f"{gpus} x {lab_nodes.GPU_RESOURCE} allocatable on {NODE_NAME} (the lab GPU plugin)",
-                   advertised, plugin, 60)
-    wait_until("kube-proxy /healthz", lambda: http_ok(f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz"),
-               None, 60)
-    say(f"real node {NODE_NAME} ready")
+        wait_until(f"{gpus} x {lab_nodes.GPU_RESOURCE} allocatable on {name} (the lab GPU plugin)", advertised, plugin, 60)
+    wait_until("kube-proxy /healthz",
+               lambda: http_ok(f"http://127.0.0.1:{shared_ports['kube-proxy-healthz']}/healthz"), None, 60)
+    say(f"real nodes {', '.join(NODE_NAMES)} ready")
 
 
 def kubernetes_endpoints(apiserver_port: int) -> dict:
@@ -510,18 +545,20 @@ def _crictl(node_inst, paths: NodePaths, *args: str) -> subprocess.CompletedProc
 
 
 def remove_pods(lab, node_home: Path | None) -> None:
-    """Before containerd stops: every pod sandbox stopped and removed through the CRI, so CNI deletes
-    its addresses, masquerade rules and network namespaces."""
+    """Before the containerds stop: every pod sandbox stopped and removed through the CRI, so CNI
+    deletes its addresses, masquerade rules and network namespaces."""
     from .build import Installation
 
-    paths = NodePaths(lab.workdir / "node")
-    if node_home is None or not paths.socket.exists():
+    if node_home is None:
         return
-    _crictl(Installation(node_home), paths, "rmp", "--all", "--force")
+    for name in NODE_NAMES:
+        paths = node_paths(lab.workdir, name)
+        if paths.socket.exists():
+            _crictl(Installation(node_home), paths, "rmp", "--all", "--force")
 
 
-def _shim_pids(paths: NodePaths) -> list[int]:
-    """containerd-shim-runc-v2 processes of this node's containerd (they outlive it by design)."""
+def _shim_pids(root: Path) -> list[int]:
+    """containerd-shim-runc-v2 processes of the nodes' containerds under `root` (they outlive them by design)."""
     out = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -530,7 +567,7 @@ def _shim_pids(paths: NodePaths) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(paths.socket).encode() in b" ".join(argv):
+        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(root).encode() in b" ".join(argv):
             out.append(int(proc.name))
     return out
 
@@ -540,12 +577,11 @@ def restore_host(workdir: Path) -> list[str]:
     not be put back (empty when all is well)."""
     import signal
 
-    paths = NodePaths(workdir / "node")
-    if not paths.host_state.exists():
+    if not host_state_file(workdir).exists():
         return []
-    before = HostState.load(paths.host_state)
+    before = HostState.load(host_state_file(workdir))
     problems = []
-    for pid in _shim_pids(paths):
+    for pid in _shim_pids(nodes_root(workdir)):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
