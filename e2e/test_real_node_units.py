@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from e2e.lab import realnode
 from e2e.lab.realnode import HostState, NodePaths
@@ -189,3 +191,32 @@ def test_the_webhook_is_asked_only_for_gpu_pods_on_the_real_node():
     assert hook["clientConfig"]["url"] == "https://127.0.0.1:8443/mutate-pod" and hook["failurePolicy"] == "Fail"
     conditions = " && ".join(c["expression"] for c in hook["matchConditions"])
     assert "'nvidia.com/gpu' in c.resources.limits" in conditions and "'lab.finetune.dev/runner'" in conditions
+
+
+# ---- the training operator's worker init container ------------------------------------------------
+def _init_container(master: str, tries: int) -> dict:
+    from e2e.lab.cluster import INIT_CONTAINER_TEMPLATE
+
+    text = INIT_CONTAINER_TEMPLATE.read_text()
+    for field, value in (("InitContainerImage", "operator:lab"), ("MaxTries", str(tries)), ("MasterAddr", master)):
+        text = text.replace("{{." + field + "}}", value)
+    assert "{{" not in text
+    (container,) = yaml.safe_load(text)
+    return container
+
+
+def test_the_init_container_template_passes_the_restricted_standard():
+    c = _init_container("job-master-0", 100)
+    sc = c["securityContext"]
+    assert c["name"] == "init-pytorch" and c["image"] == "operator:lab"
+    assert sc["runAsNonRoot"] and sc["runAsUser"] != 0 and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert sc["readOnlyRootFilesystem"] is True
+
+
+def test_the_init_container_waits_for_a_name_and_gives_up():
+    found = _init_container("localhost", 1)["command"]
+    assert subprocess.run(found, capture_output=True, timeout=30).returncode == 0
+    missing = _init_container("no-such-master.invalid", 1)["command"]
+    done = subprocess.run(missing, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "waiting for master no-such-master.invalid" in done.stdout

@@ -695,8 +695,25 @@ def _start_training_operator(lab: Lab, inst: Installation, pki, kubeconfigs, cor
         f"--webhook-server-port={p['to-webhook']}",
         "--leader-elect=false",
         f"--kubeconfig={kubeconfigs['training-operator']}",
+        *_init_container_flags(lab),
     ], env={**os.environ, "MY_POD_NAMESPACE": TRAINING_OPERATOR_NAMESPACE, "TMPDIR": str(to_tmp)})
     return training_operator
+
+
+# The training operator's own worker init container (alpine:3.10, no securityContext) can neither be
+# pulled on the real nodes nor pass the restricted Pod Security Standard; the template a platform team
+# would give it instead (examples/training-operator/) runs in the operator image, which every real
+# node has imported. The process runner keeps the default: it runs the template's `nslookup` itself.
+INIT_CONTAINER_TEMPLATE = REPO_ROOT / "examples" / "training-operator" / "init-pytorch.yaml"
+
+
+def _init_container_flags(lab: Lab) -> list[str]:
+    if not lab.real_node:
+        return []
+    from . import images as lab_images
+
+    return [f"--pytorch-init-container-template-file={INIT_CONTAINER_TEMPLATE}",
+            f"--pytorch-init-container-image={lab_images.image_names()['operator'][0]}"]
 
 
 def _wait_training_operator(lab: Lab, pki, api, training_operator: Proc) -> None:
