@@ -112,10 +112,11 @@ COMMON = {"precision": "bf16", "sequenceLength": 2048, "microBatchSize": 2, "gra
 
 def estimate(case: Case, world: int) -> dict:
     sys.path.insert(0, str(ROOT / "operator"))
-    from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
+    from finetune_operator.sizing import TrainingSetup, estimate_memory
+    from finetune_operator.sizing.presets import preset
 
     # On one GPU the FSDP route runs over a one-rank mesh: estimated as fsdp on 1 GPU.
-    setup = TrainingSetup(architecture=ModelArchitecture.from_preset(PRESET), micro_batch_size=2,
+    setup = TrainingSetup(architecture=preset(PRESET), micro_batch_size=2,
                           sequence_length=2048, gradient_checkpointing=True, world_size=world, **case.setup)
     result = estimate_memory(setup)
     return {"peakAllocatedGiB": result.peak_allocated_bytes / GIB, "requiredGiB": result.required_bytes / GIB,
@@ -135,12 +136,12 @@ def build_assets(folder: Path, smoke: bool = False) -> dict[str, Path]:
 
     sys.path.insert(0, str(ROOT / "operator"))
     sys.path.insert(0, str(ROOT / "tests"))
-    from finetune_operator.sizing import ModelArchitecture
+    from finetune_operator.sizing.presets import preset
     from trainer.trainer_assets import build_tokenizer, text_lines, write_jsonl
 
     model_dir = folder / PRESET
     build_tokenizer(model_dir)
-    hf_config = ModelArchitecture.from_preset(PRESET).to_hf_config()
+    hf_config = preset(PRESET).to_hf_config()
     if smoke:
         hf_config.update(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=1024)

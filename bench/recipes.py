@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "images" / "trainer"))
 from finetune_operator import api  # noqa: E402
 from finetune_operator.planning import ClusterPolicy, Infeasible, load_catalog, plan_job  # noqa: E402
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
+from finetune_operator.sizing.presets import preset  # noqa: E402
 from finetune_operator.sizing import constants as K  # noqa: E402
 from finetune_trainer.memory_levers import LEVERS, camel  # noqa: E402
 
@@ -88,7 +89,7 @@ class Job:
 
 
 def _arch(preset: str | None = None, config: dict | None = None, name: str = "") -> ModelArchitecture:
-    return ModelArchitecture.from_preset(preset) if preset else ModelArchitecture.from_hf_config(config, name=name)
+    return preset(preset) if preset else ModelArchitecture.from_hf_config(config, name=name)
 
 
 L8 = _arch("llama-3.1-8b")

@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "operator"))
 
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
+from finetune_operator.sizing.presets import preset  # noqa: E402
 
 CACHE = os.path.join(HERE, "results", "sizing_truth.json")
 GIB = 1 << 30
@@ -67,7 +68,7 @@ class Case:
 
     def setup(self) -> TrainingSetup:
         return TrainingSetup(
-            architecture=ModelArchitecture.from_preset(self.preset), method=self.method, lora_rank=self.rank,
+            architecture=preset(self.preset), method=self.method, lora_rank=self.rank,
             lora_dropout=self.dropout,
             micro_batch_size=self.batch, sequence_length=self.seq, gradient_checkpointing=self.gc,
             attention=self.attention, strategy=self.strategy, world_size=self.world_size, **dict(self.levers),
@@ -269,7 +270,7 @@ def print_per_family(rows) -> None:
     """One row per model family: the same three figures as the targets, and how many rows were held out."""
     by_family: dict[str, list] = {}
     for case, _est, _measured, err in rows:
-        by_family.setdefault(ModelArchitecture.from_preset(case.preset).family, []).append((case, err))
+        by_family.setdefault(preset(case.preset).family, []).append((case, err))
     print()
     head = f"{'family':<14} {'setups':>6} {'held out':>8} {'median |err|':>12} {'worst |err|':>11} {'worst under':>11}  targets"
     print(head)
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
 
     families = {f for f in ns.family.split(",") if f}
     cases = [c for c in matrix() if ns.only in c.key
-             and (not families or ModelArchitecture.from_preset(c.preset).family in families)]
+             and (not families or preset(c.preset).family in families)]
     cache = load_cache()
     todo = [c for c in cases if ns.refresh or c.key not in cache or "error" in cache[c.key]]
     if todo and not ns.cached:

@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "operator"))
 
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
+from finetune_operator.sizing.presets import preset  # noqa: E402
 from finetune_operator.sizing import constants as K  # noqa: E402
 
 GIB = 1 << 30
@@ -61,7 +62,7 @@ class GpuCase:
 
     def setup(self) -> TrainingSetup:
         return TrainingSetup(
-            architecture=ModelArchitecture.from_preset(self.preset), method=self.method, lora_rank=self.rank,
+            architecture=preset(self.preset), method=self.method, lora_rank=self.rank,
             lora_dropout=self.dropout, micro_batch_size=self.batch, sequence_length=self.seq,
             gradient_checkpointing=self.gc, attention=self.attention, optimizer=self.optimizer,
         )

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "operator"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "images", "trainer"))
 
 from finetune_operator.sizing import PRESETS, ModelArchitecture, TrainingSetup  # noqa: E402
+from finetune_operator.sizing.presets import preset  # noqa: E402
 
 SUPPORTED = dict(method=("full", "lora"), precision=("bf16",), optimizer=("adamw",), strategy=("ddp", "fsdp"), offload=("none",))
 
@@ -205,7 +206,7 @@ def _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks
 
 
 def setup_from_args(ns) -> TrainingSetup:
-    arch = ModelArchitecture.from_preset(ns.preset)
+    arch = preset(ns.preset)
     if ns.layers:
         arch = arch.with_layers(ns.layers)
     return TrainingSetup(

@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 
+from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import MODULE_KINDS, PRESETS, ModelArchitecture, SizingError
 
 torch = pytest.importorskip("torch")
@@ -148,7 +149,7 @@ def test_lora_named_targets_match_peft():
 
 def test_unknown_preset_lists_known():
     with pytest.raises(SizingError, match="llama-3.1-8b") as err:
-        ModelArchitecture.from_preset("llama-9")
+        preset("llama-9")
     assert err.value.field == "preset"
 
 

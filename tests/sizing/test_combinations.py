@@ -15,13 +15,14 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from finetune_operator import api
+from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import ModelArchitecture, SizingError, TrainingSetup
 from finetune_trainer import combinations as C
 from finetune_trainer.contract import TrainerConfig, deepspeed_config
 
-DENSE = ModelArchitecture.from_preset("llama-3.2-1b").with_layers(2)
-MOE = ModelArchitecture.from_preset("mixtral-8x7b").with_layers(2)
-SOFTCAPPED = ModelArchitecture.from_preset("gemma-2-9b").with_layers(2)  # final logit soft-capping
+DENSE = preset("llama-3.2-1b").with_layers(2)
+MOE = preset("mixtral-8x7b").with_layers(2)
+SOFTCAPPED = preset("gemma-2-9b").with_layers(2)  # final logit soft-capping
 GLOBAL_BATCH = 8
 
 choices = st.builds(

@@ -9,6 +9,7 @@ import pytest
 
 from finetune_operator import api
 from finetune_operator.planning.estimates import Estimates
+from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
 from finetune_operator.sizing.memory import lever_savings
 from finetune_trainer import combinations
@@ -26,7 +27,7 @@ from finetune_trainer.memory_levers import (
     savings,
 )
 
-L8 = ModelArchitecture.from_preset("llama-3.1-8b")
+L8 = preset("llama-3.1-8b")
 
 
 def test_levers_fields_are_the_registry_fields_off_by_default():

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
 from finetune_operator.sizing import constants as K
 from finetune_operator.sizing.memory import lever_savings, nf4_quant_state_bytes, nf4_weight_quant_state_bytes
@@ -14,7 +15,7 @@ from finetune_operator.sizing.optimizer_state import state_bytes, trained_tensor
 from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import in_use as levers_in_use
 
-L8 = ModelArchitecture.from_preset("llama-3.1-8b")
+L8 = preset("llama-3.1-8b")
 P8 = L8.total_params
 EMBED = L8.vocab_size * L8.hidden_size
 GIB = 1 << 30
@@ -101,7 +102,7 @@ def test_activation_offloading_moves_the_checkpointed_inputs_to_host():
 
 
 def test_qlora_under_fsdp_shards_the_4bit_base_and_offload_moves_it_to_the_host():
-    l70 = ModelArchitecture.from_preset("llama-2-70b") if "llama-2-70b" in _presets() else ModelArchitecture.from_preset("llama-3.1-70b")
+    l70 = preset("llama-2-70b") if "llama-2-70b" in _presets() else preset("llama-3.1-70b")
     ddp = estimate_memory(TrainingSetup(l70, method="qlora", lora_rank=64, gradient_checkpointing=True))
     fsdp = estimate_memory(TrainingSetup(l70, method="qlora", lora_rank=64, gradient_checkpointing=True,
                                          strategy="fsdp", world_size=2))
@@ -120,7 +121,7 @@ def test_qlora_under_fsdp_shards_the_4bit_base_and_offload_moves_it_to_the_host(
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_fsdp_qlora_keeps_the_whole_quantisation_state_on_every_gpu(world):
-    l70 = ModelArchitecture.from_preset("llama-3.1-70b")
+    l70 = preset("llama-3.1-70b")
     one = estimate_memory(TrainingSetup(l70, method="qlora", lora_rank=64, gradient_checkpointing=True,
                                         strategy="fsdp", world_size=world))
     two = estimate_memory(TrainingSetup(l70, method="qlora", lora_rank=64, gradient_checkpointing=True,

@@ -25,7 +25,8 @@ from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, Profil
 from finetune_trainer.memory_levers import LEVERS
 
 from ..sizing import constants as K
-from ..sizing.architecture import FamilyTraits, LinearShape, ModelArchitecture
+from ..sizing.architecture import LinearShape, ModelArchitecture
+from ..sizing.traits import FamilyTraits
 from ..sizing.errors import SizingError
 from ..sizing.memory import MemoryEstimate
 from .setups import JobProfile

@@ -1,9 +1,10 @@
 """Per-GPU memory sizing of fine-tuning setups. Pure code: no torch at import time."""
 
-from .architecture import FAMILIES, MODULE_KINDS, ModelArchitecture
+from .architecture import MODULE_KINDS, ModelArchitecture
 from .errors import SizingError, UnknownArchitecture
 from .memory import MemoryEstimate, estimate_memory
 from .presets import PRESETS
+from .traits import FAMILIES
 from .setup import TrainingSetup
 
 __all__ = [

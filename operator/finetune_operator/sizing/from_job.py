@@ -22,6 +22,7 @@ from finetune_trainer.memory_levers import sized_fields
 
 from .architecture import ModelArchitecture
 from .errors import SizingError
+from .presets import preset
 from .setup import TrainingSetup
 
 DEFAULT_GPUS = 1
@@ -42,7 +43,7 @@ def architecture_of(spec: Any, model_config: Mapping[str, Any] | None = None) ->
     """The job's architecture: a preset, inline numbers, or a config.json the caller read from its ConfigMap."""
     source = spec.model.architecture
     if source.preset is not None:
-        return ModelArchitecture.from_preset(source.preset)
+        return preset(source.preset)
     if source.inline is not None:
         config = source.inline.config_json()
         return ModelArchitecture.from_hf_config(config, name=spec.model.name)
@@ -64,7 +65,7 @@ def config_json_of(spec: Any, model_config: Mapping[str, Any] | None = None) -> 
     """
     source = spec.model.architecture
     if source.preset is not None:
-        return ModelArchitecture.from_preset(source.preset).to_hf_config()
+        return preset(source.preset).to_hf_config()
     if source.inline is not None:
         return source.inline.config_json()
     return dict(model_config) if model_config is not None else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .errors import SizingError, UnknownArchitecture
+from .traits import FAMILIES, HONORS_ATTENTION_BIAS, HONORS_MLP_BIAS, LAYER_TYPES, PLAIN_MLP_ACTIVATIONS, WRAPPERS, VisionTower
 
 # key -> what it decides. The keys read from config.json; everything else is ignored.
 MEMORY_KEYS: dict[str, str] = {
@@ -132,8 +133,6 @@ class _Reader:
 
 def _family_of(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any], str]:
     """(family, the decoder's config, the error prefix), unwrapping a multimodal config."""
-    from .architecture import FAMILIES, WRAPPERS
-
     model_type = config.get("model_type")
     if model_type in WRAPPERS:
         text = config.get("text_config")
@@ -151,8 +150,6 @@ def _family_of(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any], str]:
 
 def _layer_types(r: _Reader, family: str, layers: int, sliding: int | None) -> tuple[tuple[str, ...] | None, int | None]:
     """(layer_types, sliding_window) as transformers' config class derives them."""
-    from .architecture import LAYER_TYPES
-
     explicit = r.config.get("layer_types")
     if family in ("qwen2", "qwen3", "qwen3_moe"):
         # Qwen slides only when use_sliding_window says so, and then from max_window_layers on.
@@ -182,8 +179,6 @@ def _layer_types(r: _Reader, family: str, layers: int, sliding: int | None) -> t
 
 def architecture_fields(config: Mapping[str, Any], name: str = "") -> dict[str, Any]:
     """The ModelArchitecture keyword arguments of a config.json; raises SizingError naming the key."""
-    from .architecture import _HONORS_ATTENTION_BIAS, _HONORS_MLP_BIAS, FAMILIES
-
     if not isinstance(config, Mapping):
         raise SizingError("config", f"must be a mapping (a parsed config.json), got {type(config).__name__}")
     family, inner, prefix = _family_of(config)
@@ -211,8 +206,8 @@ def architecture_fields(config: Mapping[str, Any], name: str = "") -> dict[str, 
         # A multimodal wrapper may say it at the top level.
         tie_word_embeddings=r.bool("tie_word_embeddings", _Reader(config).bool("tie_word_embeddings", traits.tie_default)),
         max_position_embeddings=r.int("max_position_embeddings", 4096),
-        attention_bias=r.bool("attention_bias", traits.attention_bias_default) and family in _HONORS_ATTENTION_BIAS,
-        mlp_bias=r.bool("mlp_bias", False) and family in _HONORS_MLP_BIAS,
+        attention_bias=r.bool("attention_bias", traits.attention_bias_default) and family in HONORS_ATTENTION_BIAS,
+        mlp_bias=r.bool("mlp_bias", False) and family in HONORS_MLP_BIAS,
         sliding_window=sliding,
         layer_types=layer_types,
         final_logit_softcapping=r.number("final_logit_softcapping"),
@@ -263,8 +258,6 @@ def _gpt_layout_fields(r: _Reader, family: str) -> dict[str, Any]:
     first, then the top-level key (phi partial_rotary_factor, gpt_neox rotary_pct), then the
     config class's default (0.5, 0.25).
     """
-    from .architecture import PLAIN_MLP_ACTIVATIONS
-
     rope = r.config.get("rope_parameters")
     key = "partial_rotary_factor" if family == "phi" else "rotary_pct"
     if isinstance(rope, Mapping) and rope.get("partial_rotary_factor") is not None:
@@ -297,10 +290,8 @@ def _gpt_layout_fields(r: _Reader, family: str) -> dict[str, Any]:
     return fields
 
 
-def _vision_tower(vision: Any, text_hidden: int):
+def _vision_tower(vision: Any, text_hidden: int) -> VisionTower:
     """A SigLIP vision_config (Gemma 3); defaults are transformers' SiglipVisionConfig's."""
-    from .architecture import VisionTower
-
     if not isinstance(vision, Mapping):
         raise SizingError("vision_config", f"must be a mapping, got {type(vision).__name__}")
     r = _Reader(vision, "vision_config.", {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .architecture import ModelArchitecture
+from .errors import SizingError
 
 
 def _llama(name, hidden, inter, layers, heads, kv, tie, head_dim=None, vocab=128256, max_pos=131072):
@@ -154,3 +155,11 @@ PRESETS: dict[str, ModelArchitecture] = {
     "pythia-6.9b": _pythia("EleutherAI/pythia-6.9b", 4096, 32, 32, 50432),
     "pythia-12b": _pythia("EleutherAI/pythia-12b", 5120, 36, 40, 50688),
 }
+
+
+def preset(name: str) -> ModelArchitecture:
+    """The architecture of a named preset; SizingError names the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise SizingError("preset", f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
