@@ -33,8 +33,8 @@ from kubernetes import client  # noqa: E402
 from kubernetes.leaderelection import electionconfig, leaderelection  # noqa: E402
 
 from e2e.chaos import LeaseEndpoint  # noqa: E402
-from finetune_operator.apiclient import LEASE_TIMEOUT, bounded_client  # noqa: E402
-from finetune_operator.leadership import (LEASE_DURATION_SECONDS, RENEW_DEADLINE_SECONDS,  # noqa: E402
+from finetune_operator.shell.apiclient import LEASE_TIMEOUT, bounded_client  # noqa: E402
+from finetune_operator.shell.leadership import (LEASE_DURATION_SECONDS, RENEW_DEADLINE_SECONDS,  # noqa: E402
                                           RETRY_PERIOD_SECONDS, BoundedLeaseLock)
 
 def serve(port_queue: multiprocessing.Queue) -> None:

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "images" / "trainer"))
 
 from finetune_operator.progress import Target  # noqa: E402
-from finetune_operator.progress_poller import PollerSettings, ProgressPoller  # noqa: E402
+from finetune_operator.shell.progress_poller import PollerSettings, ProgressPoller  # noqa: E402
 from finetune_trainer.contract import ProgressReport  # noqa: E402
 
-from finetune_operator.progress_poller import LOOP_SECONDS  # noqa: E402
+from finetune_operator.shell.progress_poller import LOOP_SECONDS  # noqa: E402
 
 TICK = LOOP_SECONDS  # the poller's loop looks this often (and when a read ends: reads here take no time)
 

@@ -1,5 +1,5 @@
 """Failover of the operator on the lab (issue 17 item 4): replicas elect one leader through the
-coordination Lease of the release namespace (operator/finetune_operator/leadership.py), only the
+coordination Lease of the release namespace (operator/finetune_operator/shell/leadership.py), only the
 leader reconciles, and when it dies (SIGKILL, no cleanup) the standby takes over and acts within
 the lease duration plus two retry periods and a second (TAKEOVER_LIMIT_S), without ever giving a FineTuneJob a second live PyTorchJob. A single replica killed and
 restarted with its identity (a container restart keeps the pod's name) leads again at once, not
@@ -22,7 +22,7 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from finetune_operator.leadership import LEASE_DURATION_SECONDS, RETRY_PERIOD_SECONDS
+from finetune_operator.shell.leadership import LEASE_DURATION_SECONDS, RETRY_PERIOD_SECONDS
 
 from e2e import operator_harness as h
 from e2e.lab.waiting import wait_for

@@ -127,7 +127,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from . import handlers
+    from .shell import handlers
 
     kopf.configure(
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN,
@@ -307,7 +307,7 @@ def _read_cluster_job(name: str, namespace: str | None, kubeconfig: str | None) 
     from kubernetes import client, config
     from kubernetes.client.exceptions import ApiException
 
-    from .apiclient import bounded_client, client_configuration
+    from .shell.apiclient import bounded_client, client_configuration
 
     try:
         configuration = client_configuration(kubeconfig)

@@ -1,6 +1,6 @@
 """The chart's Grafana dashboard and PrometheusRule: off by default, rendered from the values that
 configure them, and every PromQL expression in them names only metrics the operator really exports
-(`finetune_operator.metrics`, read from the prometheus_client registry) or that Prometheus itself
+(`finetune_operator.shell.metrics`, read from the prometheus_client registry) or that Prometheus itself
 writes (`up`)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def exported_metric_names() -> set[str]:
     with the suffixes of their type, and the sample names it has now."""
     from prometheus_client import REGISTRY
 
-    import finetune_operator.metrics  # noqa: F401  (registers the operator's metrics)
+    import finetune_operator.shell.metrics  # noqa: F401  (registers the operator's metrics)
 
     names: set[str] = set()
     for family in REGISTRY.collect():
@@ -413,7 +413,7 @@ def test_readme_lists_every_metric_the_operator_exports():
     that is not exported."""
     from prometheus_client import REGISTRY
 
-    import finetune_operator.metrics  # noqa: F401
+    import finetune_operator.shell.metrics  # noqa: F401
 
     families = set()
     for family in REGISTRY.collect():

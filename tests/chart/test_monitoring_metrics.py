@@ -1,6 +1,6 @@
 """What the chart's dashboard and alerts read, fed the way the operator feeds it: `track_phase` (every
 status change of a job) and `observe_reconcile` (every decision of the lifecycle) move the metrics
-of `finetune_operator.metrics` as their help texts say."""
+of `finetune_operator.shell.metrics` as their help texts say."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from finetune_operator import api, metrics
+from finetune_operator import api
+from finetune_operator.shell import metrics
 from finetune_operator.lifecycle import Decision, Event
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc)

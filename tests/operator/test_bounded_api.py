@@ -20,11 +20,11 @@ from typing import Iterator
 import pytest
 from kubernetes import client
 
-from finetune_operator import handlers
-from finetune_operator.apiclient import DEFAULT_TIMEOUT, LEASE_TIMEOUT, Timeouts, bounded_client
-from finetune_operator.leadership import (LEASE_DURATION_SECONDS, RENEW_DEADLINE_SECONDS, RETRY_PERIOD_SECONDS,
+from finetune_operator.shell import handlers
+from finetune_operator.shell.apiclient import DEFAULT_TIMEOUT, LEASE_TIMEOUT, Timeouts, bounded_client
+from finetune_operator.shell.leadership import (LEASE_DURATION_SECONDS, RENEW_DEADLINE_SECONDS, RETRY_PERIOD_SECONDS,
                                           BoundedLeaseLock, deposed_within)
-from finetune_operator.workqueue import WorkQueue
+from finetune_operator.shell.workqueue import WorkQueue
 
 OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "finetune_operator"
 
@@ -164,7 +164,7 @@ def test_every_client_of_the_operator_is_made_in_one_place():
     offenders = [str(path.relative_to(OPERATOR)) for path in OPERATOR.rglob("*.py") if path.name != "apiclient.py"
                  and re.search(r"\bApiClient\(", path.read_text())]
     assert offenders == []
-    assert "bounded_client(" in (OPERATOR / "handlers.py").read_text()
+    assert "bounded_client(" in (OPERATOR / "shell" / "handlers.py").read_text()
 
 
 # --- the Lease -------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_a_leader_behind_a_frozen_connection_stops_within_its_bound_and_leads_ag
     an 8/4/1 s lease, to keep the test short; the same sum holds for 15/10/2), and leads again once the
     proxy forwards again."""
     from e2e.chaos import FreezingProxy, LeaseEndpoint, QuietServer
-    from finetune_operator.leadership import Leadership, LeaseSettings
+    from finetune_operator.shell.leadership import Leadership, LeaseSettings
 
     LeaseEndpoint.lease, LeaseEndpoint.written = {}, []
     server = QuietServer(("127.0.0.1", 0), LeaseEndpoint)
@@ -314,8 +314,8 @@ def test_a_leader_behind_a_frozen_connection_stops_within_its_bound_and_leads_ag
 def test_liveness_sees_a_dead_informer_and_a_dead_election(monkeypatch):
     """An informer whose thread died (its store would never change again) and an election thread that
     ended (the replica would never lead, or never notice it lost the Lease) are named by the probe."""
-    from finetune_operator.informers import ClusterCache
-    from finetune_operator.leadership import Leadership, LeaseSettings
+    from finetune_operator.shell.informers import ClusterCache
+    from finetune_operator.shell.leadership import Leadership, LeaseSettings
 
     def dies(**_):
         raise SystemExit("gone")  # past the informer's `except Exception`

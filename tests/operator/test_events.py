@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from finetune_operator.events import EventRecorder
+from finetune_operator.shell.events import EventRecorder
 from finetune_operator.lifecycle import Event
 
 

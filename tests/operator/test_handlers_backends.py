@@ -6,7 +6,7 @@ from __future__ import annotations
 import kopf
 import pytest
 
-from finetune_operator import handlers
+from finetune_operator.shell import handlers
 
 
 class MayCluster:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from finetune_operator.controller import Cluster
-from finetune_operator.informers import ACTIVE_PODS, ClusterCache, Informer, gpu_pod_facts, job_bucket
+from finetune_operator.shell.controller import Cluster
+from finetune_operator.shell.informers import ACTIVE_PODS, ClusterCache, Informer, gpu_pod_facts, job_bucket
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.rendering.backend import PYTORCH_JOB
 from finetune_operator.rendering.renderer import JOB_LABEL
@@ -68,7 +68,7 @@ def test_a_compacted_history_is_410_and_the_relist_reports_what_vanished():
     kube.touch(changed)
     kube.compact()  # the events above are gone from the history
     seen.clear()
-    from finetune_operator.informers import Gone
+    from finetune_operator.shell.informers import Gone
 
     with pytest.raises(Gone):
         informer.step()  # the watch answers ERROR 410
@@ -157,7 +157,7 @@ def _h100_node() -> dict:
 
 
 def test_free_gpus_come_from_informed_nodes_and_pods(monkeypatch):
-    import finetune_operator.controller as controller
+    import finetune_operator.shell.controller as controller
 
     monkeypatch.setattr(controller, "DISCOVERY_REFRESH_SECONDS", 0.0)
     kube = FakeKube()
@@ -186,7 +186,7 @@ def test_free_gpus_come_from_informed_nodes_and_pods(monkeypatch):
 def test_a_namespaced_install_counts_gpu_pods_of_its_namespaces_without_a_cluster_wide_read(monkeypatch):
     """A namespaced install may read pods only in its watched namespaces (chart RBAC): the GPU-pod
     informer and the fallback read list there, never cluster-wide (that was 403 Forbidden)."""
-    import finetune_operator.controller as controller
+    import finetune_operator.shell.controller as controller
 
     monkeypatch.setattr(controller, "DISCOVERY_REFRESH_SECONDS", 0.0)
     kube = FakeKube()
@@ -223,7 +223,7 @@ def test_stop_ends_a_watch_that_waits_for_events_at_once():
 
     import urllib3
 
-    from finetune_operator.informers import Informer
+    from finetune_operator.shell.informers import Informer
 
     class Quiet(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

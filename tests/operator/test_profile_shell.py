@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 
-from finetune_operator import metrics
+from finetune_operator.shell import metrics
 from finetune_operator.calibration import Kind, Learned
-from finetune_operator.calibration_store import CALIBRATION_CONFIGMAP, CalibrationStore
+from finetune_operator.shell.calibration_store import CALIBRATION_CONFIGMAP, CalibrationStore
 from finetune_operator.profiling.cache import CACHE_BUDGET_BYTES, CACHE_CONFIGMAP, data_bytes
 from finetune_operator.profiling.pod import PROFILE_UID_LABEL, profile_pod_name
 from finetune_operator.profiling.setups import job_profile
-from finetune_operator.profiling_shell import ProfileShell
+from finetune_operator.shell.profiling import ProfileShell
 from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileRequest, ProfileShape
 
 from reconcile_world import NAMESPACE, ReconcileWorld, job_document

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from finetune_operator import api, progress
-from finetune_operator.controller import Reconciler
+from finetune_operator.shell.controller import Reconciler
 from finetune_operator.progress import JobProgress, RateEstimate, Target, summary_text, target_of
-from finetune_operator.progress_poller import (PollerSettings, ProgressOnlyChanges, ProgressPoller, patch_progress,
+from finetune_operator.shell.progress_poller import (PollerSettings, ProgressOnlyChanges, ProgressPoller, patch_progress,
                                                read_pod_log)
 from finetune_operator.rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
 from finetune_trainer.contract import ProgressReport
@@ -380,7 +380,7 @@ def test_a_refused_first_read_is_tried_again_after_the_interval_then_backs_off()
 
 
 def test_the_watch_handler_does_not_reconcile_for_a_progress_write(monkeypatch):
-    from finetune_operator import handlers
+    from finetune_operator.shell import handlers
 
     added = []
 
@@ -450,7 +450,7 @@ class TrainJobProgressWorld(ProgressWorld):
         super().__init__()
 
     def restart(self) -> None:
-        from finetune_operator.informers import ClusterCache
+        from finetune_operator.shell.informers import ClusterCache
         from finetune_operator.rendering.backend import TRAIN_JOB
 
         self.informed = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from finetune_operator.workqueue import WorkQueue
+from finetune_operator.shell.workqueue import WorkQueue
 
 
 def _wait_for(condition, timeout: float = 20.0) -> None:

@@ -17,7 +17,7 @@ from finetune_operator.profiling import state as ps
 from finetune_operator.profiling.cache import cache_entries, read_cache, setup_entry
 from finetune_operator.profiling.estimate import profiled_architecture
 from finetune_operator.profiling.setups import JobProfile, NotProfilable, job_profile
-from finetune_operator.profiling_shell import pod_state
+from finetune_operator.shell.profiling import pod_state
 from finetune_operator.sizing import TrainingSetup, estimate_memory
 from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileSetup, ProfileShape
 

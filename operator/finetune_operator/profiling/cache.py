@@ -4,7 +4,7 @@ The ConfigMap `finetune-operator-profiles` lives in the operator's namespace. Ea
 `<config hash>.<hash of the setup key>` (ConfigMap keys allow only [-._a-zA-Z0-9]) and holds a
 ProfileMeasurement as JSON; `<config hash>.model` holds the model's shape and parameter counts.
 A model is profiled once per setup, whichever job asks. Reading and writing it is the shell's
-(profiling_shell.py); this module encodes, decodes and chooses what to evict.
+(shell/profiling.py); this module encodes, decodes and chooses what to evict.
 
 The API server refuses a ConfigMap whose values pass 1 MiB, and a job's grid of 16 setups takes
 about 3.8 KB, so the cache is bounded: `<config hash>.written` holds when the model's entries were last

@@ -1,6 +1,6 @@
 """What the lifecycle decides about the profile, from what the shell saw (pure).
 
-The shell (profiling_shell.py) reads the cache ConfigMap and the job's profile pod and hands
+The shell (shell/profiling.py) reads the cache ConfigMap and the job's profile pod and hands
 them over as a `ProfileObservation`; it also writes a finished pod's measurements into the
 cache before the lifecycle runs, so the lifecycle only ever sees the cache and the pod's phase.
 `resolve` returns either the architecture to plan with (everything needed is measured) or a

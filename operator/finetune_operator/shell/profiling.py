@@ -24,12 +24,12 @@ from kubernetes.client.rest import ApiException
 
 from finetune_trainer.contract import parse_profile_report
 
-from . import api
-from .profiling.cache import CACHE_CONFIGMAP, cache_entries, evictions, read_cache
-from .profiling.pod import (CONFIG_HASH_ANNOTATION, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, PROFILE_CONTAINER,
+from .. import api
+from ..profiling.cache import CACHE_CONFIGMAP, cache_entries, evictions, read_cache
+from ..profiling.pod import (CONFIG_HASH_ANNOTATION, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, PROFILE_CONTAINER,
                            PROFILE_UID_LABEL, is_profile_pod_of, profile_pod_name)
-from .profiling.setups import NotProfilable
-from .profiling.state import ProfileObservation, ProfilePod, asks_for_profile, needs_profile, observation
+from ..profiling.setups import NotProfilable
+from ..profiling.state import ProfileObservation, ProfilePod, asks_for_profile, needs_profile, observation
 
 log = logging.getLogger("finetune_operator.profiling")
 PROFILE_SELECTOR = f"{PROFILE_UID_LABEL},app.kubernetes.io/component=profile"

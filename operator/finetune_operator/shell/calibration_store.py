@@ -9,8 +9,8 @@ import time
 from typing import Any, Callable
 
 from . import metrics
-from .calibration import Learned, read_table
-from .profiling_shell import merge_into_config_map
+from ..calibration import Learned, read_table
+from .profiling import merge_into_config_map
 
 CALIBRATION_CONFIGMAP = "finetune-operator-calibration"
 READ_CACHE_SECONDS = 5.0

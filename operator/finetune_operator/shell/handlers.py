@@ -25,19 +25,20 @@ import kopf
 import yaml
 from kubernetes import client, config
 
-from . import api, metrics
+from .. import api
+from . import metrics
 from .apiclient import LEASE_TIMEOUT, bounded_client, client_configuration
 from .calibration_store import CalibrationStore
-from .profiling_shell import ProfileShell
+from .profiling import ProfileShell
 from .controller import Cluster, JobBodies, PolicyHolder, Reconciler
 from .events import EventRecorder
 from .workqueue import WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
-from .planning.policy import ClusterPolicy, PolicyError, load_policy
+from ..planning.policy import ClusterPolicy, PolicyError, load_policy
 from .progress_poller import (DEFAULT_INTERVAL_SECONDS, PollerSettings, ProgressOnlyChanges, ProgressPoller,
                               patch_progress, read_pod_log)
-from .rendering.backend import BACKENDS
-from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
+from ..rendering.backend import BACKENDS
+from ..rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator")
 
@@ -392,7 +393,7 @@ PROFILE_SWEEP_SECONDS = 60.0
 
 
 def _sweep_profiles(stop: threading.Event) -> None:
-    """Delete the profile pods of deleted jobs (profiling_shell.ProfileShell.sweep); only the leader."""
+    """Delete the profile pods of deleted jobs (profiling.ProfileShell.sweep); only the leader."""
     while not stop.wait(PROFILE_SWEEP_SECONDS):
         queue, reconciler = RUNTIME.queue, RUNTIME.reconciler
         if queue is None or reconciler is None or reconciler.profiles is None or not queue.active:

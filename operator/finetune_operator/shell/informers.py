@@ -36,9 +36,9 @@ import urllib3
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from .planning.discovery import _pod_gpu_request as pod_gpu_request
-from .rendering.backend import backend_named
-from .rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
+from ..planning.discovery import _pod_gpu_request as pod_gpu_request
+from ..rendering.backend import backend_named
+from ..rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator.informers")
 

@@ -39,10 +39,10 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from . import api
+from .. import api
 
 if TYPE_CHECKING:
-    from .lifecycle import Decision
+    from ..lifecycle import Decision
 
 PHASES = ("Pending", "Queued", "Launching", "Running", "Recovering", "Suspended", "Succeeded", "Failed")
 FINISHED_PHASES = ("Succeeded", "Failed")

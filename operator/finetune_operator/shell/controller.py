@@ -28,18 +28,19 @@ from kubernetes.client.rest import ApiException
 
 from pydantic import ValidationError
 
-from . import api, lifecycle, metrics, progress
+from .. import api, lifecycle, progress
+from . import metrics
 from .progress_poller import ProgressPoller
-from .summary import status_reason
-from .children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Child, admission_of, child_of,
+from ..summary import status_reason
+from ..children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Child, admission_of, child_of,
                        controlled_by, owned_workload)
-from .planning.capacity import Claim, Waiting, movers, with_claims
-from .planning.policy import ClusterPolicy
-from .planning.pools import NodePool, discover_pools, merge_pools
+from ..planning.capacity import Claim, Waiting, movers, with_claims
+from ..planning.policy import ClusterPolicy
+from ..planning.pools import NodePool, discover_pools, merge_pools
 from .informers import ClusterCache, slim, wait_synced
-from .profiling.pod import is_profile_pod_of
-from .rendering.names import attempt_name, label_value
-from .rendering.backend import (
+from ..profiling.pod import is_profile_pod_of
+from ..rendering.names import attempt_name, label_value
+from ..rendering.backend import (
     BACKENDS,
     DEFAULT_BACKEND,
     DEFAULT_SERVED,
@@ -51,7 +52,7 @@ from .rendering.backend import (
     backend_of_kind,
     may_choose,
 )
-from .rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+from ..rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
 
 log = logging.getLogger("finetune_operator.controller")
 
@@ -608,7 +609,7 @@ class Reconciler:
     claims: ClaimBook = field(default_factory=lambda: ClaimBook())
     # Reads training progress from pod logs off the reconcile path (progress_poller.py); None: off.
     progress: ProgressPoller | None = None
-    # The pre-flight profile's cache and pods (profiling_shell.py); None: models of unknown families are Invalid.
+    # The pre-flight profile's cache and pods (shell/profiling.py); None: models of unknown families are Invalid.
     profiles: Any = None
     # The learned memory calibration (calibration_store.py); None: plans use the built-in model only.
     calibration: Any = None

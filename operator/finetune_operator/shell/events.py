@@ -17,7 +17,7 @@ import threading
 from typing import Any, Callable
 
 from . import metrics
-from .lifecycle import Event
+from ..lifecycle import Event
 
 log = logging.getLogger("finetune_operator.events")
 

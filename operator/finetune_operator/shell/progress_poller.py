@@ -33,10 +33,10 @@ from typing import Any, Callable, Protocol
 
 from kubernetes.client.rest import ApiException
 
-from . import api
+from .. import api
 from finetune_trainer.contract import progress_from_trainer_status
 
-from .progress import JobProgress, RateEstimate, Target
+from ..progress import JobProgress, RateEstimate, Target
 
 log = logging.getLogger("finetune_operator.progress")
 
