@@ -11,6 +11,7 @@ from pydantic import AliasChoices, BeforeValidator, ConfigDict, Field, PlainSeri
 
 from finetune_trainer.combinations import STRATEGIES
 from finetune_trainer.failures import ATTEMPT_OUTCOMES
+from finetune_trainer.memory_levers import lever_fields_model
 
 from .schema import ApiModel
 from .training import Method, Optimizer
@@ -100,8 +101,8 @@ class Condition(StatusModel):
     """The .metadata.generation the condition was set for."""
 
 
-class PlanStatus(StatusModel):
-    """The plan the current attempt runs with, and why it won."""
+class _PlanStatusHead(StatusModel):
+    """The plan status's fields before the levers' (PlanStatus's docstring says what it is)."""
 
     node_pool: str
     """Node pool."""
@@ -129,16 +130,15 @@ class PlanStatus(StatusModel):
     """Micro-batches per optimizer step."""
     gradient_checkpointing: bool
     """Activation recomputation."""
-    master_weights: Literal["fp32", "bf16"] = "fp32"
-    """Master weights: fp32, or bf16 (weights, gradients and optimizer states all bf16)."""
-    update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
-    """How bf16 master weights round their updates."""
-    optimizer_in_backward: bool = False
-    """Optimizer step inside backward (gradients freed per parameter; no gradient clipping)."""
-    loss_chunks: Annotated[int, Field(ge=1)] = 1
-    """Sequence chunks of the cross-entropy (1: the plain loss)."""
-    activation_offloading: bool = False
-    """Checkpointed activations kept in host memory."""
+
+
+# The lever fields (masterWeights ... activationOffloading) come from the registry, between the head's and the rest.
+_PlanStatusLevers = lever_fields_model("status", _PlanStatusHead)
+
+
+class PlanStatus(_PlanStatusLevers):
+    """The plan the current attempt runs with, and why it won."""
+
     lever_savings: dict[str, GiBQuantity] | None = None
     """The memory levers the plan uses (masterWeights, optimizerInBackward, lossChunks, activationOffloading) and
     the per-GPU memory each saves: the plan's required memory with that lever alone off, less its own (current plan only)."""

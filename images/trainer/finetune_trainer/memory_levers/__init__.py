@@ -17,7 +17,8 @@ from itertools import product
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
-from .lever import Lever, Setting, camel
+from .fields import lever_field_names, lever_fields_model
+from .lever import Lever, LeverField, Setting, camel
 
 # In the order the plan's words and its list of savings name them.
 LEVERS: tuple[Lever, ...] = (
@@ -59,6 +60,8 @@ NO_LEVERS = Levers()
 if Levers._fields != tuple(field for lever in LEVERS for field in lever.off) or any(
         getattr(NO_LEVERS, field) != off for lever in LEVERS for field, off in lever.off.items()):
     raise AssertionError("memory_levers.Levers must have exactly the fields of LEVERS, defaulting to off")
+if any(tuple(lever.schema) != tuple(lever.off) for lever in LEVERS):
+    raise AssertionError("each lever's schema must declare exactly its fields (`off`), in that order")
 
 
 def levers_of(values: Any) -> Levers:
@@ -212,6 +215,7 @@ __all__ = [
     "BY_NAME",
     "LEVERS",
     "Lever",
+    "LeverField",
     "LeverAsk",
     "Levers",
     "NO_LEVERS",
@@ -225,6 +229,8 @@ __all__ = [
     "lever_ask",
     "lever_changes",
     "lever_options",
+    "lever_field_names",
+    "lever_fields_model",
     "levers_of",
     "needs_whole_batch",
     "savings",

@@ -6,7 +6,7 @@ checkpointing keeps go to host memory in forward and come back for the recompute
 from __future__ import annotations
 
 from ..rules import Rule, one_of
-from .lever import Lever, switch_ask
+from .lever import Lever, LeverField, switch_ask
 
 
 def _ask(training, method: str, logit_transform: bool) -> tuple[tuple[bool, ...], bool]:
@@ -26,6 +26,7 @@ LEVER = Lever(
     name="activation_offloading",
     off={"activation_offloading": False},
     auto={"activation_offloading": None},
+    schema={"activation_offloading": LeverField(bool, "Checkpointed activations kept in host memory.")},
     ask=_ask,
     rules=(
         Rule("activation-offload-checkpointing",

@@ -5,8 +5,12 @@ unless the model transforms its logits after the head (which the chunks would by
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import Field
+
 from ..rules import Rule, one_of
-from .lever import Lever, Setting
+from .lever import Lever, LeverField, Setting
 
 # What `training.lossChunks: auto` means (torchtune's 8 chunks).
 AUTO_LOSS_CHUNKS = 8
@@ -49,6 +53,10 @@ LEVER = Lever(
     name="loss_chunks",
     off={"loss_chunks": 1},
     auto={"loss_chunks": "auto"},
+    schema={"loss_chunks": LeverField(
+        Annotated[int, Field(ge=1)], "Sequence chunks of the cross-entropy (1: the plain loss).",
+        # The trainer refuses more than the API allows (spec.training.lossChunks: 1 to 64).
+        config_type=Annotated[int, Field(ge=1, le=64)])},
     ask=_ask,
     choice_values=_choice_values,
     rules=(

@@ -7,9 +7,11 @@ last, only when more GPUs cannot help."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from ..optimizers import BNB, kind
 from ..rules import ZERO, Rule, one_of
-from .lever import Lever, Setting
+from .lever import Lever, LeverField, Setting
 
 _Freedom = tuple[tuple[str, ...], "str | None"]  # (master weights to try, the rounding or None: auto)
 
@@ -63,6 +65,12 @@ LEVER = Lever(
     name="master_weights",
     off={"master_weights": "fp32", "update_rounding": "nearest"},
     auto={"master_weights": "auto", "update_rounding": "auto"},
+    schema={
+        "master_weights": LeverField(
+            Literal["fp32", "bf16"], "Master weights: fp32, or bf16 (weights, gradients and optimizer states all bf16)."),
+        "update_rounding": LeverField(
+            Literal["nearest", "stochastic", "kahan"], "How bf16 master weights round their updates."),
+    },
     ask=_ask,
     settings=_settings,
     rules=(

@@ -6,7 +6,7 @@ gradient accumulation 1 and rules out clipping by global norm."""
 from __future__ import annotations
 
 from ..rules import OFFLOADING, ZERO, AtLeast, Rule, one_of
-from .lever import Lever, Setting, switch_ask
+from .lever import Lever, LeverField, Setting, switch_ask
 
 
 def _ask(training, method: str, logit_transform: bool) -> tuple[tuple[bool, ...], bool]:
@@ -29,6 +29,8 @@ LEVER = Lever(
     name="optimizer_in_backward",
     off={"optimizer_in_backward": False},
     auto={"optimizer_in_backward": None},
+    schema={"optimizer_in_backward": LeverField(
+        bool, "Optimizer step inside backward (gradients freed per parameter; no gradient clipping).")},
     ask=_ask,
     rules=(
         Rule("oib-zero", {"optimizer_in_backward": one_of(True), "strategy": ZERO}, "optimizer_in_backward",
