@@ -3,7 +3,7 @@
 A lever is a plain `Lever` instance in a module of its own (this package's other modules),
 listed once in `__init__.LEVERS`. The parts that deal with levers (planner, sizing, recovery,
 plan wording, the trainer config) loop over that list and ask the lever; none of them names
-one. Pure Python: the trainer and the operator both import it.
+one. Pure Python and pydantic (no torch): the trainer and the operator both import it.
 """
 
 from __future__ import annotations

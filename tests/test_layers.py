@@ -1,0 +1,57 @@
+"""The layout's one rule: Kubernetes I/O lives in `finetune_operator/shell/` (and `cli.py`, which starts
+it). Every other module of the operator is the pure core and imports neither the Kubernetes client's
+I/O parts, kopf, nor the shell, not even inside a function (a function-local import hides a layer
+violation from a reader as well as from a top-level scan)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "operator" / "finetune_operator"
+SHELL_ONLY = ("kopf", "kubernetes.client", "kubernetes.watch", "kubernetes.config", "kubernetes.dynamic",
+              "finetune_operator.shell")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module name an import statement of `path` reaches, relative imports resolved."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            # `from kubernetes import client` reaches kubernetes.client: name each imported name too.
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return found
+
+
+def _violations() -> list[str]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "shell" or rel.as_posix() == "cli.py":
+            continue
+        for line, name in _imports(path):
+            if any(name == s or name.startswith(s + ".") for s in SHELL_ONLY):
+                out.append(f"{rel}:{line} imports {name}")
+    return out
+
+
+def test_the_core_imports_no_kubernetes_io_and_no_shell():
+    assert _violations() == []
+
+
+def test_the_scan_sees_function_local_and_relative_imports(tmp_path, monkeypatch):
+    fake = tmp_path / "finetune_operator"
+    (fake / "planning").mkdir(parents=True)
+    (fake / "planning" / "x.py").write_text("def f():\n    from ..shell import controller\n"
+                                            "    from kubernetes import client\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert _violations() == ["planning/x.py:2 imports finetune_operator.shell",
+                             "planning/x.py:2 imports finetune_operator.shell.controller",
+                             "planning/x.py:3 imports kubernetes.client"]
