@@ -97,3 +97,31 @@ def test_planner_freedom_of_an_unset_lever_and_of_a_set_one():
     assert options == (Levers("fp32", "nearest", False, 8, True), Levers("bf16", "stochastic", False, 8, True))
     assert lever_options(ask, base.but(gradient_checkpointing=False), accumulation_one=False,
                          allows=combinations.allows) == ()  # offloading needs checkpointing
+
+
+def test_the_plan_status_holds_exactly_the_registrys_lever_fields_in_order():
+    from finetune_operator.api import PlanStatus
+    from finetune_trainer.memory_levers import Levers
+
+    held = tuple(name for name in PlanStatus.model_fields if name in Levers._fields)
+    assert held == Levers._fields
+    for lever in LEVERS:
+        for name, field in lever.schema.items():
+            assert PlanStatus.model_fields[name].default == lever.off[name]
+            assert PlanStatus.model_fields[name].description == field.doc
+
+
+def test_a_new_lever_reaches_the_plan_status_through_the_registry():
+    from pydantic import BaseModel
+    from finetune_trainer.memory_levers import LeverField, lever_fields_model
+
+    fake = replace(LEVERS[-1], name="fake_lever", off={"fake_lever": False}, auto={"fake_lever": "auto"},
+                   schema={"fake_lever": LeverField(bool, "A lever only this test has.")})
+
+    class Head(BaseModel):
+        node_pool: str
+
+    model = lever_fields_model(Head, (*LEVERS, fake))
+    assert list(model.model_fields)[-1] == "fake_lever" and list(model.model_fields)[0] == "node_pool"
+    assert model(node_pool="p").fake_lever is False
+    assert model.model_fields["fake_lever"].description == "A lever only this test has."

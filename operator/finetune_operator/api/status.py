@@ -11,7 +11,7 @@ from pydantic import AliasChoices, BeforeValidator, ConfigDict, Field, PlainSeri
 
 from finetune_trainer.combinations import STRATEGIES
 from finetune_trainer.failures import ATTEMPT_OUTCOMES
-from finetune_trainer.memory_levers import lever_fields_model
+from finetune_trainer.memory_levers import LEVERS, lever_fields_model
 
 from .schema import ApiModel
 from .training import Method, Optimizer
@@ -133,7 +133,7 @@ class _PlanStatusHead(StatusModel):
 
 
 # The lever fields (masterWeights ... activationOffloading) come from the registry, between the head's and the rest.
-_PlanStatusLevers = lever_fields_model("status", _PlanStatusHead)
+_PlanStatusLevers = lever_fields_model(_PlanStatusHead, LEVERS)
 
 
 class PlanStatus(_PlanStatusLevers):

@@ -17,7 +17,7 @@ from itertools import product
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
-from .fields import lever_field_names, lever_fields_model
+from .fields import lever_fields_model
 from .lever import Lever, LeverField, Setting, camel
 
 # In the order the plan's words and its list of savings name them.
@@ -229,7 +229,6 @@ __all__ = [
     "lever_ask",
     "lever_changes",
     "lever_options",
-    "lever_field_names",
     "lever_fields_model",
     "levers_of",
     "needs_whole_batch",

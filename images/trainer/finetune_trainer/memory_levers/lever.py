@@ -20,15 +20,12 @@ Setting = Mapping[str, Any]
 
 @dataclass(frozen=True)
 class LeverField:
-    """One field a lever owns, as the schemas that hold a decided value declare it (the plan status,
-    the Plan, the trainer config: `fields.lever_fields_model`)."""
+    """One field a lever owns, as the plan status declares it (`fields.lever_fields_model`)."""
 
     type: Any
     """Its type there, constraints included (`Literal["fp32", "bf16"]`, `Annotated[int, Field(ge=1)]`)."""
     doc: str
     """Its description in the plan status (and so in the CRD)."""
-    config_type: Any = None
-    """The trainer config's type where the trainer checks more (None: `type`)."""
 
 
 def _no_words(values: Setting) -> str:
@@ -61,7 +58,7 @@ class Lever:
     auto: Mapping[str, Any]
     """What each of its fields reads in spec.training when the job leaves it to the planner."""
     schema: Mapping[str, LeverField]
-    """Each of its fields (the keys of `off`, in that order) as the schemas of decided values declare it."""
+    """Each of its fields (the keys of `off`, in that order) as the plan status declares it."""
     # ---- planner freedom and ranking ------------------------------------------------------
     ask: Callable[[Any, str, bool], tuple[tuple[Setting, ...] | Any, bool]]
     """(spec.training, method, the model transforms its logits) -> (what the job allows, fixed):

@@ -54,9 +54,7 @@ LEVER = Lever(
     off={"loss_chunks": 1},
     auto={"loss_chunks": "auto"},
     schema={"loss_chunks": LeverField(
-        Annotated[int, Field(ge=1)], "Sequence chunks of the cross-entropy (1: the plain loss).",
-        # The trainer refuses more than the API allows (spec.training.lossChunks: 1 to 64).
-        config_type=Annotated[int, Field(ge=1, le=64)])},
+        Annotated[int, Field(ge=1)], "Sequence chunks of the cross-entropy (1: the plain loss).")},
     ask=_ask,
     choice_values=_choice_values,
     rules=(
