@@ -72,12 +72,14 @@ class PoolCatalog(BaseModel):
         return [n for p in self.pools if p.runner == RUNNER_PROCESS for n in p.node_names()]
 
     def kubelet_pool(self) -> Pool:
-        """The real nodes' pool: exactly one, of one or two nodes (realnode.py runs each node's kubelet and
-        containerd on this machine; more would only share its two CPUs thinner)."""
+        """The real node's pool: exactly one, of one node. realnode.py runs its kubelet and containerd on
+        this machine, and a kubelet's device manager always listens on
+        /var/lib/kubelet/device-plugins/kubelet.sock (k8s.io/kubelet DevicePluginPath, not under
+        --root-dir): a second kubelet on the same host would take over the first one's GPUs."""
         found = [p for p in self.pools if p.runner == RUNNER_KUBELET]
-        if len(found) != 1 or not 1 <= found[0].nodes <= 2:
-            raise ValueError(f"{POOLS_FILE.name} must have exactly one pool with runner: kubelet and nodes: 1 or 2,"
-                             f" found {[(p.name, p.nodes) for p in found]}")
+        if len(found) != 1 or found[0].nodes != 1:
+            raise ValueError(f"{POOLS_FILE.name} must have exactly one pool with runner: kubelet and nodes: 1"
+                             f" (one kubelet with devices per host), found {[(p.name, p.nodes) for p in found]}")
         return found[0]
 
 

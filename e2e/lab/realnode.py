@@ -38,10 +38,11 @@ from . import nodes as lab_nodes
 from . import pki as lab_pki
 from .processes import LabStartError, Proc, free_ports, http_ok, wait_until
 
-# The nodes are those of pools.yaml's `runner: kubelet` pool: their names, labels, taints and GPUs.
-# Each has a containerd and a kubelet of its own; they share this machine's bridge, kube-proxy,
-# CoreDNS and iptables (one network namespace: the host's), and each reports the whole machine's
-# CPUs and memory as its capacity (a lab limit: two nodes here are two kubelets, not two machines).
+# The node is that of pools.yaml's `runner: kubelet` pool: its name, labels, taints and GPUs. The code
+# keeps a node list (NODE_NAMES) because each node's containerd, cgroups and directory are its own,
+# but the pool has one node: the kubelet's device manager listens on a fixed host path
+# (DEVICE_PLUGIN_DIR), so a second kubelet would take the first one's devices. It reports this
+# machine's CPUs and memory as its capacity.
 POOL = lab_nodes.load_pools().kubelet_pool()
 NODE_NAMES = tuple(POOL.node_names())
 NODE_NAME = NODE_NAMES[0]
@@ -77,6 +78,10 @@ SYSCTLS = (
 HOST_PATHS = ("/usr/libexec/kubernetes", "/var/lib/kubelet", "/var/lib/cni", "/etc/cni", "/run/containerd",
               "/var/run/netns", "/var/log/pods", "/var/log/containers", "/etc/kubernetes", "/opt/cni")
 CGROUP_FS = Path("/sys/fs/cgroup")
+# The kubelet's device manager listens here whatever --root-dir says (k8s.io/kubelet DevicePluginPath);
+# the lab GPU plugin puts its socket beside it. /var/lib/kubelet is one of HOST_PATHS: down removes it
+# when the host had none.
+DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 
 
 class RealNodeError(LabStartError):
@@ -227,10 +232,6 @@ class NodePaths:
     def base_spec(self) -> Path:
         return self.containerd / "base-spec.json"
 
-    @property
-    def device_plugins(self) -> Path:
-        """The kubelet's device-plugin directory (its kubelet.sock, and the lab GPU plugin's socket)."""
-        return self.kubelet / "device-plugins"
 
 
 def containerd_config(paths: NodePaths) -> str:
@@ -409,6 +410,9 @@ def prepare_host(workdir: Path) -> HostState:
     if _bridge_exists():
         raise RealNodeError(f"bridge {BRIDGE} exists: another real node runs on this machine (or a lab was not"
                             " stopped); stop it with `python -m e2e.lab down` first")
+    if (DEVICE_PLUGIN_DIR / "kubelet.sock").exists():
+        raise RealNodeError(f"{DEVICE_PLUGIN_DIR / 'kubelet.sock'} exists: a kubelet already runs on this machine"
+                            " (its device manager owns that fixed path); the lab's real node cannot start beside it")
     nodes_root(workdir).mkdir(parents=True, exist_ok=True)
     state = HostState.capture()
     state.save(host_state_file(workdir))
@@ -514,7 +518,7 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
         if not gpus:
             continue
         plugin = launch(f"lab-gpu-plugin-{name}", [node_inst.binary("lab-gpu-plugin"), "-dir",
-                                                   str(node_paths(lab.workdir, name).device_plugins), "-count", str(gpus)])
+                                                   str(DEVICE_PLUGIN_DIR), "-count", str(gpus)])
 
         def advertised(name: str = name) -> bool:
             allocatable = core.read_node(name).status.allocatable or {}
