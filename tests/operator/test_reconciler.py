@@ -477,7 +477,7 @@ def test_a_configmap_architecture_that_arrives_later_is_waited_for():
 
 
 def test_statuses_of_earlier_versions_stay_readable_and_a_lost_plan_comes_back_from_the_child():
-    from finetune_operator.shell.controller import read_status
+    from finetune_operator.shell.job_status import read_status
 
     world = ReconcileWorld(job_document())
     world.reconcile()

@@ -31,13 +31,13 @@ from pydantic import ValidationError
 from .. import api, lifecycle, progress
 from . import metrics
 from .progress_poller import ProgressPoller
-from ..summary import status_reason
 from ..children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Child, admission_of, child_of,
                        controlled_by, owned_workload)
 from ..planning.capacity import Claim, Waiting, movers, with_claims
 from ..planning.policy import ClusterPolicy
 from ..planning.pools import NodePool, discover_pools, merge_pools
 from .informers import ClusterCache, slim, wait_synced
+from .job_status import read_status, status_json
 from ..profiling.pod import is_profile_pod_of
 from ..rendering.names import attempt_name, label_value
 from ..rendering.backend import (
@@ -816,7 +816,7 @@ class Reconciler:
         write (`alongside`): the training job, whose pods mount it, still goes only after both."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         uid = body["metadata"].get("uid")
-        written = _status_json(decision.status)
+        written = status_json(decision.status)
         early, later = _early_creates(decision)
         posted: list[Pending] = []
         if written == body.get("status") and not (decision.create or decision.delete or decision.set_suspend is not None):
@@ -895,7 +895,7 @@ class Reconciler:
                                         "NameConflict", message)
         else:
             refused = lifecycle.create_refused(job, decision.status, policy, now, kind, name, message)
-        rewritten = self.cluster.replace_job_status(stored, _status_json(refused.status))
+        rewritten = self.cluster.replace_job_status(stored, status_json(refused.status))
         self.own_writes.note((job.metadata.namespace or "", job.metadata.name), rewritten)
         if self.bodies is not None:
             self.bodies.seen((job.metadata.namespace or "", job.metadata.name), rewritten)
@@ -1097,43 +1097,6 @@ class ForeignObject(Exception):
         self.kind, self.name = kind, name
 
 
-def read_status(raw: Any) -> tuple[api.FineTuneJobStatus | None, str | None]:
-    """The status as the operator's model, read tolerantly (unknown keys are ignored); or None
-    and what is wrong, when a field the operator relies on cannot be understood."""
-    if not isinstance(raw, dict):
-        return None, "status is not an object"
-    try:
-        return api.FineTuneJobStatus.model_validate(raw), None
-    except ValidationError as error:
-        first = error.errors(include_url=False)[:3]
-        problem = "; ".join(f"status.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in first)
-    # Plans are the one part that can be rebuilt (each child carries its plan): read the rest
-    # without the plans that cannot be understood (e.g. written in another operator version's shape).
-    salvaged = dict(raw)
-    if not _readable_plan(salvaged.get("plan")):
-        salvaged.pop("plan", None)
-    if isinstance(salvaged.get("attempts"), list):
-        salvaged["attempts"] = [
-            {k: v for k, v in a.items() if k != "plan"} if isinstance(a, dict) and not _readable_plan(a.get("plan")) else a
-            for a in salvaged["attempts"]]
-    try:
-        status = api.FineTuneJobStatus.model_validate(salvaged)
-    except ValidationError:
-        return None, problem
-    log.warning("status read without the plans it could not understand (%s); they are rebuilt from the children", problem)
-    return status, None
-
-
-def _readable_plan(plan: Any) -> bool:
-    if plan is None:
-        return True
-    try:
-        api.PlanStatus.model_validate(plan)
-    except ValidationError:
-        return False
-    return True
-
-
 def _alive_pods_of(pods: list[dict[str, Any]], attempt: int) -> bool:
     """Whether a pod of the attempt looks neither finished nor going."""
     for pod in pods:
@@ -1143,13 +1106,6 @@ def _alive_pods_of(pods: list[dict[str, Any]], attempt: int) -> bool:
         if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
             return True
     return False
-
-
-def _status_json(status: api.FineTuneJobStatus) -> dict[str, Any]:
-    """The status as written: every write goes through here, so the one-word reason that
-    `kubectl get` shows (summary.status_reason, derived from the conditions) is never stale."""
-    return status.model_copy(update={"reason": status_reason(status), "progress": progress.for_status(status)}).model_dump(
-        mode="json", by_alias=True, exclude_none=True)
 
 
 def _ours(kind: str, obj: dict[str, Any], owner_uid: str | None) -> bool:
