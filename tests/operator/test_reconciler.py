@@ -534,7 +534,7 @@ def test_a_look_that_changes_nothing_writes_nothing_and_our_own_write_is_known()
 def test_a_claim_holds_until_discovery_counts_the_bound_pods_then_goes():
     """The GPUs of an attempt are counted once: as a claim until discovery's inputs hold its bound
     pods and a pool snapshot made after that counts them, then only by discovery."""
-    from finetune_operator.shell.controller import ClaimBook
+    from finetune_operator.shell.claim_book import ClaimBook
 
     book = ClaimBook()
     key = (NAMESPACE, "job")
