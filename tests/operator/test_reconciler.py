@@ -208,7 +208,7 @@ class ControlLoop(RuleBasedStateMachine):
         self._fresh_cache()
 
     def _fresh_cache(self) -> None:
-        from finetune_operator.shell.controller import JobBodies
+        from finetune_operator.shell.job_bodies import JobBodies
 
         self.world.reconciler.bodies = JobBodies()
 
@@ -565,7 +565,7 @@ def test_a_stale_job_from_the_watch_cache_never_acts_it_meets_a_409_and_the_job_
 
     from kubernetes.client.rest import ApiException
 
-    from finetune_operator.shell.controller import JobBodies
+    from finetune_operator.shell.job_bodies import JobBodies
 
     world = ReconcileWorld(job_document())
     bodies = world.reconciler.bodies = JobBodies()
@@ -615,7 +615,7 @@ def test_a_failed_training_job_seen_before_its_pods_failure_is_judged_on_the_pod
 def test_a_job_deleted_behind_the_watch_cache_is_read_again_and_forgotten():
     from kubernetes.client.rest import ApiException
 
-    from finetune_operator.shell.controller import JobBodies
+    from finetune_operator.shell.job_bodies import JobBodies
 
     world = ReconcileWorld(job_document())
     bodies = world.reconciler.bodies = JobBodies()
