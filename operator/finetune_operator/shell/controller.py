@@ -38,6 +38,7 @@ from ..planning.policy import ClusterPolicy
 from ..planning.pools import NodePool, discover_pools, merge_pools
 from .informers import ClusterCache, wait_synced
 from .claim_book import ClaimBook, Held, still_fits
+from .failed_pods import FailedPods
 from .job_bodies import JobBodies, OwnWrites
 from .job_status import read_status, status_json
 from ..profiling.pod import is_profile_pod_of
@@ -71,8 +72,6 @@ DISCOVERY_REFRESH_SECONDS = 0.5
 # A waiting job woken because another pool has room is not woken again for this long (it may stay).
 WAKE_REPEAT_SECONDS = 10.0
 WOKEN_MEMORY = 4096
-# Attempts whose failed pods are remembered (oldest forgotten first).
-FAILED_POD_MEMORY = 512
 # The same event again within this time updates the first one's count (client-go: 10 minutes).
 EVENT_AGGREGATION_SECONDS = 600.0
 EVENT_MEMORY = 4096
@@ -96,8 +95,7 @@ class Cluster:
         self.cache: ClusterCache | None = None
         # None: every namespace; a namespaced install names the ones it watches (start_cache).
         self.watched_namespaces: list[str] | None = None
-        self._failed_pods: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
-        self._failed_lock = threading.Lock()
+        self._failed_pods = FailedPods()
         self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
         self._events_lock = threading.Lock()
         self._served: tuple[float, tuple[Backend, ...]] | None = None
@@ -298,30 +296,13 @@ class Cluster:
         if pods is None:
             pods = _json(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))["items"]
         present = {p["metadata"]["name"] for p in pods}
-        with self._failed_lock:
-            gone = [p for (ns, label, _), by_name in self._failed_pods.items() if (ns, label) == (namespace, label_value(job))
-                    for pod_name, p in by_name.items() if pod_name not in present]
-        return pods + gone
+        return pods + self._failed_pods.gone(namespace, label_value(job), present)
 
     def remember_failed_pod(self, pod: dict[str, Any], *, deleted: bool = False) -> None:
         """Keep the last state of a training pod that failed, was disrupted or was deleted before
         it ended, until the next reconcile has written it into status: whoever deletes it (an
         eviction, a cleanup policy, a person) must not take the reason for the failure with it."""
-        meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        phase = (pod.get("status") or {}).get("phase")
-        if deleted and phase not in ("Succeeded", "Failed") and not meta.get("deletionTimestamp"):
-            # A watch's DELETED event of a force-deleted pod may carry no deletionTimestamp.
-            pod = dict(pod, metadata=dict(meta, deletionTimestamp=datetime.now(timezone.utc).isoformat()))
-            meta = pod["metadata"]
-        if not (_has_failed_container(pod) or _disrupted(pod)
-                or (meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed"))):
-            return
-        key = (meta.get("namespace", ""), labels.get(JOB_LABEL, ""), labels.get(ATTEMPT_LABEL, ""))
-        with self._failed_lock:
-            self._failed_pods.setdefault(key, {})[meta.get("name", "")] = pod
-            while len(self._failed_pods) > FAILED_POD_MEMORY:
-                self._failed_pods.pop(next(iter(self._failed_pods)))
+        self._failed_pods.remember(pod, deleted=deleted)
 
     def create(self, namespace: str, obj: dict[str, Any], owner_uid: str | None) -> dict[str, Any]:
         """`_create`, and the informer holds the object at once: the next reconcile sees it."""
@@ -957,19 +938,3 @@ def _api_message(error: ApiException) -> str:
 def _without_status(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "status"}
 
-
-def _disrupted(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
-def _has_failed_container(pod: dict[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    if status.get("phase") == "Failed":
-        return True
-    for container in status.get("containerStatuses") or []:
-        for key in ("state", "lastState"):
-            terminated = (container.get(key) or {}).get("terminated") or {}
-            if terminated.get("exitCode") not in (None, 0):
-                return True
-    return False
