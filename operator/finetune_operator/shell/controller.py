@@ -38,6 +38,7 @@ from ..planning.policy import ClusterPolicy
 from ..planning.pools import NodePool, discover_pools, merge_pools
 from .informers import ClusterCache, wait_synced
 from .claim_book import ClaimBook, Held, still_fits
+from .aggregated_events import AggregatedEvents
 from .failed_pods import FailedPods
 from .job_bodies import JobBodies, OwnWrites
 from .job_status import read_status, status_json
@@ -72,9 +73,6 @@ DISCOVERY_REFRESH_SECONDS = 0.5
 # A waiting job woken because another pool has room is not woken again for this long (it may stay).
 WAKE_REPEAT_SECONDS = 10.0
 WOKEN_MEMORY = 4096
-# The same event again within this time updates the first one's count (client-go: 10 minutes).
-EVENT_AGGREGATION_SECONDS = 600.0
-EVENT_MEMORY = 4096
 
 
 def _json(response: Any) -> dict[str, Any]:
@@ -96,8 +94,7 @@ class Cluster:
         # None: every namespace; a namespaced install names the ones it watches (start_cache).
         self.watched_namespaces: list[str] | None = None
         self._failed_pods = FailedPods()
-        self._events: dict[tuple[Any, ...], tuple[str, datetime, int]] = {}
-        self._events_lock = threading.Lock()
+        self._events = AggregatedEvents()
         self._served: tuple[float, tuple[Backend, ...]] | None = None
         self._prerequisites: dict[Prerequisite, tuple[float, bool]] = {}
         self._served_lock = threading.Lock()
@@ -500,48 +497,8 @@ class Cluster:
 
     # -- events -------------------------------------------------------------
     def post_event(self, job_body: dict[str, Any], event: lifecycle.Event) -> None:
-        """Post an Event about the job, the way client-go's recorder does: the same event again
-        within EVENT_AGGREGATION_SECONDS bumps the count of the first one instead of adding an
-        object (a flapping pod cannot flood the API), and names sort in time order (the job's
-        name and the nanosecond clock in hex), so `kubectl describe` lists events of one second
-        in the order they happened."""
-        meta = job_body["metadata"]
-        now = datetime.now(timezone.utc)
-        message = event.message[:1024]
-        key = (meta["namespace"], meta.get("uid"), event.type, event.reason, message)
-        with self._events_lock:
-            seen = self._events.get(key)
-            if seen is not None and (now - seen[1]).total_seconds() < EVENT_AGGREGATION_SECONDS:
-                name, first, count = seen
-                try:
-                    self.core.patch_namespaced_event(name, meta["namespace"], {
-                        "count": count + 1, "lastTimestamp": now.isoformat().replace("+00:00", "Z")})
-                    self._events[key] = (name, first, count + 1)
-                    return
-                except ApiException as error:
-                    if error.status != 404:
-                        log.warning("could not update event %s: %s", event.reason, error.reason)
-                        return
-            name = f"{meta['name']}.{time.time_ns():x}"
-            body = client.CoreV1Event(
-                metadata=client.V1ObjectMeta(name=name, namespace=meta["namespace"]),
-                involved_object=client.V1ObjectReference(
-                    api_version=api.API_VERSION, kind=api.KIND, name=meta["name"],
-                    namespace=meta["namespace"], uid=meta.get("uid"), resource_version=meta.get("resourceVersion")),
-                type=event.type, reason=event.reason, message=message,
-                first_timestamp=now, last_timestamp=now, count=1,
-                source=client.V1EventSource(component="finetune-operator"),
-                reporting_component="finetune.dev/operator", reporting_instance="finetune-operator",
-                action=event.reason,
-            )
-            try:
-                self.core.create_namespaced_event(meta["namespace"], body)
-            except ApiException as error:  # events are best effort: never fail a reconcile for one
-                log.warning("could not post event %s: %s", event.reason, error.reason)
-                return
-            self._events[key] = (name, now, 1)
-            while len(self._events) > EVENT_MEMORY:
-                self._events.pop(next(iter(self._events)))
+        """Post an Event about the job, aggregated as client-go's recorder does (aggregated_events.py)."""
+        self._events.post(self.core, job_body, event)
 
 
 class PolicyHolder:
