@@ -243,7 +243,7 @@ class ControlLoop(RuleBasedStateMachine):
     @rule(eager=st.booleans())
     def the_configmap_post_overtakes_the_status_write(self, eager: bool) -> None:
         from reconcile_world import at_once
-        from finetune_operator.shell.controller import Later
+        from finetune_operator.shell.reconciler import Later
 
         self.world.alongside = at_once if eager else Later
         self.world.reconciler.alongside = self.world.alongside

@@ -30,7 +30,8 @@ from . import metrics
 from .apiclient import LEASE_TIMEOUT, bounded_client, client_configuration
 from .calibration_store import CalibrationStore
 from .profiling import ProfileShell
-from .controller import Cluster, PolicyHolder, Reconciler
+from .controller import Cluster
+from .reconciler import PolicyHolder, Reconciler
 from .job_bodies import JobBodies
 from .events import EventRecorder
 from .workqueue import WorkQueue
