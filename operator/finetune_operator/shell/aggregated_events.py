@@ -18,7 +18,7 @@ from kubernetes.client.rest import ApiException
 
 from .. import api, lifecycle
 
-# The logger these lines had when the code was part of controller.py: log lines keep their name.
+# Named as when this code was shell/controller.py: log lines (and filters on them) keep their logger name.
 log = logging.getLogger("finetune_operator.controller")
 
 # The same event again within this time updates the first one's count (client-go: 10 minutes).

@@ -30,7 +30,7 @@ from . import metrics
 from .apiclient import LEASE_TIMEOUT, bounded_client, client_configuration
 from .calibration_store import CalibrationStore
 from .profiling import ProfileShell
-from .controller import Cluster
+from .cluster import Cluster
 from .reconciler import PolicyHolder, Reconciler
 from .job_bodies import JobBodies
 from .events import EventRecorder

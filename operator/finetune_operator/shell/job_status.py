@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from .. import api, progress
 from ..summary import status_reason
 
-# The reconciler's logger (this code was part of controller.py): log lines keep their logger name.
+# Named as when this code was shell/controller.py: log lines (and filters on them) keep their logger name.
 log = logging.getLogger("finetune_operator.controller")
 
 

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from .. import api, lifecycle, progress
 from . import metrics
 from .claim_book import ClaimBook, Held, still_fits
-from .controller import Cluster, ForeignObject
+from .cluster import Cluster, ForeignObject
 from .job_bodies import JobBodies, OwnWrites
 from .job_status import read_status, status_json
 from .progress_poller import ProgressPoller
@@ -40,7 +40,7 @@ from ..rendering.backend import DEFAULT_BACKEND, Preflight, may_choose
 from ..rendering.names import attempt_name
 from ..rendering.renderer import ATTEMPT_LABEL
 
-# The logger of the reconcile (named when this was controller.py): log lines keep their name.
+# Named as when this code was shell/controller.py: log lines (and filters on them) keep their logger name.
 log = logging.getLogger("finetune_operator.controller")
 
 # A waiting job woken because another pool has room is not woken again for this long (it may stay).

@@ -38,7 +38,7 @@ from ..rendering.backend import (
 )
 from ..rendering.renderer import JOB_LABEL
 
-# The logger these lines had when this module was controller.py: log lines keep their name.
+# Named as when this code was shell/controller.py: log lines (and filters on them) keep their logger name.
 log = logging.getLogger("finetune_operator.controller")
 
 # Kueue's API (read only: a queued child's Workload and its LocalQueue).
