@@ -79,7 +79,9 @@ def run(jobs: int, workers: int, latency_ms: float, plan_wait_ms: float, seed: i
 
     from fake_kube import FakeKube, Serialised
     from finetune_operator import lifecycle
-    from finetune_operator.shell.controller import ClaimBook, Cluster, Later, PolicyHolder, Reconciler
+    from finetune_operator.shell.claim_book import ClaimBook
+    from finetune_operator.shell.cluster import Cluster
+    from finetune_operator.shell.reconciler import Later, PolicyHolder, Reconciler
     from reconcile_world import NAMESPACE, T0, gpu_node, policy_with_catalog
 
     kube = FakeKube()

@@ -35,7 +35,7 @@ def _condition(type_: str, state: str, reason: str, message: str = "") -> api.Co
 
 
 def _write_status(lab, namespace: str, name: str, status: api.FineTuneJobStatus | dict, check: bool = True):
-    """Through the status subresource, serialised as the operator does (controller._status_json)."""
+    """Through the status subresource, serialised as the operator does (shell/job_status.status_json)."""
     body = status if isinstance(status, dict) else status.model_dump(mode="json", by_alias=True, exclude_none=True)
     return lab.kubectl("patch", "ftj", name, "-n", namespace, "--subresource=status", "--type=merge",
                        "-p", json.dumps({"status": body}), check=check)

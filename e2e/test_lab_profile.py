@@ -198,7 +198,7 @@ def test_the_profile_cache_stays_under_the_api_servers_size_limit(lab, namespace
     """The real API server, on what the unit tests' fake plays (tests/operator/fake_kube.py): a
     ConfigMap over 1 MiB is refused with 422, and the cache write's merge patch deletes the models it
     evicts (nulls) while it adds the new one, in one request."""
-    from finetune_operator.shell.controller import Cluster
+    from finetune_operator.shell.cluster import Cluster
     from finetune_operator.profiling.cache import CACHE_BUDGET_BYTES, CACHE_CONFIGMAP, data_bytes, evictions
     from finetune_operator.shell.profiling import merge_into_config_map
     from kubernetes import client

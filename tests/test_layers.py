@@ -49,9 +49,9 @@ def test_the_core_imports_no_kubernetes_io_and_no_shell():
 def test_the_scan_sees_function_local_and_relative_imports(tmp_path, monkeypatch):
     fake = tmp_path / "finetune_operator"
     (fake / "planning").mkdir(parents=True)
-    (fake / "planning" / "x.py").write_text("def f():\n    from ..shell import controller\n"
+    (fake / "planning" / "x.py").write_text("def f():\n    from ..shell import reconciler\n"
                                             "    from kubernetes import client\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     assert _violations() == ["planning/x.py:2 imports finetune_operator.shell",
-                             "planning/x.py:2 imports finetune_operator.shell.controller",
+                             "planning/x.py:2 imports finetune_operator.shell.reconciler",
                              "planning/x.py:3 imports kubernetes.client"]

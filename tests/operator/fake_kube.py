@@ -15,7 +15,7 @@ without a new resourceVersion (a test editing a dict in place) fails the watch l
 being silently missed.
 
 It stands in for `kubernetes.client.CoreV1Api` and `CustomObjectsApi` (the methods
-`finetune_operator.shell.controller.Cluster` uses), so the real `Cluster` and `Reconciler` run
+`finetune_operator.shell.cluster.Cluster` uses), so the real `Cluster` and `Reconciler` run
 on top of it. End-to-end tests use the real API server; this is for fast property tests.
 """
 

@@ -14,7 +14,8 @@ import yaml
 
 from finetune_operator import api
 from finetune_operator.children import PLAN_STATUS_ANNOTATION, SUSPENDED_BY_ANNOTATION
-from finetune_operator.shell.controller import Cluster, Later, PolicyHolder, Reconciler
+from finetune_operator.shell.cluster import Cluster
+from finetune_operator.shell.reconciler import Later, PolicyHolder, Reconciler
 from finetune_operator.shell.informers import ClusterCache
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.planning.pools import GiB

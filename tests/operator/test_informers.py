@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from finetune_operator.shell.controller import Cluster
+from finetune_operator.shell.cluster import Cluster
 from finetune_operator.shell.informers import ACTIVE_PODS, ClusterCache, Informer, gpu_pod_facts, job_bucket
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.rendering.backend import PYTORCH_JOB
@@ -157,9 +157,9 @@ def _h100_node() -> dict:
 
 
 def test_free_gpus_come_from_informed_nodes_and_pods(monkeypatch):
-    import finetune_operator.shell.controller as controller
+    import finetune_operator.shell.cluster as cluster_module
 
-    monkeypatch.setattr(controller, "DISCOVERY_REFRESH_SECONDS", 0.0)
+    monkeypatch.setattr(cluster_module, "DISCOVERY_REFRESH_SECONDS", 0.0)
     kube = FakeKube()
     kube.put("Node", _h100_node())
     kube.put("Pod", pod("other", job=None, gpus=3))
@@ -186,9 +186,9 @@ def test_free_gpus_come_from_informed_nodes_and_pods(monkeypatch):
 def test_a_namespaced_install_counts_gpu_pods_of_its_namespaces_without_a_cluster_wide_read(monkeypatch):
     """A namespaced install may read pods only in its watched namespaces (chart RBAC): the GPU-pod
     informer and the fallback read list there, never cluster-wide (that was 403 Forbidden)."""
-    import finetune_operator.shell.controller as controller
+    import finetune_operator.shell.cluster as cluster_module
 
-    monkeypatch.setattr(controller, "DISCOVERY_REFRESH_SECONDS", 0.0)
+    monkeypatch.setattr(cluster_module, "DISCOVERY_REFRESH_SECONDS", 0.0)
     kube = FakeKube()
     kube.put("Node", _h100_node())
     kube.put("Pod", pod("ours", job=None, gpus=3, namespace="team-a"))

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from finetune_operator import api, progress
-from finetune_operator.shell.controller import Reconciler
+from finetune_operator.shell.reconciler import Reconciler
 from finetune_operator.progress import JobProgress, RateEstimate, Target, summary_text, target_of
 from finetune_operator.shell.progress_poller import (PollerSettings, ProgressOnlyChanges, ProgressPoller, patch_progress,
                                                read_pod_log)

@@ -208,7 +208,7 @@ class ControlLoop(RuleBasedStateMachine):
         self._fresh_cache()
 
     def _fresh_cache(self) -> None:
-        from finetune_operator.shell.controller import JobBodies
+        from finetune_operator.shell.job_bodies import JobBodies
 
         self.world.reconciler.bodies = JobBodies()
 
@@ -243,7 +243,7 @@ class ControlLoop(RuleBasedStateMachine):
     @rule(eager=st.booleans())
     def the_configmap_post_overtakes_the_status_write(self, eager: bool) -> None:
         from reconcile_world import at_once
-        from finetune_operator.shell.controller import Later
+        from finetune_operator.shell.reconciler import Later
 
         self.world.alongside = at_once if eager else Later
         self.world.reconciler.alongside = self.world.alongside
@@ -477,7 +477,7 @@ def test_a_configmap_architecture_that_arrives_later_is_waited_for():
 
 
 def test_statuses_of_earlier_versions_stay_readable_and_a_lost_plan_comes_back_from_the_child():
-    from finetune_operator.shell.controller import read_status
+    from finetune_operator.shell.job_status import read_status
 
     world = ReconcileWorld(job_document())
     world.reconcile()
@@ -534,7 +534,7 @@ def test_a_look_that_changes_nothing_writes_nothing_and_our_own_write_is_known()
 def test_a_claim_holds_until_discovery_counts_the_bound_pods_then_goes():
     """The GPUs of an attempt are counted once: as a claim until discovery's inputs hold its bound
     pods and a pool snapshot made after that counts them, then only by discovery."""
-    from finetune_operator.shell.controller import ClaimBook
+    from finetune_operator.shell.claim_book import ClaimBook
 
     book = ClaimBook()
     key = (NAMESPACE, "job")
@@ -565,7 +565,7 @@ def test_a_stale_job_from_the_watch_cache_never_acts_it_meets_a_409_and_the_job_
 
     from kubernetes.client.rest import ApiException
 
-    from finetune_operator.shell.controller import JobBodies
+    from finetune_operator.shell.job_bodies import JobBodies
 
     world = ReconcileWorld(job_document())
     bodies = world.reconciler.bodies = JobBodies()
@@ -615,7 +615,7 @@ def test_a_failed_training_job_seen_before_its_pods_failure_is_judged_on_the_pod
 def test_a_job_deleted_behind_the_watch_cache_is_read_again_and_forgotten():
     from kubernetes.client.rest import ApiException
 
-    from finetune_operator.shell.controller import JobBodies
+    from finetune_operator.shell.job_bodies import JobBodies
 
     world = ReconcileWorld(job_document())
     bodies = world.reconciler.bodies = JobBodies()

@@ -208,7 +208,7 @@ def test_a_job_waiting_on_a_full_pool_is_woken_when_another_pool_in_its_regions_
     held = reconciler.claims.get(key)
     assert held is not None and held.waiting_since is not None
     reconciler.claims.restore(key, dataclasses.replace(held, waiting_since=held.waiting_since - 3600))
-    with mock.patch("finetune_operator.shell.controller.DISCOVERY_CACHE_SECONDS", -1.0):  # every look lists the nodes
+    with mock.patch("finetune_operator.shell.cluster.DISCOVERY_CACHE_SECONDS", -1.0):  # every look lists the nodes
         assert reconciler.waiting_to_wake() == []  # nowhere else to go
         # A GPU frees up in another pool, and a new job claims it before the waiting one is looked at.
         world.kube.put("Node", gpu_node("a100-0", "a100-berlin", "NVIDIA-A100-SXM4-80GB", 1))

@@ -2,7 +2,7 @@
 
 `step(observed)` is called whenever something about a job may have changed (the job, its
 training job, its pods) and on a timer. It returns the new status, the objects to create or
-delete, and the events to post; the shell (`controller.py`) does the I/O. Everything here
+delete, and the events to post; the shell (`shell/reconciler.py`) does the I/O. Everything here
 is deterministic in its input, so the lifecycle is tested without a cluster and the
 operator can be killed at any point: the next `step` sees what exists and carries on.
 

@@ -16,7 +16,7 @@ Adding a backend: a module with its `Backend` subclass, its entry in `BACKENDS` 
 its name in the policy's `trainingBackend` values (planning/policy.py), and the chart's RBAC for its
 resource.
 
-Pure code: the shell (controller.py) finds the served kinds through API discovery and does the I/O.
+Pure code: the shell (shell/cluster.py) finds the served kinds through API discovery and does the I/O.
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ from . import metrics
 from .apiclient import LEASE_TIMEOUT, bounded_client, client_configuration
 from .calibration_store import CalibrationStore
 from .profiling import ProfileShell
-from .controller import Cluster, JobBodies, PolicyHolder, Reconciler
+from .cluster import Cluster
+from .reconciler import PolicyHolder, Reconciler
+from .job_bodies import JobBodies
 from .events import EventRecorder
 from .workqueue import WorkQueue
 from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings

@@ -397,7 +397,7 @@ def job_bucket(obj: Obj) -> tuple[str, str] | None:
 
 
 class ClusterCache:
-    """The informers of the operator's shell (controller.Cluster reads them once they have listed).
+    """The informers of the operator's shell (cluster.Cluster reads them once they have listed).
 
     Cluster-wide: nodes and pods that hold GPUs (for free GPUs). Cluster-wide or per watched
     namespace: the pods and training jobs that carry the job label (label-selected by the API

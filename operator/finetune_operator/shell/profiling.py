@@ -38,7 +38,7 @@ CACHE_WRITE_ATTEMPTS = 5
 
 class ProfileShell:
     def __init__(self, cluster: Any, namespace: str, clock: Callable[[], float] = time.time) -> None:
-        self.cluster = cluster  # controller.Cluster: get_config_map, core
+        self.cluster = cluster  # cluster.Cluster: get_config_map, core
         self.namespace = namespace
         self.clock = clock  # stamps each model's `.written` entry, which orders evictions
 

@@ -1,4 +1,4 @@
-"""The controller shell's own state (no cluster)."""
+"""What `Cluster` remembers between reconciles (no cluster): the pods that failed, after they are gone."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_failed_pods_are_remembered_after_they_are_gone():
     from unittest import mock
 
-    from finetune_operator.shell.controller import Cluster
+    from finetune_operator.shell.cluster import Cluster
 
     cluster = Cluster(mock.MagicMock())
     cluster.core = mock.MagicMock()
@@ -29,7 +29,7 @@ def test_failed_pods_are_remembered_after_they_are_gone():
 def test_a_running_pod_deleted_is_remembered_even_without_a_deletion_timestamp():
     from unittest import mock
 
-    from finetune_operator.shell.controller import Cluster
+    from finetune_operator.shell.cluster import Cluster
 
     cluster = Cluster(mock.MagicMock())
     running = {"metadata": {"name": "j-a1-master-0", "namespace": "ns",
