@@ -36,6 +36,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
 
 POOL = "lab-real"
 OOM_STEP = 6
+BUCKET = "team-real"
+SECRET = "s3-team-real"
 CHECKPOINT_EVERY = 4
 
 
@@ -61,11 +63,27 @@ def node_lab():
 
 
 @pytest.fixture(scope="module")
-def operator(node_lab):
+def s3(node_lab, tmp_path_factory):
+    """The lab's S3 server on the real node's bridge gateway, where the pods' containers reach it."""
+    from e2e.lab.objectstore import server
+    from e2e.lab.realnode import GATEWAY
+
+    running = server(tmp_path_factory.mktemp("s3"))
+    assert running is not None, "the lab's S3 server is not built (python -m e2e.lab build)"
+    running.host = GATEWAY
+    running.start()
+    running.make_bucket(BUCKET)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(node_lab, s3):
     lab = node_lab
     lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
     t0 = time.monotonic()
-    h.install_chart_on_real_node(lab, *rp.chart_args(POOL))
+    storage = [{"endpoint": s3.endpoint, "region": rp.load_pools().pool(POOL).region}]
+    h.install_chart_on_real_node(lab, *rp.chart_args(POOL), "--set-json", f"policy.objectStorage={json.dumps(storage)}")
     print(f"chart installed, operator pods Ready: {time.monotonic() - t0:.1f}s")
     print(lab.kubectl("get", "pods", "-n", h.RELEASE_NAMESPACE, "-o", "wide").stdout)
     return lab
@@ -225,3 +243,121 @@ def test_a_real_oomkilled_from_the_kubelet_then_the_pod_memory_is_raised(operato
     assert set(outcomes[:-1]) == {"HostOutOfMemory"}, outcomes
     memory = [float(a["plan"]["hostMemory"].removesuffix("Gi")) for a in attempts]
     assert memory == sorted(memory) and len(set(memory)) == len(memory), memory
+
+
+# Jobs slow enough to intervene in (about 2-3 s a step here): planned as Llama 3.1 8B at 4096 tokens,
+# trained as the tiny model at that length.
+SLOW = {"global_batch": 8, "sized_as": "llama-3.1-8b", "sequence_length": 4096}
+STEPS = 40
+
+
+def _wait(what: str, check, timeout: float = 300, every: float = 1.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        got = check()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout}s")
+
+
+def _status(lab, ns: str, name: str) -> dict[str, Any]:
+    return json.loads(lab.kubectl("get", "ftj", name, "-n", ns, "-o", "json").stdout).get("status") or {}
+
+
+def _pods_of(lab, ns: str, name: str) -> list[dict[str, Any]]:
+    items = json.loads(lab.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]
+    return [p for p in items if p["metadata"]["name"].startswith(f"{name}-a")]
+
+
+def _until_done(lab, ns: str, name: str, timeout: float = 900) -> dict[str, Any]:
+    status = _wait(f"{name} ends", lambda: (s := _status(lab, ns, name)).get("phase") in ("Succeeded", "Failed") and s,
+                   timeout, 2)
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, name)
+    return status
+
+
+def test_a_training_pod_deleted_mid_run_then_the_next_attempt_resumes_from_its_checkpoint(operator, namespace):
+    """A drain or a person deletes the running pod: the kubelet stops its container (SIGTERM, then the
+    grace period), the operator sees the attempt lost and starts the next from the newest checkpoint."""
+    lab = operator
+    ns, vocab = namespace
+    t0 = time.monotonic()
+    lab.kubectl("apply", "-f", "-", input=json.dumps(_job("deleted", ns, vocab, max_steps=STEPS,
+                                                          every_steps=CHECKPOINT_EVERY, **SLOW)))
+    # Not the status's progress: it is polled, and lags the claim by more than a checkpoint interval.
+    _wait("attempt 1 wrote a checkpoint", lambda: rp.checkpoint_steps(ns, "deleted"), 600, 0.5)
+    lab.kubectl("delete", "pod", "deleted-a1-master-0", "-n", ns, "--wait=false")
+    status = _until_done(lab, ns, "deleted")
+    print(f"scenario real-node pod-deleted: {time.monotonic() - t0:.1f}s ({len(status['attempts'])} attempts)")
+    outcomes = [a["outcome"] for a in status["attempts"]]
+    assert len(outcomes) >= 2 and outcomes[-1] == "Succeeded", outcomes
+    assert set(outcomes[:-1]) <= {"Evicted", "Preempted", "NodeFailure"}, outcomes
+    # The last attempt started from a checkpoint attempt 1 wrote (4, or a later one it reached before
+    # the kubelet stopped it) and trained to the end.
+    last = f"deleted-a{len(outcomes)}-master-0"
+    start = _trainer_events(lab, ns, last, "start")
+    assert start and start[0]["startStep"] >= CHECKPOINT_EVERY and start[0]["startStep"] % CHECKPOINT_EVERY == 0, start
+    steps = rp.losses(_trainer_events(lab, ns, last, "progress"))
+    assert min(steps) == start[0]["startStep"] + 1 and max(steps) == STEPS, steps
+
+
+def test_suspend_and_resume_continue_from_the_checkpoint_in_the_claim(operator, namespace):
+    lab = operator
+    ns, vocab = namespace
+    t0 = time.monotonic()
+    lab.kubectl("apply", "-f", "-", input=json.dumps(_job("suspended", ns, vocab, max_steps=STEPS,
+                                                          every_steps=CHECKPOINT_EVERY, **SLOW)))
+    _wait("attempt 1 wrote a checkpoint", lambda: rp.checkpoint_steps(ns, "suspended"), 600, 0.5)
+    lab.kubectl("patch", "ftj", "suspended", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    # The operator suspends the attempt's PyTorchJob: its pod goes, the job object stays.
+    _wait("Suspended with no pod left", lambda: _status(lab, ns, "suspended").get("phase") == "Suspended"
+          and not _pods_of(lab, ns, "suspended"), 180)
+    saved = rp.checkpoint_steps(ns, "suspended")
+    assert saved and max(saved) < STEPS, saved
+    lab.kubectl("patch", "ftj", "suspended", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+    status = _until_done(lab, ns, "suspended")
+    print(f"scenario real-node suspend-resume: {time.monotonic() - t0:.1f}s ({len(status['attempts'])} attempts)")
+    assert status["attempts"][-1]["outcome"] == "Succeeded", status["attempts"]
+    running = [p["metadata"]["name"] for p in _pods_of(lab, ns, "suspended")]
+    assert len(running) == 1, running
+    start = _trainer_events(lab, ns, running[0], "start")
+    assert start and start[0]["startStep"] == max(saved), (saved, start)
+    steps = rp.losses(_trainer_events(lab, ns, running[0], "progress"))
+    assert min(steps) == max(saved) + 1 and max(steps) == STEPS, steps
+    assert (rp.claim_dir(ns, "checkpoints") / "suspended" / "final" / "adapter_config.json").is_file()
+
+
+def test_s3_data_in_and_the_adapter_out_through_the_fetch_and_upload_containers(operator, namespace, s3):
+    """The pod the renderer writes for object storage, run for real in the restricted namespace: the
+    fetch init container reads the dataset from the bucket, the training container trains and hands
+    off, the upload sidecar (a native sidecar) stores the adapter; only those two hold the key pair."""
+    lab = operator
+    ns, vocab = namespace
+    t0 = time.monotonic()
+    data = rp.claim_dir(ns, "data") / "chat.jsonl"
+    (s3.root / BUCKET / "support").mkdir(parents=True, exist_ok=True)
+    (s3.root / BUCKET / "support" / "train.jsonl").write_bytes(data.read_bytes())
+    lab.kubectl("create", "secret", "generic", SECRET, "-n", ns, f"--from-literal=accessKeyId={s3.access_key_id}",
+                f"--from-literal=secretAccessKey={s3.secret_access_key}")
+    job = _job("s3-real", ns, vocab, max_steps=8, every_steps=4)
+    ref = {"endpoint": s3.endpoint, "bucket": BUCKET, "credentialsSecretRef": {"name": SECRET}}
+    job["spec"]["dataset"]["source"] = {"s3": {**ref, "key": "support/train.jsonl"}}
+    job["spec"]["output"] = {"s3": {**ref, "key": "results/s3-real/"}}
+    status, seconds = _run(lab, ns, job)
+    print(f"scenario real-node s3 in and out: {time.monotonic() - t0:.1f}s")
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "s3-real")
+    master = f"s3-real-a{len(status['attempts'])}-master-0"
+    pod = _pod(lab, ns, master)
+    names = [c["name"] for c in pod["spec"]["initContainers"]] + [c["name"] for c in pod["spec"]["containers"]]
+    assert "fetch-data" in names and "upload" in names, names
+    for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+        holds = any("valueFrom" in e for e in c.get("env") or [])
+        assert holds == (c["name"] in ("fetch-data", "upload")), (c["name"], c.get("env"))
+    # Each ran as a container of the node's runtime ...
+    ran = {c["metadata"]["name"] for c in _crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == master}
+    assert {"fetch-data", "upload", "pytorch"} <= ran, ran
+    # ... and the adapter is in the bucket, where the trainer's output went.
+    stored = sorted(p.relative_to(s3.root / BUCKET) for p in (s3.root / BUCKET / "results" / "s3-real").rglob("*")
+                    if p.is_file())
+    assert any(p.name == "adapter_config.json" for p in stored), stored

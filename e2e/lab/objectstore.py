@@ -36,11 +36,14 @@ class S3Server:
     access_key_id: str = field(default_factory=lambda: "lab" + secrets.token_hex(6))
     secret_access_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     port: int = 0
+    # The address it listens on: loopback for the lab's local processes; the real node's bridge
+    # gateway (realnode.GATEWAY) for pods in real containers, which cannot reach the host's loopback.
+    host: str = "127.0.0.1"
     proc: processes.Proc | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, port: int = 0, timeout: float = 30.0, die_with_parent: bool = True) -> "S3Server":
         self.root.mkdir(parents=True, exist_ok=True)
@@ -55,13 +58,13 @@ class S3Server:
             "RCLONE_AUTH_KEY": f'"{self.access_key_id},{self.secret_access_key}"',
             "RCLONE_CONFIG": str(config),
         }
-        argv = [str(self.binary), "serve", "s3", "--addr", f"127.0.0.1:{self.port}", str(self.root)]
+        argv = [str(self.binary), "serve", "s3", "--addr", f"{self.host}:{self.port}", str(self.root)]
         self.proc = processes.start("s3-server", argv, self.workdir, env=env, die_with_parent=die_with_parent)
         processes.wait_until(f"the S3 server on {self.endpoint}", self._listening, self.proc, timeout)
         return self
 
     def _listening(self) -> bool:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+        with socket.create_connection((self.host, self.port), timeout=1):
             return True
 
     def stop(self) -> None:

@@ -57,6 +57,28 @@ def trainer(rendered) -> dict:
     return json.loads(rendered.config_map["data"]["config.json"])
 
 
+def _millicores(quantity: str) -> int:
+    return int(quantity[:-1]) if quantity.endswith("m") else int(quantity) * 1000
+
+
+@pytest.mark.parametrize("cpus, gpus_per_node, gpus", [(2, 2, 2), (192, 8, 2), (192, 8, 8), (16, 1, 1)])
+def test_the_master_pod_with_its_upload_sidecar_stays_within_its_cpu_share(lora_job, cpus, gpus_per_node, gpus):
+    """The sidecar's CPU comes out of the pod's share of the node, not on top of it: on the lab's real
+    node (2 CPUs, 2 GPUs) the sidecar's whole CPU on top left the pod unschedulable."""
+    from finetune_operator.rendering import pod
+
+    job = s3_job(lora_job, model=False)
+    node = pool(cpus=cpus, gpus_per_node=gpus_per_node)
+    rendered = render_attempt(job, plan_for(job, node, gpus_per_node=gpus), 1, storage_policy())
+    spec = master(rendered)
+    long_running = [c for c in spec["initContainers"] if c.get("restartPolicy") == "Always"] + spec["containers"]
+    assert [c["name"] for c in long_running] == ["upload", "pytorch"]
+    total = sum(_millicores(c["resources"]["requests"]["cpu"]) for c in long_running)
+    share = max(1000 + pod.UPLOAD_CPU_MILLIS, cpus * 1000 * pod.CPU_SHARE * gpus // gpus_per_node)
+    assert total <= share, (total, share)
+    assert _millicores(spec["containers"][0]["resources"]["requests"]["cpu"]) >= 1000
+
+
 def test_s3_model_data_and_output_render_init_containers_and_an_upload_sidecar(lora_job):
     job = s3_job(lora_job)
     rendered = render_attempt(job, plan_for(job), 1, storage_policy())
@@ -95,7 +117,7 @@ def test_s3_model_data_and_output_render_init_containers_and_an_upload_sidecar(l
     ]
     assert {m["name"]: m.get("readOnly", False) for m in upload["volumeMounts"]} == {
         "output": True, "handoff": False, "scratch": False}
-    assert upload["resources"] == {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}}
+    assert upload["resources"] == {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}}
     config = trainer(rendered)
     assert config["model"]["path"] == "/mnt/model"
     assert config["dataset"]["path"] == "/mnt/data/train.jsonl"

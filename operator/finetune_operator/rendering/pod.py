@@ -35,9 +35,13 @@ FETCH_CONTAINERS = {"model": FETCH_CONTAINER, "data": FETCH_DATA_CONTAINER, "eva
 # The master pod's native sidecar that uploads the result to object storage (it alone holds the keys).
 UPLOAD_CONTAINER = "upload"
 # What the upload sidecar requests (and is limited to), beside the training container's: it copies
-# files with boto3's managed transfer (8 MiB parts, 10 threads); its requests add to the pod's, so
-# the planner counts its memory (planning/space.py, UPLOAD_SIDECAR_HOST_BYTES).
-UPLOAD_RESOURCES = {"cpu": "1", "memory": f"{UPLOAD_SIDECAR_HOST_BYTES // MiB}Mi"}
+# files with boto3's managed transfer (8 MiB parts, 10 threads, waiting on the network far more than
+# computing); its requests add to the pod's, so the planner counts its memory (planning/space.py,
+# UPLOAD_SIDECAR_HOST_BYTES) and its CPU comes out of the pod's share of the node (resources()). A
+# whole CPU on top of that share left the master pod unschedulable on a node the plan fitted (the
+# lab's real kubelet: "Insufficient cpu").
+UPLOAD_CPU_MILLIS = 500
+UPLOAD_RESOURCES = {"cpu": f"{UPLOAD_CPU_MILLIS}m", "memory": f"{UPLOAD_SIDECAR_HOST_BYTES // MiB}Mi"}
 # The environment variables finetune_trainer.objectstore reads the access key pair from.
 S3_ACCESS_KEY_ENV = "FINETUNE_S3_ACCESS_KEY_ID"
 S3_SECRET_KEY_ENV = "FINETUNE_S3_SECRET_ACCESS_KEY"
@@ -158,15 +162,20 @@ def tolerations(plan: Plan) -> list[dict[str, Any]]:
     return result
 
 
-def resources(plan: Plan) -> dict[str, str]:
-    """Requests, equal to limits: the pod gets Guaranteed QoS and the estimate's host memory."""
+def resources(plan: Plan, beside_cpu_millis: int = 0) -> dict[str, str]:
+    """The training container's requests, equal to limits: the pod gets Guaranteed QoS and the
+    estimate's host memory. `beside_cpu_millis`: what the pod's other long-running containers (the
+    upload sidecar) request, taken out of the pod's CPU share so that the pod as a whole still fits
+    its share of the node. Whole CPUs for the trainer (the kubelet's static CPU manager pins only
+    those)."""
     pool = plan.pool
     if plan.gpus_per_node > pool.gpus_per_node:
         raise RenderError("plan.gpusPerNode", f"{plan.gpus_per_node} exceeds the {pool.gpus_per_node} GPUs of pool {pool.name}")
     if pool.cpus > 0:
-        cpus = math.floor(pool.cpus * CPU_SHARE * plan.gpus_per_node / pool.gpus_per_node)
+        share = pool.cpus * CPU_SHARE * plan.gpus_per_node / pool.gpus_per_node
     else:
-        cpus = FALLBACK_CPUS_PER_GPU * plan.gpus_per_node
+        share = FALLBACK_CPUS_PER_GPU * plan.gpus_per_node
+    cpus = math.floor(share - beside_cpu_millis / 1000)
     if plan.host_memory_bytes <= 0:
         raise RenderError("plan.hostMemoryBytes", "must be positive: the pod's memory request and limit come from it")
     return {

@@ -103,7 +103,6 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
     labels = common_labels(job, attempt)
     owner = owner_reference(job)
     image = training_image(job.spec, policy)
-    limits = pod.resources(plan)
     config_map, trainer_config = render_config_map(job, plan, attempt, policy)
 
     object_labels = dict(labels)
@@ -114,6 +113,8 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
 
     def pod_data(master: bool) -> dict[str, Any]:
         """The Master's pod, or a Worker's: only the master uploads the result (rank 0 writes it)."""
+        uploads = master and layout.upload is not None
+        limits = pod.resources(plan, pod.UPLOAD_CPU_MILLIS if uploads else 0)
         init_containers = pod.init_containers(
             job, image, container_security, {k: v for k, v in limits.items() if k != pod.GPU_RESOURCE}, layout,
             master=master,
