@@ -61,6 +61,7 @@ from . import constants as K
 from . import families, optimizer_state, zero3
 from .architecture import ModelArchitecture
 from .errors import SizingError
+from .regime import Regime, regime_of
 from .setup import TrainingSetup
 
 PHASES = ("forward", "backward", "optimizer")
@@ -123,40 +124,7 @@ class MemoryEstimate:
 # ---- shapes -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Regime:
-    """How tensors are stored in this setup (derived once from the setup)."""
-
-    compute: int  # bytes of the compute dtype (bf16/fp16: 2, fp32: 4)
-    residual: int  # bytes of the residual stream between blocks
-    autocast_fp32_weights: bool  # fp32 weights cast per op by autocast (full FT without FSDP/ZeRO)
-    weights_trainable: bool  # full fine-tuning
-    lora: bool
-    qlora: bool
-    mlp: int  # bytes of the MLP's intermediate tensors
-    master_bf16: bool  # full FT with bf16 weights, gradients and optimizer states (no fp32 copy)
-
-
-def _regime(setup: TrainingSetup) -> _Regime:
-    compute = 4 if setup.precision == "fp32" else 2
-    full = setup.method == "full"
-    qlora = setup.method == "qlora"
-    master_bf16 = full and setup.master_weights == "bf16"
-    # Full FT keeps fp32 weights; without FSDP/ZeRO the forward runs them under
-    # autocast, so embeddings (not autocast) and the residual stream stay fp32. With bf16
-    # master weights the model simply is bf16: no autocast, no copies.
-    # QLoRA under DDP: peft's prepare_model_for_kbit_training casts everything not quantised
-    # (embeddings, norms, head) to fp32, and bitsandbytes returns its outputs in the
-    # input's dtype, so the residual stream and the MLP's tensors are fp32 as well. Under
-    # FSDP (fsdp_qlora) the rest stays in the compute dtype: FSDP shards one dtype per group.
-    autocast_fp32 = full and setup.strategy == "ddp" and compute == 2 and not master_bf16
-    qlora_fp32_rest = qlora and setup.strategy != "fsdp"
-    residual = 4 if (autocast_fp32 or compute == 4 or qlora_fp32_rest) else compute
-    mlp = 4 if qlora_fp32_rest else compute
-    return _Regime(compute, residual, autocast_fp32, full, not full, qlora, mlp, master_bf16)
-
-
-def _norm_saved(arch: ModelArchitecture, regime: _Regime) -> float:
+def _norm_saved(arch: ModelArchitecture, regime: Regime) -> float:
     """Bytes per token one RMSNorm saves: its fp32 input, and the normalised value if the weight trains."""
     hidden = arch.hidden_size
     saved = 4 * hidden
@@ -176,7 +144,7 @@ _INPUT_OF = {  # which tensor a block linear reads, to find adapters that share 
 }
 
 
-def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> float:
+def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> float:
     """Bytes per token peft's adapters save: the input each lora_A reads, and x A."""
     if not regime.lora:
         return 0.0
@@ -214,7 +182,7 @@ def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) 
     return saved
 
 
-def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> tuple[float, float]:
+def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
     """(base, lora) bytes per token that one decoder block saves for backward.
 
     Attention scores (eager) are per token too: they scale with the sequence length.
@@ -293,7 +261,7 @@ def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
             and setup.sequence_length > arch.sliding_window)
 
 
-def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> tuple[float, float]:
+def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
     """(forward, backward) high points of the head and loss, bytes per token.
 
     Forward (mixed precision): logits in bf16, the fp32 upcast for the loss, log_softmax's
@@ -363,7 +331,7 @@ def nf4_quant_state_bytes(arch: ModelArchitecture) -> int:
     return moe_layers * block(arch.block_linears()) + (arch.num_layers - moe_layers) * block(arch._dense_block_linears)
 
 
-def _optimizer_bytes_per_param(setup: TrainingSetup, regime: _Regime) -> float:
+def _optimizer_bytes_per_param(setup: TrainingSetup, regime: Regime) -> float:
     """Optimizer state per trainable parameter.
 
     AdamW keeps two moments in the dtype of what it trains: fp32 (8 bytes) for fp32 master
@@ -395,7 +363,7 @@ def _largest_trainable(setup: TrainingSetup) -> int:
                for lin in arch.resolve_lora_targets(setup.lora_targets))
 
 
-def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
+def _static(setup: TrainingSetup, regime: Regime) -> _Static:
     arch, world = setup.architecture, setup.world_size
     params = arch.total_params
     strategy = setup.strategy
@@ -501,7 +469,7 @@ def _zero_buckets(grad_bytes: float) -> float:
     return grad_bytes * 2 * K.ZERO_REDUCE_BUCKET_ELEMENTS
 
 
-def _zero3(setup: TrainingSetup, regime: _Regime) -> zero3.Zero3Memory:
+def _zero3(setup: TrainingSetup, regime: Regime) -> zero3.Zero3Memory:
     """Stage 3 per rank (zero3.py) for this setup's model, method and world size."""
     trace = zero3.decoder_trace(setup.architecture, setup.method, setup.lora_rank,
                                 _targets(setup.lora_targets),
@@ -571,7 +539,7 @@ class _Sharding:
     optimizer: float
 
 
-def _sharding(setup: TrainingSetup, regime: _Regime, static: _Static) -> _Sharding:
+def _sharding(setup: TrainingSetup, regime: Regime, static: _Static) -> _Sharding:
     arch, world = setup.architecture, setup.world_size
     block = arch.block_params
     embed = arch.vocab_size * arch.hidden_size
@@ -619,7 +587,7 @@ def _sharding(setup: TrainingSetup, regime: _Regime, static: _Static) -> _Shardi
     return _Sharding(buffers, buffers, buffers, buffers, buffers, buffers, 0.0, buffers)
 
 
-def _optimizer_step_temporaries(setup: TrainingSetup, regime: _Regime, static: _Static) -> float:
+def _optimizer_step_temporaries(setup: TrainingSetup, regime: Regime, static: _Static) -> float:
     """Transient bytes of one optimizer step. Fused torch AdamW and bitsandbytes' kernels
     update in place; the trainer's bf16 AdamW (bf16_adamw.py) computes one parameter at a
     time in fp32 (gradient, both moments, the old weight, and for stochastic rounding the
@@ -652,7 +620,7 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     notes = _notes(setup)
     if (arch.attn_logit_softcapping or arch.traits.eager_only) and setup.attention == "sdpa":
         setup = replace(setup, attention="eager")
-    regime = _regime(setup)
+    regime = regime_of(setup)
     tokens = setup.micro_batch_size * setup.sequence_length
     world = setup.world_size
     static = _static(setup, regime)
