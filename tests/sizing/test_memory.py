@@ -139,10 +139,10 @@ def test_logits_at_the_end_of_forward_are_ten_bytes_per_vocab_entry():
     est = estimate_memory(s)
     tokens = 2 * 4096
     # the forward phase's logits term
-    from finetune_operator.sizing.memory import _logits_bytes
+    from finetune_operator.sizing.activations import logits_bytes
     from finetune_operator.sizing.regime import regime_of
 
-    fwd, bwd = _logits_bytes(L8, s, regime_of(s))
+    fwd, bwd = logits_bytes(L8, s, regime_of(s))
     assert fwd * tokens == 10 * 128256 * tokens
     assert bwd == 12 * 128256
     assert est.breakdown["logits"] in (0, 10 * 128256 * tokens, 12 * 128256 * tokens)
