@@ -100,7 +100,7 @@ def test_qlora_nf4_weights():
     # 4-bit weights + one 8-bit absmax per 64 + one fp32 per 256 absmax blocks (and per weight an
     # offset and two code tables); the rest (embeddings, norms, head) is cast to fp32 by peft's
     # prepare_model_for_kbit_training.
-    from finetune_operator.sizing.memory import nf4_quant_state_bytes
+    from finetune_operator.sizing.states import nf4_quant_state_bytes
 
     state = nf4_quant_state_bytes(a)
     nf4 = 0.5 * lin + state
