@@ -41,7 +41,7 @@ How each part was checked:
   optimizer step in backward (`all_grads`: one gradient at a time), the chunked loss
   (`activations.logits_bytes`: one chunk of logits), activation offloading (`offloaded_to_host`:
   the kept block inputs go to host memory), paged 8-bit AdamW (`unified`: outside the
-  allocator, counted on the host), QLoRA under FSDP (`static_state`, `_sharding`: the 4-bit
+  allocator, counted on the host), QLoRA under FSDP (`static_state`, sharding.py: the 4-bit
   base sharded and gathered per block). `lever_savings` says what each saves.
 * Not modelled: what lies outside the allocator's peak (CUDA context, cuBLAS
   workspaces, NCCL buffers, allocator caching) is the fragmentation factor and reserve
@@ -61,8 +61,9 @@ from . import constants as K
 from . import families
 from .activations import block_saved_bytes_per_token, logits_bytes, norm_saved, sdpa_needs_mask
 from .errors import SizingError
-from .regime import Regime, regime_of
+from .regime import regime_of
 from .setup import TrainingSetup
+from .sharding import sharding_of
 from .states import StaticState, optimizer_step_temporaries, static_state
 
 PHASES = ("forward", "backward", "optimizer")
@@ -168,68 +169,6 @@ def _notes(setup: TrainingSetup) -> list[str]:
     return notes
 
 
-@dataclass(frozen=True)
-class _Sharding:
-    """Gathered parameters and gradients in flight at each moment of the step (bytes)."""
-
-    forward: float
-    backward_start: float  # the loss gradient at its widest
-    head_reduce: float  # the head's gradient being reduced (FSDP), all activations still alive
-    backward_mid: float  # a block's backward
-    block_reduce: float  # a block's gradient being reduced (FSDP)
-    backward_end: float  # the embedding's backward
-    end_grads_missing: float  # sharded gradients not yet written at that moment
-    optimizer: float
-
-
-def _sharding(setup: TrainingSetup, regime: Regime, static: StaticState) -> _Sharding:
-    arch, world = setup.architecture, setup.world_size
-    block = arch.block_params
-    embed = arch.vocab_size * arch.hidden_size
-    tied = arch.tie_word_embeddings
-    gathered_bytes = regime.compute  # FSDP/ZeRO-3 gather in the compute dtype (param_dtype)
-    if setup.strategy == "fsdp":
-        # transformers' FSDP plan: the embedding and each block are groups resharded after
-        # forward; the final norm and the head are one group kept gathered until its backward
-        # (tied: the embedding is in that group, which then stays gathered through backward).
-        # A group's post-backward reshards it, copies its unsharded gradient (compute dtype)
-        # into an fp32 reduce-scatter input (reduce_dtype fp32), then frees the unsharded one.
-        # Measured on the trace: the embedding group stays gathered until the root's forward
-        # returns.
-        grad_frac = 1.0 if setup.method == "full" else 0.0  # a frozen base has no gradients
-        block_gathered = gathered_bytes * block
-        if regime.qlora:
-            # fsdp_qlora gathers the 4-bit storage; bitsandbytes dequantises per matmul.
-            linear = sum(lin.params for lin in arch.block_linears())
-            block_gathered = K.NF4_PACKED_BYTES_PER_PARAM * linear + gathered_bytes * (block - linear)
-        tail = gathered_bytes * (embed + arch.hidden_size)
-        tail_grad = gathered_bytes * grad_frac * embed
-        reduce = (gathered_bytes + 4) * grad_frac
-        tied_extra = tail + tail_grad if tied else 0.0
-        return _Sharding(
-            forward=tail + (0.0 if tied else gathered_bytes * embed),
-            backward_start=tail,
-            head_reduce=(tail + tail_grad + block_gathered) if tied
-            else (block_gathered + reduce * (embed + arch.hidden_size)),
-            backward_mid=2 * block_gathered + gathered_bytes * grad_frac * block + tied_extra,
-            block_reduce=block_gathered + reduce * block + tied_extra,
-            backward_end=reduce * (embed + (arch.hidden_size if tied else 0)),
-            end_grads_missing=4 * grad_frac * embed / world,
-            optimizer=0.0,
-        )
-    if static.zero3 is not None:
-        # Stage 3 (zero3.py): the parameters gathered at the high point of forward; in backward
-        # with the gradients on their way into the reduce bucket; in the step one sub-group's
-        # fp32 gradient, while the persistent parameters are partitioned too.
-        stage3 = static.zero3
-        fwd = static.buffers_step + stage3.gathered_forward
-        bwd = static.buffers_step + stage3.gathered_backward
-        step = max(0.0, static.buffers_step + stage3.step_transient - stage3.persistent)
-        return _Sharding(fwd, bwd, bwd, bwd, bwd, bwd, 0.0, step)
-    buffers = static.buffers_step
-    return _Sharding(buffers, buffers, buffers, buffers, buffers, buffers, 0.0, buffers)
-
-
 def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     """Per-GPU peak allocated bytes of one training step, with the terms at the peak.
 
@@ -249,7 +188,7 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     tokens = setup.micro_batch_size * setup.sequence_length
     world = setup.world_size
     static = static_state(setup, regime)
-    sharding = _sharding(setup, regime, static)
+    sharding = sharding_of(setup, regime, static)
     layers = arch.num_layers
     hidden = arch.hidden_size
     embed = arch.vocab_size * hidden
