@@ -1,14 +1,70 @@
 """Saved activations: the bytes per token that autograd keeps for backward, enumerated from the
 shapes following the modules transformers runs (a decoder block's norms, attention, MLP and
 peft's adapters), and the head's and the loss's high points. The family-specific terms are in
-families.py; memory.py multiplies these by the tokens and the layers."""
+families.py. `saved_activations` multiplies them by the tokens and the layers, as gradient
+checkpointing and activation offloading keep them; memory.py places them in the phases."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from . import families
 from .architecture import ModelArchitecture
 from .regime import Regime
 from .setup import TrainingSetup
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    """What forward saves for backward in one micro-batch, bytes (the logits' high points per token)."""
+
+    block_per_token: float  # one decoder block's base tensors (not its adapters'), per token
+    shared: float  # shared by all blocks: rotary cos/sin, the attention mask
+    around: float  # outside the blocks: the final norm, the head's input, the embedding output
+    block_input: float  # one block's input (the residual stream)
+    kept: float  # the blocks' saved tensors (checkpointing: their inputs) on the GPU through forward
+    kept_lora: float  # the adapters' saved tensors (none kept under checkpointing)
+    recompute: float  # one block recomputed in backward (checkpointing)
+    offloaded_to_host: float  # the kept block inputs activation offloading moves to host memory
+    logits_forward_per_token: float
+    logits_backward_per_token: float
+
+
+def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
+    """The saved activations of the whole model for this setup's micro-batch."""
+    arch = setup.architecture
+    tokens = setup.micro_batch_size * setup.sequence_length
+    layers = arch.num_layers
+    hidden = arch.hidden_size
+    block_per_token, lora_per_token = block_saved_bytes_per_token(arch, setup, regime)
+    # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
+    shared = 2 * regime.compute * arch.rotary_dim * tokens
+    if setup.attention == "eager":
+        shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
+    elif sdpa_needs_mask(arch, setup):
+        shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
+    # The final norm's saved input and its output (the head's input), the embedding output.
+    around = (norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
+    if arch.traits.layer_norm:
+        autocast = regime.compute == 2 and not regime.master_bf16
+        around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
+                  + regime.residual * hidden + families.embedding_dropout_saved(arch)) * tokens
+    one_block = (block_per_token + lora_per_token) * tokens
+    block_input = regime.residual * hidden * tokens
+    offloaded_to_host = 0.0
+    if setup.gradient_checkpointing:
+        # Non-reentrant checkpointing keeps each block's input; backward recomputes one block.
+        kept, kept_lora, recompute = layers * block_input, 0.0, one_block
+        if setup.activation_offloading:
+            # Lever: the kept block inputs live in host memory; the GPU holds the one being
+            # copied out in forward, or brought back for its recompute in backward.
+            offloaded_to_host = kept
+            kept = block_input
+    else:
+        kept, kept_lora, recompute = layers * block_per_token * tokens, layers * lora_per_token * tokens, 0.0
+    logits_fwd_per_token, logits_bwd_per_token = logits_bytes(arch, setup, regime)
+    return SavedActivations(block_per_token, shared, around, block_input, kept, kept_lora, recompute,
+                            offloaded_to_host, logits_fwd_per_token, logits_bwd_per_token)
 
 
 def norm_saved(arch: ModelArchitecture, regime: Regime) -> float:

@@ -58,8 +58,7 @@ from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import Levers, levers_of, savings
 
 from . import constants as K
-from . import families
-from .activations import block_saved_bytes_per_token, logits_bytes, norm_saved, sdpa_needs_mask
+from .activations import saved_activations
 from .errors import SizingError
 from .regime import regime_of
 from .setup import TrainingSetup
@@ -189,39 +188,15 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     world = setup.world_size
     static = static_state(setup, regime)
     sharding = sharding_of(setup, regime, static)
-    layers = arch.num_layers
     hidden = arch.hidden_size
     embed = arch.vocab_size * hidden
     head = 0 if arch.tie_word_embeddings else embed
 
     # ---- activations ----
-    block_per_token, lora_per_token = block_saved_bytes_per_token(arch, setup, regime)
-    # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
-    shared = 2 * regime.compute * arch.rotary_dim * tokens
-    if setup.attention == "eager":
-        shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
-    elif sdpa_needs_mask(arch, setup):
-        shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
-    # The final norm's saved input and its output (the head's input), the embedding output.
-    around = (norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
-    if arch.traits.layer_norm:
-        autocast = regime.compute == 2 and not regime.master_bf16
-        around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
-                  + regime.residual * hidden + families.embedding_dropout_saved(arch)) * tokens
-    one_block = (block_per_token + lora_per_token) * tokens
-    block_input = regime.residual * hidden * tokens
-    offloaded_to_host = 0.0
-    if setup.gradient_checkpointing:
-        # Non-reentrant checkpointing keeps each block's input; backward recomputes one block.
-        kept, kept_lora, recompute = layers * block_input, 0.0, one_block
-        if setup.activation_offloading:
-            # Lever: the kept block inputs live in host memory; the GPU holds the one being
-            # copied out in forward, or brought back for its recompute in backward.
-            offloaded_to_host = kept
-            kept = block_input
-    else:
-        kept, kept_lora, recompute = layers * block_per_token * tokens, layers * lora_per_token * tokens, 0.0
-    logits_fwd_per_token, logits_bwd_per_token = logits_bytes(arch, setup, regime)
+    saved = saved_activations(setup, regime)
+    block_per_token, shared, around, block_input = saved.block_per_token, saved.shared, saved.around, saved.block_input
+    kept, kept_lora, recompute, offloaded_to_host = saved.kept, saved.kept_lora, saved.recompute, saved.offloaded_to_host
+    logits_fwd_per_token, logits_bwd_per_token = saved.logits_forward_per_token, saved.logits_backward_per_token
 
     # ---- autocast weight copies ----
     lora_params = 0 if setup.method == "full" else arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
