@@ -58,11 +58,11 @@ from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import Levers, levers_of, savings
 
 from . import constants as K
-from .activations import saved_activations
+from .activations import SavedActivations, saved_activations
 from .errors import SizingError
-from .regime import regime_of
+from .regime import Regime, regime_of
 from .setup import TrainingSetup
-from .sharding import sharding_of
+from .sharding import Sharding, sharding_of
 from .states import StaticState, optimizer_step_temporaries, static_state
 
 PHASES = ("forward", "backward", "optimizer")
@@ -184,21 +184,90 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     if (arch.attn_logit_softcapping or arch.traits.eager_only) and setup.attention == "sdpa":
         setup = replace(setup, attention="eager")
     regime = regime_of(setup)
-    tokens = setup.micro_batch_size * setup.sequence_length
-    world = setup.world_size
     static = static_state(setup, regime)
-    sharding = sharding_of(setup, regime, static)
-    hidden = arch.hidden_size
-    embed = arch.vocab_size * hidden
+    parts = _StepParts(
+        setup=setup, regime=regime, static=static, sharding=sharding_of(setup, regime, static),
+        saved=saved_activations(setup, regime), copies=_weight_copies(setup, regime),
+        dequant=_dequantised_weight(setup, regime), grads=_gradients(setup, static),
+        step_temporaries=optimizer_step_temporaries(setup, regime, static),
+    )
+    phases = {"forward": _forward(parts), "backward": _backward(parts), "optimizer": _optimizer_step(parts)}
+    if static.zero3 is not None:
+        # ZeRO-3 allocates its gradient partition once, at start-up: it is there in every phase,
+        # and a gradient on its way there is in the replayed buffers (zero3.py).
+        for terms in phases.values():
+            terms["gradients"] = static.gradients
+    totals = {k: round(sum(v.values())) for k, v in phases.items()}
+    peak_phase = max(PHASES, key=lambda k: totals[k])
+    breakdown = {k: int(round(v)) for k, v in phases[peak_phase].items()}
+    peak = sum(breakdown.values())
+
+    reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if setup.world_size > 1 else 0)
+    offloaded_to_host = parts.saved.offloaded_to_host
+    return MemoryEstimate(
+        peak_allocated_bytes=peak,
+        required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
+        peak_phase=peak_phase,
+        breakdown=breakdown,
+        host_required_bytes=_host_bytes(setup, static, offloaded_to_host),
+        notes=tuple(notes),
+        phase_peaks=totals,
+        reserve_bytes=reserve,
+        unified_memory_bytes=int(round(static.unified)),
+        activation_offload_bytes=int(round(offloaded_to_host)),
+    )
+
+
+# ---- the parts the phases are assembled from ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class _WeightCopies:
+    """Compute-dtype copies of weights that autocast (or peft) makes, bytes at each moment."""
+
+    forward: float  # all alive at the end of the forward
+    backward_start: float
+    block: float  # one block's, alive while its backward runs
+
+
+@dataclass(frozen=True)
+class _Gradients:
+    """The gradients as the moments of backward hold them, bytes."""
+
+    all: float  # every gradient (the step in backward: only the largest one)
+    block: float  # one block's
+    embedding: float  # the input embedding's (full fine-tuning, untied)
+
+
+@dataclass(frozen=True)
+class _StepParts:
+    """What the phases of one step are assembled from, each worked out once."""
+
+    setup: TrainingSetup
+    regime: Regime
+    static: StaticState
+    sharding: Sharding
+    saved: SavedActivations
+    copies: _WeightCopies
+    dequant: float  # one 4-bit weight dequantised for its matmul (QLoRA)
+    grads: _Gradients
+    step_temporaries: float  # one optimizer step's transients (states.py)
+
+    @property
+    def tokens(self) -> int:
+        return self.setup.micro_batch_size * self.setup.sequence_length
+
+    def resting(self) -> dict[str, float]:
+        """Every term, zero but the state that lives through the step (in TERMS order: the sums add in it)."""
+        static = self.static
+        return dict(dict.fromkeys(TERMS, 0.0), weights=static.weights, optimizer=static.optimizer,
+                    master_weights=static.master_weights)
+
+
+def _weight_copies(setup: TrainingSetup, regime: Regime) -> _WeightCopies:
+    arch = setup.architecture
+    embed = arch.vocab_size * arch.hidden_size
     head = 0 if arch.tie_word_embeddings else embed
-
-    # ---- activations ----
-    saved = saved_activations(setup, regime)
-    block_per_token, shared, around, block_input = saved.block_per_token, saved.shared, saved.around, saved.block_input
-    kept, kept_lora, recompute, offloaded_to_host = saved.kept, saved.kept_lora, saved.recompute, saved.offloaded_to_host
-    logits_fwd_per_token, logits_bwd_per_token = saved.logits_forward_per_token, saved.logits_backward_per_token
-
-    # ---- autocast weight copies ----
     lora_params = 0 if setup.method == "full" else arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
     if regime.autocast_fp32_weights:
         # Cached bf16 copies of every fp32 weight: all alive at the end of the forward; without
@@ -220,46 +289,61 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         copies_block = 0.0
     else:
         copies_fwd = copies_bwd_start = copies_block = 0.0
+    return _WeightCopies(copies_fwd, copies_bwd_start, copies_block)
 
-    dequant = 0.0
-    if regime.qlora:
-        # bitsandbytes dequantises each 4-bit weight to the compute dtype for its matmul.
-        dequant = 2 * max(lin.params // lin.experts for lin in arch.block_linears())
 
-    # ---- gradients as each moment holds them ----
-    step_temporaries = optimizer_step_temporaries(setup, regime, static)
+def _dequantised_weight(setup: TrainingSetup, regime: Regime) -> float:
+    if not regime.qlora:
+        return 0.0
+    # bitsandbytes dequantises each 4-bit weight to the compute dtype for its matmul.
+    return 2 * max(lin.params // lin.experts for lin in setup.architecture.block_linears())
+
+
+def _gradients(setup: TrainingSetup, static: StaticState) -> _Gradients:
+    arch = setup.architecture
+    embed = arch.vocab_size * arch.hidden_size
+    head = 0 if arch.tie_word_embeddings else embed
     if setup.optimizer_in_backward:
         # Lever: each parameter's step runs in backward the moment its gradient is complete,
         # and the gradient is freed: at most the largest one exists (and its step's temporaries).
-        all_grads = static.largest_gradient
-        block_grad = 0.0
-        embed_grad = 0.0
-    else:
-        all_grads = static.gradients
-        block_grad = static.gradients * arch.block_params / arch.total_params
-        embed_grad = static.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
+        return _Gradients(static.largest_gradient, 0.0, 0.0)
+    block_grad = static.gradients * arch.block_params / arch.total_params
+    embed_grad = static.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
+    return _Gradients(static.gradients, block_grad, embed_grad)
 
-    static_terms = {"weights": static.weights, "optimizer": static.optimizer, "master_weights": static.master_weights}
-    zero = dict.fromkeys(TERMS, 0.0)
 
-    # ---- forward: at its end, inside the loss ----
-    forward = dict(zero, **static_terms)
-    forward.update(activations=kept + shared + around, lora_activations=kept_lora, weight_copies=copies_fwd,
-                   logits=logits_fwd_per_token * tokens, buffers=sharding.forward + dequant)
+# ---- the phases -------------------------------------------------------------------------
+
+
+def _forward(parts: _StepParts) -> dict[str, float]:
+    """At the end of the forward, inside the loss."""
+    setup, regime, saved, tokens = parts.setup, parts.regime, parts.saved, parts.tokens
+    forward = parts.resting()
+    forward.update(activations=saved.kept + saved.shared + saved.around, lora_activations=saved.kept_lora,
+                   weight_copies=parts.copies.forward, logits=saved.logits_forward_per_token * tokens,
+                   buffers=parts.sharding.forward + parts.dequant)
     if setup.attention == "eager":
         # Inside the last block's eager attention, before the head: the masked scores, the
         # logits they are joined into and the softmax exist at once (gpt-oss at 8192 tokens:
         # 8 GiB each; seen under FSDP with checkpointing).
-        scores = regime.compute * arch.num_attention_heads * (setup.sequence_length + 1) * tokens
+        scores = regime.compute * setup.architecture.num_attention_heads * (setup.sequence_length + 1) * tokens
         in_attention = dict(forward, logits=0.0, activations=forward["activations"] + 3 * scores)
         if sum(in_attention.values()) > sum(forward.values()):
             forward = in_attention
+    return forward
 
-    # ---- backward: the largest of its moments ----
+
+def _backward(parts: _StepParts) -> dict[str, float]:
+    """The largest of backward's moments."""
+    setup, regime, saved, tokens = parts.setup, parts.regime, parts.saved, parts.tokens
+    arch, sharding, copies, dequant = setup.architecture, parts.sharding, parts.copies, parts.dequant
+    hidden = arch.hidden_size
+    embed = arch.vocab_size * hidden
+    kept, shared, recompute = saved.kept, saved.shared, saved.recompute
     # At its start: all that forward saved, the loss gradient at its widest.
-    bwd_start = dict(zero, **static_terms)
-    bwd_start.update(activations=kept + shared + around - block_input, lora_activations=kept_lora,
-                     weight_copies=copies_bwd_start, logits=logits_bwd_per_token * tokens,
+    bwd_start = parts.resting()
+    bwd_start.update(activations=kept + shared + saved.around - saved.block_input, lora_activations=saved.kept_lora,
+                     weight_copies=copies.backward_start, logits=saved.logits_backward_per_token * tokens,
                      buffers=sharding.backward_start + dequant)
     candidates = [bwd_start]
     # Right after the head's backward (FSDP reduces its gradient): activations still alive.
@@ -282,19 +366,20 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         candidates.append(first)
     if setup.gradient_checkpointing:
         # In the middle: a block recomputed on top of the kept inputs.
-        mid = dict(zero, **static_terms)
-        mid.update(activations=kept + shared + recompute + block_bwd, weight_copies=copies_bwd_start + copies_block,
-                   buffers=sharding.backward_mid + dequant)
+        mid = parts.resting()
+        mid.update(activations=kept + shared + recompute + block_bwd,
+                   weight_copies=copies.backward_start + copies.block, buffers=sharding.backward_mid + dequant)
         candidates.append(mid)
         candidates.append(dict(mid, activations=kept + shared, buffers=sharding.block_reduce + dequant))
     # At its end: every gradient exists. Two moments compete: block 0's backward (its
     # recompute and weight-gradient transients alive, its own gradients not yet) and the
     # embedding's backward (all gradients).
-    block0 = dict(zero, **static_terms)
-    block0.update(gradients=all_grads - block_grad - embed_grad, activations=recompute + shared + block_bwd,
-                  weight_copies=copies_block, buffers=sharding.backward_mid + dequant)
+    grads = parts.grads
+    block0 = parts.resting()
+    block0.update(gradients=grads.all - grads.block - grads.embedding, activations=recompute + shared + block_bwd,
+                  weight_copies=copies.block, buffers=sharding.backward_mid + dequant)
     if setup.method == "full" and not setup.gradient_checkpointing:
-        block0["activations"] = block_per_token * tokens + shared + block_bwd  # block 0's own saved tensors
+        block0["activations"] = saved.block_per_token * tokens + shared + block_bwd  # block 0's own saved tensors
     # Under FSDP a dense block's linears are small next to the block terms above; a fused expert
     # weight is most of its block, and its gradient and cast show (gpt-oss-20b, Qwen3-30B-A3B full).
     if regime.autocast_fp32_weights or (setup.method == "full" and (setup.strategy != "fsdp" or arch.is_moe)):
@@ -302,51 +387,29 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         weight_grad_bytes = regime.compute + (2 if regime.master_bf16 else 4)
         block0["gradients"] += weight_grad_bytes * max(lin.params for lin in arch.block_linears())
     candidates.append(block0)
-    bwd_end = dict(zero, **static_terms)
-    grads = all_grads
+    bwd_end = parts.resting()
+    all_grads = grads.all
     if setup.method == "full" and arch.tie_word_embeddings and setup.strategy != "fsdp" \
             and not setup.optimizer_in_backward:
         # Tied: the embedding's dense V x h gradient is added to the head's out of place,
         # so the old gradient, the new one and their sum exist together for a moment.
-        grads += 2 * (2 if regime.master_bf16 else 4) * embed
+        all_grads += 2 * (2 if regime.master_bf16 else 4) * embed
     missing = 0.0 if setup.optimizer_in_backward else sharding.end_grads_missing
-    bwd_end.update(gradients=grads - missing, buffers=sharding.backward_end + dequant)
+    bwd_end.update(gradients=all_grads - missing, buffers=sharding.backward_end + dequant)
     if setup.optimizer_in_backward:
-        bwd_end["optimizer_step"] = step_temporaries  # the largest parameter's step, inside backward
+        bwd_end["optimizer_step"] = parts.step_temporaries  # the largest parameter's step, inside backward
     candidates.append(bwd_end)
-    backward = max(candidates, key=lambda d: sum(d.values()))
+    return max(candidates, key=lambda d: sum(d.values()))
 
-    # ---- optimizer step ----
-    optimizer = dict(zero, **static_terms)
-    if setup.optimizer_in_backward:
-        optimizer.update(buffers=sharding.optimizer)  # the steps already ran; no gradients remain
+
+def _optimizer_step(parts: _StepParts) -> dict[str, float]:
+    optimizer = parts.resting()
+    if parts.setup.optimizer_in_backward:
+        optimizer.update(buffers=parts.sharding.optimizer)  # the steps already ran; no gradients remain
     else:
-        optimizer.update(gradients=static.gradients, buffers=sharding.optimizer, optimizer_step=step_temporaries)
-
-    if static.zero3 is not None:
-        # ZeRO-3 allocates its gradient partition once, at start-up: it is there in every phase,
-        # and a gradient on its way there is in the replayed buffers (zero3.py).
-        for terms in (forward, backward, optimizer):
-            terms["gradients"] = static.gradients
-    phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
-    totals = {k: round(sum(v.values())) for k, v in phases.items()}
-    peak_phase = max(PHASES, key=lambda k: totals[k])
-    breakdown = {k: int(round(v)) for k, v in phases[peak_phase].items()}
-    peak = sum(breakdown.values())
-
-    reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if world > 1 else 0)
-    return MemoryEstimate(
-        peak_allocated_bytes=peak,
-        required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
-        peak_phase=peak_phase,
-        breakdown=breakdown,
-        host_required_bytes=_host_bytes(setup, static, offloaded_to_host),
-        notes=tuple(notes),
-        phase_peaks=totals,
-        reserve_bytes=reserve,
-        unified_memory_bytes=int(round(static.unified)),
-        activation_offload_bytes=int(round(offloaded_to_host)),
-    )
+        optimizer.update(gradients=parts.static.gradients, buffers=parts.sharding.optimizer,
+                         optimizer_step=parts.step_temporaries)
+    return optimizer
 
 
 def _host_bytes(setup: TrainingSetup, static: StaticState, offloaded_activations: float) -> int:
