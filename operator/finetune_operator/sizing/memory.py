@@ -10,10 +10,14 @@ tensors alive at its high point:
   buckets, the embedding gradient);
 * optimizer step: weights, gradients and states (fused AdamW has no temporaries).
 
-Saved activations are enumerated per decoder block from the shapes, following the
-modules transformers runs (activations.py). The figures are
-peak *allocated* bytes (what `torch.cuda.max_memory_allocated` reports); the
-required bytes add the fragmentation factor and the fixed reserves of constants.py.
+`estimate_memory` reads as that recipe; the terms come from the modules named for them:
+regime.py (how the setup stores its tensors), states.py (weights, gradients, optimizer
+states, their sharding and offloading, the step's temporaries), activations.py (what
+autograd saves, enumerated per decoder block from the shapes, following the modules
+transformers runs), sharding.py (FSDP's and ZeRO-3's gathered parameters and gradients
+in flight at each moment), zero3.py (ZeRO-3 replayed). The figures are peak *allocated*
+bytes (what `torch.cuda.max_memory_allocated` reports); the required bytes add the
+fragmentation factor and the fixed reserves of constants.py.
 
 How each part was checked:
 
@@ -36,13 +40,14 @@ How each part was checked:
   tokens are assumed evenly routed). tests/sizing/test_memory.py checks these against
   hand-computed values; bench/sizing_gpu.py measures QLoRA and 8-bit Adam on a GPU.
 * The levers of a lean trainer, each a named term: bf16 master weights (states.py:
-  `static_state`, `_optimizer_bytes_per_param`, `optimizer_step_temporaries`: 2-byte weights, gradients
-  and moments, Kahan's buffer, the bf16 AdamW's per-parameter fp32 temporaries), the
-  optimizer step in backward (`all_grads`: one gradient at a time), the chunked loss
-  (`activations.logits_bytes`: one chunk of logits), activation offloading (`offloaded_to_host`:
-  the kept block inputs go to host memory), paged 8-bit AdamW (`unified`: outside the
-  allocator, counted on the host), QLoRA under FSDP (`static_state`, sharding.py: the 4-bit
-  base sharded and gathered per block). `lever_savings` says what each saves.
+  `static_state`, `_optimizer_bytes_per_param`, `optimizer_step_temporaries`: 2-byte weights,
+  gradients and moments, Kahan's buffer, the bf16 AdamW's per-parameter fp32 temporaries), the
+  optimizer step in backward (`_gradients`: one gradient at a time), the chunked loss
+  (activations.py's `logits_bytes`: one chunk of logits), activation offloading
+  (`SavedActivations.offloaded_to_host`: the kept block inputs go to host memory), paged 8-bit
+  AdamW (`StaticState.unified`: outside the allocator, counted on the host), QLoRA under FSDP
+  (`static_state`, `sharding_of`: the 4-bit base sharded and gathered per block).
+  `lever_savings` says what each saves.
 * Not modelled: what lies outside the allocator's peak (CUDA context, cuBLAS
   workspaces, NCCL buffers, allocator caching) is the fragmentation factor and reserve
   of constants.py, which bench/sizing_gpu.py calibrates.
