@@ -36,15 +36,15 @@ def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
     tokens = setup.micro_batch_size * setup.sequence_length
     layers = arch.num_layers
     hidden = arch.hidden_size
-    block_per_token, lora_per_token = block_saved_bytes_per_token(arch, setup, regime)
+    block_per_token, lora_per_token = _block_saved_bytes_per_token(arch, setup, regime)
     # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
     shared = 2 * regime.compute * arch.rotary_dim * tokens
     if setup.attention == "eager":
         shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
-    elif sdpa_needs_mask(arch, setup):
+    elif _sdpa_needs_mask(arch, setup):
         shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
     # The final norm's saved input and its output (the head's input), the embedding output.
-    around = (norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
+    around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
     if arch.traits.layer_norm:
         autocast = regime.compute == 2 and not regime.master_bf16
         around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
@@ -67,7 +67,7 @@ def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
                             offloaded_to_host, logits_fwd_per_token, logits_bwd_per_token)
 
 
-def norm_saved(arch: ModelArchitecture, regime: Regime) -> float:
+def _norm_saved(arch: ModelArchitecture, regime: Regime) -> float:
     """Bytes per token one RMSNorm saves: its fp32 input, and the normalised value if the weight trains."""
     hidden = arch.hidden_size
     saved = 4 * hidden
@@ -125,7 +125,7 @@ def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -
     return saved
 
 
-def block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
+def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
     """(base, lora) bytes per token that one decoder block saves for backward.
 
     Attention scores (eager) are per token too: they scale with the sequence length.
@@ -144,7 +144,7 @@ def block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, r
         if setup.attention != "eager":
             saved += families.attention_output_copy_saved(arch, compute, regime.weights_trainable)
     else:
-        saved = traits.norms_per_layer * norm_saved(arch, regime)
+        saved = traits.norms_per_layer * _norm_saved(arch, regime)
     saved += families.qk_norm_saved(arch, compute, regime.weights_trainable)
     # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
     # pre-norms (two per block) feed linears. Only those two feed linears below.
@@ -175,7 +175,7 @@ def block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, r
         saved += compute * (2 * q_width + 2 * kv_width) + 4 * heads  # q, k, v, output, logsumexp
         if traits.fused_qkv:
             saved += compute * (q_width + kv_width)  # v is a view: the whole fused qkv output stays alive
-        if sdpa_needs_mask(arch, setup):
+        if _sdpa_needs_mask(arch, setup):
             # With a mask sdpa runs the memory-efficient kernel, which converts the boolean
             # mask to the compute dtype and saves it for backward: one b x s x s per block.
             saved += compute * seq * families.sliding_share(arch)  # only the sliding layers get one
@@ -198,7 +198,7 @@ def block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, r
     return saved, _lora_saved(arch, setup, regime)
 
 
-def sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
+def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
     """sdpa gets an explicit mask when a sliding window is shorter than the sequence (flash does windows itself)."""
     return (setup.attention == "sdpa" and arch.num_sliding_layers > 0  # a window no layer uses (Qwen) masks nothing
             and setup.sequence_length > arch.sliding_window)

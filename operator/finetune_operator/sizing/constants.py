@@ -1,7 +1,7 @@
 """Documented constants of the memory model. Every number here has a reason beside it.
 
 Terms that the truth harness measures (peak allocated bytes, what
-`torch.cuda.max_memory_allocated` reports) are derived from shapes in memory.py.
+`torch.cuda.max_memory_allocated` reports) are derived from shapes in memory.py and the modules it assembles.
 The constants below cover what that figure leaves out, and the settings of the
 libraries our trainer uses.
 """
