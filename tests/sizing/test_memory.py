@@ -100,7 +100,7 @@ def test_qlora_nf4_weights():
     # 4-bit weights + one 8-bit absmax per 64 + one fp32 per 256 absmax blocks (and per weight an
     # offset and two code tables); the rest (embeddings, norms, head) is cast to fp32 by peft's
     # prepare_model_for_kbit_training.
-    from finetune_operator.sizing.memory import nf4_quant_state_bytes
+    from finetune_operator.sizing.states import nf4_quant_state_bytes
 
     state = nf4_quant_state_bytes(a)
     nf4 = 0.5 * lin + state
@@ -139,9 +139,10 @@ def test_logits_at_the_end_of_forward_are_ten_bytes_per_vocab_entry():
     est = estimate_memory(s)
     tokens = 2 * 4096
     # the forward phase's logits term
-    from finetune_operator.sizing.memory import _logits_bytes, _regime
+    from finetune_operator.sizing.activations import logits_bytes
+    from finetune_operator.sizing.regime import regime_of
 
-    fwd, bwd = _logits_bytes(L8, s, _regime(s))
+    fwd, bwd = logits_bytes(L8, s, regime_of(s))
     assert fwd * tokens == 10 * 128256 * tokens
     assert bwd == 12 * 128256
     assert est.breakdown["logits"] in (0, 10 * 128256 * tokens, 12 * 128256 * tokens)

@@ -10,8 +10,9 @@ import pytest
 from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
 from finetune_operator.sizing import constants as K
-from finetune_operator.sizing.memory import lever_savings, nf4_quant_state_bytes, nf4_weight_quant_state_bytes
+from finetune_operator.sizing.memory import lever_savings
 from finetune_operator.sizing.optimizer_state import state_bytes, trained_tensors
+from finetune_operator.sizing.states import nf4_quant_state_bytes, nf4_weight_quant_state_bytes
 from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import in_use as levers_in_use
 

@@ -1,7 +1,7 @@
 """Documented constants of the memory model. Every number here has a reason beside it.
 
 Terms that the truth harness measures (peak allocated bytes, what
-`torch.cuda.max_memory_allocated` reports) are derived from shapes in memory.py.
+`torch.cuda.max_memory_allocated` reports) are derived from shapes in memory.py and the modules it assembles.
 The constants below cover what that figure leaves out, and the settings of the
 libraries our trainer uses.
 """
@@ -36,7 +36,7 @@ DDP_BUCKETS_COPY_GRADIENTS = True
 
 # bitsandbytes NF4 with double quantisation (the trainer's BitsAndBytesConfig: nf4,
 # bnb_4bit_use_double_quant): 4 bits per weight, packed (what FSDP shards). Each quantised
-# weight's quant_state beside it (memory.nf4_quant_state_bytes): one 8-bit absmax per block of
+# weight's quant_state beside it (states.nf4_quant_state_bytes): one 8-bit absmax per block of
 # 64 weights, one fp32 second-level absmax per 256 of those blocks, the fp32 offset, the 16-entry
 # NF4 code and the 256-entry dynamic code of the absmax quantisation (fp32 each). Checked against
 # bitsandbytes.functional.quantize_4bit in tests/sizing/test_memory_levers.py.

@@ -1,5 +1,5 @@
 """Saved-activation terms that only some families have (issue 16: Qwen3, Qwen3-MoE, Gemma 3,
-gpt-oss, OLMo 2). memory.py calls these where a block's saved tensors are added up, so a
+gpt-oss, OLMo 2). activations.py calls these where a block's saved tensors are added up, so a
 family's specifics live here, next to each other, and the memory model stays one walk
 through the step.
 

@@ -10,10 +10,14 @@ tensors alive at its high point:
   buckets, the embedding gradient);
 * optimizer step: weights, gradients and states (fused AdamW has no temporaries).
 
-Saved activations are enumerated per decoder block from the shapes, following the
-modules transformers runs (see `_block_saved_bytes_per_token`). The figures are
-peak *allocated* bytes (what `torch.cuda.max_memory_allocated` reports); the
-required bytes add the fragmentation factor and the fixed reserves of constants.py.
+`estimate_memory` reads as that recipe; the terms come from the modules named for them:
+regime.py (how the setup stores its tensors), states.py (weights, gradients, optimizer
+states, their sharding and offloading, the step's temporaries), activations.py (what
+autograd saves, enumerated per decoder block from the shapes, following the modules
+transformers runs), sharding.py (FSDP's and ZeRO-3's gathered parameters and gradients
+in flight at each moment), zero3.py (ZeRO-3 replayed). The figures are peak *allocated*
+bytes (what `torch.cuda.max_memory_allocated` reports); the required bytes add the
+fragmentation factor and the fixed reserves of constants.py.
 
 How each part was checked:
 
@@ -35,14 +39,15 @@ How each part was checked:
   leaves), Mixtral (expert routing is data-dependent, which fake tensors cannot follow;
   tokens are assumed evenly routed). tests/sizing/test_memory.py checks these against
   hand-computed values; bench/sizing_gpu.py measures QLoRA and 8-bit Adam on a GPU.
-* The levers of a lean trainer, each a named term: bf16 master weights (`_static`,
-  `_optimizer_bytes_per_param`, `_optimizer_step_temporaries`: 2-byte weights, gradients
-  and moments, Kahan's buffer, the bf16 AdamW's per-parameter fp32 temporaries), the
-  optimizer step in backward (`all_grads`: one gradient at a time), the chunked loss
-  (`_logits_bytes`: one chunk of logits), activation offloading (`offloaded_to_host`:
-  the kept block inputs go to host memory), paged 8-bit AdamW (`unified`: outside the
-  allocator, counted on the host), QLoRA under FSDP (`_static`, `_sharding`: the 4-bit
-  base sharded and gathered per block). `lever_savings` says what each saves.
+* The levers of a lean trainer, each a named term: bf16 master weights (states.py:
+  `static_state`, `_optimizer_bytes_per_param`, `optimizer_step_temporaries`: 2-byte weights,
+  gradients and moments, Kahan's buffer, the bf16 AdamW's per-parameter fp32 temporaries), the
+  optimizer step in backward (`_gradients`: one gradient at a time), the chunked loss
+  (activations.py's `logits_bytes`: one chunk of logits), activation offloading
+  (`SavedActivations.offloaded_to_host`: the kept block inputs go to host memory), paged 8-bit
+  AdamW (`StaticState.unified`: outside the allocator, counted on the host), QLoRA under FSDP
+  (`static_state`, `sharding_of`: the 4-bit base sharded and gathered per block).
+  `lever_savings` says what each saves.
 * Not modelled: what lies outside the allocator's peak (CUDA context, cuBLAS
   workspaces, NCCL buffers, allocator caching) is the fragmentation factor and reserve
   of constants.py, which bench/sizing_gpu.py calibrates.
@@ -58,10 +63,12 @@ from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import Levers, levers_of, savings
 
 from . import constants as K
-from . import families, optimizer_state, zero3
-from .architecture import ModelArchitecture
+from .activations import SavedActivations, saved_activations
 from .errors import SizingError
+from .regime import Regime, regime_of
 from .setup import TrainingSetup
+from .sharding import Sharding, sharding_of
+from .states import StaticState, optimizer_step_temporaries, static_state
 
 PHASES = ("forward", "backward", "optimizer")
 # Breakdown keys, in the order a person reads them.
@@ -120,397 +127,6 @@ class MemoryEstimate:
         }
 
 
-# ---- shapes -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Regime:
-    """How tensors are stored in this setup (derived once from the setup)."""
-
-    compute: int  # bytes of the compute dtype (bf16/fp16: 2, fp32: 4)
-    residual: int  # bytes of the residual stream between blocks
-    autocast_fp32_weights: bool  # fp32 weights cast per op by autocast (full FT without FSDP/ZeRO)
-    weights_trainable: bool  # full fine-tuning
-    lora: bool
-    qlora: bool
-    mlp: int  # bytes of the MLP's intermediate tensors
-    master_bf16: bool  # full FT with bf16 weights, gradients and optimizer states (no fp32 copy)
-
-
-def _regime(setup: TrainingSetup) -> _Regime:
-    compute = 4 if setup.precision == "fp32" else 2
-    full = setup.method == "full"
-    qlora = setup.method == "qlora"
-    master_bf16 = full and setup.master_weights == "bf16"
-    # Full FT keeps fp32 weights; without FSDP/ZeRO the forward runs them under
-    # autocast, so embeddings (not autocast) and the residual stream stay fp32. With bf16
-    # master weights the model simply is bf16: no autocast, no copies.
-    # QLoRA under DDP: peft's prepare_model_for_kbit_training casts everything not quantised
-    # (embeddings, norms, head) to fp32, and bitsandbytes returns its outputs in the
-    # input's dtype, so the residual stream and the MLP's tensors are fp32 as well. Under
-    # FSDP (fsdp_qlora) the rest stays in the compute dtype: FSDP shards one dtype per group.
-    autocast_fp32 = full and setup.strategy == "ddp" and compute == 2 and not master_bf16
-    qlora_fp32_rest = qlora and setup.strategy != "fsdp"
-    residual = 4 if (autocast_fp32 or compute == 4 or qlora_fp32_rest) else compute
-    mlp = 4 if qlora_fp32_rest else compute
-    return _Regime(compute, residual, autocast_fp32, full, not full, qlora, mlp, master_bf16)
-
-
-def _norm_saved(arch: ModelArchitecture, regime: _Regime) -> float:
-    """Bytes per token one RMSNorm saves: its fp32 input, and the normalised value if the weight trains."""
-    hidden = arch.hidden_size
-    saved = 4 * hidden
-    if regime.weights_trainable:
-        # Gemma computes the whole norm in fp32; Llama-style norms cast back to the input dtype first.
-        saved += 4 * hidden if arch.traits.fp32_norms else regime.residual * hidden
-    return saved
-
-
-_INPUT_OF = {  # which tensor a block linear reads, to find adapters that share one
-    "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
-    "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "gate": "mlp_in",
-    "experts.gate_up_proj": "mlp_in", "down_proj": "mlp_mid", "experts.down_proj": "mlp_mid",
-    # phi reads its one LayerNorm's output in attention and MLP; gpt_neox has two.
-    "query_key_value": "attn_in", "dense": "attn_out", "fc1": "attn_in", "fc2": "mlp_mid",
-    "dense_h_to_4h": "mlp_in", "dense_4h_to_h": "mlp_mid",
-}
-
-
-def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> float:
-    """Bytes per token peft's adapters save: the input each lora_A reads, and x A."""
-    if not regime.lora:
-        return 0.0
-    rank = setup.lora_rank
-    dropout = setup.lora_dropout > 0
-    # Under FSDP the adapters are gathered in the compute dtype with the base, so peft's
-    # cast of the input to the adapter dtype is a no-op and adapters reading the same
-    # tensor save that one tensor; the attention output is saved by attention already.
-    # Not so in phi and gpt_neox: their LayerNorms' (and gelu_new's) outputs are fp32 under autocast,
-    # peft casts them once per adapter, and their attention output is a copy attention did not save.
-    shared_inputs = setup.strategy == "fsdp" and regime.compute == 2 and not arch.traits.layer_norm
-    saved = 0.0
-    seen: set[str] = set()
-    for lin in arch.resolve_lora_targets(setup.lora_targets):
-        if lin.name in ("experts.gate_up_proj", "experts.down_proj") and arch.traits.moe != "mixtral":
-            saved += families.expert_adapter_saved(arch, lin, regime.compute, setup.micro_batch_size * setup.sequence_length)
-            continue
-        if lin.name in ("experts.gate_up_proj", "experts.down_proj"):
-            # Expert adapters see only their routed tokens: experts_per_token copies in all.
-            saved += arch.experts_per_token * (regime.compute * lin.in_features + 4 * rank)
-            continue
-        saved += regime.compute * rank  # x A, saved by lora_B
-        if dropout:
-            # Dropout (CUDA's fused kernel) makes a new input per adapter and keeps a bool mask.
-            saved += regime.compute * lin.in_features + lin.in_features
-        elif shared_inputs:
-            source = _INPUT_OF.get(lin.name, lin.name)
-            if source not in seen and source != "attn_out":
-                saved += regime.compute * lin.in_features
-            seen.add(source)
-        else:
-            # peft casts the input to fp32 (the adapter dtype); autocast casts it back for
-            # lora_A, and that per-adapter copy is what lora_A saves.
-            saved += regime.compute * lin.in_features
-    return saved
-
-
-def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> tuple[float, float]:
-    """(base, lora) bytes per token that one decoder block saves for backward.
-
-    Attention scores (eager) are per token too: they scale with the sequence length.
-    """
-    hidden, inter, q_width, kv_width = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
-    heads, compute = arch.num_attention_heads, regime.compute
-    traits = arch.traits
-    seq = setup.sequence_length
-
-    autocast = compute == 2 and not regime.master_bf16  # the forward runs under autocast
-    if traits.layer_norm:
-        # phi / gpt_neox: LayerNorms and the linears' inputs, non-gated MLP, dropout masks.
-        saved = families.layer_norms_saved(arch, regime.residual, autocast, regime.weights_trainable)
-        saved += families.plain_mlp_saved(arch, compute, autocast, regime.weights_trainable)
-        saved += families.residual_dropout_saved(arch)
-        if setup.attention != "eager":
-            saved += families.attention_output_copy_saved(arch, compute, regime.weights_trainable)
-    else:
-        saved = traits.norms_per_layer * _norm_saved(arch, regime)
-    saved += families.qk_norm_saved(arch, compute, regime.weights_trainable)
-    # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
-    # pre-norms (two per block) feed linears. Only those two feed linears below.
-
-    # Inputs the base linears save (only when their weights train).
-    if regime.weights_trainable and not traits.layer_norm:
-        if regime.autocast_fp32_weights:
-            # Autocast casts the fp32 norm output separately for every linear that reads it.
-            attn_reads = 1 if traits.fused_qkv else 3
-            mlp_reads = 1 if (traits.fused_gate_up or arch.is_moe) else 2
-            saved += (attn_reads + mlp_reads) * 2 * hidden
-        else:
-            saved += 2 * compute * hidden  # one norm output per sub-layer, shared by its linears
-
-    # Attention.
-    if setup.attention == "eager":
-        kv_saved = q_width if arch.num_key_value_heads < heads else kv_width  # repeat_kv copies
-        saved += compute * (q_width + 2 * kv_saved) + compute * q_width  # q, repeated k/v, contiguous output
-        if traits.fused_qkv and traits.layer_norm:
-            saved += compute * (q_width + kv_width)  # gpt_neox: v is a view, the whole query_key_value output stays
-        if traits.attention_sinks:
-            saved += families.eager_sinks_saved(arch, compute, seq)
-        else:
-            saved += (4 + compute) * heads * seq  # softmax output in fp32, and its cast for probs @ v
-        if arch.attn_logit_softcapping:
-            saved += compute * heads * seq  # tanh output
-    else:
-        saved += compute * (2 * q_width + 2 * kv_width) + 4 * heads  # q, k, v, output, logsumexp
-        if traits.fused_qkv:
-            saved += compute * (q_width + kv_width)  # v is a view: the whole fused qkv output stays alive
-        if _sdpa_needs_mask(arch, setup):
-            # With a mask sdpa runs the memory-efficient kernel, which converts the boolean
-            # mask to the compute dtype and saves it for backward: one b x s x s per block.
-            saved += compute * seq * families.sliding_share(arch)  # only the sliding layers get one
-
-    # MLP.
-    if traits.plain_mlp:
-        pass  # counted with the LayerNorms above
-    elif arch.is_moe and traits.moe != "mixtral":
-        saved += families.grouped_experts_saved(arch, 4 if regime.autocast_fp32_weights else compute,
-                                                regime.weights_trainable)
-    elif arch.is_moe:
-        top_k = arch.experts_per_token
-        saved += 4 * arch.num_experts  # router logits/probabilities (fp32)
-        # gathered in, gate_up, act, product, down out
-        saved += top_k * (compute * hidden + compute * 2 * inter + compute * inter + compute * inter + compute * hidden)
-    else:
-        saved += 3 * regime.mlp * inter  # gate (act input), act output, up
-        if regime.weights_trainable:
-            saved += compute * inter  # down's input
-    return saved, _lora_saved(arch, setup, regime)
-
-
-def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
-    """sdpa gets an explicit mask when a sliding window is shorter than the sequence (flash does windows itself)."""
-    return (setup.attention == "sdpa" and arch.num_sliding_layers > 0  # a window no layer uses (Qwen) masks nothing
-            and setup.sequence_length > arch.sliding_window)
-
-
-def _logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: _Regime) -> tuple[float, float]:
-    """(forward, backward) high points of the head and loss, bytes per token.
-
-    Forward (mixed precision): logits in bf16, the fp32 upcast for the loss, log_softmax's
-    fp32 output (saved), then the upcast is freed and accelerate converts the model's
-    logits to fp32: 2 + 4 + 4 = 10 bytes x vocab either way.
-    Backward starts with log_softmax's saved output, nll_loss's gradient and the
-    log_softmax gradient, all fp32: 12 bytes x vocab.
-
-    Chunked loss (the trainer's chunked_loss.py): the head and the loss run per sequence
-    chunk under checkpointing, so forward keeps only each chunk's summed loss and backward
-    recomputes one chunk's logits at a time: one chunk's worth of the above, plus the
-    recomputed bf16 logits of that chunk in backward.
-    """
-    vocab = arch.vocab_size
-    if setup.loss_chunks > 1:
-        per_chunk_fwd = (8 if regime.compute == 4 else 10) * vocab
-        per_chunk_bwd = 12 * vocab + regime.compute * vocab
-        return per_chunk_fwd / setup.loss_chunks, per_chunk_bwd / setup.loss_chunks
-    if regime.compute == 4:
-        fwd = 8 * vocab  # logits, log_softmax output
-    else:
-        fwd = 10 * vocab
-    bwd = 12 * vocab
-    if arch.final_logit_softcapping:
-        fwd += regime.compute * vocab * 2  # tanh output saved, capped logits
-        bwd += regime.compute * vocab
-    return fwd, bwd
-
-
-# ---- state that lives through the whole step -------------------------------------
-
-
-@dataclass(frozen=True)
-class _Static:
-    weights: float
-    gradients: float
-    optimizer: float
-    master_weights: float
-    buffers_step: float  # buffers alive through the whole step (DDP buckets, ZeRO buckets)
-    host_offloaded: float
-    unified: float = 0.0  # paged optimizer states (CUDA unified memory, outside torch's allocator)
-    largest_gradient: float = 0.0  # the largest single parameter's gradient (shard), bytes
-    zero3: "zero3.Zero3Memory | None" = None  # ZeRO-3's terms (its gradient partition lives through the step)
-
-
-def _allocated(nbytes: float) -> int:
-    """Bytes the CUDA caching allocator gives one tensor of `nbytes` (512-byte blocks)."""
-    return -(-int(math.ceil(nbytes)) // 512) * 512
-
-
-def nf4_weight_quant_state_bytes(numel: int) -> int:
-    """One NF4 weight's quantisation state (constants.py: double quantisation) as bitsandbytes
-    allocates it: ceil(n/64) uint8 absmax, ceil of that /256 fp32 second-level absmax, an fp32
-    offset and the two fp32 code tables, each tensor in whole 512-byte blocks."""
-    blocks = -(-numel // K.NF4_BLOCKSIZE)
-    return (_allocated(blocks) + _allocated(4 * -(-blocks // K.NF4_ABSMAX_BLOCKSIZE)) + _allocated(4)
-            + _allocated(4 * K.NF4_CODE_ENTRIES) + _allocated(4 * K.NF4_ABSMAX_CODE_ENTRIES))
-
-
-def nf4_quant_state_bytes(arch: ModelArchitecture) -> int:
-    """The NF4 quantisation state of every quantised weight of the model (QLoRA): FSDP does not
-    shard it (no parameter), so under FSDP too every GPU holds all of it."""
-    def block(linears) -> int:
-        return sum(nf4_weight_quant_state_bytes(lin.in_features * lin.out_features * lin.experts) for lin in linears)
-
-    moe_layers = arch.num_moe_layers
-    return moe_layers * block(arch.block_linears()) + (arch.num_layers - moe_layers) * block(arch._dense_block_linears)
-
-
-def _optimizer_bytes_per_param(setup: TrainingSetup, regime: _Regime) -> float:
-    """Optimizer state per trainable parameter.
-
-    AdamW keeps two moments in the dtype of what it trains: fp32 (8 bytes) for fp32 master
-    weights and for adapters, bf16 (4 bytes) with bf16 master weights, plus Kahan's bf16
-    compensation buffer (2 bytes) when the update rounding is kahan. The low-bit optimizers
-    (bitsandbytes' and torchao's): block-wise quantised moments of the large tensors, the rest
-    in the weights' dtype, tensor by tensor (optimizer_state.py), as an average per parameter.
-    """
-    kind = optimizers.kind(setup.optimizer)
-    if kind.quantised is not None:
-        groups = optimizer_state.trained_tensors(setup.architecture, setup.method, setup.lora_rank,
-                                                 _targets(setup.lora_targets))
-        full_bytes = 2.0 if regime.master_bf16 else 4.0
-        trained = sum(g.numel * g.count for g in groups)
-        return optimizer_state.state_bytes(kind, groups, full_bytes) / trained
-    if regime.master_bf16:
-        return 4.0 + (2.0 if setup.update_rounding == "kahan" else 0.0)
-    return 8.0
-
-
-def _largest_trainable(setup: TrainingSetup) -> int:
-    """Elements of the largest trainable parameter (what a per-parameter step handles at once)."""
-    arch = setup.architecture
-    if setup.method == "full":
-        # Fused 3-D expert weights are one parameter each.
-        return max(arch.vocab_size * arch.hidden_size, max(lin.params for lin in arch.block_linears()))
-    rank = setup.lora_rank
-    return max(rank * max(lin.in_features, lin.out_features) * (lin.experts if lin.name.startswith("experts.") else 1)
-               for lin in arch.resolve_lora_targets(setup.lora_targets))
-
-
-def _static(setup: TrainingSetup, regime: _Regime) -> _Static:
-    arch, world = setup.architecture, setup.world_size
-    params = arch.total_params
-    strategy = setup.strategy
-    optimizer_pp = _optimizer_bytes_per_param(setup, regime)
-    offload_optimizer = setup.offload in ("optimizer", "optimizer+params")
-    offload_params = setup.offload == "optimizer+params"
-    host = 0.0
-    largest = _largest_trainable(setup)
-
-    if strategy == "zero3":
-        # Stage 3's partitions, persistent parameters and reduce bucket, from the module trace
-        # and the settings the trainer's DeepSpeed config writes (zero3.py).
-        stage3 = _zero3(setup, regime)
-        return _Static(stage3.weights + stage3.persistent, stage3.gradients, stage3.optimizer, stage3.master,
-                       stage3.reduce_bucket, stage3.host,
-                       largest_gradient=regime.compute * largest / world, zero3=stage3)
-    if setup.method == "full":
-        if strategy in ("zero1", "zero2"):
-            # DeepSpeed keeps the compute-dtype weights and gradients, and an fp32 master
-            # copy beside fp32 Adam states, each divided by the stage's divisor.
-            weight_bytes = float(regime.compute)
-            master_pp = 4 if regime.compute == 2 else 0
-            weights = weight_bytes * params
-            grad_shards = world if strategy == "zero2" else 1
-            grads = weight_bytes * params / grad_shards
-            master = master_pp * params / world
-            opt = optimizer_pp * params / world
-            buffers = _zero_buckets(weight_bytes)
-            if offload_optimizer:
-                host += master + opt
-                master, opt = 0.0, 0.0
-            return _Static(weights, grads, opt, master, buffers, host,
-                           largest_gradient=weight_bytes * largest / grad_shards)
-        # DDP / FSDP: the weights the optimizer updates are the model's weights (fp32, or bf16
-        # with bf16 master weights), gradients in the same dtype.
-        weight_bytes = 2.0 if regime.master_bf16 else 4.0
-        shards = world if strategy == "fsdp" else 1
-        weights = weight_bytes * params / shards
-        grads = weight_bytes * params / shards
-        opt = optimizer_pp * params / shards
-        buffers = weight_bytes * params if (strategy == "ddp" and world > 1 and K.DDP_BUCKETS_COPY_GRADIENTS) else 0.0
-        unified = 0.0
-        if optimizers.kind(setup.optimizer).paged:
-            unified, opt = opt, 0.0
-        if offload_optimizer:
-            host += opt
-            opt = 0.0
-        if offload_params:
-            host += weights + grads
-            weights, grads = 0.0, 0.0
-        return _Static(weights, grads, opt, 0.0, buffers, host, unified, weight_bytes * largest / shards)
-
-    # LoRA / QLoRA: frozen base, fp32 adapters with their own grads and states.
-    trainable = arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
-    base_bytes = 4 if regime.compute == 4 else 2
-    if setup.method == "qlora":
-        linear = arch.linear_params
-        # The rest: fp32 under DDP (prepare_model_for_kbit_training), the compute dtype under FSDP.
-        rest_bytes = regime.residual if strategy != "fsdp" else regime.compute
-        base = K.NF4_PACKED_BYTES_PER_PARAM * linear + rest_bytes * (params - linear)
-        # The quantisation state is no parameter: FSDP neither shards nor gathers it, so every
-        # GPU holds all of it (as every DDP replica does).
-        quant_state = float(nf4_quant_state_bytes(arch))
-    else:
-        base = base_bytes * params
-        quant_state = 0.0
-    shards = world if strategy == "fsdp" else 1
-    weights = (base + 4 * trainable) / shards
-    grad_shards = world if strategy in ("fsdp", "zero2") else 1
-    grads = 4.0 * trainable / grad_shards
-    opt_shards = 1 if strategy == "ddp" else world
-    opt = optimizer_pp * trainable / opt_shards
-    if strategy.startswith("zero"):
-        buffers = _zero_buckets(4.0)
-    else:
-        buffers = 4.0 * trainable if (strategy == "ddp" and world > 1) else 0.0
-    unified = 0.0
-    if optimizers.kind(setup.optimizer).paged:
-        unified, opt = opt, 0.0
-    if offload_optimizer:
-        host += opt
-        opt = 0.0
-    if offload_params:  # fsdp: the sharded base and adapters live on the host
-        host += weights
-        weights = 0.0
-    weights += quant_state  # on the GPU whatever FSDP offloads (it moves parameters only)
-    return _Static(weights, grads, opt, 0.0, buffers, host, unified, 4.0 * largest / grad_shards)
-
-
-def _targets(targets) -> str | tuple[str, ...]:
-    """The setup's LoRA targets in a hashable form (a list comes in from the API)."""
-    return targets if isinstance(targets, str) else tuple(targets)
-
-
-def _zero_buckets(grad_bytes: float) -> float:
-    """DeepSpeed ZeRO-1/2's buffers alive through the step, with the bucket size the trainer's
-    config sets (contract.ZERO_SETTINGS; overlap_comm and contiguous_gradients on).
-
-    Measured on DeepSpeed's own code (bench/zero_truth.py, CPU, gloo, 1-2 ranks): stages 1/2
-    allocate two reduce buckets of reduce_bucket_size elements (overlap_comm's double buffer)
-    whatever the model's size. Stage 3 is zero3.py's.
-    """
-    return grad_bytes * 2 * K.ZERO_REDUCE_BUCKET_ELEMENTS
-
-
-def _zero3(setup: TrainingSetup, regime: _Regime) -> zero3.Zero3Memory:
-    """Stage 3 per rank (zero3.py) for this setup's model, method and world size."""
-    trace = zero3.decoder_trace(setup.architecture, setup.method, setup.lora_rank,
-                                _targets(setup.lora_targets),
-                                setup.method != "full" and setup.lora_dropout > 0, setup.gradient_checkpointing)
-    return zero3.rank_memory(trace, world=setup.world_size, compute_bytes=regime.compute,
-                             optimizer_bytes_per_param=_optimizer_bytes_per_param(setup, regime),
-                             offload=setup.offload, settings=K.ZERO_SETTINGS)
-
-
 # ---- the estimate ---------------------------------------------------------------------
 
 
@@ -557,86 +173,6 @@ def _notes(setup: TrainingSetup) -> list[str]:
     return notes
 
 
-@dataclass(frozen=True)
-class _Sharding:
-    """Gathered parameters and gradients in flight at each moment of the step (bytes)."""
-
-    forward: float
-    backward_start: float  # the loss gradient at its widest
-    head_reduce: float  # the head's gradient being reduced (FSDP), all activations still alive
-    backward_mid: float  # a block's backward
-    block_reduce: float  # a block's gradient being reduced (FSDP)
-    backward_end: float  # the embedding's backward
-    end_grads_missing: float  # sharded gradients not yet written at that moment
-    optimizer: float
-
-
-def _sharding(setup: TrainingSetup, regime: _Regime, static: _Static) -> _Sharding:
-    arch, world = setup.architecture, setup.world_size
-    block = arch.block_params
-    embed = arch.vocab_size * arch.hidden_size
-    tied = arch.tie_word_embeddings
-    gathered_bytes = regime.compute  # FSDP/ZeRO-3 gather in the compute dtype (param_dtype)
-    if setup.strategy == "fsdp":
-        # transformers' FSDP plan: the embedding and each block are groups resharded after
-        # forward; the final norm and the head are one group kept gathered until its backward
-        # (tied: the embedding is in that group, which then stays gathered through backward).
-        # A group's post-backward reshards it, copies its unsharded gradient (compute dtype)
-        # into an fp32 reduce-scatter input (reduce_dtype fp32), then frees the unsharded one.
-        # Measured on the trace: the embedding group stays gathered until the root's forward
-        # returns.
-        grad_frac = 1.0 if setup.method == "full" else 0.0  # a frozen base has no gradients
-        block_gathered = gathered_bytes * block
-        if regime.qlora:
-            # fsdp_qlora gathers the 4-bit storage; bitsandbytes dequantises per matmul.
-            linear = sum(lin.params for lin in arch.block_linears())
-            block_gathered = K.NF4_PACKED_BYTES_PER_PARAM * linear + gathered_bytes * (block - linear)
-        tail = gathered_bytes * (embed + arch.hidden_size)
-        tail_grad = gathered_bytes * grad_frac * embed
-        reduce = (gathered_bytes + 4) * grad_frac
-        tied_extra = tail + tail_grad if tied else 0.0
-        return _Sharding(
-            forward=tail + (0.0 if tied else gathered_bytes * embed),
-            backward_start=tail,
-            head_reduce=(tail + tail_grad + block_gathered) if tied
-            else (block_gathered + reduce * (embed + arch.hidden_size)),
-            backward_mid=2 * block_gathered + gathered_bytes * grad_frac * block + tied_extra,
-            block_reduce=block_gathered + reduce * block + tied_extra,
-            backward_end=reduce * (embed + (arch.hidden_size if tied else 0)),
-            end_grads_missing=4 * grad_frac * embed / world,
-            optimizer=0.0,
-        )
-    if static.zero3 is not None:
-        # Stage 3 (zero3.py): the parameters gathered at the high point of forward; in backward
-        # with the gradients on their way into the reduce bucket; in the step one sub-group's
-        # fp32 gradient, while the persistent parameters are partitioned too.
-        stage3 = static.zero3
-        fwd = static.buffers_step + stage3.gathered_forward
-        bwd = static.buffers_step + stage3.gathered_backward
-        step = max(0.0, static.buffers_step + stage3.step_transient - stage3.persistent)
-        return _Sharding(fwd, bwd, bwd, bwd, bwd, bwd, 0.0, step)
-    buffers = static.buffers_step
-    return _Sharding(buffers, buffers, buffers, buffers, buffers, buffers, 0.0, buffers)
-
-
-def _optimizer_step_temporaries(setup: TrainingSetup, regime: _Regime, static: _Static) -> float:
-    """Transient bytes of one optimizer step. Fused torch AdamW and bitsandbytes' kernels
-    update in place; the trainer's bf16 AdamW (bf16_adamw.py) computes one parameter at a
-    time in fp32 (gradient, both moments, the old weight, and for stochastic rounding the
-    random bits and the rounded value): bytes per element of the largest parameter's shard.
-    torchao's low-bit AdamW steps one parameter at a time too (`step_temp_bytes_per_value`)."""
-    kind = optimizers.kind(setup.optimizer)
-    if kind.step_temp_bytes_per_value:
-        return kind.step_temp_bytes_per_value * static.largest_gradient / (2.0 if regime.master_bf16 else 4.0)
-    if not regime.master_bf16 or setup.optimizer != "adamw":
-        return 0.0
-    elements = static.largest_gradient / 2.0  # bf16 gradients: 2 bytes per element
-    if K.BF16_ADAMW_STEP_SLICE_ELEMENTS:
-        elements = min(elements, K.BF16_ADAMW_STEP_SLICE_ELEMENTS)
-    per_element = K.BF16_ADAMW_STEP_TEMP_BYTES + K.BF16_ADAMW_ROUNDING_TEMP_BYTES[setup.update_rounding]
-    return per_element * elements
-
-
 def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     """Per-GPU peak allocated bytes of one training step, with the terms at the peak.
 
@@ -652,46 +188,91 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     notes = _notes(setup)
     if (arch.attn_logit_softcapping or arch.traits.eager_only) and setup.attention == "sdpa":
         setup = replace(setup, attention="eager")
-    regime = _regime(setup)
-    tokens = setup.micro_batch_size * setup.sequence_length
-    world = setup.world_size
-    static = _static(setup, regime)
-    sharding = _sharding(setup, regime, static)
-    layers = arch.num_layers
-    hidden = arch.hidden_size
-    embed = arch.vocab_size * hidden
+    regime = regime_of(setup)
+    static = static_state(setup, regime)
+    parts = _StepParts(
+        setup=setup, regime=regime, static=static, sharding=sharding_of(setup, regime, static),
+        saved=saved_activations(setup, regime), copies=_weight_copies(setup, regime),
+        dequant=_dequantised_weight(setup, regime), grads=_gradients(setup, static),
+        step_temporaries=optimizer_step_temporaries(setup, regime, static),
+    )
+    phases = {"forward": _forward(parts), "backward": _backward(parts), "optimizer": _optimizer_step(parts)}
+    if static.zero3 is not None:
+        # ZeRO-3 allocates its gradient partition once, at start-up: it is there in every phase,
+        # and a gradient on its way there is in the replayed buffers (zero3.py).
+        for terms in phases.values():
+            terms["gradients"] = static.gradients
+    totals = {k: round(sum(v.values())) for k, v in phases.items()}
+    peak_phase = max(PHASES, key=lambda k: totals[k])
+    breakdown = {k: int(round(v)) for k, v in phases[peak_phase].items()}
+    peak = sum(breakdown.values())
+
+    reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if setup.world_size > 1 else 0)
+    offloaded_to_host = parts.saved.offloaded_to_host
+    return MemoryEstimate(
+        peak_allocated_bytes=peak,
+        required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
+        peak_phase=peak_phase,
+        breakdown=breakdown,
+        host_required_bytes=_host_bytes(setup, static, offloaded_to_host),
+        notes=tuple(notes),
+        phase_peaks=totals,
+        reserve_bytes=reserve,
+        unified_memory_bytes=int(round(static.unified)),
+        activation_offload_bytes=int(round(offloaded_to_host)),
+    )
+
+
+# ---- the parts the phases are assembled from ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class _WeightCopies:
+    """Compute-dtype copies of weights that autocast (or peft) makes, bytes at each moment."""
+
+    forward: float  # all alive at the end of the forward
+    backward_start: float
+    block: float  # one block's, alive while its backward runs
+
+
+@dataclass(frozen=True)
+class _Gradients:
+    """The gradients as the moments of backward hold them, bytes."""
+
+    all: float  # every gradient (the step in backward: only the largest one)
+    block: float  # one block's
+    embedding: float  # the input embedding's (full fine-tuning, untied)
+
+
+@dataclass(frozen=True)
+class _StepParts:
+    """What the phases of one step are assembled from, each worked out once."""
+
+    setup: TrainingSetup
+    regime: Regime
+    static: StaticState
+    sharding: Sharding
+    saved: SavedActivations
+    copies: _WeightCopies
+    dequant: float  # one 4-bit weight dequantised for its matmul (QLoRA)
+    grads: _Gradients
+    step_temporaries: float  # one optimizer step's transients (states.py)
+
+    @property
+    def tokens(self) -> int:
+        return self.setup.micro_batch_size * self.setup.sequence_length
+
+    def resting(self) -> dict[str, float]:
+        """Every term, zero but the state that lives through the step (in TERMS order: the sums add in it)."""
+        static = self.static
+        return dict(dict.fromkeys(TERMS, 0.0), weights=static.weights, optimizer=static.optimizer,
+                    master_weights=static.master_weights)
+
+
+def _weight_copies(setup: TrainingSetup, regime: Regime) -> _WeightCopies:
+    arch = setup.architecture
+    embed = arch.vocab_size * arch.hidden_size
     head = 0 if arch.tie_word_embeddings else embed
-
-    # ---- activations ----
-    block_per_token, lora_per_token = _block_saved_bytes_per_token(arch, setup, regime)
-    # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
-    shared = 2 * regime.compute * arch.rotary_dim * tokens
-    if setup.attention == "eager":
-        shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
-    elif _sdpa_needs_mask(arch, setup):
-        shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
-    # The final norm's saved input and its output (the head's input), the embedding output.
-    around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
-    if arch.traits.layer_norm:
-        autocast = regime.compute == 2 and not regime.master_bf16
-        around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
-                  + regime.residual * hidden + families.embedding_dropout_saved(arch)) * tokens
-    one_block = (block_per_token + lora_per_token) * tokens
-    block_input = regime.residual * hidden * tokens
-    offloaded_to_host = 0.0
-    if setup.gradient_checkpointing:
-        # Non-reentrant checkpointing keeps each block's input; backward recomputes one block.
-        kept, kept_lora, recompute = layers * block_input, 0.0, one_block
-        if setup.activation_offloading:
-            # Lever: the kept block inputs live in host memory; the GPU holds the one being
-            # copied out in forward, or brought back for its recompute in backward.
-            offloaded_to_host = kept
-            kept = block_input
-    else:
-        kept, kept_lora, recompute = layers * block_per_token * tokens, layers * lora_per_token * tokens, 0.0
-    logits_fwd_per_token, logits_bwd_per_token = _logits_bytes(arch, setup, regime)
-
-    # ---- autocast weight copies ----
     lora_params = 0 if setup.method == "full" else arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
     if regime.autocast_fp32_weights:
         # Cached bf16 copies of every fp32 weight: all alive at the end of the forward; without
@@ -713,46 +294,61 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         copies_block = 0.0
     else:
         copies_fwd = copies_bwd_start = copies_block = 0.0
+    return _WeightCopies(copies_fwd, copies_bwd_start, copies_block)
 
-    dequant = 0.0
-    if regime.qlora:
-        # bitsandbytes dequantises each 4-bit weight to the compute dtype for its matmul.
-        dequant = 2 * max(lin.params // lin.experts for lin in arch.block_linears())
 
-    # ---- gradients as each moment holds them ----
-    step_temporaries = _optimizer_step_temporaries(setup, regime, static)
+def _dequantised_weight(setup: TrainingSetup, regime: Regime) -> float:
+    if not regime.qlora:
+        return 0.0
+    # bitsandbytes dequantises each 4-bit weight to the compute dtype for its matmul.
+    return 2 * max(lin.params // lin.experts for lin in setup.architecture.block_linears())
+
+
+def _gradients(setup: TrainingSetup, static: StaticState) -> _Gradients:
+    arch = setup.architecture
+    embed = arch.vocab_size * arch.hidden_size
+    head = 0 if arch.tie_word_embeddings else embed
     if setup.optimizer_in_backward:
         # Lever: each parameter's step runs in backward the moment its gradient is complete,
         # and the gradient is freed: at most the largest one exists (and its step's temporaries).
-        all_grads = static.largest_gradient
-        block_grad = 0.0
-        embed_grad = 0.0
-    else:
-        all_grads = static.gradients
-        block_grad = static.gradients * arch.block_params / arch.total_params
-        embed_grad = static.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
+        return _Gradients(static.largest_gradient, 0.0, 0.0)
+    block_grad = static.gradients * arch.block_params / arch.total_params
+    embed_grad = static.gradients * embed / arch.total_params if (setup.method == "full" and head) else 0.0
+    return _Gradients(static.gradients, block_grad, embed_grad)
 
-    static_terms = {"weights": static.weights, "optimizer": static.optimizer, "master_weights": static.master_weights}
-    zero = dict.fromkeys(TERMS, 0.0)
 
-    # ---- forward: at its end, inside the loss ----
-    forward = dict(zero, **static_terms)
-    forward.update(activations=kept + shared + around, lora_activations=kept_lora, weight_copies=copies_fwd,
-                   logits=logits_fwd_per_token * tokens, buffers=sharding.forward + dequant)
+# ---- the phases -------------------------------------------------------------------------
+
+
+def _forward(parts: _StepParts) -> dict[str, float]:
+    """At the end of the forward, inside the loss."""
+    setup, regime, saved, tokens = parts.setup, parts.regime, parts.saved, parts.tokens
+    forward = parts.resting()
+    forward.update(activations=saved.kept + saved.shared + saved.around, lora_activations=saved.kept_lora,
+                   weight_copies=parts.copies.forward, logits=saved.logits_forward_per_token * tokens,
+                   buffers=parts.sharding.forward + parts.dequant)
     if setup.attention == "eager":
         # Inside the last block's eager attention, before the head: the masked scores, the
         # logits they are joined into and the softmax exist at once (gpt-oss at 8192 tokens:
         # 8 GiB each; seen under FSDP with checkpointing).
-        scores = regime.compute * arch.num_attention_heads * (setup.sequence_length + 1) * tokens
+        scores = regime.compute * setup.architecture.num_attention_heads * (setup.sequence_length + 1) * tokens
         in_attention = dict(forward, logits=0.0, activations=forward["activations"] + 3 * scores)
         if sum(in_attention.values()) > sum(forward.values()):
             forward = in_attention
+    return forward
 
-    # ---- backward: the largest of its moments ----
+
+def _backward(parts: _StepParts) -> dict[str, float]:
+    """The largest of backward's moments."""
+    setup, regime, saved, tokens = parts.setup, parts.regime, parts.saved, parts.tokens
+    arch, sharding, copies, dequant = setup.architecture, parts.sharding, parts.copies, parts.dequant
+    hidden = arch.hidden_size
+    embed = arch.vocab_size * hidden
+    kept, shared, recompute = saved.kept, saved.shared, saved.recompute
     # At its start: all that forward saved, the loss gradient at its widest.
-    bwd_start = dict(zero, **static_terms)
-    bwd_start.update(activations=kept + shared + around - block_input, lora_activations=kept_lora,
-                     weight_copies=copies_bwd_start, logits=logits_bwd_per_token * tokens,
+    bwd_start = parts.resting()
+    bwd_start.update(activations=kept + shared + saved.around - saved.block_input, lora_activations=saved.kept_lora,
+                     weight_copies=copies.backward_start, logits=saved.logits_backward_per_token * tokens,
                      buffers=sharding.backward_start + dequant)
     candidates = [bwd_start]
     # Right after the head's backward (FSDP reduces its gradient): activations still alive.
@@ -775,19 +371,20 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         candidates.append(first)
     if setup.gradient_checkpointing:
         # In the middle: a block recomputed on top of the kept inputs.
-        mid = dict(zero, **static_terms)
-        mid.update(activations=kept + shared + recompute + block_bwd, weight_copies=copies_bwd_start + copies_block,
-                   buffers=sharding.backward_mid + dequant)
+        mid = parts.resting()
+        mid.update(activations=kept + shared + recompute + block_bwd,
+                   weight_copies=copies.backward_start + copies.block, buffers=sharding.backward_mid + dequant)
         candidates.append(mid)
         candidates.append(dict(mid, activations=kept + shared, buffers=sharding.block_reduce + dequant))
     # At its end: every gradient exists. Two moments compete: block 0's backward (its
     # recompute and weight-gradient transients alive, its own gradients not yet) and the
     # embedding's backward (all gradients).
-    block0 = dict(zero, **static_terms)
-    block0.update(gradients=all_grads - block_grad - embed_grad, activations=recompute + shared + block_bwd,
-                  weight_copies=copies_block, buffers=sharding.backward_mid + dequant)
+    grads = parts.grads
+    block0 = parts.resting()
+    block0.update(gradients=grads.all - grads.block - grads.embedding, activations=recompute + shared + block_bwd,
+                  weight_copies=copies.block, buffers=sharding.backward_mid + dequant)
     if setup.method == "full" and not setup.gradient_checkpointing:
-        block0["activations"] = block_per_token * tokens + shared + block_bwd  # block 0's own saved tensors
+        block0["activations"] = saved.block_per_token * tokens + shared + block_bwd  # block 0's own saved tensors
     # Under FSDP a dense block's linears are small next to the block terms above; a fused expert
     # weight is most of its block, and its gradient and cast show (gpt-oss-20b, Qwen3-30B-A3B full).
     if regime.autocast_fp32_weights or (setup.method == "full" and (setup.strategy != "fsdp" or arch.is_moe)):
@@ -795,54 +392,32 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         weight_grad_bytes = regime.compute + (2 if regime.master_bf16 else 4)
         block0["gradients"] += weight_grad_bytes * max(lin.params for lin in arch.block_linears())
     candidates.append(block0)
-    bwd_end = dict(zero, **static_terms)
-    grads = all_grads
+    bwd_end = parts.resting()
+    all_grads = grads.all
     if setup.method == "full" and arch.tie_word_embeddings and setup.strategy != "fsdp" \
             and not setup.optimizer_in_backward:
         # Tied: the embedding's dense V x h gradient is added to the head's out of place,
         # so the old gradient, the new one and their sum exist together for a moment.
-        grads += 2 * (2 if regime.master_bf16 else 4) * embed
+        all_grads += 2 * (2 if regime.master_bf16 else 4) * embed
     missing = 0.0 if setup.optimizer_in_backward else sharding.end_grads_missing
-    bwd_end.update(gradients=grads - missing, buffers=sharding.backward_end + dequant)
+    bwd_end.update(gradients=all_grads - missing, buffers=sharding.backward_end + dequant)
     if setup.optimizer_in_backward:
-        bwd_end["optimizer_step"] = step_temporaries  # the largest parameter's step, inside backward
+        bwd_end["optimizer_step"] = parts.step_temporaries  # the largest parameter's step, inside backward
     candidates.append(bwd_end)
-    backward = max(candidates, key=lambda d: sum(d.values()))
+    return max(candidates, key=lambda d: sum(d.values()))
 
-    # ---- optimizer step ----
-    optimizer = dict(zero, **static_terms)
-    if setup.optimizer_in_backward:
-        optimizer.update(buffers=sharding.optimizer)  # the steps already ran; no gradients remain
+
+def _optimizer_step(parts: _StepParts) -> dict[str, float]:
+    optimizer = parts.resting()
+    if parts.setup.optimizer_in_backward:
+        optimizer.update(buffers=parts.sharding.optimizer)  # the steps already ran; no gradients remain
     else:
-        optimizer.update(gradients=static.gradients, buffers=sharding.optimizer, optimizer_step=step_temporaries)
-
-    if static.zero3 is not None:
-        # ZeRO-3 allocates its gradient partition once, at start-up: it is there in every phase,
-        # and a gradient on its way there is in the replayed buffers (zero3.py).
-        for terms in (forward, backward, optimizer):
-            terms["gradients"] = static.gradients
-    phases = {"forward": forward, "backward": backward, "optimizer": optimizer}
-    totals = {k: round(sum(v.values())) for k, v in phases.items()}
-    peak_phase = max(PHASES, key=lambda k: totals[k])
-    breakdown = {k: int(round(v)) for k, v in phases[peak_phase].items()}
-    peak = sum(breakdown.values())
-
-    reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if world > 1 else 0)
-    return MemoryEstimate(
-        peak_allocated_bytes=peak,
-        required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
-        peak_phase=peak_phase,
-        breakdown=breakdown,
-        host_required_bytes=_host_bytes(setup, static, offloaded_to_host),
-        notes=tuple(notes),
-        phase_peaks=totals,
-        reserve_bytes=reserve,
-        unified_memory_bytes=int(round(static.unified)),
-        activation_offload_bytes=int(round(offloaded_to_host)),
-    )
+        optimizer.update(gradients=parts.static.gradients, buffers=parts.sharding.optimizer,
+                         optimizer_step=parts.step_temporaries)
+    return optimizer
 
 
-def _host_bytes(setup: TrainingSetup, static: _Static, offloaded_activations: float) -> int:
+def _host_bytes(setup: TrainingSetup, static: StaticState, offloaded_activations: float) -> int:
     """Host RAM one training process (one GPU) needs: runtime, the weights while loading, offloaded state, data.
 
     Loading follows the trainer: without a sharded strategy from_pretrained materialises the

@@ -1,7 +1,7 @@
 """Activation offloading (`training.activationOffloading`): the block inputs that gradient
 checkpointing keeps go to host memory in forward and come back for the recompute in backward
-(the trainer's activation_offload.py; the memory model's `offloaded_to_host`). It costs time
-(PCIe traffic, which the planner prices), not results."""
+(the trainer's activation_offload.py; the memory model's `SavedActivations.offloaded_to_host`,
+sizing/activations.py). It costs time (PCIe traffic, which the planner prices), not results."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The chunked loss (`training.lossChunks`): the head and the cross-entropy run per sequence
 chunk, so the fp32 logits of the whole micro-batch never exist at once (the trainer's
-chunked_loss.py; the memory model's `_logits_bytes`). The same loss, so `auto` simply uses it,
-unless the model transforms its logits after the head (which the chunks would bypass)."""
+chunked_loss.py; the memory model's `logits_bytes`, sizing/activations.py). The same loss, so
+`auto` simply uses it, unless the model transforms its logits after the head (which the chunks would bypass)."""
 
 from __future__ import annotations
 

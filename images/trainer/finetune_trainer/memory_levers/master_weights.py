@@ -1,7 +1,7 @@
 """bf16 master weights (`training.masterWeights`, with `training.updateRounding`): full
 fine-tuning with bf16 weights, gradients and AdamW moments, no fp32 copy (the trainer's
-bf16_adamw.py; the memory model's `_static`, `_optimizer_bytes_per_param`,
-`_optimizer_step_temporaries`). It gives up the low bits of each update (stochastic or Kahan
+bf16_adamw.py; the memory model's `static_state`, `_optimizer_bytes_per_param` and
+`optimizer_step_temporaries`, sizing/states.py). It gives up the low bits of each update (stochastic or Kahan
 rounding compensate in part), so the planner prefers fp32 at equal cost and recovery tries it
 last, only when more GPUs cannot help."""
 

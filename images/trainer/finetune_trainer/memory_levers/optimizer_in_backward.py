@@ -1,7 +1,7 @@
 """The optimizer step in backward (`training.optimizerInBackward`): each parameter's step runs
 as soon as its gradient is complete and the gradient is freed, so the full set of gradients
-never exists (the trainer's optimizer_in_backward.py; the memory model's `all_grads`). It needs
-gradient accumulation 1 and rules out clipping by global norm."""
+never exists (the trainer's optimizer_in_backward.py; the memory model's `_gradients`,
+sizing/memory.py). It needs gradient accumulation 1 and rules out clipping by global norm."""
 
 from __future__ import annotations
 

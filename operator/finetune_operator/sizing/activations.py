@@ -1,0 +1,234 @@
+"""Saved activations: the bytes per token that autograd keeps for backward, enumerated from the
+shapes following the modules transformers runs (a decoder block's norms, attention, MLP and
+peft's adapters), and the head's and the loss's high points. The family-specific terms are in
+families.py. `saved_activations` multiplies them by the tokens and the layers, as gradient
+checkpointing and activation offloading keep them; memory.py places them in the phases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import families
+from .architecture import ModelArchitecture
+from .regime import Regime
+from .setup import TrainingSetup
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    """What forward saves for backward in one micro-batch, bytes (the logits' high points per token)."""
+
+    block_per_token: float  # one decoder block's base tensors (not its adapters'), per token
+    shared: float  # shared by all blocks: rotary cos/sin, the attention mask
+    around: float  # outside the blocks: the final norm, the head's input, the embedding output
+    block_input: float  # one block's input (the residual stream)
+    kept: float  # the blocks' saved tensors (checkpointing: their inputs) on the GPU through forward
+    kept_lora: float  # the adapters' saved tensors (none kept under checkpointing)
+    recompute: float  # one block recomputed in backward (checkpointing)
+    offloaded_to_host: float  # the kept block inputs activation offloading moves to host memory
+    logits_forward_per_token: float
+    logits_backward_per_token: float
+
+
+def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
+    """The saved activations of the whole model for this setup's micro-batch."""
+    arch = setup.architecture
+    tokens = setup.micro_batch_size * setup.sequence_length
+    layers = arch.num_layers
+    hidden = arch.hidden_size
+    block_per_token, lora_per_token = _block_saved_bytes_per_token(arch, setup, regime)
+    # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
+    shared = 2 * regime.compute * arch.rotary_dim * tokens
+    if setup.attention == "eager":
+        shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
+    elif _sdpa_needs_mask(arch, setup):
+        shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
+    # The final norm's saved input and its output (the head's input), the embedding output.
+    around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
+    if arch.traits.layer_norm:
+        autocast = regime.compute == 2 and not regime.master_bf16
+        around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
+                  + regime.residual * hidden + families.embedding_dropout_saved(arch)) * tokens
+    one_block = (block_per_token + lora_per_token) * tokens
+    block_input = regime.residual * hidden * tokens
+    offloaded_to_host = 0.0
+    if setup.gradient_checkpointing:
+        # Non-reentrant checkpointing keeps each block's input; backward recomputes one block.
+        kept, kept_lora, recompute = layers * block_input, 0.0, one_block
+        if setup.activation_offloading:
+            # Lever: the kept block inputs live in host memory; the GPU holds the one being
+            # copied out in forward, or brought back for its recompute in backward.
+            offloaded_to_host = kept
+            kept = block_input
+    else:
+        kept, kept_lora, recompute = layers * block_per_token * tokens, layers * lora_per_token * tokens, 0.0
+    logits_fwd_per_token, logits_bwd_per_token = logits_bytes(arch, setup, regime)
+    return SavedActivations(block_per_token, shared, around, block_input, kept, kept_lora, recompute,
+                            offloaded_to_host, logits_fwd_per_token, logits_bwd_per_token)
+
+
+def _norm_saved(arch: ModelArchitecture, regime: Regime) -> float:
+    """Bytes per token one RMSNorm saves: its fp32 input, and the normalised value if the weight trains."""
+    hidden = arch.hidden_size
+    saved = 4 * hidden
+    if regime.weights_trainable:
+        # Gemma computes the whole norm in fp32; Llama-style norms cast back to the input dtype first.
+        saved += 4 * hidden if arch.traits.fp32_norms else regime.residual * hidden
+    return saved
+
+
+_INPUT_OF = {  # which tensor a block linear reads, to find adapters that share one
+    "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
+    "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "gate": "mlp_in",
+    "experts.gate_up_proj": "mlp_in", "down_proj": "mlp_mid", "experts.down_proj": "mlp_mid",
+    # phi reads its one LayerNorm's output in attention and MLP; gpt_neox has two.
+    "query_key_value": "attn_in", "dense": "attn_out", "fc1": "attn_in", "fc2": "mlp_mid",
+    "dense_h_to_4h": "mlp_in", "dense_4h_to_h": "mlp_mid",
+}
+
+
+def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> float:
+    """Bytes per token peft's adapters save: the input each lora_A reads, and x A."""
+    if not regime.lora:
+        return 0.0
+    rank = setup.lora_rank
+    dropout = setup.lora_dropout > 0
+    # Under FSDP the adapters are gathered in the compute dtype with the base, so peft's
+    # cast of the input to the adapter dtype is a no-op and adapters reading the same
+    # tensor save that one tensor; the attention output is saved by attention already.
+    # Not so in phi and gpt_neox: their LayerNorms' (and gelu_new's) outputs are fp32 under autocast,
+    # peft casts them once per adapter, and their attention output is a copy attention did not save.
+    shared_inputs = setup.strategy == "fsdp" and regime.compute == 2 and not arch.traits.layer_norm
+    saved = 0.0
+    seen: set[str] = set()
+    for lin in arch.resolve_lora_targets(setup.lora_targets):
+        if lin.name in ("experts.gate_up_proj", "experts.down_proj") and arch.traits.moe != "mixtral":
+            saved += families.expert_adapter_saved(arch, lin, regime.compute, setup.micro_batch_size * setup.sequence_length)
+            continue
+        if lin.name in ("experts.gate_up_proj", "experts.down_proj"):
+            # Expert adapters see only their routed tokens: experts_per_token copies in all.
+            saved += arch.experts_per_token * (regime.compute * lin.in_features + 4 * rank)
+            continue
+        saved += regime.compute * rank  # x A, saved by lora_B
+        if dropout:
+            # Dropout (CUDA's fused kernel) makes a new input per adapter and keeps a bool mask.
+            saved += regime.compute * lin.in_features + lin.in_features
+        elif shared_inputs:
+            source = _INPUT_OF.get(lin.name, lin.name)
+            if source not in seen and source != "attn_out":
+                saved += regime.compute * lin.in_features
+            seen.add(source)
+        else:
+            # peft casts the input to fp32 (the adapter dtype); autocast casts it back for
+            # lora_A, and that per-adapter copy is what lora_A saves.
+            saved += regime.compute * lin.in_features
+    return saved
+
+
+def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
+    """(base, lora) bytes per token that one decoder block saves for backward.
+
+    Attention scores (eager) are per token too: they scale with the sequence length.
+    """
+    hidden, inter, q_width, kv_width = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+    heads, compute = arch.num_attention_heads, regime.compute
+    traits = arch.traits
+    seq = setup.sequence_length
+
+    autocast = compute == 2 and not regime.master_bf16  # the forward runs under autocast
+    if traits.layer_norm:
+        # phi / gpt_neox: LayerNorms and the linears' inputs, non-gated MLP, dropout masks.
+        saved = families.layer_norms_saved(arch, regime.residual, autocast, regime.weights_trainable)
+        saved += families.plain_mlp_saved(arch, compute, autocast, regime.weights_trainable)
+        saved += families.residual_dropout_saved(arch)
+        if setup.attention != "eager":
+            saved += families.attention_output_copy_saved(arch, compute, regime.weights_trainable)
+    else:
+        saved = traits.norms_per_layer * _norm_saved(arch, regime)
+    saved += families.qk_norm_saved(arch, compute, regime.weights_trainable)
+    # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
+    # pre-norms (two per block) feed linears. Only those two feed linears below.
+
+    # Inputs the base linears save (only when their weights train).
+    if regime.weights_trainable and not traits.layer_norm:
+        if regime.autocast_fp32_weights:
+            # Autocast casts the fp32 norm output separately for every linear that reads it.
+            attn_reads = 1 if traits.fused_qkv else 3
+            mlp_reads = 1 if (traits.fused_gate_up or arch.is_moe) else 2
+            saved += (attn_reads + mlp_reads) * 2 * hidden
+        else:
+            saved += 2 * compute * hidden  # one norm output per sub-layer, shared by its linears
+
+    # Attention.
+    if setup.attention == "eager":
+        kv_saved = q_width if arch.num_key_value_heads < heads else kv_width  # repeat_kv copies
+        saved += compute * (q_width + 2 * kv_saved) + compute * q_width  # q, repeated k/v, contiguous output
+        if traits.fused_qkv and traits.layer_norm:
+            saved += compute * (q_width + kv_width)  # gpt_neox: v is a view, the whole query_key_value output stays
+        if traits.attention_sinks:
+            saved += families.eager_sinks_saved(arch, compute, seq)
+        else:
+            saved += (4 + compute) * heads * seq  # softmax output in fp32, and its cast for probs @ v
+        if arch.attn_logit_softcapping:
+            saved += compute * heads * seq  # tanh output
+    else:
+        saved += compute * (2 * q_width + 2 * kv_width) + 4 * heads  # q, k, v, output, logsumexp
+        if traits.fused_qkv:
+            saved += compute * (q_width + kv_width)  # v is a view: the whole fused qkv output stays alive
+        if _sdpa_needs_mask(arch, setup):
+            # With a mask sdpa runs the memory-efficient kernel, which converts the boolean
+            # mask to the compute dtype and saves it for backward: one b x s x s per block.
+            saved += compute * seq * families.sliding_share(arch)  # only the sliding layers get one
+
+    # MLP.
+    if traits.plain_mlp:
+        pass  # counted with the LayerNorms above
+    elif arch.is_moe and traits.moe != "mixtral":
+        saved += families.grouped_experts_saved(arch, 4 if regime.autocast_fp32_weights else compute,
+                                                regime.weights_trainable)
+    elif arch.is_moe:
+        top_k = arch.experts_per_token
+        saved += 4 * arch.num_experts  # router logits/probabilities (fp32)
+        # gathered in, gate_up, act, product, down out
+        saved += top_k * (compute * hidden + compute * 2 * inter + compute * inter + compute * inter + compute * hidden)
+    else:
+        saved += 3 * regime.mlp * inter  # gate (act input), act output, up
+        if regime.weights_trainable:
+            saved += compute * inter  # down's input
+    return saved, _lora_saved(arch, setup, regime)
+
+
+def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
+    """sdpa gets an explicit mask when a sliding window is shorter than the sequence (flash does windows itself)."""
+    return (setup.attention == "sdpa" and arch.num_sliding_layers > 0  # a window no layer uses (Qwen) masks nothing
+            and setup.sequence_length > arch.sliding_window)
+
+
+def logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
+    """(forward, backward) high points of the head and loss, bytes per token.
+
+    Forward (mixed precision): logits in bf16, the fp32 upcast for the loss, log_softmax's
+    fp32 output (saved), then the upcast is freed and accelerate converts the model's
+    logits to fp32: 2 + 4 + 4 = 10 bytes x vocab either way.
+    Backward starts with log_softmax's saved output, nll_loss's gradient and the
+    log_softmax gradient, all fp32: 12 bytes x vocab.
+
+    Chunked loss (the trainer's chunked_loss.py): the head and the loss run per sequence
+    chunk under checkpointing, so forward keeps only each chunk's summed loss and backward
+    recomputes one chunk's logits at a time: one chunk's worth of the above, plus the
+    recomputed bf16 logits of that chunk in backward.
+    """
+    vocab = arch.vocab_size
+    if setup.loss_chunks > 1:
+        per_chunk_fwd = (8 if regime.compute == 4 else 10) * vocab
+        per_chunk_bwd = 12 * vocab + regime.compute * vocab
+        return per_chunk_fwd / setup.loss_chunks, per_chunk_bwd / setup.loss_chunks
+    if regime.compute == 4:
+        fwd = 8 * vocab  # logits, log_softmax output
+    else:
+        fwd = 10 * vocab
+    bwd = 12 * vocab
+    if arch.final_logit_softcapping:
+        fwd += regime.compute * vocab * 2  # tanh output saved, capped logits
+        bwd += regime.compute * vocab
+    return fwd, bwd
