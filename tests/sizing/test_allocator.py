@@ -151,3 +151,36 @@ def test_min_capacity_is_between_live_peak_and_unlimited_reserved():
 def test_zero_byte_and_unknown_frees_are_ignored():
     s = replay([(1, 0), (1, None), (7, None)], expandable=False)
     assert s.peak_reserved == 0 and s.peak_allocated == 0
+
+
+def test_tracker_records_the_trace_it_counts():
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from finetune_trainer.peak_tracker import PeakTracker
+
+    with FakeTensorMode(), PeakTracker() as off:
+        torch.empty(1000)
+    assert off.events is None  # off by default: nothing is recorded
+
+    with FakeTensorMode(), PeakTracker(record=True) as tracker:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 B -> 4096
+        b = torch.empty(10, dtype=torch.bfloat16)  # 20 B -> 512
+        del b
+        a.untyped_storage().resize_(8000)  # a new 8192 B buffer, then the old one freed
+        a.untyped_storage().resize_(0)  # freed
+        c = torch.empty(256, dtype=torch.float32)  # 1024
+        del a, c
+    assert tracker.events == [(0, 4096), (1, 512), (1, None), (2, 8192), (0, None), (2, None),
+                              (3, 1024), (3, None)]
+    # Replayed, the trace's live peak holds both buffers of the resize (as the copy does); the
+    # tracker's own count moves by the difference only. FSDP2 resizes to and from 0 only.
+    assert replay(tracker.events, expandable=False).peak_requested == 4096 + 8192
+    assert tracker.peak == 8192
+    # Without the resize, the replayed live peak is the tracker's peak.
+    with FakeTensorMode(), PeakTracker(record=True) as tracker:
+        x = [torch.empty(n) for n in (100, 5000, 300_000)]
+        del x[1]
+        x.append(torch.empty(1 << 20))
+        del x
+    assert replay(tracker.events, expandable=True).peak_requested == tracker.peak
