@@ -15,6 +15,7 @@ Not traced here (the profile cannot): QLoRA (bitsandbytes needs CUDA), CPU offlo
 
     python bench/allocator_replay.py            # the table; writes bench/results/allocator_replay.json
     python bench/allocator_replay.py --only lora --no-write
+    python bench/allocator_replay.py --from-json   # the table and the fit from the stored results
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "images", "trainer"))
 sys.path.insert(0, HERE)
 
 from finetune_operator.sizing import TrainingSetup  # noqa: E402
-from finetune_operator.sizing.allocator import min_capacity, replay  # noqa: E402
+from finetune_operator.sizing.allocator import (  # noqa: E402
+    FACTOR_MARGIN, MEASURED_FACTORS, factor_key, fit_factors, min_capacity, replay)
 from finetune_operator.sizing.presets import preset  # noqa: E402
 
 GIB = 1 << 30
@@ -193,13 +195,51 @@ def format_row(r: ReplayRow) -> str:
             f"{caps:>11}")
 
 
+def factor_rows(rows: list[dict], held_out: bool):
+    """(FactorKey, ratio) for both allocator modes of each row that is (or is not) held out."""
+    for r in rows:
+        case = r["case"]
+        if case["held_out"] != held_out:
+            continue
+        variable = len(set(case["seqs"])) > 1
+        for mode, expandable in (("classic", False), ("expandable", True)):
+            yield (factor_key(expandable, variable, case["gc"]), r[mode]["peak_reserved"] / r["peak_live"],
+                   case["name"], mode)
+
+
+def print_fit(rows: list[dict]) -> None:
+    fit = fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False))
+    print("\nfit on the rows not held out (the largest ratio of each group, rounded up to 0.01):")
+    for key, value in sorted(fit.items(), key=lambda kv: (not kv[0].expandable, kv[0].variable, kv[0].checkpointing)):
+        stored = MEASURED_FACTORS.get(key)
+        print(f"  expandable={key.expandable!s:<5} variable={key.variable!s:<5} checkpointing={key.checkpointing!s:<5}"
+              f" fit {value:.2f}  (MEASURED_FACTORS {stored})")
+    print(f"held out: measured ratio vs the fit (and with FACTOR_MARGIN {FACTOR_MARGIN}); negative = under-predicted")
+    worst = 0.0
+    for key, ratio, name, mode in factor_rows(rows, held_out=True):
+        gap = fit[key] - ratio
+        worst = min(worst, gap)
+        print(f"  {name:<26} {mode:<10} measured {ratio:.3f}  fit {fit[key]:.2f} ({gap:+.3f})  "
+              f"with margin {fit[key] + FACTOR_MARGIN:.2f} ({gap + FACTOR_MARGIN:+.3f})")
+    print(f"held-out worst under-prediction without the margin: {worst:+.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--no-min-cap", action="store_true", help="skip the bisection for the least capacity")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--from-json", action="store_true", help="print the table and the fit from --out, trace nothing")
     ns = ap.parse_args(argv)
+    if ns.from_json:
+        with open(ns.out) as f:
+            stored = json.load(f)["rows"]
+        print(HEADER)
+        for r in stored:
+            print(format_row(ReplayRow(**r)))
+        print_fit(stored)
+        return 0
     rows = []
     print(HEADER, flush=True)
     for case in [c for c in CASES if ns.only in c.name]:
@@ -216,6 +256,7 @@ def main(argv=None) -> int:
         with open(ns.out, "w") as f:
             json.dump({"torch": torch.__version__, "rows": [asdict(r) for r in rows]}, f, indent=1)
         print(f"results: {ns.out}")
+    print_fit([asdict(r) for r in rows])
     return 0
 
 

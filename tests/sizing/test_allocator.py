@@ -184,3 +184,38 @@ def test_tracker_records_the_trace_it_counts():
         x.append(torch.empty(1 << 20))
         del x
     assert replay(tracker.events, expandable=True).peak_requested == tracker.peak
+
+
+def test_measured_factors_are_the_fit_of_the_stored_replays():
+    import json
+    import os
+    import sys
+
+    from finetune_operator.sizing.allocator import MEASURED_FACTORS, fit_factors
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+    sys.path.insert(0, os.path.abspath(bench))
+    from allocator_replay import RESULTS, factor_rows
+
+    with open(RESULTS) as f:
+        rows = json.load(f)["rows"]
+    assert fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False)) == MEASURED_FACTORS
+    assert any(r["case"]["held_out"] for r in rows) and any(not r["case"]["held_out"] for r in rows)
+
+
+def test_reserved_factor_reads_the_setup():
+    from finetune_operator.sizing import TrainingSetup
+    from finetune_operator.sizing.allocator import FACTOR_MARGIN, MEASURED_FACTORS, FactorKey, reserved_factor
+    from finetune_operator.sizing.presets import preset
+
+    plain = TrainingSetup(architecture=preset("llama-3.2-1b"))
+    gc = TrainingSetup(architecture=preset("llama-3.2-1b"), gradient_checkpointing=True)
+    assert reserved_factor(plain) == MEASURED_FACTORS[FactorKey(True, False, False)] + FACTOR_MARGIN
+    assert reserved_factor(gc) == MEASURED_FACTORS[FactorKey(True, False, True)] + FACTOR_MARGIN
+    # Expandable segments: lengths do not matter; classic: varying lengths cost more.
+    assert reserved_factor(gc, variable_lengths=False) == reserved_factor(gc, variable_lengths=True)
+    assert reserved_factor(gc, expandable_segments=False, variable_lengths=True) > \
+        reserved_factor(gc, expandable_segments=False, variable_lengths=False)
+    # CPU offload is not traced: the mode's largest factor.
+    assert reserved_factor(plain, cpu_offload=True) == max(
+        v for k, v in MEASURED_FACTORS.items() if k.expandable) + FACTOR_MARGIN
