@@ -6,7 +6,9 @@ checkpointing, peft adapters in fp32) it runs two real training steps and record
 the second step:
 
 * max_memory_allocated   -> compared with the estimate's peak allocated bytes
-* max_memory_reserved    -> reserved / allocated calibrates FRAGMENTATION_FACTOR
+* max_memory_reserved    -> reserved / allocated, printed beside sizing.allocator.reserved_factor's
+                            prediction for the case (expandable segments on, as the trainer runs,
+                            unless the case says off; fixed or variable sequence lengths)
 * device used (mem_get_info) - reserved -> calibrates CUDA_CONTEXT_RESERVE_BYTES
 
 Each setup runs in its own process (a fresh CUDA context, so the device-level figure is
@@ -16,7 +18,7 @@ printed with the suggested constants.
 
     python bench/sizing_gpu.py --dry-run     # print the matrix and estimates (no GPU needed)
     python bench/sizing_gpu.py --cpu-smoke --out /tmp/smoke.jsonl   # run the code path on the CPU
-    python bench/sizing_gpu.py               # run it (needs CUDA)
+    python bench/sizing_gpu.py               # run it (needs CUDA; without it, exits 2 with a message)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "operator"))
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
 from finetune_operator.sizing.presets import preset  # noqa: E402
 from finetune_operator.sizing import constants as K  # noqa: E402
+from finetune_operator.sizing.allocator import reserved_factor  # noqa: E402
 
 GIB = 1 << 30
 # A whole run must stay under 8 minutes: each case gets a hard limit, and the run stops
@@ -55,10 +58,20 @@ class GpuCase:
     optimizer: str = "adamw"
     rank: int = 16
     dropout: float = 0.05
+    expandable: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as the trainer's pod sets
+    variable: bool = False  # steps of lengths seq/2, 3seq/4, seq, 5seq/8 (the collator pads per batch)
 
     @property
     def key(self) -> str:
-        return f"{self.preset}|{self.method}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|{self.attention}|{self.optimizer}"
+        return (f"{self.preset}|{self.method}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|{self.attention}"
+                f"|{self.optimizer}" + ("" if self.expandable else "|classic") + ("|var" if self.variable else ""))
+
+    def lengths(self) -> tuple[int, ...]:
+        s = self.seq
+        return (s // 2, 3 * s // 4, s, 5 * s // 8) if self.variable else (s, s)
+
+    def predicted_factor(self) -> float:
+        return reserved_factor(self.setup(), expandable_segments=self.expandable, variable_lengths=self.variable)
 
     def setup(self) -> TrainingSetup:
         return TrainingSetup(
@@ -82,6 +95,10 @@ MATRIX = [
     GpuCase("qwen2.5-7b", "lora", 2, 2048, True),
     GpuCase("llama-3.2-3b", "qlora", 2, 2048, True, optimizer="paged-adamw-8bit"),
     GpuCase("llama-3.2-3b", "full", 2, 2048, True, optimizer="adamw-8bit"),
+    # The allocator model's other corners: variable lengths, expandable segments off.
+    GpuCase("llama-3.2-1b", "full", 2, 2048, True, variable=True),
+    GpuCase("llama-3.2-1b", "full", 2, 2048, True, variable=True, expandable=False),
+    GpuCase("llama-3.2-1b", "lora", 2, 2048, False, variable=True, expandable=False),
 ]
 
 
@@ -147,10 +164,10 @@ def run_case(case: GpuCase, device: str = "cuda") -> dict:
             return forward_fn(**kw)
 
     forward = convert_outputs_to_fp32(forward)
-    shape = (case.batch, case.seq) if device == "cuda" else (1, 64)
-    ids = torch.randint(0, arch.vocab_size, shape, device=device)
+    lengths = case.lengths() if device == "cuda" else (64, 64)
     setup_s = time.perf_counter() - t0
-    for step in range(2):
+    for step, length in enumerate(lengths):
+        ids = torch.randint(0, arch.vocab_size, (case.batch if device == "cuda" else 1, length), device=device)
         if device == "cpu":
             loss = forward(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -158,7 +175,8 @@ def run_case(case: GpuCase, device: str = "cuda") -> dict:
             optimizer.zero_grad(set_to_none=True)
             continue
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if step == 1:  # the peaks of the steps with optimizer state (from the second on)
+            torch.cuda.reset_peak_memory_stats()
         loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         del loss
@@ -205,13 +223,18 @@ def main(argv=None) -> int:
 
     cases = [c for c in MATRIX if ns.only in c.key]
     if ns.dry_run:
-        print(f"{'setup':<58} {'est peak GiB':>12} {'est required GiB':>16}")
+        print(f"{'setup':<70} {'est peak GiB':>12} {'est required GiB':>16} {'reserved_factor':>15}")
         for c in cases:
             e = estimate_memory(c.setup())
-            print(f"{c.key:<58} {e.peak_allocated_bytes / GIB:>12.2f} {e.required_bytes / GIB:>16.2f}")
+            print(f"{c.key:<70} {e.peak_allocated_bytes / GIB:>12.2f} {e.required_bytes / GIB:>16.2f} "
+                  f"{c.predicted_factor():>15.3f}")
         print(f"{len(cases)} setups; per-case limit {CASE_TIMEOUT_S}s, total budget {TOTAL_BUDGET_S}s")
         return 0
 
+    if not ns.cpu_smoke and not _cuda_available():
+        print("sizing_gpu.py: no CUDA device here; run it on a GPU machine "
+              "(or --dry-run for the estimates, --cpu-smoke to check the code path)", file=sys.stderr)
+        return 2
     out = ns.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), "sizing_gpu.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     start = time.perf_counter()
@@ -228,14 +251,15 @@ def main(argv=None) -> int:
                 continue
             try:
                 proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(asdict(c))]
-                                      + (["--cpu-smoke"] if ns.cpu_smoke else []),
+                                      + (["--cpu-smoke"] if ns.cpu_smoke else []), env=_child_env(c),
                                       capture_output=True, text=True, timeout=300 if ns.cpu_smoke else min(CASE_TIMEOUT_S, left))
                 lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
                 result = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-500:]}
             except subprocess.TimeoutExpired:
                 result = {"error": "timeout"}
             result.update(key=c.key, wall_s=time.perf_counter() - t0,
-                          est_peak=est.peak_allocated_bytes, est_required=est.required_bytes)
+                          est_peak=est.peak_allocated_bytes, est_required=est.required_bytes,
+                          predicted_factor=c.predicted_factor())
             f.write(json.dumps(result) + "\n")
             f.flush()
             rows.append(result)
@@ -249,6 +273,9 @@ def main(argv=None) -> int:
               f"worst {max(abs(e) for e in errs):.1f}%, most negative {min(errs):+.1f}%")
         print(f"reserved/allocated: median {statistics.median(frag):.3f}, max {max(frag):.3f} "
               f"(FRAGMENTATION_FACTOR now {K.FRAGMENTATION_FACTOR})")
+        gaps = [(r["predicted_factor"] - r["max_reserved"] / r["max_allocated"]) for r in ok]
+        print(f"reserved_factor - measured ratio: median {statistics.median(gaps):+.3f}, "
+              f"lowest {min(gaps):+.3f} (negative: the model predicts less than measured)")
         print(f"device used - reserved: median {statistics.median(ctx) / GIB:.2f} GiB, max {max(ctx) / GIB:.2f} GiB "
               f"(CUDA_CONTEXT_RESERVE_BYTES now {K.CUDA_CONTEXT_RESERVE_BYTES / GIB:.2f} GiB)")
         underfit = [r for r in ok if r["est_required"] < r["device_used"]]
@@ -257,12 +284,31 @@ def main(argv=None) -> int:
     return 0
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _child_env(case: GpuCase) -> dict:
+    # Each case runs with the allocator setting it names (the trainer's pod sets expandable segments).
+    env = dict(os.environ)
+    if case.expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    else:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    return env
+
+
 def _row(r: dict) -> str:
     if "error" in r:
-        return f"{r['key']:<58} ERROR {r['error'][:120]}"
+        return f"{r['key']:<70} ERROR {r['error'][:120]}"
     err = (r["est_peak"] - r["max_allocated"]) / r["max_allocated"] * 100
-    return (f"{r['key']:<58} est {r['est_peak'] / GIB:7.2f}  alloc {r['max_allocated'] / GIB:7.2f} ({err:+.1f}%)  "
-            f"reserved {r['max_reserved'] / GIB:7.2f}  device {r['device_used'] / GIB:7.2f}  "
+    return (f"{r['key']:<70} est {r['est_peak'] / GIB:7.2f}  alloc {r['max_allocated'] / GIB:7.2f} ({err:+.1f}%)  "
+            f"reserved {r['max_reserved'] / GIB:7.2f}  ratio {r['max_reserved'] / r['max_allocated']:.3f} "
+            f"(predicted {r['predicted_factor']:.3f})  device {r['device_used'] / GIB:7.2f}  "
             f"required {r['est_required'] / GIB:7.2f}  {r['wall_s']:.0f}s")
 
 

@@ -14,6 +14,12 @@ every module after every op (slow on deep models) and hooks every parameter
   builds global-shape tensors that never exist on a device).
 
 Phases: `mark(phase)` names what runs next; `phase_peaks` keeps the peak per phase.
+
+Recording (opt-in, `PeakTracker(record=True)`): `events` holds the ordered trace of
+allocations `(serial, nbytes)` and frees `(serial, None)`, in the rounded sizes counted
+above, for the caching-allocator model (finetune_operator.sizing.allocator.replay). A
+`resize_` to another non-zero size is recorded as the new buffer's allocation, then the old
+one's free (the storage copies into a new allocation). Off, nothing is recorded.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ def _rounded(nbytes: int) -> int:
 
 
 class PeakTracker(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         super().__init__()
+        self.events: list[tuple[int, int | None]] | None = [] if record else None
+        self._serials: dict[int, int] = {}  # storage key -> serial of its allocation (recording only)
+        self._next_serial = 0
         self.current = 0
         self.peak = 0
         self.phase = "setup"
@@ -52,10 +61,23 @@ class PeakTracker(TorchDispatchMode):
         if self.current > self.phase_peaks.get(self.phase, 0):
             self.phase_peaks[self.phase] = self.current
 
+    def _record_alloc(self, key: int, size: int) -> None:
+        if size:
+            self._serials[key] = self._next_serial
+            self.events.append((self._next_serial, size))
+            self._next_serial += 1
+
+    def _record_free(self, key: int) -> None:
+        serial = self._serials.pop(key, None)
+        if serial is not None:
+            self.events.append((serial, None))
+
     def _on_death(self, key: int, _ref) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current -= entry[1]
+            if self.events is not None:
+                self._record_free(key)
 
     def _track_storage(self, st: torch.UntypedStorage) -> None:
         key = id(st)
@@ -63,6 +85,9 @@ class PeakTracker(TorchDispatchMode):
         if entry is not None and entry[0]() is st:
             return
         size = _rounded(st.nbytes())
+        if self.events is not None:
+            self._record_free(key)  # a dead storage whose id was reused before its callback ran
+            self._record_alloc(key, size)
         self._live[key] = (weakref.ref(st, lambda r, k=key: self._on_death(k, r)), size)
         self._bump(size)
 
@@ -96,6 +121,11 @@ class PeakTracker(TorchDispatchMode):
                 new = _rounded(st.nbytes())
                 tracker._live[key] = (entry[0], new)
                 tracker._bump(new - entry[1])
+                if tracker.events is not None and new != entry[1]:
+                    old = tracker._serials.pop(key, None)
+                    tracker._record_alloc(key, new)
+                    if old is not None:
+                        tracker.events.append((old, None))
             return result
 
         torch.UntypedStorage.resize_ = resize_

@@ -17,6 +17,8 @@ MIB = 1 << 20
 # training loops of LLMs typically reserve 5-15% above the allocated peak
 # (expandable segments narrow this). We plan with 10%; bench/sizing_gpu.py measures
 # max_memory_reserved / max_memory_allocated on a real GPU to calibrate it.
+# sizing/allocator.py's reserved_factor(setup) replaces this one figure with factors replayed
+# from traced allocations per setup (bench/allocator_replay.py), once memory.py calls it.
 FRAGMENTATION_FACTOR = 1.10
 
 # Outside the allocator entirely: the CUDA context and loaded kernels (~500-700 MiB
