@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 
 from finetune_operator.sizing import TrainingSetup  # noqa: E402
 from finetune_operator.sizing.allocator import (  # noqa: E402
-    FACTOR_MARGIN, MEASURED_FACTORS, factor_key, fit_factors, min_capacity, replay)
+    FACTOR_MARGIN, MEASURED_FACTORS, MIN_CAPACITY_FACTORS, factor_key, fit_factors, min_capacity, replay)
 from finetune_operator.sizing.presets import preset  # noqa: E402
 
 GIB = 1 << 30
@@ -195,28 +195,36 @@ def format_row(r: ReplayRow) -> str:
             f"{caps:>11}")
 
 
-def factor_rows(rows: list[dict], held_out: bool):
-    """(FactorKey, ratio) for both allocator modes of each row that is (or is not) held out."""
+def factor_rows(rows: list[dict], held_out: bool, measure: str = "reserved"):
+    """(FactorKey, ratio) for both allocator modes of each row that is (or is not) held out.
+    measure "reserved": the unlimited run's peak reserved (what max_memory_reserved shows on a GPU
+    with room to spare); "min_cap": the least capacity the trace runs in (what decides a fit)."""
     for r in rows:
         case = r["case"]
         if case["held_out"] != held_out:
             continue
         variable = len(set(case["seqs"])) > 1
         for mode, expandable in (("classic", False), ("expandable", True)):
-            yield (factor_key(expandable, variable, case["gc"]), r[mode]["peak_reserved"] / r["peak_live"],
-                   case["name"], mode)
+            top = r[mode]["peak_reserved"] if measure == "reserved" else r[f"min_cap_{mode}"]
+            yield (factor_key(expandable, variable, case["gc"]), top / r["peak_live"], case["name"], mode)
 
 
 def print_fit(rows: list[dict]) -> None:
-    fit = fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False))
-    print("\nfit on the rows not held out (the largest ratio of each group, rounded up to 0.01):")
+    for measure, stored_factors in (("reserved", MEASURED_FACTORS), ("min_cap", MIN_CAPACITY_FACTORS)):
+        _print_fit(rows, measure, stored_factors)
+
+
+def _print_fit(rows: list[dict], measure: str, stored_factors: dict) -> None:
+    fit = fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False, measure=measure))
+    name_of = "MEASURED_FACTORS" if measure == "reserved" else "MIN_CAPACITY_FACTORS"
+    print(f"\n{measure}: fit on the rows not held out (the largest ratio of each group, rounded up to 0.01):")
     for key, value in sorted(fit.items(), key=lambda kv: (not kv[0].expandable, kv[0].variable, kv[0].checkpointing)):
-        stored = MEASURED_FACTORS.get(key)
+        stored = stored_factors.get(key)
         print(f"  expandable={key.expandable!s:<5} variable={key.variable!s:<5} checkpointing={key.checkpointing!s:<5}"
-              f" fit {value:.2f}  (MEASURED_FACTORS {stored})")
+              f" fit {value:.2f}  ({name_of} {stored})")
     print(f"held out: measured ratio vs the fit (and with FACTOR_MARGIN {FACTOR_MARGIN}); negative = under-predicted")
     worst = 0.0
-    for key, ratio, name, mode in factor_rows(rows, held_out=True):
+    for key, ratio, name, mode in factor_rows(rows, held_out=True, measure=measure):
         gap = fit[key] - ratio
         worst = min(worst, gap)
         print(f"  {name:<26} {mode:<10} measured {ratio:.3f}  fit {fit[key]:.2f} ({gap:+.3f})  "

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "images" / "trainer"))
 from finetune_operator import api  # noqa: E402
 from finetune_operator.planning import ClusterPolicy, Infeasible, load_catalog, plan_job  # noqa: E402
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
+from finetune_operator.sizing.allocator import reserved_factor  # noqa: E402
 from finetune_operator.sizing.presets import preset  # noqa: E402
 from finetune_operator.sizing import constants as K  # noqa: E402
 from finetune_trainer.memory_levers import LEVERS, camel  # noqa: E402
@@ -88,8 +89,8 @@ class Job:
     recipe_gpu: str | None = None  # the GPU class the published lean recipe ran on
 
 
-def _arch(preset: str | None = None, config: dict | None = None, name: str = "") -> ModelArchitecture:
-    return preset(preset) if preset else ModelArchitecture.from_hf_config(config, name=name)
+def _arch(preset_name: str | None = None, config: dict | None = None, name: str = "") -> ModelArchitecture:
+    return preset(preset_name) if preset_name else ModelArchitecture.from_hf_config(config, name=name)
 
 
 L8 = _arch("llama-3.1-8b")
@@ -190,8 +191,12 @@ def measured_row(job: Job, m: Measured) -> dict[str, Any]:
     if m.metric == "allocated":
         value, metric = est.peak_allocated_bytes / GIB, "peak allocated (max_memory_allocated)"
     else:
-        value = est.peak_allocated_bytes * K.FRAGMENTATION_FACTOR / GIB
-        metric = "peak reserved (max_memory_reserved ~ allocated x 1.10)"
+        # The published runs used PyTorch's default allocator (no expandable segments), with
+        # variable-length batches unless packed: the classic factor of allocator.py, not the one the
+        # operator plans its own trainer with.
+        factor = reserved_factor(setup, expandable_segments=False, variable_lengths=True)
+        value = est.peak_allocated_bytes * factor / GIB
+        metric = f"peak reserved (max_memory_reserved ~ allocated x {factor:.2f}, classic allocator)"
     return {"source": m.source, "metric": metric, "measured_gib": m.gib, "estimate_gib": value,
             "error": value / m.gib - 1, "differences": m.differences,
             "unified_gib": est.unified_memory_bytes / GIB}

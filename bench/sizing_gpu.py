@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         print(f"\n{len(ok)} setups: median |err| {statistics.median(abs(e) for e in errs):.1f}%, "
               f"worst {max(abs(e) for e in errs):.1f}%, most negative {min(errs):+.1f}%")
         print(f"reserved/allocated: median {statistics.median(frag):.3f}, max {max(frag):.3f} "
-              f"(FRAGMENTATION_FACTOR now {K.FRAGMENTATION_FACTOR})")
+              f"(allocator.reserved_factor plans per setup)")
         gaps = [(r["predicted_factor"] - r["max_reserved"] / r["max_allocated"]) for r in ok]
         print(f"reserved_factor - measured ratio: median {statistics.median(gaps):+.3f}, "
               f"lowest {min(gaps):+.3f} (negative: the model predicts less than measured)")

@@ -191,7 +191,7 @@ def test_measured_factors_are_the_fit_of_the_stored_replays():
     import os
     import sys
 
-    from finetune_operator.sizing.allocator import MEASURED_FACTORS, fit_factors
+    from finetune_operator.sizing.allocator import MEASURED_FACTORS, MIN_CAPACITY_FACTORS, fit_factors
 
     bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
     sys.path.insert(0, os.path.abspath(bench))
@@ -200,6 +200,8 @@ def test_measured_factors_are_the_fit_of_the_stored_replays():
     with open(RESULTS) as f:
         rows = json.load(f)["rows"]
     assert fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False)) == MEASURED_FACTORS
+    assert fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False, measure="min_cap")) \
+        == MIN_CAPACITY_FACTORS
     assert any(r["case"]["held_out"] for r in rows) and any(not r["case"]["held_out"] for r in rows)
 
 
@@ -219,3 +221,17 @@ def test_reserved_factor_reads_the_setup():
     # CPU offload is not traced: the mode's largest factor.
     assert reserved_factor(plain, cpu_offload=True) == max(
         v for k, v in MEASURED_FACTORS.items() if k.expandable) + FACTOR_MARGIN
+
+
+def test_the_planner_plans_on_the_least_capacity_not_the_unlimited_peak():
+    """required_factor: the least capacity the traces ran in (min_capacity), below the unlimited
+    reserved peak of the same setups, and never below the live peak."""
+    from finetune_operator.sizing import TrainingSetup
+    from finetune_operator.sizing.allocator import (FACTOR_MARGIN, MIN_CAPACITY_FACTORS, FactorKey,
+                                                   required_factor, reserved_factor)
+    from finetune_operator.sizing.presets import preset
+
+    for gc in (False, True):
+        s = TrainingSetup(architecture=preset("llama-3.2-1b"), gradient_checkpointing=gc)
+        assert required_factor(s) == MIN_CAPACITY_FACTORS[FactorKey(True, False, gc)] + FACTOR_MARGIN
+        assert 1.0 + FACTOR_MARGIN <= required_factor(s) <= reserved_factor(s)

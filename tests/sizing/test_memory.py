@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from finetune_operator.sizing.allocator import required_factor
 from finetune_operator.sizing import PRESETS, MemoryEstimate, SizingError, TrainingSetup, estimate_memory
 from finetune_operator.sizing import constants as K
 
@@ -180,12 +181,16 @@ def test_eager_keeps_the_score_matrices():
 # ---- required bytes, contract -----------------------------------------------------------------------
 
 
-def test_required_is_peak_times_fragmentation_plus_reserve():
-    est = estimate_memory(setup(method="lora", world_size=1))
-    assert est.required_bytes == math.ceil(est.peak_allocated_bytes * K.FRAGMENTATION_FACTOR) + K.CUDA_CONTEXT_RESERVE_BYTES
-    est4 = estimate_memory(setup(method="lora", world_size=4))
+def test_required_is_peak_times_the_setup_s_required_factor_plus_reserve():
+    one = setup(method="lora", world_size=1)
+    est = estimate_memory(one)
+    assert est.fragmentation_factor == required_factor(one)
+    assert est.required_bytes == math.ceil(est.peak_allocated_bytes * required_factor(one)) + K.CUDA_CONTEXT_RESERVE_BYTES
+    four = setup(method="lora", world_size=4, gradient_checkpointing=True)
+    est4 = estimate_memory(four)
+    assert est4.fragmentation_factor == required_factor(four)
     assert est4.required_bytes == (
-        math.ceil(est4.peak_allocated_bytes * K.FRAGMENTATION_FACTOR) + K.CUDA_CONTEXT_RESERVE_BYTES + K.NCCL_RESERVE_BYTES
+        math.ceil(est4.peak_allocated_bytes * required_factor(four)) + K.CUDA_CONTEXT_RESERVE_BYTES + K.NCCL_RESERVE_BYTES
     )
 
 

@@ -25,6 +25,7 @@ from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, Profil
 from finetune_trainer.memory_levers import LEVERS
 
 from ..sizing import constants as K
+from ..sizing.allocator import required_factor
 from ..sizing.architecture import LinearShape, ModelArchitecture
 from ..sizing.traits import FamilyTraits
 from ..sizing.errors import SizingError
@@ -125,9 +126,10 @@ class ProfiledModel:
         peak = totals[peak_phase]
         breakdown = {"measured": peak - buckets, "buffers": buckets}
         reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if n > 1 else 0)
+        factor = required_factor(setup)
         return MemoryEstimate(
             peak_allocated_bytes=peak,
-            required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
+            required_bytes=int(math.ceil(peak * factor)) + reserve, fragmentation_factor=factor,
             peak_phase=peak_phase, breakdown=breakdown,
             host_required_bytes=self._host_bytes(setup),
             notes=(f"measured by the pre-flight profile (config {self.config_hash}; "

@@ -12,14 +12,10 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 # ---- from peak allocated to what the GPU must hold ------------------------------
-# The caching allocator keeps freed blocks cached and splits large segments; the
-# reserved figure (what the device sees) runs above the allocated peak. PyTorch
-# training loops of LLMs typically reserve 5-15% above the allocated peak
-# (expandable segments narrow this). We plan with 10%; bench/sizing_gpu.py measures
-# max_memory_reserved / max_memory_allocated on a real GPU to calibrate it.
-# sizing/allocator.py's reserved_factor(setup) replaces this one figure with factors replayed
-# from traced allocations per setup (bench/allocator_replay.py), once memory.py calls it.
-FRAGMENTATION_FACTOR = 1.10
+# The caching allocator keeps freed blocks cached and splits large segments; the reserved
+# figure (what the device sees) runs above the allocated peak by a factor that depends on the
+# setup: sizing/allocator.py's reserved_factor(setup), replayed from traced allocations
+# (bench/allocator_replay.py) and checked on a GPU by bench/sizing_gpu.py.
 
 # Outside the allocator entirely: the CUDA context and loaded kernels (~500-700 MiB
 # on Hopper with torch + NCCL), cuBLAS/cuBLASLt workspaces (32 MiB per handle and

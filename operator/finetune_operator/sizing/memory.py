@@ -63,6 +63,7 @@ from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import Levers, levers_of, savings
 
 from . import constants as K
+from .allocator import required_factor
 from .activations import SavedActivations, saved_activations
 from .errors import SizingError
 from .regime import Regime, regime_of
@@ -97,7 +98,7 @@ class MemoryEstimate:
     host_required_bytes: int
     notes: tuple[str, ...] = ()
     phase_peaks: Mapping[str, int] = field(default_factory=dict)
-    fragmentation_factor: float = K.FRAGMENTATION_FACTOR
+    fragmentation_factor: float = 1.0  # GPU memory needed over allocated: allocator.required_factor(setup)
     reserve_bytes: int = 0
     # Paged 8-bit AdamW states live in CUDA unified memory (cudaMallocManaged): torch's
     # allocator never sees them, so they are not in the peak above (max_memory_allocated)
@@ -209,9 +210,11 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
 
     reserve = K.CUDA_CONTEXT_RESERVE_BYTES + (K.NCCL_RESERVE_BYTES if setup.world_size > 1 else 0)
     offloaded_to_host = parts.saved.offloaded_to_host
+    factor = required_factor(setup)
     return MemoryEstimate(
         peak_allocated_bytes=peak,
-        required_bytes=int(math.ceil(peak * K.FRAGMENTATION_FACTOR)) + reserve,
+        required_bytes=int(math.ceil(peak * factor)) + reserve,
+        fragmentation_factor=factor,
         peak_phase=peak_phase,
         breakdown=breakdown,
         host_required_bytes=_host_bytes(setup, static, offloaded_to_host),
