@@ -7,7 +7,7 @@ STAMP := .install-stamp
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := 3.3.30
 
-.PHONY: install demo test test-fast lab-build crd clean
+.PHONY: install demo test test-fast test-real-node host-packages lab-build crd clean
 
 # torch first, then the rest without build isolation, so that DeepSpeed builds against
 # the torch already installed instead of downloading another copy into an isolated env.
@@ -36,6 +36,18 @@ test: install lab-build
 
 test-fast: install
 	$(PYTHON) -m pytest -m "not e2e and not slow"
+
+# The real kubelet node's scenarios (root): the host's container runtime from Debian, the node's
+# binaries and both images built (cached), then the two opt-in modules, one lab at a time.
+REAL_NODE_PACKAGES := containerd runc containernetworking-plugins iptables mmdebstrap umoci
+host-packages:
+	@missing=$$(for p in $(REAL_NODE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing; fi
+
+test-real-node: install lab-build host-packages
+	$(PYTHON) -m e2e.lab build --with kubelet
+	$(PYTHON) -m e2e.lab images
+	FINETUNE_LAB_REAL_NODE=1 FINETUNE_LAB_REQUIRED=1 flock /tmp/finetune-lab.lock $(PYTHON) -m pytest e2e/test_real_node.py e2e/test_real_node_training.py -s
 
 lab-build:
 	$(PYTHON) -m e2e.lab build
