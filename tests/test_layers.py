@@ -1,7 +1,11 @@
-"""The layout's one rule: Kubernetes I/O lives in `finetune_operator/shell/` (and `cli.py`, which starts
+"""The layout's rules. Kubernetes I/O lives in `finetune_operator/shell/` (and `cli.py`, which starts
 it). Every other module of the operator is the pure core and imports neither the Kubernetes client's
 I/O parts, kopf, nor the shell, not even inside a function (a function-local import hides a layer
-violation from a reader as well as from a top-level scan)."""
+violation from a reader as well as from a top-level scan).
+
+Below both, the trainer (`images/trainer/finetune_trainer/`) imports nothing of the operator: the
+operator builds on the trainer's contract, vocabularies and levers, never the other way, so the
+trainer needs nothing of the operator to run and the two packages cannot import each other in a cycle."""
 
 from __future__ import annotations
 
@@ -9,13 +13,15 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "operator" / "finetune_operator"
+TRAINER = Path(__file__).resolve().parents[1] / "images" / "trainer" / "finetune_trainer"
 SHELL_ONLY = ("kopf", "kubernetes.client", "kubernetes.watch", "kubernetes.config", "kubernetes.dynamic",
               "finetune_operator.shell")
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """Every module name an import statement of `path` reaches, relative imports resolved."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _imports(path: Path, root: Path | None = None) -> list[tuple[int, str]]:
+    """Every module name an import statement of `path` (in package `root`, the operator's by default)
+    reaches, relative imports resolved."""
+    module = ".".join(path.relative_to((root or PACKAGE).parent).with_suffix("").parts)
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -46,6 +52,16 @@ def test_the_core_imports_no_kubernetes_io_and_no_shell():
     assert _violations() == []
 
 
+def _trainer_violations() -> list[str]:
+    return [f"{path.relative_to(TRAINER)}:{line} imports {name}"
+            for path in sorted(TRAINER.rglob("*.py")) for line, name in _imports(path, TRAINER)
+            if name == "finetune_operator" or name.startswith("finetune_operator.")]
+
+
+def test_the_trainer_imports_nothing_of_the_operator():
+    assert _trainer_violations() == []
+
+
 def test_the_scan_sees_function_local_and_relative_imports(tmp_path, monkeypatch):
     fake = tmp_path / "finetune_operator"
     (fake / "planning").mkdir(parents=True)
@@ -55,3 +71,11 @@ def test_the_scan_sees_function_local_and_relative_imports(tmp_path, monkeypatch
     assert _violations() == ["planning/x.py:2 imports finetune_operator.shell",
                              "planning/x.py:2 imports finetune_operator.shell.reconciler",
                              "planning/x.py:3 imports kubernetes.client"]
+
+
+def test_the_trainer_scan_sees_function_local_imports(tmp_path, monkeypatch):
+    fake = tmp_path / "finetune_trainer"
+    fake.mkdir()
+    (fake / "run.py").write_text("def f():\n    import finetune_operator.sizing\n")
+    monkeypatch.setattr(__import__(__name__), "TRAINER", fake)
+    assert _trainer_violations() == ["run.py:2 imports finetune_operator.sizing"]

@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from . import api
 from .rendering.backend import DEFAULT_BACKEND, Backend
-from .rendering.renderer import ATTEMPT_LABEL, QUEUE_LABEL
+from .rendering.labels import ATTEMPT_LABEL
+from .rendering.renderer import QUEUE_LABEL
 
 log = logging.getLogger("finetune_operator.children")
 

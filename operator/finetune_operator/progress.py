@@ -20,7 +20,7 @@ from finetune_trainer.contract import ProgressReport, last_progress
 
 from . import api
 from .rendering.backend import is_rank0, trainer_containers
-from .rendering.renderer import ATTEMPT_LABEL
+from .rendering.labels import ATTEMPT_LABEL
 
 # The rate is an exponential moving average over time with this time constant: a rate seen
 # over the last few minutes counts most, and one slow step (a checkpoint) does not swing the ETA.

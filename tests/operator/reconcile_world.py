@@ -20,7 +20,7 @@ from finetune_operator.shell.informers import ClusterCache
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.planning.pools import GiB
 from finetune_operator.rendering.backend import PYTORCH_JOB
-from finetune_operator.rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+from finetune_operator.rendering.labels import ATTEMPT_LABEL, JOB_LABEL
 from finetune_trainer import contract
 
 from fake_kube import FakeKube

@@ -12,7 +12,7 @@ from finetune_operator.shell.cluster import Cluster
 from finetune_operator.shell.informers import ACTIVE_PODS, ClusterCache, Informer, gpu_pod_facts, job_bucket
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.rendering.backend import PYTORCH_JOB
-from finetune_operator.rendering.renderer import JOB_LABEL
+from finetune_operator.rendering.labels import JOB_LABEL
 from unittest import mock
 
 from fake_kube import FakeKube

@@ -16,7 +16,7 @@ from finetune_operator.shell.reconciler import Reconciler
 from finetune_operator.progress import JobProgress, RateEstimate, Target, summary_text, target_of
 from finetune_operator.shell.progress_poller import (PollerSettings, ProgressOnlyChanges, ProgressPoller, patch_progress,
                                                read_pod_log)
-from finetune_operator.rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+from finetune_operator.rendering.labels import ATTEMPT_LABEL, JOB_LABEL
 from finetune_trainer.contract import ProgressReport
 
 from fake_kube import _error

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from finetune_operator.children import SUSPENDED_BY_ANNOTATION
 from finetune_operator.planning.plan import plan_key_of
 from finetune_operator import api
-from finetune_operator.rendering.renderer import ATTEMPT_LABEL
+from finetune_operator.rendering.labels import ATTEMPT_LABEL
 
 from fake_kube import _error
 from reconcile_world import ALLOWED, NAMESPACE, ReconcileWorld, gpu_node, job_document, live

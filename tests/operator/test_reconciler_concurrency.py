@@ -189,7 +189,7 @@ def test_a_job_waiting_on_a_full_pool_is_woken_when_another_pool_in_its_regions_
     taken outside it."""
     import dataclasses
 
-    from finetune_operator.rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+    from finetune_operator.rendering.labels import ATTEMPT_LABEL, JOB_LABEL
 
     world = ReconcileWorld(job_document("first", resources=ONE_GPU))
     world.kube.put("FineTuneJob", job_document("second", resources=ONE_GPU))

@@ -12,7 +12,7 @@ from ..planning.policy import ClusterPolicy
 from ..planning.pools import GiB
 from ..recovery.classify import Failure, FailureKind
 from ..recovery.redact import redact
-from ..rendering.renderer import ATTEMPT_LABEL
+from ..rendering.labels import ATTEMPT_LABEL
 from .conditions import clear_blocked, condition, set_condition
 from .failures import failure_of_attempt, recover
 from .launch import create_missing

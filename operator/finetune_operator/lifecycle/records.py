@@ -10,7 +10,7 @@ from ..planning.pools import GiB
 from ..recovery.classify import Failure, FailureKind, classify_pod
 from ..recovery.redact import redact
 from ..rendering.backend import trainer_containers
-from ..rendering.renderer import ATTEMPT_LABEL
+from ..rendering.labels import ATTEMPT_LABEL
 from .types import MAX_EVIDENCE_MESSAGE
 
 

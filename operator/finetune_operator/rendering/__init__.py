@@ -5,14 +5,12 @@ Pure code. Values reach the manifests as data (see `templating.py`), never as te
 """
 
 from .errors import RenderError
+from .labels import ATTEMPT_LABEL, JOB_LABEL, common_labels
 from .names import attempt_name, label_value
 from .renderer import (
-    ATTEMPT_LABEL,
-    JOB_LABEL,
     PREDICTED_PEAK_ANNOTATION,
     QUEUE_LABEL,
     RenderedAttempt,
-    common_labels,
     is_queued,
     render_attempt,
     render_config_map,

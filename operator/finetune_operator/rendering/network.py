@@ -13,8 +13,8 @@ from typing import Any
 from .. import api
 from ..planning.policy import ClusterPolicy
 from ..planning.storage import storage_uses
+from .labels import ATTEMPT_LABEL, JOB_LABEL, common_labels, owner_reference
 from .names import attempt_name, label_value
-from .renderer import ATTEMPT_LABEL, JOB_LABEL, common_labels, owner_reference
 
 API_VERSION = "networking.k8s.io/v1"
 KIND = "NetworkPolicy"
@@ -22,7 +22,7 @@ DNS_PORT = 53
 
 
 def attempt_pods(job: api.FineTuneJob, attempt: int) -> dict[str, Any]:
-    """The selector of the attempt's pods (both backends label them so: renderer.common_labels)."""
+    """The selector of the attempt's pods (both backends label them so: labels.common_labels)."""
     return {"matchLabels": {JOB_LABEL: label_value(job.metadata.name), ATTEMPT_LABEL: str(attempt)}}
 
 

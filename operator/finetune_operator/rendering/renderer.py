@@ -12,13 +12,13 @@ from ..planning import ClusterPolicy, Plan
 from . import layout as paths
 from . import pod
 from .errors import RenderError
+from .labels import common_labels, owner_reference
 from .layout import layout_of, training_image
-from .names import attempt_name, label_value
+from .names import attempt_name
+from .network import render_network_policy
 from .templating import render_json_template
 from .trainer_config import build_trainer_config
 
-JOB_LABEL = "finetune.dev/job"
-ATTEMPT_LABEL = "finetune.dev/attempt"
 PREDICTED_PEAK_ANNOTATION = "finetune.dev/predicted-peak-bytes"
 MODEL_ANNOTATION = "finetune.dev/model"
 PLAN_ANNOTATION = "finetune.dev/plan"
@@ -28,7 +28,6 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # What the training operator deletes when the job has finished: its pods still Running or
 # Pending (they hold GPUs), never the terminated ones that explain a failure.
 CLEAN_POD_POLICY = "Running"
-MANAGER = "finetune-operator"
 
 
 @dataclass(frozen=True)
@@ -61,33 +60,6 @@ def is_queued(child: Mapping[str, Any]) -> bool:
     to lift."""
     labels = (child.get("metadata") or {}).get("labels") or {}
     return bool(labels.get(QUEUE_LABEL))
-
-
-def common_labels(job: api.FineTuneJob, attempt: int) -> dict[str, str]:
-    """Labels on every object of the attempt and on its pods."""
-    return {
-        "app.kubernetes.io/name": "finetune-trainer",
-        "app.kubernetes.io/instance": label_value(job.metadata.name),
-        "app.kubernetes.io/component": "trainer",
-        "app.kubernetes.io/part-of": "finetune-operator",
-        "app.kubernetes.io/managed-by": MANAGER,
-        JOB_LABEL: label_value(job.metadata.name),
-        ATTEMPT_LABEL: str(attempt),
-    }
-
-
-def owner_reference(job: api.FineTuneJob) -> dict[str, Any] | None:
-    """Controller reference to the FineTuneJob; None for a job not yet stored (no uid, e.g. the CLI)."""
-    if not job.metadata.uid:
-        return None
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.KIND,
-        "name": job.metadata.name,
-        "uid": job.metadata.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
 
 
 def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: ClusterPolicy) -> RenderedAttempt:
@@ -158,8 +130,6 @@ def render_attempt(job: api.FineTuneJob, plan: Plan, attempt: int, policy: Clust
         nproc_per_node=str(plan.gpus_per_node),
         replicas=replicas,
     )
-    from .network import render_network_policy  # network.py builds on this module's labels
-
     return RenderedAttempt(name=name, config_map=config_map, pytorch_job=pytorch_job, trainer_config=trainer_config,
                            network_policy=render_network_policy(job, attempt, policy))
 

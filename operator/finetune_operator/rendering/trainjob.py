@@ -39,6 +39,7 @@ from . import pod
 from .backend_interface import (Backend, Preflight, Prerequisite, ProgressSource, ReportsTrainerStatus, Suspendable,
                                 conditions)
 from .errors import RenderError
+from .labels import common_labels, owner_reference
 from .layout import layout_of, training_image
 from .names import attempt_name
 from .renderer import (
@@ -47,8 +48,6 @@ from .renderer import (
     PLAN_ANNOTATION,
     PREDICTED_PEAK_ANNOTATION,
     QUEUE_LABEL,
-    common_labels,
-    owner_reference,
     starts_suspended,
 )
 

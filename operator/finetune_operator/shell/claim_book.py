@@ -15,7 +15,7 @@ from .. import lifecycle
 from ..children import Child
 from ..planning.capacity import Claim
 from ..planning.pools import NodePool
-from ..rendering.renderer import ATTEMPT_LABEL
+from ..rendering.labels import ATTEMPT_LABEL
 
 
 @dataclass(frozen=True)

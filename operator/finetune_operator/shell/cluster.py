@@ -36,7 +36,7 @@ from ..rendering.backend import (
     Suspendable,
     backend_of_kind,
 )
-from ..rendering.renderer import JOB_LABEL
+from ..rendering.labels import JOB_LABEL
 
 # Named as when this code was shell/controller.py: log lines (and filters on them) keep their logger name.
 log = logging.getLogger("finetune_operator.controller")

@@ -10,7 +10,7 @@ import threading
 from datetime import datetime, timezone
 from typing import Any
 
-from ..rendering.renderer import ATTEMPT_LABEL, JOB_LABEL
+from ..rendering.labels import ATTEMPT_LABEL, JOB_LABEL
 
 # Attempts whose failed pods are remembered (oldest forgotten first).
 FAILED_POD_MEMORY = 512

@@ -40,7 +40,8 @@ from ..planning.policy import ClusterPolicy, PolicyError, load_policy
 from .progress_poller import (DEFAULT_INTERVAL_SECONDS, PollerSettings, ProgressOnlyChanges, ProgressPoller,
                               patch_progress, read_pod_log)
 from ..rendering.backend import BACKENDS
-from ..rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
+from ..rendering.labels import JOB_LABEL
+from ..rendering.renderer import JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator")
 

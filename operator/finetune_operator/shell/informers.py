@@ -38,7 +38,8 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from ..planning.discovery import _pod_gpu_request as pod_gpu_request
 from ..rendering.backend import backend_named
-from ..rendering.renderer import JOB_LABEL, JOB_NAME_ANNOTATION
+from ..rendering.labels import JOB_LABEL
+from ..rendering.renderer import JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator.informers")
 

@@ -38,7 +38,7 @@ from ..planning.policy import ClusterPolicy
 from ..planning.pools import NodePool
 from ..rendering.backend import DEFAULT_BACKEND, Preflight, may_choose
 from ..rendering.names import attempt_name
-from ..rendering.renderer import ATTEMPT_LABEL
+from ..rendering.labels import ATTEMPT_LABEL
 
 # Named as when this code was shell/controller.py: log lines (and filters on them) keep their logger name.
 log = logging.getLogger("finetune_operator.controller")
