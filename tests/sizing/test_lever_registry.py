@@ -125,3 +125,49 @@ def test_a_new_lever_reaches_the_plan_status_through_the_registry():
     assert list(model.model_fields)[-1] == "fake_lever" and list(model.model_fields)[0] == "node_pool"
     assert model(node_pool="p").fake_lever is False
     assert model.model_fields["fake_lever"].description == "A lever only this test has."
+
+
+def test_the_training_spec_holds_exactly_the_registrys_spec_fields_in_order():
+    from inspect import cleandoc
+
+    from finetune_operator.api import TrainingSpec
+    from finetune_trainer.memory_levers import camel
+
+    names = list(TrainingSpec.model_fields)
+    held = tuple(name for name in names if name in Levers._fields)
+    assert held == Levers._fields
+    # Together, after gradientCheckpointing: the CRD's field order of the hand-written TrainingSpec.
+    start = names.index("gradient_checkpointing") + 1
+    assert tuple(names[start:start + len(held)]) == held
+    for lever in LEVERS:
+        for name, field in lever.spec.items():
+            info = TrainingSpec.model_fields[name]
+            assert info.default == lever.auto[name]
+            assert info.description == cleandoc(field.doc)
+            assert info.alias == camel(name)
+
+
+def test_a_new_lever_with_a_spec_field_reaches_the_training_spec_and_its_crd_schema():
+    from pydantic import ValidationError
+
+    from finetune_operator.api.training import _TrainingSpecHead, lever_spec_type
+    from finetune_operator.crd import _Converter
+    from finetune_trainer.memory_levers import AutoOrInt, LeverField, lever_spec_model
+
+    fake = replace(LEVERS[-1], name="fake_chunks", off={"fake_chunks": 1}, auto={"fake_chunks": "auto"},
+                   schema={"fake_chunks": LeverField(int, "Fake chunks.")},
+                   spec={"fake_chunks": LeverField(AutoOrInt(1, 4, "number of fake chunks"), """
+                       A lever only this test has,
+                       over two lines.""")})
+    model = lever_spec_model(_TrainingSpecHead, (*LEVERS, fake), lever_spec_type)
+    assert list(model.model_fields) == [*_TrainingSpecHead.model_fields, *Levers._fields, "fake_chunks"]
+    assert model().fake_chunks == "auto" and model(fakeChunks=3).fake_chunks == 3
+    with pytest.raises(ValidationError):
+        model(fakeChunks=5)
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    node = _Converter(raw.get("$defs", {})).convert(raw)["properties"]["fakeChunks"]
+    assert node["description"] == ("A lever only this test has,\nover two lines.\n"
+                                   "Accepts `auto` or an integer from 1 to 4.")
+    assert node["default"] == "auto" and node["x-kubernetes-int-or-string"] is True
+    (rule,) = node["x-kubernetes-validations"]
+    assert rule["message"] == "must be 'auto' or an integer number of fake chunks between 1 and 4"

@@ -38,7 +38,6 @@ from .schema import (
     SINGULAR,
     VERSION,
     ApiModel,
-    AutoOrLossChunks,
     AutoOrMicroBatch,
     AutoOrPositiveInt,
     RelativePath,
@@ -69,7 +68,6 @@ from .training import (
     GpuType,
     LoraAdjustableModule,
     LoraSpec,
-    MasterWeights,
     Method,
     Offload,
     Optimizer,
@@ -77,7 +75,6 @@ from .training import (
     ResourcesSpec,
     Strategy,
     TrainingSpec,
-    UpdateRounding,
 )
 from .status import (
     COND_BLOCKED,

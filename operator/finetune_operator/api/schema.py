@@ -49,40 +49,36 @@ class ApiModel(BaseModel):
 ACCEPTS_KEY = "x-finetune-accepts"
 
 
-def _auto_or_int(minimum: int, maximum: int, what: str) -> Any:
-    """`auto` or an integer in [minimum, maximum], spelled the way Kubernetes can check it."""
-    return WithJsonSchema(
-        {
-            "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            # What the field accepts, added to its description by crd.py: `kubectl explain` can only
-            # call an int-or-string field <Object>.
-            ACCEPTS_KEY: f"`auto` or an integer from {minimum} to {maximum}",
-            "x-kubernetes-validations": [
-                {
-                    "rule": (
-                        f"type(self) == int ? (self >= {minimum} && self <= {maximum})"
-                        " : self == 'auto'"
-                    ),
-                    "message": f"must be 'auto' or an integer {what} between {minimum} and {maximum}",
-                }
-            ],
-        }
-    )
+def auto_or_int(minimum: int, maximum: int, what: str) -> Any:
+    """`auto` or an integer in [minimum, maximum] (`what` names the integer in the message), spelled
+    the way Kubernetes can check it. Also the type of a lever's spec field declared `AutoOrInt`
+    (api/training.py)."""
+    return Annotated[
+        Union[Literal["auto"], Annotated[int, Field(ge=minimum, le=maximum)]],
+        WithJsonSchema(
+            {
+                "x-kubernetes-int-or-string": True,
+                "anyOf": [{"type": "integer"}, {"type": "string"}],
+                # What the field accepts, added to its description by crd.py: `kubectl explain` can only
+                # call an int-or-string field <Object>.
+                ACCEPTS_KEY: f"`auto` or an integer from {minimum} to {maximum}",
+                "x-kubernetes-validations": [
+                    {
+                        "rule": (
+                            f"type(self) == int ? (self >= {minimum} && self <= {maximum})"
+                            " : self == 'auto'"
+                        ),
+                        "message": f"must be 'auto' or an integer {what} between {minimum} and {maximum}",
+                    }
+                ],
+            }
+        ),
+    ]
 
 
-AutoOrPositiveInt = Annotated[
-    Union[Literal["auto"], Annotated[int, Field(ge=1, le=MAX_GPUS)]],
-    _auto_or_int(1, MAX_GPUS, "count"),
-]
-AutoOrMicroBatch = Annotated[
-    Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]],
-    _auto_or_int(1, 4096, "micro-batch size"),
-]
-AutoOrLossChunks = Annotated[
-    Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]],
-    _auto_or_int(1, 64, "number of loss chunks"),
-]
+AutoOrPositiveInt = auto_or_int(1, MAX_GPUS, "count")
+AutoOrMicroBatch = auto_or_int(1, 4096, "micro-batch size")
+
 
 def text_matching(pattern: str, message: str, max_length: int) -> Any:
     """A string the CRD checks with `pattern` (Go RE2 at the API server) and pydantic with the

@@ -3,11 +3,12 @@ levers, the strategy and the GPUs; the planner decides what a job leaves `auto`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from finetune_trainer.combinations import OPTIMIZERS, STRATEGIES
+from finetune_trainer.memory_levers import LEVERS, AutoOrInt, lever_spec_model
 
 from .errors import field_error
 from .schema import (
@@ -15,9 +16,9 @@ from .schema import (
     MAX_GPUS,
     MAX_SEQUENCE_LENGTH,
     ApiModel,
-    AutoOrLossChunks,
     AutoOrMicroBatch,
     AutoOrPositiveInt,
+    auto_or_int,
 )
 
 
@@ -69,29 +70,10 @@ class LoraSpec(ApiModel):
 Precision = Literal["bf16", "fp16", "fp32"]
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (finetune_trainer.optimizers: the one list)
 Attention = Literal["sdpa", "flash", "eager"]
-MasterWeights = Literal["auto", "fp32", "bf16"]
-UpdateRounding = Literal["auto", "nearest", "stochastic", "kahan"]
 
 
-class TrainingSpec(ApiModel):
-    """Training hyper-parameters. The global batch is kept exact whatever the plan."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.maxSteps) != has(self.epochs)",
-                    "message": "set exactly one of maxSteps, epochs",
-                },
-                {
-                    "rule": "!has(self.microBatchSize) || type(self.microBatchSize) == string || "
-                    "self.globalBatchSize % int(self.microBatchSize) == 0",
-                    "message": "globalBatchSize must be a multiple of microBatchSize",
-                    "fieldPath": ".globalBatchSize",
-                },
-            ]
-        }
-    )
+class _TrainingSpecHead(ApiModel):
+    """spec.training's fields before the levers' (TrainingSpec's docstring says what it is)."""
 
     sequence_length: Annotated[int, Field(ge=16, le=MAX_SEQUENCE_LENGTH)] = 2048
     """Tokens per training sequence (longer examples are truncated)."""
@@ -115,28 +97,41 @@ class TrainingSpec(ApiModel):
     4-bit AdamW, any device; strategy ddp only, and with bf16 master weights nearest or stochastic rounding)."""
     gradient_checkpointing: bool | None = None
     """Recompute activations in backward to save memory: true or false; omit to let the planner decide."""
-    master_weights: MasterWeights = "auto"
-    """Full fine-tuning: the dtype of the weights the optimizer updates. `fp32`: fp32 weights, gradients and
-    AdamW states, computing in `precision` under autocast (16 bytes per parameter, plus the compute copies).
-    `bf16`: weights, gradients and optimizer states all in bf16, as torchtune and lit-gpt run it (8 bytes per
-    parameter with AdamW, no autocast copies); needs precision bf16 and strategy ddp or fsdp. `auto`: the
-    planner chooses, fp32 unless only bf16 makes the plan cheaper. LoRA adapters always train in fp32."""
-    update_rounding: UpdateRounding = "auto"
-    """With bf16 master weights, how each update is rounded into the weight: `nearest` (plain bf16),
-    `stochastic` (stochastic rounding, no extra memory) or `kahan` (Kahan summation with a bf16 compensation
-    buffer, 2 bytes per parameter). `auto`: stochastic. Not allowed with fp32 master weights."""
-    optimizer_in_backward: bool | None = None
-    """Run each parameter's optimizer step inside backward, as soon as its gradient exists, and free that
-    gradient at once: the full set of gradients never exists. Needs gradient accumulation 1 (globalBatchSize =
-    microBatchSize x GPUs), strategy ddp or fsdp and no offload; gradient clipping is off then. Omit to let the
-    planner decide."""
-    loss_chunks: AutoOrLossChunks = "auto"
-    """Compute the cross-entropy over this many sequence chunks, so the fp32 logits of the whole micro-batch
-    never exist at once (the loss is the same); 1: the plain loss. `auto`: 8, as torchtune."""
-    activation_offloading: bool | None = None
-    """Move the checkpointed activations (each block's input) to host memory during forward and back in
-    backward: GPU memory for host memory, which the pod's memory request includes. Needs gradient
-    checkpointing. Omit to let the planner decide."""
+
+
+def lever_spec_type(declared: Any) -> Any:
+    """The pydantic type of a lever's spec field as the registry declares it: its own type, or for
+    `AutoOrInt` the API's `auto`-or-integer field (int-or-string with its CEL rule in the CRD)."""
+    if isinstance(declared, AutoOrInt):
+        return auto_or_int(declared.minimum, declared.maximum, declared.what)
+    return declared
+
+
+# The lever fields (masterWeights ... activationOffloading) come from the registry (each lever's
+# `spec`, defaulting to its `auto`), between the head's fields and the rest.
+_TrainingSpecLevers = lever_spec_model(_TrainingSpecHead, LEVERS, lever_spec_type)
+
+
+class TrainingSpec(_TrainingSpecLevers):
+    """Training hyper-parameters. The global batch is kept exact whatever the plan."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.maxSteps) != has(self.epochs)",
+                    "message": "set exactly one of maxSteps, epochs",
+                },
+                {
+                    "rule": "!has(self.microBatchSize) || type(self.microBatchSize) == string || "
+                    "self.globalBatchSize % int(self.microBatchSize) == 0",
+                    "message": "globalBatchSize must be a multiple of microBatchSize",
+                    "fieldPath": ".globalBatchSize",
+                },
+            ]
+        }
+    )
+
     attention: Attention = "sdpa"
     """Attention kernel: `sdpa` (PyTorch), `flash` (flash-attention 2), `eager` (keeps the s x s scores)."""
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 42

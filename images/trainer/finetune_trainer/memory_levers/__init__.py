@@ -3,7 +3,8 @@
 Everything that deals with levers loops over `LEVERS` and asks the lever (lever.py says what a
 lever answers): the planner's freedoms and ranking (`lever_ask`, `lever_options`,
 `Levers.quality_cost`), what each saves (`savings`), the recovery ladder's rungs (`ladder`),
-the plan's words, the sizing of a job as it stands, and the trainer config's fields. Adding a
+the plan's words, the sizing of a job as it stands, the trainer config's fields, and the lever
+fields of the plan status and of spec.training (`lever_fields_model`, `lever_spec_model`). Adding a
 lever is a new module, its line in `LEVERS` and its fields in `Levers` below, plus the trainer's
 hook that acts on it.
 
@@ -17,8 +18,8 @@ from itertools import product
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
-from .fields import lever_fields_model
-from .lever import Lever, LeverField, Setting, camel
+from .fields import lever_fields_model, lever_spec_model
+from .lever import AutoOrInt, Lever, LeverField, Setting, camel
 
 # In the order the plan's words and its list of savings name them.
 LEVERS: tuple[Lever, ...] = (
@@ -62,6 +63,8 @@ if Levers._fields != tuple(field for lever in LEVERS for field in lever.off) or 
     raise AssertionError("memory_levers.Levers must have exactly the fields of LEVERS, defaulting to off")
 if any(tuple(lever.schema) != tuple(lever.off) for lever in LEVERS):
     raise AssertionError("each lever's schema must declare exactly its fields (`off`), in that order")
+if any(tuple(lever.spec) != tuple(lever.off) or tuple(lever.auto) != tuple(lever.off) for lever in LEVERS):
+    raise AssertionError("each lever's spec and auto must declare exactly its fields (`off`), in that order")
 
 
 def levers_of(values: Any) -> Levers:
@@ -212,6 +215,7 @@ def config_fields() -> dict[str, str]:
 
 
 __all__ = [
+    "AutoOrInt",
     "BY_NAME",
     "LEVERS",
     "Lever",
@@ -230,6 +234,7 @@ __all__ = [
     "lever_changes",
     "lever_options",
     "lever_fields_model",
+    "lever_spec_model",
     "levers_of",
     "needs_whole_batch",
     "savings",

@@ -27,6 +27,10 @@ LEVER = Lever(
     off={"activation_offloading": False},
     auto={"activation_offloading": None},
     schema={"activation_offloading": LeverField(bool, "Checkpointed activations kept in host memory.")},
+    spec={"activation_offloading": LeverField(bool | None, """
+        Move the checkpointed activations (each block's input) to host memory during forward and back in
+        backward: GPU memory for host memory, which the pod's memory request includes. Needs gradient
+        checkpointing. Omit to let the planner decide.""")},
     ask=_ask,
     rules=(
         Rule("activation-offload-checkpointing",

@@ -20,12 +20,31 @@ Setting = Mapping[str, Any]
 
 @dataclass(frozen=True)
 class LeverField:
-    """One field a lever owns, as the plan status declares it (`fields.lever_fields_model`)."""
+    """One field a lever owns, as a schema declares it: the plan status (`Lever.schema`,
+    `fields.lever_fields_model`) or spec.training (`Lever.spec`, `fields.lever_spec_model`)."""
 
     type: Any
-    """Its type there, constraints included (`Literal["fp32", "bf16"]`, `Annotated[int, Field(ge=1)]`)."""
+    """Its type there, constraints included (`Literal["fp32", "bf16"]`, `Annotated[int, Field(ge=1)]`,
+    `AutoOrInt(1, 64, ...)`)."""
     doc: str
-    """Its description in the plan status (and so in the CRD)."""
+    """Its description there (and so in the CRD), written as an attribute docstring is: the
+    builders clean it as pydantic cleans one (`inspect.cleandoc`)."""
+
+
+@dataclass(frozen=True)
+class AutoOrInt:
+    """A spec field's type: `auto` or an integer from `minimum` to `maximum` (`what` names the
+    integer in the error message: "number of loss chunks").
+
+    Only declared here: the operator's api/schema.py `auto_or_int` makes it the pydantic type and
+    the CRD's int-or-string with its CEL rule, as for its other `auto`-or-integer fields. That
+    spelling is Kubernetes' (x-kubernetes-int-or-string, CEL, the CRD generator's keys), which the
+    trainer has no use for and cannot import from the operator; a plain description keeps it there,
+    in one place, rather than moving the CRD's vocabulary into the trainer package."""
+
+    minimum: int
+    maximum: int
+    what: str
 
 
 def _no_words(values: Setting) -> str:
@@ -59,6 +78,9 @@ class Lever:
     """What each of its fields reads in spec.training when the job leaves it to the planner."""
     schema: Mapping[str, LeverField]
     """Each of its fields (the keys of `off`, in that order) as the plan status declares it."""
+    spec: Mapping[str, LeverField]
+    """Each of its fields (the keys of `off`, in that order) as spec.training declares it, where
+    the job sets it; its default there is its `auto` value."""
     # ---- planner freedom and ranking ------------------------------------------------------
     ask: Callable[[Any, str, bool], tuple[tuple[Setting, ...] | Any, bool]]
     """(spec.training, method, the model transforms its logits) -> (what the job allows, fixed):

@@ -10,7 +10,7 @@ from typing import Annotated
 from pydantic import Field
 
 from ..rules import Rule, one_of
-from .lever import Lever, LeverField, Setting
+from .lever import AutoOrInt, Lever, LeverField, Setting
 
 # What `training.lossChunks: auto` means (torchtune's 8 chunks).
 AUTO_LOSS_CHUNKS = 8
@@ -55,6 +55,9 @@ LEVER = Lever(
     auto={"loss_chunks": "auto"},
     schema={"loss_chunks": LeverField(
         Annotated[int, Field(ge=1)], "Sequence chunks of the cross-entropy (1: the plain loss).")},
+    spec={"loss_chunks": LeverField(AutoOrInt(1, 64, "number of loss chunks"), """
+        Compute the cross-entropy over this many sequence chunks, so the fp32 logits of the whole micro-batch
+        never exist at once (the loss is the same); 1: the plain loss. `auto`: 8, as torchtune.""")},
     ask=_ask,
     choice_values=_choice_values,
     rules=(

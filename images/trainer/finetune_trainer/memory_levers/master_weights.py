@@ -71,6 +71,18 @@ LEVER = Lever(
         "update_rounding": LeverField(
             Literal["nearest", "stochastic", "kahan"], "How bf16 master weights round their updates."),
     },
+    spec={
+        "master_weights": LeverField(Literal["auto", "fp32", "bf16"], """
+            Full fine-tuning: the dtype of the weights the optimizer updates. `fp32`: fp32 weights, gradients and
+            AdamW states, computing in `precision` under autocast (16 bytes per parameter, plus the compute copies).
+            `bf16`: weights, gradients and optimizer states all in bf16, as torchtune and lit-gpt run it (8 bytes per
+            parameter with AdamW, no autocast copies); needs precision bf16 and strategy ddp or fsdp. `auto`: the
+            planner chooses, fp32 unless only bf16 makes the plan cheaper. LoRA adapters always train in fp32."""),
+        "update_rounding": LeverField(Literal["auto", "nearest", "stochastic", "kahan"], """
+            With bf16 master weights, how each update is rounded into the weight: `nearest` (plain bf16),
+            `stochastic` (stochastic rounding, no extra memory) or `kahan` (Kahan summation with a bf16 compensation
+            buffer, 2 bytes per parameter). `auto`: stochastic. Not allowed with fp32 master weights."""),
+    },
     ask=_ask,
     settings=_settings,
     rules=(

@@ -31,6 +31,11 @@ LEVER = Lever(
     auto={"optimizer_in_backward": None},
     schema={"optimizer_in_backward": LeverField(
         bool, "Optimizer step inside backward (gradients freed per parameter; no gradient clipping).")},
+    spec={"optimizer_in_backward": LeverField(bool | None, """
+        Run each parameter's optimizer step inside backward, as soon as its gradient exists, and free that
+        gradient at once: the full set of gradients never exists. Needs gradient accumulation 1 (globalBatchSize =
+        microBatchSize x GPUs), strategy ddp or fsdp and no offload; gradient clipping is off then. Omit to let the
+        planner decide.""")},
     ask=_ask,
     rules=(
         Rule("oib-zero", {"optimizer_in_backward": one_of(True), "strategy": ZERO}, "optimizer_in_backward",
