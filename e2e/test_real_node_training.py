@@ -53,7 +53,7 @@ def node_lab():
     images.build_all()
     print(f"images (operator, trainer): {time.monotonic() - t0:.1f}s")
     before = HostState.capture()
-    lab = up(die_with_parent=True, components=("kubelet",))
+    lab = up(die_with_parent=True, components=("kubelet", "trainer-v2"))
     try:
         yield lab
     finally:
@@ -77,13 +77,20 @@ def s3(node_lab, tmp_path_factory):
     running.stop()
 
 
+def _chart_values(s3, backend: str = "pytorchjob") -> list[str]:
+    """The chart's values for this module: the real node's pool and region, the S3 server for that
+    region, and the training backend (both are served; the ClusterTrainingRuntime is installed)."""
+    storage = [{"endpoint": s3.endpoint, "region": rp.load_pools().pool(POOL).region}]
+    return [*rp.chart_args(POOL), "--set-json", f"policy.objectStorage={json.dumps(storage)}",
+            "--set", f"policy.trainingBackend={backend}", "--set", "trainJobRuntime.enabled=true"]
+
+
 @pytest.fixture(scope="module")
 def operator(node_lab, s3):
     lab = node_lab
     lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
     t0 = time.monotonic()
-    storage = [{"endpoint": s3.endpoint, "region": rp.load_pools().pool(POOL).region}]
-    h.install_chart_on_real_node(lab, *rp.chart_args(POOL), "--set-json", f"policy.objectStorage={json.dumps(storage)}")
+    h.install_chart_on_real_node(lab, *_chart_values(s3))
     print(f"chart installed, operator pods Ready: {time.monotonic() - t0:.1f}s")
     print(lab.kubectl("get", "pods", "-n", h.RELEASE_NAMESPACE, "-o", "wide").stdout)
     return lab
@@ -143,9 +150,9 @@ def _diagnose(lab, ns: str, name: str) -> str:
     return "\n".join(parts)
 
 
-def _trainer_events(lab, ns: str, pod: str, kind: str | None = None) -> list[dict[str, Any]]:
+def _trainer_events(lab, ns: str, pod: str, kind: str | None = None, container: str = "pytorch") -> list[dict[str, Any]]:
     """The trainer's JSON log lines, through the kubelet's log endpoint (`kubectl logs`)."""
-    out = lab.kubectl("logs", "-n", ns, pod, "-c", "pytorch", check=False).stdout
+    out = lab.kubectl("logs", "-n", ns, pod, "-c", container, check=False).stdout
     return rp.events(out.splitlines(), kind)
 
 
@@ -361,3 +368,48 @@ def test_s3_data_in_and_the_adapter_out_through_the_fetch_and_upload_containers(
     stored = sorted(p.relative_to(s3.root / BUCKET) for p in (s3.root / BUCKET / "results" / "s3-real").rglob("*")
                     if p.is_file())
     assert any(p.name == "adapter_config.json" for p in stored), stored
+
+
+def test_the_trainjob_backend_runs_a_gpu_oom_and_its_resume_in_real_containers(operator, namespace, s3):
+    """The same cluster with the policy's backend switched to TrainJob (Kubeflow Trainer v2 and JobSet
+    running beside the training operator): the attempts are TrainJobs of the chart's
+    ClusterTrainingRuntime, their pods JobSet's, run by the real kubelet; attempt 1 runs out of GPU
+    memory at OOM_STEP in the real trainer, attempt 2 (another plan) resumes from its checkpoint."""
+    from e2e.lab.realnode import NODE_NAME
+
+    lab = operator
+    ns, vocab = namespace
+    h.install_chart_on_real_node(lab, *_chart_values(s3, backend="trainjob"))
+    # The operator polls its policy (shell/handlers.py POLICY_POLL_SECONDS, 10 s): twice that, so
+    # that the job below is planned under trainingBackend trainjob, not the policy before.
+    from finetune_operator.shell.handlers import POLICY_POLL_SECONDS
+    time.sleep(2 * POLICY_POLL_SECONDS)
+    try:
+        t0 = time.monotonic()
+        job = _job("tj-oom", ns, vocab, max_steps=12, every_steps=CHECKPOINT_EVERY,
+                   rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)}, **SLOW)
+        status, _ = _run(lab, ns, job)
+        print(f"scenario real-node trainjob gpu-oom: {time.monotonic() - t0:.1f}s ({len(status.get('attempts') or [])} attempts)")
+        assert status["phase"] == "Succeeded", _diagnose(lab, ns, "tj-oom")
+        attempts = status["attempts"]
+        assert attempts[0]["outcome"] == "GPUOutOfMemory" and attempts[-1]["outcome"] == "Succeeded", attempts
+        # TrainJobs, not PyTorchJobs, one per attempt ...
+        trainjobs = json.loads(lab.kubectl("get", "trainjobs", "-n", ns, "-o", "json").stdout)["items"]
+        assert sorted(t["metadata"]["name"] for t in trainjobs) == [f"tj-oom-a{i + 1}" for i in range(len(attempts))]
+        assert not json.loads(lab.kubectl("get", "pytorchjobs", "-n", ns, "-l", "finetune.dev/job=tj-oom",
+                                          "-o", "json").stdout)["items"]
+        # ... whose pods (JobSet's) ran as containers of the node's runtime, the trainer as `node` ...
+        pods = [p for p in json.loads(lab.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]
+                if p["metadata"]["name"].startswith(f"tj-oom-a{len(attempts)}-")]
+        assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == NODE_NAME, [p["metadata"]["name"] for p in pods]
+        last = pods[0]["metadata"]["name"]
+        ran = {c["metadata"]["name"] for c in _crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == last}
+        assert "node" in ran, ran
+        # ... and the last attempt resumed from the checkpoint attempt 1 wrote before its OOM.
+        saved = (OOM_STEP - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+        start = _trainer_events(lab, ns, last, "start", container="node")
+        assert start and start[0]["startStep"] == saved, start
+        failed = attempts[0]["failedPods"][0]
+        assert failed["exitCode"] == 75 and failed["step"] == OOM_STEP and failed["source"] == "report", failed
+    finally:
+        h.install_chart_on_real_node(lab, *_chart_values(s3))

@@ -30,9 +30,14 @@ def test_rbac_is_exactly_the_needs_of_the_chosen_backend_and_kueue(render, defau
     r = render(with_values(default_values, **{"policy.trainingBackend": backend, "kueue.enabled": kueue}))
     assert granted(r.one("ClusterRole")["rules"]) == (needed("namespaced", backend=backend, kueue=kueue)
                                                       | needed("cluster", backend=backend, kueue=kueue))
-    resources = {res for _, res, _, _ in granted(r.one("ClusterRole")["rules"])}
-    assert ("pytorchjobs" in resources) == (backend in ("auto", "pytorchjob"))
-    assert ("trainjobs" in resources) == ("clustertrainingruntimes" in resources) == (backend in ("auto", "trainjob"))
+    grants = granted(r.one("ClusterRole")["rules"])
+    resources = {res for _, res, _, _ in grants}
+    creates = {res for _, res, verb, _ in grants if verb == "create"}
+    # Both kinds are always read, suspended and deleted (a change of backend leaves the other kind's
+    # attempts running); only the policy's backend(s) may be created.
+    assert {"pytorchjobs", "trainjobs"} <= resources
+    assert ("pytorchjobs" in creates) == (backend in ("auto", "pytorchjob"))
+    assert ("trainjobs" in creates) == ("clustertrainingruntimes" in resources) == (backend in ("auto", "trainjob"))
     assert ("workloads" in resources) == ("localqueues" in resources) == kueue
     assert load_policy(r.one("ConfigMap")["data"]["policy.yaml"]).training_backend == backend
 

@@ -37,17 +37,26 @@
   resources: [finetunejobs/status]
   verbs: [patch, update]
 {{- $backend := .Values.policy.trainingBackend | default "auto" }}
-{{- if has $backend (list "auto" "pytorchjob") }}
-# Each attempt is a PyTorchJob the operator creates, watches, suspends (patch) and deletes before the next attempt.
+# Each attempt is a PyTorchJob or a TrainJob (Kubeflow Trainer v2) the operator creates, watches,
+# suspends (patch) and deletes before the next attempt. Reading, suspending and deleting both kinds
+# stays granted whatever policy.trainingBackend says: after a change of backend, the attempts of the
+# other kind still run and must still be followed, suspended and cleaned up. Creating is granted
+# only for the backend(s) new attempts may use.
 - apiGroups: [kubeflow.org]
   resources: [pytorchjobs]
-  verbs: [get, list, watch, create, delete, patch]
-{{- end }}
-{{- if has $backend (list "auto" "trainjob") }}
-# ... or a TrainJob (Kubeflow Trainer v2), the same way.
+  verbs: [get, list, watch, delete, patch]
 - apiGroups: [trainer.kubeflow.org]
   resources: [trainjobs]
-  verbs: [get, list, watch, create, delete, patch]
+  verbs: [get, list, watch, delete, patch]
+{{- if has $backend (list "auto" "pytorchjob") }}
+- apiGroups: [kubeflow.org]
+  resources: [pytorchjobs]
+  verbs: [create]
+{{- end }}
+{{- if has $backend (list "auto" "trainjob") }}
+- apiGroups: [trainer.kubeflow.org]
+  resources: [trainjobs]
+  verbs: [create]
 {{- end }}
 {{- if .Values.kueue.enabled }}
 # Kueue, read only: a queued job's Workload says why it waits; its LocalQueue may not exist.
