@@ -160,6 +160,8 @@ class FakeKube:
     fail_after_writes: int | None = None
     fail_with: Exception | None = None
     refuse_create: dict[str, ApiException] = field(default_factory=dict)
+    # Kinds whose list the API refuses (RBAC): kind -> the error a list of it raises.
+    refuse_list: dict[str, ApiException] = field(default_factory=dict)
     # Container logs, as the kubelet keeps them: (namespace, pod, container) -> [(unix time, line)];
     # `log_clock` is "now" for sinceSeconds. `log_reads` records every pods/log request.
     logs: dict[tuple[str, str, str], list[tuple[float, str]]] = field(default_factory=dict)
@@ -426,6 +428,8 @@ class _Custom:
 
     def list_namespaced_custom_object(self, group, version, namespace, plural, **kwargs):
         self._served(group, version, plural)
+        if _PLURALS[plural] in self.kube.refuse_list:
+            raise self.kube.refuse_list[_PLURALS[plural]]
         return self.kube.list_or_watch(_PLURALS[plural], namespace, **kwargs)
 
     def list_cluster_custom_object(self, group, version, plural, **kwargs):

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from finetune_operator.children import SUSPENDED_BY_ANNOTATION
 from finetune_operator.planning.plan import plan_key_of
+from finetune_operator.shell.reconciler import CHILDREN_UNREADABLE_RETRY_SECONDS
 from finetune_operator import api
 from finetune_operator.rendering.labels import ATTEMPT_LABEL
 
@@ -111,6 +112,28 @@ def test_unknown_status_keys_are_ignored_not_fatal():
     world.job["status"]["somethingElse"] = 3
     world.reconcile()
     assert world.status["phase"] == "Running" and len(world.ours("PyTorchJob")) == 1
+
+
+def test_training_jobs_it_may_not_list_block_the_job_instead_of_a_retry_loop():
+    """RBAC that forbids listing a served kind (a backend switched by helm upgrade): the operator cannot
+    know whether an attempt of that kind runs, so it starts none, says what it lacks, and looks again."""
+    world = ReconcileWorld(job_document())
+    world.reconcile()
+    world.run(world.newest_child())
+    world.reconcile()
+    assert len(world.ours("PyTorchJob")) == 1 and world.status["phase"] == "Running"
+    world.kube.refuse_list["PyTorchJob"] = _error(403, "Forbidden", 'pytorchjobs.kubeflow.org is forbidden')
+    for _ in range(3):
+        assert world.reconcile() == CHILDREN_UNREADABLE_RETRY_SECONDS
+    blocked = world.conditions()["Blocked"]
+    assert blocked["status"] == "True" and blocked["reason"] == "ChildrenUnreadable"
+    assert "pytorchjobs.kubeflow.org" in blocked["message"] and "creates and deletes nothing" in blocked["message"]
+    assert len(world.ours("PyTorchJob")) == 1 and world.status["phase"] == "Running"
+    assert [e["reason"] for e in world.kube.events].count("ChildrenUnreadable") == 1  # once, not per look
+    del world.kube.refuse_list["PyTorchJob"]
+    world.reconcile()
+    assert world.status["phase"] == "Running" and len(world.ours("PyTorchJob")) == 1
+    assert world.conditions()["Blocked"]["status"] == "False", world.conditions()["Blocked"]
 
 
 def test_a_refused_create_is_a_condition_quoting_the_api_then_a_failure():
@@ -243,7 +266,7 @@ class ControlLoop(RuleBasedStateMachine):
     @rule(eager=st.booleans())
     def the_configmap_post_overtakes_the_status_write(self, eager: bool) -> None:
         from reconcile_world import at_once
-        from finetune_operator.shell.reconciler import Later
+        from finetune_operator.shell.reconciler import CHILDREN_UNREADABLE_RETRY_SECONDS, Later
 
         self.world.alongside = at_once if eager else Later
         self.world.reconciler.alongside = self.world.alongside

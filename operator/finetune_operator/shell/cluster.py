@@ -243,6 +243,8 @@ class Cluster:
             except ApiException as error:
                 if error.status == 404:  # the CRD went away since discovery
                     continue
+                if error.status == 403:
+                    raise ChildrenUnreadable(backend, namespace, error.reason or "Forbidden") from error
                 raise
             for item in items:
                 if not controlled_by(item, owner_uid):
@@ -477,6 +479,17 @@ class Cluster:
     def post_event(self, job_body: dict[str, Any], event: lifecycle.Event) -> None:
         """Post an Event about the job, aggregated as client-go's recorder does (aggregated_events.py)."""
         self._events.post(self.core, job_body, event)
+
+
+class ChildrenUnreadable(Exception):
+    """The API forbids listing a kind of training job the cluster serves (403): the operator cannot
+    know whether an attempt of that kind still runs, so it must not start another."""
+
+    def __init__(self, backend: Backend, namespace: str, reason: str) -> None:
+        super().__init__(f"the operator may not list {backend.resource} in namespace {namespace} ({reason}): it "
+                         f"cannot tell whether an attempt of that kind runs, so it creates and deletes nothing for "
+                         f"this job until it may (the chart grants reading both kinds under every trainingBackend)")
+        self.backend, self.namespace = backend, namespace
 
 
 class ForeignObject(Exception):

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from .. import api, lifecycle, progress
 from . import metrics
 from .claim_book import ClaimBook, Held, still_fits
-from .cluster import Cluster, ForeignObject
+from .cluster import ChildrenUnreadable, Cluster, ForeignObject
 from .job_bodies import JobBodies, OwnWrites
 from .job_status import read_status, status_json
 from .progress_poller import ProgressPoller
@@ -46,6 +46,8 @@ log = logging.getLogger("finetune_operator.controller")
 # A waiting job woken because another pool has room is not woken again for this long (it may stay).
 WAKE_REPEAT_SECONDS = 10.0
 WOKEN_MEMORY = 4096
+# A job whose training jobs the operator may not list (ChildrenUnreadable): when to look again.
+CHILDREN_UNREADABLE_RETRY_SECONDS = 30.0
 
 
 class PolicyHolder:
@@ -149,7 +151,13 @@ class Reconciler:
             return None
         uid = body["metadata"].get("uid")
         backends = self.cluster.served_backends()
-        children = self.cluster.list_children(namespace, name, uid, backends)
+        try:
+            children = self.cluster.list_children(namespace, name, uid, backends)
+        except ChildrenUnreadable as forbidden:
+            # Not a retry in the work queue (it would loop on the 403 for good): a condition that says
+            # what the operator lacks, and a look again later.
+            self._blocked(body, "ChildrenUnreadable", str(forbidden), now)
+            return CHILDREN_UNREADABLE_RETRY_SECONDS
         pods = self.cluster.list_job_pods(namespace, name)
         current = next((c for c in children if c.attempt == status.current_attempt), None)
         if current is not None and current.state == "Failed" and self.cluster.cache is not None \
@@ -256,8 +264,12 @@ class Reconciler:
     def _status_unreadable(self, body: dict[str, Any], problem: str, now: datetime) -> None:
         """A status the operator cannot understand: say so on a condition and touch nothing else,
         no create, no delete (acting on a misread status could start a second run)."""
-        message = (f"the operator cannot read this job's status ({problem}); it creates and deletes nothing "
-                   "until the status is fixed or removed")
+        self._blocked(body, "StatusUnreadable", f"the operator cannot read this job's status ({problem}); it creates "
+                      "and deletes nothing until the status is fixed or removed", now)
+
+    def _blocked(self, body: dict[str, Any], reason: str, message: str, now: datetime) -> None:
+        """Blocked=True with `reason` and `message` on the conditions as stored (only they are patched:
+        the rest of the status may be what the operator cannot read), an event once per message."""
         salvaged = api.FineTuneJobStatus()
         for raw in ((body.get("status") or {}).get("conditions") or []) if isinstance(body.get("status"), dict) else []:
             try:
@@ -267,11 +279,11 @@ class Reconciler:
         previous = lifecycle.condition(salvaged, api.COND_BLOCKED)
         if previous is not None and previous.status == "True" and previous.message == message:
             return
-        lifecycle.set_condition(salvaged, api.COND_BLOCKED, "True", "StatusUnreadable", message, now,
+        lifecycle.set_condition(salvaged, api.COND_BLOCKED, "True", reason, message, now,
                                 body["metadata"].get("generation"))
         self.cluster.patch_job_conditions(
             body, [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in salvaged.conditions])
-        self.cluster.post_event(body, lifecycle.Event("Warning", "StatusUnreadable", message))
+        self.cluster.post_event(body, lifecycle.Event("Warning", reason, message))
         log.warning("%s/%s: %s", body["metadata"].get("namespace"), body["metadata"].get("name"), message)
 
     def _read_model_config(self, job: api.FineTuneJob) -> tuple[dict[str, Any] | None, list[api.FieldProblem], str | None]:
