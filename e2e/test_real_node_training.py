@@ -284,16 +284,21 @@ def _until_done(lab, ns: str, name: str, timeout: float = 900) -> dict[str, Any]
     return status
 
 
+def _start_slow_job(lab, ns: str, vocab: int, name: str) -> None:
+    """Apply a SLOW job of STEPS steps and return once attempt 1 wrote its first checkpoint (read in
+    the claim, not the status's progress: that is polled, and lags by more than a checkpoint interval)."""
+    lab.kubectl("apply", "-f", "-", input=json.dumps(_job(name, ns, vocab, max_steps=STEPS,
+                                                          every_steps=CHECKPOINT_EVERY, **SLOW)))
+    _wait("attempt 1 wrote a checkpoint", lambda: rp.checkpoint_steps(ns, name), 600, 0.5)
+
+
 def test_a_training_pod_deleted_mid_run_then_the_next_attempt_resumes_from_its_checkpoint(operator, namespace):
     """A drain or a person deletes the running pod: the kubelet stops its container (SIGTERM, then the
     grace period), the operator sees the attempt lost and starts the next from the newest checkpoint."""
     lab = operator
     ns, vocab = namespace
     t0 = time.monotonic()
-    lab.kubectl("apply", "-f", "-", input=json.dumps(_job("deleted", ns, vocab, max_steps=STEPS,
-                                                          every_steps=CHECKPOINT_EVERY, **SLOW)))
-    # Not the status's progress: it is polled, and lags the claim by more than a checkpoint interval.
-    _wait("attempt 1 wrote a checkpoint", lambda: rp.checkpoint_steps(ns, "deleted"), 600, 0.5)
+    _start_slow_job(lab, ns, vocab, "deleted")
     lab.kubectl("delete", "pod", "deleted-a1-master-0", "-n", ns, "--wait=false")
     status = _until_done(lab, ns, "deleted")
     print(f"scenario real-node pod-deleted: {time.monotonic() - t0:.1f}s ({len(status['attempts'])} attempts)")
@@ -313,9 +318,7 @@ def test_suspend_and_resume_continue_from_the_checkpoint_in_the_claim(operator, 
     lab = operator
     ns, vocab = namespace
     t0 = time.monotonic()
-    lab.kubectl("apply", "-f", "-", input=json.dumps(_job("suspended", ns, vocab, max_steps=STEPS,
-                                                          every_steps=CHECKPOINT_EVERY, **SLOW)))
-    _wait("attempt 1 wrote a checkpoint", lambda: rp.checkpoint_steps(ns, "suspended"), 600, 0.5)
+    _start_slow_job(lab, ns, vocab, "suspended")
     lab.kubectl("patch", "ftj", "suspended", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": true}}')
     # The operator suspends the attempt's PyTorchJob: its pod goes, the job object stays.
     _wait("Suspended with no pod left", lambda: _status(lab, ns, "suspended").get("phase") == "Suspended"
