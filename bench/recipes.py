@@ -35,7 +35,6 @@ from finetune_operator.planning import ClusterPolicy, Infeasible, load_catalog, 
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
 from finetune_operator.sizing.allocator import reserved_factor  # noqa: E402
 from finetune_operator.sizing.presets import preset  # noqa: E402
-from finetune_operator.sizing import constants as K  # noqa: E402
 from finetune_trainer.memory_levers import LEVERS, camel  # noqa: E402
 
 GIB = 1 << 30

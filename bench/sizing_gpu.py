@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "operator"))
 
-from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
+from finetune_operator.sizing import TrainingSetup, estimate_memory  # noqa: E402
 from finetune_operator.sizing.presets import preset  # noqa: E402
 from finetune_operator.sizing import constants as K  # noqa: E402
 from finetune_operator.sizing.allocator import reserved_factor  # noqa: E402

@@ -128,15 +128,18 @@ def _job(name: str, ns: str, vocab: int, **kw: Any) -> dict[str, Any]:
 
 def _run(lab, ns: str, job: dict[str, Any], timeout: float = 900) -> tuple[dict[str, Any], float]:
     """Apply, wait for a terminal phase; (status, seconds). Logs of the pods are read while they exist."""
-    name = job["metadata"]["name"]
     t0 = time.monotonic()
     lab.kubectl("apply", "-f", "-", input=json.dumps(job))
-    while time.monotonic() - t0 < timeout:
-        status = json.loads(lab.kubectl("get", "ftj", name, "-n", ns, "-o", "json").stdout).get("status") or {}
-        if status.get("phase") in ("Succeeded", "Failed"):
-            return status, time.monotonic() - t0
-        time.sleep(2)
-    raise AssertionError(f"{name} did not end in {timeout}s:\n{_diagnose(lab, ns, name)}")
+    return _ended(lab, ns, job["metadata"]["name"], timeout), time.monotonic() - t0
+
+
+def _ended(lab, ns: str, name: str, timeout: float = 900) -> dict[str, Any]:
+    """The job's status once its phase is Succeeded or Failed; the diagnosis when it does not end."""
+    try:
+        return _wait(f"{name} ends", lambda: (s := _status(lab, ns, name)).get("phase") in ("Succeeded", "Failed") and s,
+                     timeout, 2)
+    except AssertionError as late:
+        raise AssertionError(f"{late}:\n{_diagnose(lab, ns, name)}") from None
 
 
 def _diagnose(lab, ns: str, name: str) -> str:
@@ -277,13 +280,6 @@ def _pods_of(lab, ns: str, name: str) -> list[dict[str, Any]]:
     return [p for p in items if p["metadata"]["name"].startswith(f"{name}-a")]
 
 
-def _until_done(lab, ns: str, name: str, timeout: float = 900) -> dict[str, Any]:
-    status = _wait(f"{name} ends", lambda: (s := _status(lab, ns, name)).get("phase") in ("Succeeded", "Failed") and s,
-                   timeout, 2)
-    assert status["phase"] == "Succeeded", _diagnose(lab, ns, name)
-    return status
-
-
 def _start_slow_job(lab, ns: str, vocab: int, name: str) -> None:
     """Apply a SLOW job of STEPS steps and return once attempt 1 wrote its first checkpoint (read in
     the claim, not the status's progress: that is polled, and lags by more than a checkpoint interval)."""
@@ -300,7 +296,8 @@ def test_a_training_pod_deleted_mid_run_then_the_next_attempt_resumes_from_its_c
     t0 = time.monotonic()
     _start_slow_job(lab, ns, vocab, "deleted")
     lab.kubectl("delete", "pod", "deleted-a1-master-0", "-n", ns, "--wait=false")
-    status = _until_done(lab, ns, "deleted")
+    status = _ended(lab, ns, "deleted")
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "deleted")
     print(f"scenario real-node pod-deleted: {time.monotonic() - t0:.1f}s ({len(status['attempts'])} attempts)")
     outcomes = [a["outcome"] for a in status["attempts"]]
     assert len(outcomes) >= 2 and outcomes[-1] == "Succeeded", outcomes
@@ -326,7 +323,8 @@ def test_suspend_and_resume_continue_from_the_checkpoint_in_the_claim(operator, 
     saved = rp.checkpoint_steps(ns, "suspended")
     assert saved and max(saved) < STEPS, saved
     lab.kubectl("patch", "ftj", "suspended", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": false}}')
-    status = _until_done(lab, ns, "suspended")
+    status = _ended(lab, ns, "suspended")
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "suspended")
     print(f"scenario real-node suspend-resume: {time.monotonic() - t0:.1f}s ({len(status['attempts'])} attempts)")
     assert status["attempts"][-1]["outcome"] == "Succeeded", status["attempts"]
     running = [p["metadata"]["name"] for p in _pods_of(lab, ns, "suspended")]
