@@ -4,10 +4,15 @@ import json
 
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from finetune_trainer.data import (
     IGNORE,
     Collator,
+    Example,
     build_examples,
+    pack,
     read_jsonl,
     sample_order,
     total_samples,
@@ -51,13 +56,80 @@ def test_text_learns_everything_and_truncates(tokenizer, tmp_path):
     assert len(example.input_ids) == 16 and example.labels == example.input_ids
 
 
-def test_packing_fills_blocks(tokenizer, tmp_path):
+def test_packing_keeps_examples_whole_and_their_boundaries(tokenizer, tmp_path):
     records = read_jsonl(write_jsonl(tmp_path / "d.jsonl", chat_lines(20)))
     unpacked = build_examples(tokenizer, records, "chat", 64, False)
     packed = build_examples(tokenizer, records, "chat", 64, True)
-    assert all(len(e.input_ids) == 64 for e in packed[:-1])
-    assert sum(len(e.input_ids) for e in packed) == sum(len(e.input_ids) for e in unpacked)
-    assert len(packed) < len(unpacked)
+    assert len(packed) < len(unpacked) and all(len(e.input_ids) <= 64 for e in packed)
+    # Every example is in exactly one packed sequence, whole, its positions from 0, and its first
+    # token is not a target (the token before it belongs to another example).
+    found = []
+    for sequence in packed:
+        starts = [i for i, p in enumerate(sequence.position_ids) if p == 0] + [len(sequence.input_ids)]
+        assert starts[0] == 0 and sequence.position_ids == [p for a, b in zip(starts, starts[1:]) for p in range(b - a)]
+        for a, b in zip(starts, starts[1:]):
+            found.append((sequence.input_ids[a:b], sequence.labels[a + 1:b]))
+            assert sequence.labels[a] == IGNORE
+    assert sorted(found) == sorted((e.input_ids, e.labels[1:]) for e in unpacked)
+    assert [e.input_ids for e in build_examples(tokenizer, records, "chat", 64, True)] == [e.input_ids for e in packed]
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=60), room=st.integers(1, 48))
+def test_packing_is_a_best_fit_of_whole_examples(lengths, room):
+    examples = [Example(list(range(100 * i, 100 * i + n)), list(range(100 * i, 100 * i + n))) for i, n in enumerate(lengths)]
+    packed = pack(examples, room)
+    cut = sorted(tuple(e.input_ids[:room]) for e in examples)
+    pieces = []
+    for sequence in packed:
+        assert 0 < len(sequence.input_ids) <= room
+        starts = [i for i, p in enumerate(sequence.position_ids) if p == 0] + [len(sequence.input_ids)]
+        pieces.extend(tuple(sequence.input_ids[a:b]) for a, b in zip(starts, starts[1:]))
+    assert sorted(pieces) == cut  # nothing lost, nothing split, nothing twice
+    # Best fit never opens a sequence an example would have fitted into: any two sequences hold
+    # more than `room` tokens together, so at most one is half empty or less.
+    assert sum(len(s.input_ids) <= room / 2 for s in packed) <= 1
+
+
+def test_a_packed_sequence_attends_within_each_example_only(tmp_path):
+    """The logits of an example inside a packed sequence are those of the example alone, for
+    sdpa and eager attention, through the collator as the trainer uses it."""
+    import torch
+
+    from .trainer_assets import build_model
+
+    path = tmp_path / "m"
+    build_model(path, vocab_size=64)
+    from transformers import AutoModelForCausalLM
+
+    first, second = Example([3, 9, 4, 7, 5], [3, 9, 4, 7, 5]), Example([8, 2, 6], [8, 2, 6])
+    [sequence] = pack([first, second], 16)
+    assert sequence.input_ids == first.input_ids + second.input_ids
+    for attention in ("sdpa", "eager"):
+        # As the trainer loads it (model_setup): with the KV cache on, transformers ignores packing.
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, use_cache=False).eval()
+        batch = Collator(pad_token_id=0)([sequence.item(), Example([1, 2], [1, 2], [0, 1]).item()])
+        assert "attention_mask" not in batch and batch.pop("token_count").item() == 10
+        with torch.no_grad():
+            together = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+            alone = {len(e.input_ids): model(input_ids=torch.tensor([e.input_ids])).logits[0] for e in (first, second)}
+        # Longest first: the five tokens, then the three.
+        torch.testing.assert_close(together[:5], alone[5], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(together[5:8], alone[3], rtol=1e-4, atol=1e-4)
+
+
+def test_collator_pads_packed_sequences_with_a_run_of_their_own_or_flattens_them():
+    a = Example([5, 6, 7], [IGNORE, 6, 7], [0, 1, 0]).item()
+    b = Example([8], [IGNORE], [0]).item()
+    batch = Collator(pad_token_id=0)([a, b])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [IGNORE, IGNORE, IGNORE]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0], [0, 0, 1]]
+    assert "attention_mask" not in batch and batch["token_count"].item() == 4
+    flat = Collator(pad_token_id=0, flatten=True)([a, b])
+    assert flat["input_ids"].tolist() == [[5, 6, 7, 8]] and flat["position_ids"].tolist() == [[0, 1, 0, 0]]
+    with pytest.raises(ValueError, match="mixes packed and unpacked"):
+        Collator(pad_token_id=0)([a, {"input_ids": [1], "labels": [1]}])
 
 
 def test_malformed_line_is_a_data_error_naming_the_line(tmp_path):
@@ -110,6 +182,7 @@ def test_collator_pads_with_ignored_labels():
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["token_count"].item() == 4
 
 
 def test_the_held_out_split_is_the_seeds_alone_and_a_split_leaving_a_side_empty_names_the_field():

@@ -100,6 +100,27 @@ def test_lora_loss_goes_down_and_resumes_adapters_with_another_micro_batch(asset
     assert second.losses()[10] < first.losses()[1] - 0.3
 
 
+def test_a_packed_lora_run_trains_on_whole_examples_and_resumes_the_same_sequences(assets, tmp_path):
+    """spec.dataset.packing in the real trainer: the loss goes down, the trained tokens are the
+    examples' real tokens (no padding counted), and a resumed attempt with another micro-batch
+    packs the same sequences (its step matches the first attempt's)."""
+    config = trainer_config(assets, tmp_path, method="lora", learningRate=1e-2, maxSteps=6,
+                            lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"},
+                            dataset={"path": str(assets["chat"]), "format": "chat", "packing": True})
+    first = run_trainer(write_config(tmp_path, config))
+    assert first.returncode == 0, first.output[-3000:]
+    assert_loss_goes_down(first.losses(), by=0.2)
+    [start] = first.of("start")
+    [summary] = first.of("summary")
+    # 6 steps of 8 packed sequences of at most 64 tokens, without the pad runs.
+    assert 0 < summary["tokens"] <= 6 * 8 * 64
+    config.update(maxSteps=8, microBatchSize=8, gradientAccumulation=1, attempt=2)
+    second = run_trainer(write_config(tmp_path, config))
+    assert second.returncode == 0, second.output[-3000:]
+    assert second.of("start")[0]["examples"] == start["examples"]
+    assert second.losses()[5] == pytest.approx(first.losses()[5], abs=0.02)
+
+
 def test_a_lora_run_on_two_ranks_exports_a_merged_folder_that_computes_base_plus_adapter(assets, tmp_path):
     """export merged: rank 0 alone merges after training (after the ranks' teardown); the folder loads
     with transformers and gives the logits of the base with the adapter the run saved (fp32 training,

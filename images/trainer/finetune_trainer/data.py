@@ -1,13 +1,17 @@
 """Read the JSONL dataset, tokenize it per format, pack or truncate, and order it.
 
 Labels are -100 where the model must not learn: prompts and chat turns other than
-the assistant's. The sample order of a whole run is a pure function of the seed, so a
+the assistant's. Packing keeps each example whole and its boundaries: every example of a
+packed sequence numbers its positions from 0, and the collator passes those position ids
+(with no attention mask), from which transformers builds attention that never crosses an
+example (sdpa and eager: a block-diagonal causal mask; flash: its variable-length kernel). The sample order of a whole run is a pure function of the seed, so a
 resumed attempt can skip exactly the samples earlier attempts consumed, whatever the
 micro-batch, accumulation or GPU count of each attempt.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -31,6 +35,15 @@ class Record:
 class Example:
     input_ids: list[int]
     labels: list[int]
+    position_ids: list[int] | None = None
+    """Packed sequences only: each example's positions, from 0 at its first token."""
+
+    def item(self) -> dict[str, list[int]]:
+        """The example as the collator takes it."""
+        found = {"input_ids": self.input_ids, "labels": self.labels}
+        if self.position_ids is not None:
+            found["position_ids"] = self.position_ids
+        return found
 
 
 def dataset_files(path: str | Path) -> list[Path]:
@@ -175,31 +188,54 @@ def encode(tokenizer, record: Record, fmt: str) -> Example:
 
 def build_examples(tokenizer, records: list[Record], fmt: str, sequence_length: int, packing: bool) -> list[Example]:
     encoded = [encode(tokenizer, r, fmt) for r in records]
-    if packing:
-        examples = pack(encoded, sequence_length)
-    else:
-        examples = [Example(e.input_ids[:sequence_length], e.labels[:sequence_length]) for e in encoded]
+    examples = [Example(e.input_ids[:sequence_length], e.labels[:sequence_length]) for e in encoded]
     # An example whose learnable tokens were all cut off teaches nothing (and makes the
-    # loss NaN when a micro-batch holds only such examples).
+    # loss NaN when a micro-batch holds only such examples); packed, it would only take room.
     examples = [e for e in examples if any(label != IGNORE for label in e.labels[1:])]
     if not examples:
         raise DataError(
             f"no example keeps a learnable token within sequenceLength {sequence_length}"
         )
-    return examples
+    return pack(examples, sequence_length) if packing else examples
 
 
 def pack(examples: list[Example], sequence_length: int) -> list[Example]:
-    """Concatenate and cut into blocks of ``sequence_length`` (the last partial block is kept)."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for e in examples:
-        ids.extend(e.input_ids)
-        labels.extend(e.labels)
-    return [
-        Example(ids[i : i + sequence_length], labels[i : i + sequence_length])
-        for i in range(0, len(ids), sequence_length)
-    ]
+    """Whole examples (each cut to ``sequence_length``) packed into sequences of at most
+    ``sequence_length`` tokens, best fit in decreasing length (ties in dataset order), so the
+    packing is a pure function of the data and every attempt trains on the same sequences.
+
+    No example is split across two sequences and none sees another: positions restart at 0
+    for each, and the first token of each is not a target (the token before it belongs to
+    another example; for the sequence's first example it is never one anyway)."""
+    cut = [Example(e.input_ids[:sequence_length], e.labels[:sequence_length]) for e in examples]
+    if any(len(e.input_ids) == 0 for e in cut):
+        raise ValueError("pack: an empty example")
+    order = sorted(range(len(cut)), key=lambda i: (-len(cut[i].input_ids), i))
+    bins: list[list[int]] = []  # example indices per packed sequence
+    free: list[tuple[int, int]] = []  # (room left, bin index), sorted: the best fit is the first with room
+    for i in order:
+        size = len(cut[i].input_ids)
+        at = bisect.bisect_left(free, (size, -1))
+        if at == len(free):
+            bins.append([i])
+            room, index = sequence_length - size, len(bins) - 1
+        else:
+            room, index = free.pop(at)
+            bins[index].append(i)
+            room -= size
+        if room > 0:
+            bisect.insort(free, (room, index))
+    packed = []
+    for members in bins:
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        for i in members:
+            ids.extend(cut[i].input_ids)
+            labels.extend([IGNORE] + cut[i].labels[1:])
+            positions.extend(range(len(cut[i].input_ids)))
+        packed.append(Example(ids, labels, positions))
+    return packed
 
 
 def sample_order(num_examples: int, start: int, count: int, seed: int) -> list[int]:
@@ -266,14 +302,43 @@ def total_samples(num_examples: int, epochs: float) -> int:
 
 
 class Collator:
-    """Pads a micro-batch to its longest example (labels with -100)."""
+    """Makes a micro-batch of examples. Unpacked ones are padded to the longest (labels -100)
+    with an attention mask. Packed ones carry position ids and no mask: a shorter sequence is
+    padded with a run of pad tokens numbered as an example of its own, which attends to nothing
+    real and is never a target; with ``flatten`` (flash attention, whose variable-length kernel
+    reads the boundaries only from one row) the micro-batch becomes one row, with no padding.
 
-    def __init__(self, pad_token_id: int):
+    Each batch says how many of its tokens are real (``token_count``): the trainer counts them
+    as trained tokens and takes the key out before the model sees the batch."""
+
+    def __init__(self, pad_token_id: int, flatten: bool = False):
         self.pad_token_id = pad_token_id
+        self.flatten = flatten
 
     def __call__(self, batch: list[dict[str, list[int]]]):
         import torch
 
+        packed = ["position_ids" in item for item in batch]
+        if any(packed) and not all(packed):
+            raise ValueError("a micro-batch mixes packed and unpacked examples")
+        real = sum(len(item["input_ids"]) for item in batch)
+        if all(packed):
+            rows = [(item["input_ids"], item["labels"], item["position_ids"]) for item in batch]
+            if self.flatten:
+                rows = [tuple(sum((list(row[k]) for row in rows), []) for k in range(3))]
+            longest = max(len(ids) for ids, _, _ in rows)
+            input_ids, labels, positions = [], [], []
+            for ids, row_labels, row_positions in rows:
+                pad = longest - len(ids)
+                input_ids.append(list(ids) + [self.pad_token_id] * pad)
+                labels.append(list(row_labels) + [IGNORE] * pad)
+                positions.append(list(row_positions) + list(range(pad)))
+            return {
+                "input_ids": torch.tensor(input_ids, dtype=torch.long),
+                "labels": torch.tensor(labels, dtype=torch.long),
+                "position_ids": torch.tensor(positions, dtype=torch.long),
+                "token_count": torch.tensor(real, dtype=torch.long),
+            }
         longest = max(len(item["input_ids"]) for item in batch)
         input_ids, labels, mask = [], [], []
         for item in batch:
@@ -285,4 +350,5 @@ class Collator:
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
             "attention_mask": torch.tensor(mask, dtype=torch.long),
+            "token_count": torch.tensor(real, dtype=torch.long),
         }

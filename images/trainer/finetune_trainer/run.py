@@ -230,7 +230,7 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
         log_json("summary", status="already-complete", step=plan.start_step, maxSteps=plan.max_steps)
         return facts
     order = sample_order(len(examples), plan.start_samples, remaining * plan.global_batch, cfg.seed)
-    dataset = [{"input_ids": examples[i].input_ids, "labels": examples[i].labels} for i in order]
+    dataset = [examples[i].item() for i in order]
 
     # TrainingArguments first: it starts the process group (and, for ZeRO-3, makes
     # from_pretrained partition the weights as they load).
@@ -265,9 +265,10 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
         except ValueError as exc:
             raise ConfigError(f"lossChunks {cfg.loss_chunks}: {exc}") from exc
 
-    eval_dataset = [{"input_ids": e.input_ids, "labels": e.labels} for e in held_out] or None
+    eval_dataset = [e.item() for e in held_out] or None
     trainer = FineTuneTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
-                              data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
+                              data_collator=Collator(tokenizer.pad_token_id, flatten=cfg.attention == "flash"),
+                              processing_class=tokenizer,
                               faults=faults, cfg=cfg, chunked_loss=chunked)
     trainer.remove_callback(PrinterCallback)
     progress = ProgressCallback(trainer, plan, attempt=cfg.attempt)

@@ -118,12 +118,13 @@ class FineTuneTrainer(Trainer):
         return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # The collator's count of real tokens (data.Collator): not an input of the model.
+        count = inputs.pop("token_count")
         if not model.training:
             return self._evaluation_loss(model, inputs, return_outputs, num_items_in_batch)
         step = self.state.global_step + 1
         PROGRESS.enter(Phase.FORWARD, step)
         self.faults.maybe_fire(Phase.FORWARD, step)
-        count = inputs["attention_mask"].sum()
         self._tokens = count if self._tokens is None else self._tokens + count
         if self.chunked_loss is not None and "labels" in inputs:
             loss = self._chunked(model, inputs, num_items_in_batch)
