@@ -14,6 +14,7 @@ re-measures. Usage:
     python bench/sizing_accuracy.py --profile [--only ...]   # the pre-flight profile against the same truth
     python bench/sizing_accuracy.py --family qwen3,qwen3_moe,gemma3_text,gpt_oss,olmo2,granite
     python bench/sizing_accuracy.py --family phi,gpt_neox      # issue 28
+    python bench/sizing_accuracy.py --only packed              # packing with boundaries (issue 28)
 
 The table ends with one summary row per family (median |err|, worst |err|, most negative).
 The families of 2026 (issue 16: qwen3, qwen3_moe, gemma3_text, gpt_oss, olmo2, granite) were
@@ -57,13 +58,14 @@ class Case:
     world_size: int = 1
     rank: int = 16
     dropout: float = 0.0
+    packing: bool = False  # examples packed with their boundaries (spec.dataset.packing)
     in_sample: bool = False  # a term of the model was changed because of this case's error
     levers: tuple = ()  # lean-trainer levers: (TrainingSetup field, value) pairs, traced by measure_levers
 
     @property
     def key(self) -> str:
         return (f"{self.preset}|{self.method}|r{self.rank}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|"
-                f"{self.attention}|{self.strategy}x{self.world_size}" + (f"|d{self.dropout}" if self.dropout else "")
+                f"{self.attention}|{self.strategy}x{self.world_size}" + (f"|d{self.dropout}" if self.dropout else "") + ("|packed" if self.packing else "")
                 + "".join(f"|{k}={v}" for k, v in self.levers))
 
     def setup(self) -> TrainingSetup:
@@ -71,7 +73,8 @@ class Case:
             architecture=preset(self.preset), method=self.method, lora_rank=self.rank,
             lora_dropout=self.dropout,
             micro_batch_size=self.batch, sequence_length=self.seq, gradient_checkpointing=self.gc,
-            attention=self.attention, strategy=self.strategy, world_size=self.world_size, **dict(self.levers),
+            attention=self.attention, packing=self.packing, strategy=self.strategy, world_size=self.world_size,
+            **dict(self.levers),
         )
 
     def truth_args(self) -> list[str]:
@@ -81,7 +84,7 @@ class Case:
         for name, value in self.levers:
             flag = "--" + {"update_rounding": "rounding"}.get(name, name).replace("_", "-")
             args += [flag] if value is True else [flag, str(value)]
-        return args + (["--gc"] if self.gc else [])
+        return args + (["--gc"] if self.gc else []) + (["--packing"] if self.packing else [])
 
 
 def matrix() -> list[Case]:
@@ -144,6 +147,26 @@ def matrix() -> list[Case]:
         *families_2026(),
         *families_issue28(),
         *lever_cases(),
+        *packing_cases(),
+    ]
+
+
+def packing_cases() -> list[Case]:
+    """Examples packed with their boundaries (spec.dataset.packing, issue 28): under sdpa every block
+    gets the block-diagonal mask, hence the mask term and repeat_kv's copies; under eager the mask
+    it always has. The term was read off 2- and 4-block traces of llama-3.2-1b (its row is in-sample);
+    the other rows are held out."""
+    C = Case
+    return [
+        C("llama-3.2-1b", "lora", batch=1, seq=2048, packing=True, in_sample=True),
+        C("qwen2.5-0.5b", "full", batch=4, seq=1024, packing=True),
+        C("llama-3.1-8b", "lora", batch=2, seq=4096, gc=True, packing=True),
+        C("mistral-7b-v0.3", "lora", batch=2, seq=2048, gc=True, dropout=0.05, packing=True),
+        C("gemma-3-1b", "lora", batch=4, seq=4096, gc=True, packing=True),
+        C("gemma-2-2b", "lora", batch=2, seq=2048, attention="eager", gc=True, packing=True),
+        C("qwen3-8b", "full", batch=1, seq=4096, gc=True, strategy="fsdp", world_size=8, packing=True),
+        C("phi-2", "lora", batch=2, seq=2048, packing=True),
+        C("qwen3-30b-a3b", "lora", batch=1, seq=2048, gc=True, packing=True),
     ]
 
 

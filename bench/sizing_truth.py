@@ -66,7 +66,7 @@ def profile_setup(setup: TrainingSetup):
         lora_dropout=setup.lora_dropout, lora_targets=targets, precision=setup.precision,
         # A family transformers cannot run with sdpa (gpt-oss: attention sinks) runs eager, as in the trainer.
         attention="eager" if setup.attention == "eager" or setup.architecture.traits.eager_only else "sdpa",
-        sequence_length=setup.sequence_length,
+        sequence_length=setup.sequence_length, packing=setup.packing,
         micro_batch_size=setup.micro_batch_size, gradient_checkpointing=setup.gradient_checkpointing,
         strategy=setup.strategy, world_size=setup.world_size,
     )
@@ -212,7 +212,7 @@ def setup_from_args(ns) -> TrainingSetup:
     return TrainingSetup(
         architecture=arch, method=ns.method, lora_rank=ns.rank, lora_dropout=ns.dropout, micro_batch_size=ns.batch,
         sequence_length=ns.seq, gradient_checkpointing=ns.gc, attention=ns.attention,
-        strategy=ns.strategy, world_size=ns.world_size, master_weights=ns.master_weights,
+        packing=ns.packing, strategy=ns.strategy, world_size=ns.world_size, master_weights=ns.master_weights,
         update_rounding=ns.rounding, optimizer_in_backward=ns.optimizer_in_backward, loss_chunks=ns.loss_chunks,
         activation_offloading=ns.activation_offloading,
         gradient_accumulation=1,
@@ -230,6 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--gc", action="store_true")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "flash", "eager"))
+    p.add_argument("--packing", action="store_true", help="examples packed with their boundaries")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--master-weights", default="fp32", choices=("fp32", "bf16"))

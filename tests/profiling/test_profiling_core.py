@@ -63,6 +63,17 @@ def test_setups_are_the_corners_of_what_the_planner_can_ask():
     assert len(big.to_termination_message().encode()) <= 4096
 
 
+def test_a_packed_job_is_profiled_packed_under_keys_of_their_own():
+    """The profile traces packed examples as the trainer runs them (the block-diagonal mask); an
+    unpacked setup's key is what it was, so the figures already cached stay valid."""
+    plain = job_profile(job().spec).setups()
+    packed_job = job()
+    packed_job.spec.dataset.packing = True
+    packed = job_profile(packed_job.spec).setups()
+    assert all(s.packing for s in packed) and not any(s.packing for s in plain)
+    assert [s.key + ".packed" for s in plain] == [s.key for s in packed]
+
+
 @pytest.mark.parametrize("change, field", [
     (dict(method="qlora"), "spec.method"),
     (dict(training={"sequenceLength": 512, "globalBatchSize": 8, "maxSteps": 10, "optimizer": "adamw-8bit"}),

@@ -4,7 +4,8 @@ match the tracker within the benchmark's tolerance (15% over, 5% under).
 One case per family and lever that the family's specific terms touch: q/k norms (Qwen3,
 OLMo 2), grouped-matmul experts with and without expert adapters (Qwen3-MoE), sliding
 windows under sdpa with a 5:1 pattern (Gemma 3), eager attention with sinks and biased
-experts (gpt-oss); LayerNorm, gelu_new, partial rotary and dropout (phi, gpt_neox, issue 28);
+experts (gpt-oss); LayerNorm, gelu_new, partial rotary and dropout (phi, gpt_neox, issue 28); packed examples
+under sdpa (issue 28);
 full and LoRA, checkpointing on and off, FSDP. Granite (Llama with multipliers that save
 nothing) and the real sizes are in bench/sizing_accuracy.py.
 """
@@ -43,6 +44,7 @@ OLMO2 = _arch("olmo2")
 # partial rotary, phi-2's residual dropout, gpt_neox's fused query_key_value.
 PHI = _arch("phi", intermediate_size=1024, num_key_value_heads=8, residual_dropout=0.1)
 GPT_NEOX = _arch("gpt_neox", intermediate_size=1024, num_key_value_heads=8, attention_bias=True)
+LLAMA = _arch("llama")
 
 CASES = {
     "qwen3-full": TrainingSetup(architecture=QWEN3, method="full", micro_batch_size=2, sequence_length=512),
@@ -63,6 +65,11 @@ CASES = {
                                     sequence_length=512, strategy="fsdp", world_size=2),
     "gpt_neox-full-eager": TrainingSetup(architecture=GPT_NEOX, method="full", micro_batch_size=1, sequence_length=512,
                                          attention="eager"),
+    # Packed examples (spec.dataset.packing): every block's sdpa gets the block-diagonal mask.
+    "llama-lora-packed": TrainingSetup(architecture=LLAMA, method="lora", lora_dropout=0.0, micro_batch_size=2,
+                                       sequence_length=1024, packing=True),
+    "gemma3-lora-packed": TrainingSetup(architecture=GEMMA3, method="lora", lora_dropout=0.0, micro_batch_size=1,
+                                        sequence_length=1024, packing=True),
     "gpt_neox-lora-gc-dropout": TrainingSetup(architecture=GPT_NEOX, method="lora", lora_dropout=0.05,
                                               micro_batch_size=2, sequence_length=1024, gradient_checkpointing=True),
 }
@@ -80,6 +87,8 @@ PER_BLOCK = {
     "phi-full": "each linear's bf16 copy of the fp32 LayerNorm output, the attention output's copy",
     "phi-lora-fsdp2": "peft's cast of the fp32 LayerNorm output per adapter under FSDP",
     "gpt_neox-full-eager": "the whole query_key_value output kept alive by the value view",
+    "llama-lora-packed": "the packed mask's bias and repeat_kv's key/value copies in every block",
+    "gemma3-lora-packed": "the packed and sliding masks' biases and repeat_kv's copies in every block",
 }
 PER_BLOCK_TOLERANCE = (-0.04, 0.08)  # (under, over): 5-25% terms stand out either way
 # phi and gpt_neox blocks are traced to within 0.1%; their smaller terms (the attention output's

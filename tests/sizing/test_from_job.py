@@ -1,6 +1,7 @@
 """FineTuneJob -> TrainingSetup, and the `estimate` subcommand."""
 
 import copy
+from dataclasses import replace
 import json
 from pathlib import Path
 
@@ -102,3 +103,26 @@ def test_estimate_unknown_preset_is_a_clear_error(tmp_path, capsys):
     assert main(["estimate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "llama-9" in err and "llama-3.1-8b" in err
+
+
+def test_packing_reaches_the_setup_and_costs_the_mask_under_sdpa_only():
+    """spec.dataset.packing: under sdpa every block gets the block-diagonal mask (its bias and
+    repeat_kv's key/value copies are saved); flash reads the boundaries itself and eager always has
+    a mask, so neither costs more packed."""
+    doc = _fixed(_doc())
+    doc["spec"]["dataset"]["packing"] = True
+    packed = setup_from_job(api.parse_job(doc)).setup
+    assert packed.packing and not setup_from_job(api.parse_job(_fixed(_doc()))).setup.packing
+    peak = {}
+    for attention in ("sdpa", "flash", "eager"):
+        for packing in (False, True):
+            setup = replace(packed, attention=attention, packing=packing, gradient_checkpointing=False)
+            peak[attention, packing] = estimate_memory(setup).peak_allocated_bytes
+    assert peak["sdpa", True] > peak["sdpa", False]
+    assert peak["flash", True] == peak["flash", False] and peak["eager", True] == peak["eager", False]
+    # Llama 3.1 8B, 2 x 4096 tokens, nothing recomputed: each of the 32 blocks saves the mask's bias
+    # (2 x 4096^2 x 2 bytes) and key/value copies for 32 query heads instead of 8.
+    arch = packed.architecture
+    bias = 2 * 2 * 4096 ** 2
+    copies = 2 * 2 * (arch.q_size - arch.kv_size) * 2 * 4096
+    assert peak["sdpa", True] - peak["sdpa", False] >= 32 * (bias + copies)

@@ -805,6 +805,7 @@ class ProfileSetup(_Contract):
     lora_targets: Literal["all-linear"] | list[str] = "all-linear"
     precision: Literal["bf16", "fp32"] = "bf16"
     attention: Literal["sdpa", "eager"] = "sdpa"
+    packing: bool = Field(False, description="examples packed with their boundaries (spec.dataset.packing)")
     sequence_length: int = Field(ge=1)
     micro_batch_size: int = Field(ge=1)
     gradient_checkpointing: bool
@@ -817,7 +818,8 @@ class ProfileSetup(_Contract):
         targets = self.lora_targets if isinstance(self.lora_targets, str) else "+".join(self.lora_targets)
         lora = f"r{self.lora_rank}a{self.lora_alpha:g}d{self.lora_dropout:g}t{targets}" if self.method == "lora" else ""
         return (f"{self.method}{lora}.{self.precision}.{self.attention}.s{self.sequence_length}"
-                f".b{self.micro_batch_size}.gc{int(self.gradient_checkpointing)}.{self.strategy}{self.world_size}")
+                f".b{self.micro_batch_size}.gc{int(self.gradient_checkpointing)}.{self.strategy}{self.world_size}"
+                + (".packed" if self.packing else ""))  # unpacked keys as before: the cache stays valid
 
 
 class ProfileRequest(_Contract):

@@ -102,16 +102,17 @@ def _flash_sdpa(orig):
 
 
 @contextlib.contextmanager
-def _patched_transformers():
-    """Make transformers behave as in a real, unpacked training batch."""
+def _patched_transformers(packed: bool = False):
+    """Make transformers behave as in a real training batch, unpacked or `packed`."""
     import torch
     import transformers.integrations.sdpa_attention as sa
     import transformers.masking_utils as mu
 
     orig_packed = mu.find_packed_sequence_indices
-    # Under fake tensors transformers cannot read position_ids and assumes packing,
-    # which builds a dense 4-D mask a real batch never has.
-    mu.find_packed_sequence_indices = lambda position_ids: None
+    if not packed:
+        # Under fake tensors transformers cannot read position_ids and assumes packing,
+        # which builds a dense 4-D mask an unpacked batch never has (a packed one does).
+        mu.find_packed_sequence_indices = lambda position_ids: None
     orig_sdpa = torch.nn.functional.scaled_dot_product_attention
     sa.torch.nn.functional.scaled_dot_product_attention = _flash_sdpa(orig_sdpa)
     # CUDA runs dropout as one fused kernel that saves a bool mask; the CPU composite
@@ -386,7 +387,7 @@ def measure(config, setup: ProfileSetup, *, steps: int = 2, trust_remote_code: b
     step_peaks: list[tuple[int, dict]] = []
     bucket_bytes = 0
     try:
-        with _patched_transformers(), fake_mode, tracker:
+        with _patched_transformers(setup.packing), fake_mode, tracker:
             model.to_empty(device="cpu")
             if not sharded and tied:
                 model.tie_weights()
@@ -398,10 +399,12 @@ def measure(config, setup: ProfileSetup, *, steps: int = 2, trust_remote_code: b
             forward = _wrap_forward_like_accelerate(model, setup.precision)
             input_ids = torch.zeros((b, s), dtype=torch.long)
             labels = torch.zeros((b, s), dtype=torch.long)
+            # Packed, the collator passes each example's positions and no mask (data.Collator).
+            extra = {"position_ids": torch.arange(s).expand(b, s)} if setup.packing else {}
             for _ in range(steps):
                 tracker.reset_peak()
                 tracker.mark("forward")
-                loss = forward(input_ids=input_ids, labels=labels).loss  # the output is dropped here
+                loss = forward(input_ids=input_ids, labels=labels, **extra).loss  # the output is dropped here
                 tracker.mark("backward")
                 loss.backward()
                 del loss
@@ -410,7 +413,7 @@ def measure(config, setup: ProfileSetup, *, steps: int = 2, trust_remote_code: b
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step_peaks.append((tracker.peak, dict(tracker.phase_peaks)))
-            del input_ids, labels, ddp_buckets
+            del input_ids, labels, ddp_buckets, extra
     finally:
         sharding_prop.detect_fake_mode = orig_detect
         if distributed:

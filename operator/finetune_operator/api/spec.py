@@ -27,7 +27,10 @@ class DatasetSpec(ApiModel):
     """`chat`: {"messages": [{"role", "content"}...]} rendered with the tokenizer's chat template;
     `instruction`: {"instruction", "input"?, "output"}; `text`: {"text"}."""
     packing: bool = False
-    """Pack several short examples into one sequence of `sequenceLength` tokens."""
+    """Pack whole examples (each cut to `sequenceLength`) into sequences of at most `sequenceLength`
+    tokens, best fit. Their boundaries are kept: positions restart at each example and attention never
+    crosses one (sdpa and eager: a block-diagonal mask, sized by the planner; flash: its
+    variable-length kernel, no mask)."""
 
 
 Region = Annotated[str, Field(min_length=1, max_length=63, pattern=LABEL_VALUE)]

@@ -111,7 +111,7 @@ class Estimates:
         if estimator is estimate_memory:
             a = ask  # every field of the job that setup() reads
             shared = (a.arch, a.method, a.lora_rank, a.lora_targets, a.precision, a.optimizer, a.sequence_length,
-                      a.attention, a.global_batch_size, a.target_experts)
+                      a.attention, a.packing, a.global_batch_size, a.target_experts)
             try:
                 hash(shared)
                 self.shared = shared
@@ -160,7 +160,7 @@ class Estimates:
             architecture=a.arch, method=a.method, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
             precision=a.precision, optimizer=a.optimizer, micro_batch_size=micro,
             sequence_length=a.sequence_length, gradient_checkpointing=checkpointing, attention=a.attention,
-            strategy=strategy, world_size=world, offload=offload,
+            packing=a.packing, strategy=strategy, world_size=world, offload=offload,
             gradient_accumulation=max(1, a.global_batch_size // (micro * world)),
             lora_target_experts=a.target_experts and a.method != "full", **levers.setup_fields(),
         )

@@ -85,6 +85,7 @@ class Ask:
     cost_window: float = COST_TIE
     levers: LeverAsk = LeverAsk()  # the lean-trainer levers the job fixes or leaves to the planner
     target_experts: bool = False
+    packing: bool = False  # spec.dataset.packing (examples packed with their boundaries)
     # Host memory the export after training needs (sizing/export.py; 0 for an adapter): rank 0 merges
     # on the CPU once the other ranks have exited, so one pod's memory must hold it.
     export_host_bytes: int = 0
@@ -229,6 +230,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         precision=t.precision,
         optimizer=t.optimizer,
         attention=t.attention,
+        packing=spec.dataset.packing,
         sequence_length=t.sequence_length,
         global_batch_size=t.global_batch_size,
         steps=t.max_steps,

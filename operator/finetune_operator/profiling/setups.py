@@ -106,6 +106,7 @@ def job_profile(spec: api.FineTuneJobSpec) -> JobProfile:
         precision=t.precision,
         # flash is traced as the CUDA flash kernel's meta function, like sdpa without a mask
         attention="eager" if t.attention == "eager" else "sdpa",
+        packing=spec.dataset.packing,
         sequence_length=t.sequence_length, micro_batch_size=1, gradient_checkpointing=False,
         strategy="ddp", world_size=1,
     )

@@ -42,7 +42,7 @@ def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
     if setup.attention == "eager":
         shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
     elif _sdpa_needs_mask(arch, setup):
-        shared += setup.micro_batch_size * setup.sequence_length ** 2  # the boolean mask
+        shared += _sdpa_masks(arch, setup) * setup.micro_batch_size * setup.sequence_length ** 2  # boolean masks
     # The final norm's saved input and its output (the head's input), the embedding output.
     around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
     if arch.traits.layer_norm:
@@ -178,7 +178,11 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         if _sdpa_needs_mask(arch, setup):
             # With a mask sdpa runs the memory-efficient kernel, which converts the boolean
             # mask to the compute dtype and saves it for backward: one b x s x s per block.
-            saved += compute * seq * families.sliding_share(arch)  # only the sliding layers get one
+            # transformers hands sdpa grouped keys and values only without a mask
+            # (use_gqa_in_sdpa): masked, repeat_kv copies them to every query head, and the
+            # kernel saves the copies in place of k and v.
+            repeated = 2 * compute * (q_width - kv_width) if arch.num_key_value_heads < heads else 0
+            saved += (compute * seq + repeated) * _sdpa_masked_share(arch, setup)
 
     # MLP.
     if traits.plain_mlp:
@@ -199,9 +203,28 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
 
 
 def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
-    """sdpa gets an explicit mask when a sliding window is shorter than the sequence (flash does windows itself)."""
-    return (setup.attention == "sdpa" and arch.num_sliding_layers > 0  # a window no layer uses (Qwen) masks nothing
-            and setup.sequence_length > arch.sliding_window)
+    """sdpa gets an explicit mask when the examples are packed (a block-diagonal causal mask from
+    the position ids) or a sliding window is shorter than the sequence; otherwise it runs causal
+    without one, as flash does (flash reads packed boundaries and windows itself)."""
+    return setup.attention == "sdpa" and (setup.packing or _window_masks(arch, setup))
+
+
+def _window_masks(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
+    # A window no layer uses (Qwen) masks nothing.
+    return arch.num_sliding_layers > 0 and setup.sequence_length > arch.sliding_window
+
+
+def _sdpa_masks(arch: ModelArchitecture, setup: TrainingSetup) -> int:
+    """How many b x s x s boolean masks transformers builds for sdpa: packed, one for the full
+    layers and one for the sliding ones (if any); unpacked, the sliding layers' only."""
+    if setup.packing:
+        return 1 + (arch.num_sliding_layers > 0)
+    return 1
+
+
+def _sdpa_masked_share(arch: ModelArchitecture, setup: TrainingSetup) -> float:
+    """The share of the blocks whose sdpa gets a mask: every block when packed, else the sliding ones."""
+    return 1.0 if setup.packing else families.sliding_share(arch)
 
 
 def logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:

@@ -120,6 +120,7 @@ def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> J
         sequence_length=training.sequence_length,
         gradient_checkpointing=checkpointing,
         attention=training.attention,
+        packing=spec.dataset.packing,
         strategy=strategy,
         world_size=gpus,
         offload=offload,

@@ -47,6 +47,7 @@ class TrainingSetup:
     sequence_length: int = 2048
     gradient_checkpointing: bool = False
     attention: str = "sdpa"
+    packing: bool = False  # spec.dataset.packing: examples packed with their boundaries (a mask under sdpa)
     strategy: str = "ddp"
     world_size: int = 1
     offload: str = "none"
@@ -82,7 +83,7 @@ class TrainingSetup:
         _choice("update_rounding", self.update_rounding, UPDATE_ROUNDINGS)
         _positive("gradient_accumulation", self.gradient_accumulation)
         _positive("loss_chunks", self.loss_chunks)
-        for name in ("optimizer_in_backward", "activation_offloading", "lora_target_experts"):
+        for name in ("packing", "optimizer_in_backward", "activation_offloading", "lora_target_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SizingError(name, f"must be true or false, got {getattr(self, name)!r}")
         # What combines with what: the one table the API, the trainer and the planner share.
