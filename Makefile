@@ -21,9 +21,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The demo: the lab cluster, the operator, a LoRA job whose real trainer (lab process runner) hits a GPU OOM,
-# recovers and resumes from its checkpoint. `python -m e2e.demo --fake-gpu` is the fast fake-GPU version.
+# The demo: the lab cluster with its real kubelet node, the operator as the chart's Deployment, a LoRA job whose
+# real trainer (a container of the trainer image) hits a GPU OOM, recovers and resumes from its checkpoint.
+# As root (the node's runtime needs the host packages); without root the demo says to use
+# `python -m e2e.demo --process-runner`. `python -m e2e.demo --fake-gpu` is the fast fake-GPU version.
 demo: install
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory host-packages; fi
 	$(PYTHON) -m e2e.demo
 
 # Every test: fast unit tests and the end-to-end scenarios on the lab cluster (built on first use, cached).

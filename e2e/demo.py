@@ -1,17 +1,24 @@
 """`make demo`: the operator's main job on the local lab cluster, start to finish.
 
-Brings the lab up (building its binaries on first use), installs the Helm chart (CRDs,
-RBAC, policy; the operator itself runs here as a process authenticated as the chart's
-ServiceAccount) and applies a LoRA job, prints its progress as `kubectl get ftj -w` would
-and the final `kubectl describe`, then tears everything down (`--keep` leaves the lab running).
+Brings the lab up (building its binaries on first use), installs the Helm chart and applies a
+LoRA job, prints its progress as `kubectl get ftj -w` would and the final `kubectl describe`,
+then tears everything down (`--keep` leaves the lab running).
 
-Default: the real-process story. The job runs on the lab's process-runner pool
-(e2e/lab/podrunner.py): every pod is the real trainer, on this machine's CPUs, training a tiny
-Llama built from a config. The operator sizes it as the 8B it is planned as, and the lab GPU's
-rule (true peak 1.7 x the estimate) makes the real trainer run out of GPU memory at step 10 of
-attempt 1; the operator reads the trainer's failure report, plans again (another plan) and
-attempt 2 resumes from the checkpoint of step 8 and trains to the end. The trainer's own lines
-(start, failure, resume, summary) are printed at the end. About 2-3 minutes with the lab start.
+Default (root): real containers on the lab's real kubelet node (e2e/real_node_jobs.py). The
+operator and trainer images are built from their Dockerfiles (cached), the chart's operator
+Deployment runs as two pods on the node (`kubectl -n finetune-system get pods -o wide` is printed),
+and the job's pods run as containers of the trainer image in a namespace that enforces the
+restricted Pod Security Standard, training a tiny Llama built from a config on this machine's
+CPUs. The operator sizes it as the 8B it is planned as, and the lab GPU's rule (true peak 1.7 x
+the estimate) makes the real trainer run out of GPU memory at step 10 of attempt 1; the operator
+reads the trainer's failure report from the kubelet's termination message, plans again (another
+plan) and attempt 2 resumes from the checkpoint of step 8 and trains to the end. The trainer's
+own lines (start, failure, resume, summary, read through `kubectl logs`) and the containers the
+node's runtime ran (`crictl ps -a`) are printed at the end.
+
+`--process-runner`: the same story without root: the operator runs here as a process
+authenticated as the chart's ServiceAccount, and each pod is the trainer as a process of this
+machine (e2e/lab/podrunner.py).
 
 `--fake-gpu`: the fast story (about a minute): the 8B example on the fake GPU nodes, whose pods
 the fake GPU ends by rule (no trainer runs).
@@ -21,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shlex
 import sys
 import time
@@ -36,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--true-peak-factor", default="1.7", help="the (lab) GPU's true peak over our estimate")
     parser.add_argument("--fake-gpu", action="store_true",
                         help="the fast demo: pods on fake GPU nodes ended by rule, no real trainer")
+    parser.add_argument("--process-runner", action="store_true",
+                        help="without root: the operator as a local process, each pod the trainer as a process here")
     args = parser.parse_args(argv)
+    if not (args.fake_gpu or args.process_runner):
+        return real_node_demo(args)
 
     from e2e.lab.build import build
     from e2e.lab.cluster import up
@@ -102,6 +115,93 @@ def main(argv: list[str] | None = None) -> int:
 
 
 REAL_OOM_STEP = 10
+
+
+def real_node_demo(args) -> int:
+    """The default story, on the real kubelet node: the operator and the training pods as real containers."""
+    from e2e import real_node_jobs as rn
+    from e2e.lab.build import build
+
+    if os.geteuid() != 0:
+        say("the real node needs root (it runs containerd, a kubelet and a CNI bridge on this machine): "
+            "run `sudo make demo`, or `python -m e2e.demo --process-runner` for the same story without containers")
+        return 2
+    say("building (or reusing) the lab's binaries, the real node's (kubelet, containerd config, CoreDNS, "
+        "the device plugin) and the operator and trainer images from their Dockerfiles")
+    build(say=say, optional=False)
+    say("starting the lab: etcd, kube-apiserver, scheduler, controller-manager, kwok, training operator, "
+        "and one real kubelet node with two lab GPUs")
+    lab = rn.start_lab(die_with_parent=not args.keep, say=say)
+    try:
+        say("helm install: the operator Deployment (two replicas, leader election) as pods of the operator image")
+        seconds = rn.install_operator(lab)
+        say(f"operator pods Ready after {seconds:.0f} s")
+        print(lab.kubectl("-n", "finetune-system", "get", "pods", "-o", "wide").stdout)
+        namespace, name = "team-a", "support-bot"
+        say(f"namespace {namespace} enforces the restricted Pod Security Standard; a tiny Llama (built from a "
+            "config) and a chat dataset in its claims (local volumes of the node)")
+        vocab = rn.restricted_namespace(lab, namespace)
+        job = rn.job(name, namespace, vocab, max_steps=24, every_steps=4, global_batch=8,
+                     sized_as="llama-3.1-8b", sequence_length=4096,
+                     rule={"true-peak-factor": args.true_peak_factor, "oom-step": str(REAL_OOM_STEP)})
+        say(f"applying {namespace}/{name}: LoRA, planned as llama-3.1-8b on the real node's pool, trained for real "
+            f"in the trainer's container (the lab GPU's true peak is {args.true_peak_factor} x our estimate: an OOM "
+            f"at step {REAL_OOM_STEP} where the plan does not fit)")
+        lab.kubectl("apply", "-f", "-", input=json.dumps(job))
+        logs = PodLogs(lab, namespace, name)
+        watch(lab, namespace, name, timeout=600, each=logs.keep)
+        logs.keep()
+        print()
+        logs.show()
+        print(lab.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
+        say("the containers the node's runtime ran for the job (crictl ps -a)")
+        for c in rn.crictl_containers(lab):
+            if c["labels"].get("io.kubernetes.pod.namespace") == namespace:
+                print(f"  {c['labels'].get('io.kubernetes.pod.name'):<32} {c['metadata']['name']:<12} {c['state']}")
+        print()
+        print(lab.kubectl("describe", "ftj", name, "-n", namespace).stdout)
+        final = h.get_job(lab, namespace, name)["status"]
+        ok = final.get("phase") == "Succeeded"
+        say("the job succeeded" if ok else f"the job ended in phase {final.get('phase')}")
+        if args.keep:
+            say(f"the lab is still running: export KUBECONFIG={lab.kubeconfig}")
+            say(f"stop it (and put the host back) with: {down_command(lab.workdir)}")
+            return 0 if ok else 1
+        rp.remove_claims(namespace)
+        return 0 if ok else 1
+    finally:
+        if not args.keep:
+            lab.down()
+            say("lab stopped, the host put back as it was; nothing left running")
+
+
+class PodLogs:
+    """The trainer's lines of each attempt's master pod, read through `kubectl logs` once its trainer
+    container has ended: the operator deletes an attempt's pods before the next attempt starts."""
+
+    def __init__(self, lab, namespace: str, job: str) -> None:
+        self.lab, self.namespace, self.job = lab, namespace, job
+        self.events: dict[int, list[dict]] = {}
+
+    def keep(self) -> None:
+        from e2e.real_node_jobs import trainer_events
+
+        pods = json.loads(self.lab.kubectl("get", "pods", "-n", self.namespace, "-o", "json", check=False).stdout
+                          or '{"items": []}')["items"]
+        for pod in pods:
+            found = re.fullmatch(rf"{re.escape(self.job)}-a(\d+)-master-0", pod["metadata"]["name"])
+            if not found or int(found.group(1)) in self.events:
+                continue
+            ended = [s for s in (pod.get("status") or {}).get("containerStatuses") or []
+                     if s["name"] == "pytorch" and "terminated" in (s.get("state") or {})]
+            if ended:
+                self.events[int(found.group(1))] = trainer_events(self.lab, self.namespace, pod["metadata"]["name"])
+
+    def show(self) -> None:
+        say("what the trainer itself said (kubectl logs of each attempt's master pod)")
+        for attempt in sorted(self.events):
+            print_trainer_lines(attempt, self.events[attempt])
+        print()
 # The trainer's lines worth showing, and the fields of each.
 TRAINER_LINES = {
     "start": ("attempt", "strategy", "worldSize", "microBatchSize", "gradientAccumulation", "startStep", "maxSteps",
@@ -120,16 +220,20 @@ def show_trainer_lines(lab, namespace: str, job: str) -> None:
         events = rp.attempt_events(lab, namespace, job, attempt)
         if not events:
             break
-        for event in events:
-            fields = TRAINER_LINES.get(event.get("event"))
-            if fields:
-                shown = ", ".join(f"{k}={event[k]}" for k in fields if event.get(k) is not None)
-                print(f"  attempt {attempt} {event['event']}: {shown}"[:300])
-        losses = rp.losses([e for e in events if e.get("event") == "progress"])
-        if losses:
-            print(f"  attempt {attempt} loss: " + ", ".join(f"{s}:{v:.3f}" for s, v in sorted(losses.items())[:12]))
+        print_trainer_lines(attempt, events)
         attempt += 1
     print()
+
+
+def print_trainer_lines(attempt: int, events: list[dict]) -> None:
+    for event in events:
+        fields = TRAINER_LINES.get(event.get("event"))
+        if fields:
+            shown = ", ".join(f"{k}={event[k]}" for k in fields if event.get(k) is not None)
+            print(f"  attempt {attempt} {event['event']}: {shown}"[:300])
+    losses = rp.losses([e for e in events if e.get("event") == "progress"])
+    if losses:
+        print(f"  attempt {attempt} loss: " + ", ".join(f"{s}:{v:.3f}" for s, v in sorted(losses.items())[:12]))
 
 
 def down_command(workdir) -> str:
@@ -137,8 +241,9 @@ def down_command(workdir) -> str:
     return f"python -m e2e.lab down --workdir {shlex.quote(str(workdir))}"
 
 
-def watch(lab, namespace: str, name: str, timeout: float) -> None:
-    """Print a line each time the job's printed columns change, like `kubectl get ftj -w`."""
+def watch(lab, namespace: str, name: str, timeout: float, each=None) -> None:
+    """Print a line each time the job's printed columns change, like `kubectl get ftj -w`; `each`
+    (if given) is called on every poll."""
     deadline = time.monotonic() + timeout
     last = None
     header_done = False
@@ -157,6 +262,8 @@ def watch(lab, namespace: str, name: str, timeout: float) -> None:
 
     while time.monotonic() < deadline:
         show()
+        if each is not None:
+            each()
         status = json.loads(lab.kubectl("get", "ftj", name, "-n", namespace, "-o", "json").stdout).get("status") or {}
         if status.get("phase") in ("Succeeded", "Failed"):
             show()  # the row printed above may be from before the job ended: print the final one

@@ -44,26 +44,42 @@ def test_the_suggested_down_command_is_accepted(tmp_path, capsys):
 
 def test_the_demo_builds_only_what_it_starts(monkeypatch):
     """The demo starts neither the S3 server nor JobSet, Trainer v2 or Kueue: it builds the lab's
-    Kubernetes binaries and no optional component (on a fresh machine those were 513 of 1593 s)."""
+    Kubernetes binaries and no optional component (on a fresh machine those were 513 of 1593 s);
+    on the real node (the default), also the node's binaries and the two images."""
     import e2e.lab.build as lab_build
     import e2e.lab.cluster as lab_cluster
+    import e2e.lab.images as lab_images
 
     built: list[str] = []
     monkeypatch.setattr(lab_build, "_build_kubernetes_lab", lambda force, say: built.append("kubernetes"))
     monkeypatch.setattr(lab_build, "build_s3_server", lambda **kw: built.append("s3"))
     monkeypatch.setattr(lab_build, "build_v2", lambda **kw: built.append("v2"))
+    monkeypatch.setattr(lab_build, "build_node", lambda **kw: built.append("node"))
+    monkeypatch.setattr(lab_images, "build_all", lambda **kw: built.append("images"))
+    monkeypatch.setattr(demo.os, "geteuid", lambda: 0)
 
     class _Stop(Exception):
         pass
 
+    started: list[tuple] = []
+
     def no_lab(**kwargs):
+        started.append(tuple(kwargs.get("components") or ()))
         raise _Stop
 
     monkeypatch.setattr(lab_cluster, "up", no_lab)
-    try:
-        demo.main([])
-    except _Stop:
-        pass
-    assert built == ["kubernetes"]
+    for argv in ([], ["--process-runner"]):
+        try:
+            demo.main(argv)
+        except _Stop:
+            pass
+    assert built == ["kubernetes", "node", "images", "kubernetes"]
+    assert started == [("kubelet",), ()]  # the real node, then the process runner's lab
     lab_build.build(say=lambda msg: None)  # what `make test` builds: everything
-    assert built == ["kubernetes", "kubernetes", "s3", "v2"]
+    assert built[-3:] == ["kubernetes", "s3", "v2"]
+
+
+def test_without_root_the_demo_says_how_to_run_it(monkeypatch, capsys):
+    monkeypatch.setattr(demo.os, "geteuid", lambda: 1000)
+    assert demo.main([]) == 2
+    assert "--process-runner" in capsys.readouterr().out

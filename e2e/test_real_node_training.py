@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 import uuid
 from typing import Any
@@ -29,12 +28,14 @@ import pytest
 
 from e2e import operator_harness as h
 from e2e import real_processes as rp
+from e2e.real_node_jobs import POOL, crictl_containers, install_operator, restricted_namespace, start_lab
+from e2e.real_node_jobs import job as _job
+from e2e.real_node_jobs import trainer_events as _trainer_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("FINETUNE_LAB_REAL_NODE", "") in ("", "0"),
     reason="the real node is opt-in: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins, mmdebstrap, umoci)")]
 
-POOL = "lab-real"
 OOM_STEP = 6
 BUCKET = "team-real"
 SECRET = "s3-team-real"
@@ -43,17 +44,10 @@ CHECKPOINT_EVERY = 4
 
 @pytest.fixture(scope="module")
 def node_lab():
-    from e2e.lab import images
-    from e2e.lab.build import build_node
-    from e2e.lab.cluster import up
     from e2e.lab.realnode import HostState
 
-    build_node()
-    t0 = time.monotonic()
-    images.build_all()
-    print(f"images (operator, trainer): {time.monotonic() - t0:.1f}s")
     before = HostState.capture()
-    lab = up(die_with_parent=True, components=("kubelet", "trainer-v2"))
+    lab = start_lab(components=("kubelet", "trainer-v2"))
     try:
         yield lab
     finally:
@@ -88,42 +82,22 @@ def _chart_values(s3, backend: str = "pytorchjob") -> list[str]:
 @pytest.fixture(scope="module")
 def operator(node_lab, s3):
     lab = node_lab
-    lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
-    t0 = time.monotonic()
-    h.install_chart_on_real_node(lab, *_chart_values(s3))
-    print(f"chart installed, operator pods Ready: {time.monotonic() - t0:.1f}s")
+    print(f"chart installed, operator pods Ready: {install_operator(lab, *_chart_values(s3)):.1f}s")
     print(lab.kubectl("get", "pods", "-n", h.RELEASE_NAMESPACE, "-o", "wide").stdout)
     return lab
 
 
 @pytest.fixture(scope="module")
 def namespace(operator):
+    ns = f"real-pods-{uuid.uuid4().hex[:5]}"
+    vocab = restricted_namespace(operator, ns)
+    yield ns, vocab
     from kubernetes import client
 
-    from e2e.lab.realnode import NODE_NAMES
-    from e2e.lab.waiting import wait_for
-
-    lab = operator
-    ns = f"real-pods-{uuid.uuid4().hex[:5]}"
-    core = client.CoreV1Api(lab.api_client())
-    # The restricted Pod Security Standard, enforced by the API server (issue 26 item 4): the pods
-    # below are admitted as the renderer writes them and then run, read-only root filesystem and all.
-    core.create_namespace({"metadata": {"name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
-                                                               "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    wait_for(lambda: core.read_namespaced_service_account("default", ns), 30, "the default ServiceAccount")
-    vocab = rp.write_assets(ns)
-    h.local_volumes(lab, ns, ["models", "data", "checkpoints"], NODE_NAMES)
-    yield ns, vocab
     try:
-        core.delete_namespace(ns)
+        client.CoreV1Api(operator.api_client()).delete_namespace(ns)
     finally:
         rp.remove_claims(ns)
-
-
-def _job(name: str, ns: str, vocab: int, **kw: Any) -> dict[str, Any]:
-    job = rp.tiny_job(name, ns, vocab, **kw)
-    job["spec"]["placement"] = {"regions": [rp.load_pools().pool(POOL).region]}
-    return job
 
 
 def _run(lab, ns: str, job: dict[str, Any], timeout: float = 900) -> tuple[dict[str, Any], float]:
@@ -153,28 +127,8 @@ def _diagnose(lab, ns: str, name: str) -> str:
     return "\n".join(parts)
 
 
-def _trainer_events(lab, ns: str, pod: str, kind: str | None = None, container: str = "pytorch") -> list[dict[str, Any]]:
-    """The trainer's JSON log lines, through the kubelet's log endpoint (`kubectl logs`)."""
-    out = lab.kubectl("logs", "-n", ns, pod, "-c", container, check=False).stdout
-    return rp.events(out.splitlines(), kind)
-
-
 def _pod(lab, ns: str, name: str) -> dict[str, Any]:
     return json.loads(lab.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout)
-
-
-def _crictl_containers(lab) -> list[dict[str, Any]]:
-    """Every container of every real node's runtime, as `crictl ps -a` lists them."""
-    from e2e.lab.build import Installation
-    from e2e.lab.realnode import NODE_NAMES, node_paths
-
-    found = []
-    for name in NODE_NAMES:
-        endpoint = node_paths(lab.workdir, name).endpoint
-        out = subprocess.run([Installation(lab.node_home).binary("crictl"), f"--runtime-endpoint={endpoint}",
-                              "ps", "-a", "-o", "json"], capture_output=True, text=True, check=True).stdout
-        found += json.loads(out)["containers"]
-    return found
 
 
 def test_a_two_rank_lora_job_runs_in_a_real_container_and_writes_its_adapter(operator, namespace):
@@ -201,7 +155,7 @@ def test_a_two_rank_lora_job_runs_in_a_real_container_and_writes_its_adapter(ope
     state = next(c for c in pod["status"]["containerStatuses"] if c["name"] == "pytorch")["state"]["terminated"]
     assert state["exitCode"] == 0 and state["reason"] == "Completed", state
     # ... as a container the node's runtime ran (crictl), ...
-    ran = {(c["labels"].get("io.kubernetes.pod.name"), c["metadata"]["name"]) for c in _crictl_containers(lab)}
+    ran = {(c["labels"].get("io.kubernetes.pod.name"), c["metadata"]["name"]) for c in crictl_containers(lab)}
     assert (master, "pytorch") in ran, ran
     # ... two ranks that met through torchrun's rendezvous at the master's Service name ...
     start = _trainer_events(lab, ns, master, "start")
@@ -363,7 +317,7 @@ def test_s3_data_in_and_the_adapter_out_through_the_fetch_and_upload_containers(
         holds = any("valueFrom" in e for e in c.get("env") or [])
         assert holds == (c["name"] in ("fetch-data", "upload")), (c["name"], c.get("env"))
     # Each ran as a container of the node's runtime ...
-    ran = {c["metadata"]["name"] for c in _crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == master}
+    ran = {c["metadata"]["name"] for c in crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == master}
     assert {"fetch-data", "upload", "pytorch"} <= ran, ran
     # ... and the adapter is in the bucket, where the trainer's output went.
     stored = sorted(p.relative_to(s3.root / BUCKET) for p in (s3.root / BUCKET / "results" / "s3-real").rglob("*")
@@ -404,7 +358,7 @@ def test_the_trainjob_backend_runs_a_gpu_oom_and_its_resume_in_real_containers(o
                 if p["metadata"]["name"].startswith(f"tj-oom-a{len(attempts)}-")]
         assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == NODE_NAME, [p["metadata"]["name"] for p in pods]
         last = pods[0]["metadata"]["name"]
-        ran = {c["metadata"]["name"] for c in _crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == last}
+        ran = {c["metadata"]["name"] for c in crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == last}
         assert "node" in ran, ran
         # ... and the last attempt resumed from the checkpoint attempt 1 wrote before its OOM.
         saved = (OOM_STEP - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY
