@@ -534,3 +534,28 @@ def test_release_name_shapes_the_names(helm, tmp_path, default_values):
     assert _flag(_container(r)["args"], "--policy-configmap") == ["ftop-finetune-operator-policy"]
     assert _flag(_container(r)["args"], "--policy-namespace") == ["ml-platform"]
     assert r.one("ClusterRole")["metadata"]["name"] == "ml-platform-ftop-finetune-operator"
+
+
+def test_profile_pod_settings_reach_the_operator_and_bad_ones_are_refused(helm, render, default_values, tmp_path):
+    """policy.profilePod: none by default; every schema field loads; a bad toleration is refused by
+    helm (the schema) and a key the API server would refuse by the operator's loader, naming the field."""
+    assert load_policy(render(default_values).one("ConfigMap")["data"]["policy.yaml"]).profile_pod.tolerations == []
+    toleration = {"key": "example.com/cpu", "operator": "Equal", "value": "shared", "effect": "NoExecute",
+                  "tolerationSeconds": 30}
+    schema = __import__("json").loads((CHART / "values.schema.json").read_text())
+    profile = schema["properties"]["policy"]["properties"]["profilePod"]
+    assert set(toleration) == set(profile["properties"]["tolerations"]["items"]["properties"])
+    values = with_values(default_values, **{"policy.profilePod": {
+        "tolerations": [toleration, {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {"example.com/pool": "cpu"}}})
+    loaded = load_policy(render(values).one("ConfigMap")["data"]["policy.yaml"]).profile_pod
+    assert [t.to_pod() for t in loaded.tolerations] == [
+        toleration, {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert loaded.node_selector == {"example.com/pool": "cpu"}
+    bad = helm.template(with_values(default_values, **{"policy.profilePod": {"tolerations": [{"effect": "Sometimes"}]}}),
+                        tmp_path, namespace=RELEASE_NS)
+    assert bad.returncode != 0 and "profilePod" in bad.stderr, bad.stderr
+    from finetune_operator.planning.policy import PolicyError
+
+    with pytest.raises(PolicyError, match=r"profilePod.tolerations.0.key: .*'bad key!' is not a valid taint key"):
+        load_policy({"profilePod": {"tolerations": [{"key": "bad key!", "operator": "Exists"}]}})

@@ -93,6 +93,19 @@ def test_the_profile_pod_runs_the_trainer_image_whatever_the_job_names():
     assert [c["image"] for c in pod["spec"]["containers"]] == [TRAINER]
 
 
+def test_the_profile_pod_takes_the_policys_tolerations_and_node_selector_beside_the_regions():
+    job = example("llama-8b-lora.yaml")
+    request = ProfileRequest(config={"model_type": "x"}, setups=[_setup()])
+    plain = render_profile_pod(job, request, "abc", _policy(), "finetune-system")["spec"]
+    assert "tolerations" not in plain and "nodeSelector" not in plain
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    spec = render_profile_pod(job, request, "abc", _policy(profilePod={"tolerations": [gpu],
+                                                                       "nodeSelector": {"example.com/pool": "cpu"}}),
+                              "finetune-system")["spec"]
+    assert spec["tolerations"] == [gpu] and spec["nodeSelector"] == {"example.com/pool": "cpu"}
+    assert spec["affinity"] == plain["affinity"]  # still only in the job's regions
+
+
 def test_the_profile_cache_is_keyed_by_the_trainer_image():
     config = {"model_type": "falcon", "hidden_size": 128}
     assert config_hash(config, TRAINER) != config_hash(config, "registry.eu.example/finetune/trainer:0.2.0")

@@ -18,6 +18,7 @@ from finetune_operator.profiling.cache import cache_entries, read_cache, setup_e
 from finetune_operator.profiling.estimate import profiled_architecture
 from finetune_operator.profiling.setups import JobProfile, NotProfilable, job_profile
 from finetune_operator.shell.profiling import pod_state
+from finetune_operator.planning.policy import load_policy
 from finetune_operator.sizing import TrainingSetup, estimate_memory
 from finetune_trainer.contract import PROFILE_PHASES, ProfileMeasurement, ProfileReport, ProfileSetup, ProfileShape
 
@@ -167,8 +168,8 @@ def _observe(spec, data, pod=None):
     return dataclasses.replace(seen, pod=pod, pod_namespace=OPERATOR_NS)
 
 
-def _step(j, data, pod=None):
-    return lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=POLICY, pools=POOLS, model_config=CONFIG,
+def _step(j, data, pod=None, policy=POLICY):
+    return lifecycle.step(lifecycle.Observed(job=j, now=T0, policy=policy, pools=POOLS, model_config=CONFIG,
                                              profile=_observe(j.spec, data, pod)))
 
 
@@ -228,6 +229,34 @@ def test_an_unknown_family_is_profiled_once_then_planned_from_the_figures():
     # Another job of the same model: the cache answers, no pod.
     other = _step(job(gradientCheckpointing=True), data)
     assert other.status.phase == "Launching" and not any(o["kind"] == "Pod" for o in other.create)
+
+
+def test_a_profile_pod_no_node_takes_says_so_and_waits_naming_the_policy():
+    """A tainted cluster without policy.profilePod tolerations: the scheduler leaves the pod Pending;
+    the job waits (a node may come) with Profiled Unknown, reason ProfilePodUnschedulable, the
+    scheduler's words and the policy fields that decide, and creates nothing more."""
+    j = job(gradientCheckpointing=True)
+    [pod] = _step(j, {}).create
+    pending = {**pod, "status": {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 node(s) had untolerated taint {nvidia.com/gpu: }."}]}}
+    seen = pod_state(pending)
+    assert seen.phase == "Pending" and "untolerated taint" in seen.unschedulable
+    d = _step(j.model_copy(update={"status": _step(j, {}).status}), {}, seen)
+    status, reason, message = _conditions(d)["Profiled"]
+    assert (d.status.phase, status, reason) == ("Pending", "Unknown", "ProfilePodUnschedulable")
+    assert "untolerated taint" in message and "profilePod" in message and not d.create and not d.delete
+    assert pod_state({**pod, "status": {"phase": "Pending"}}).unschedulable == ""
+    # The platform adds the toleration (helm upgrade): the pending pod, placed by the old policy, is
+    # replaced by one that tolerates the taint; a running one would be left to finish.
+    tolerant = POLICY.model_copy(update={"profile_pod": load_policy({"profilePod": {"tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}}).profile_pod})
+    replaced = _step(j, {}, seen, policy=tolerant)
+    assert [ref.name for ref in replaced.delete if ref.kind == "Pod"] == [pod["metadata"]["name"]]
+    [new] = replaced.create
+    assert new["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    running = pod_state({**pod, "status": {"phase": "Running"}})
+    assert not _step(j, {}, running, policy=tolerant).delete
 
 
 def test_a_model_that_cannot_be_built_fails_naming_the_reason():

@@ -8,7 +8,7 @@ from typing import Any
 
 import jsonschema
 
-from finetune_operator.rendering.k8s_names import is_label_value, is_qualified_name
+from finetune_operator.k8s_names import is_label_value, is_qualified_name
 from upstream_crd import pytorchjob_schema
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

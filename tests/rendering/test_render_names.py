@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_operator.rendering.k8s_names import is_label_value, is_qualified_name
+from finetune_operator.k8s_names import is_label_value, is_qualified_name
 from finetune_operator.rendering.names import DNS1035_LABEL, MAX_OBJECT_NAME, attempt_name, label_value
 
 

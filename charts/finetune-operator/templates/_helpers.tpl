@@ -87,6 +87,7 @@ renders it with toYaml, so values reach the operator as data, never as text spli
   "catalog" $p.catalog
   "objectStorage" ($p.objectStorage | default list)
   "networkPolicy" ($p.networkPolicy | default dict)
+  "profilePod" ($p.profilePod | default dict)
   "trainingBackend" ($p.trainingBackend | default "auto")
   "trainJobRuntime" .Values.trainJobRuntime.name
 -}}

@@ -11,9 +11,10 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from ..k8s_names import is_label_value, is_qualified_name
 from .pools import NodePool
 
 DEFAULT_REGION_LABEL_KEY = "topology.kubernetes.io/region"
@@ -110,6 +111,75 @@ def _valid_networks(value: list[str]) -> list[str]:
     if len(set(normal)) != len(normal):
         raise ValueError("networks must be unique")
     return normal
+
+
+class Toleration(BaseModel):
+    """A toleration as a pod spec writes it (`operator: Exists` with no key tolerates every taint)."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True, use_attribute_docstrings=True
+    )
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """None: every effect."""
+    toleration_seconds: int | None = Field(default=None, ge=0)
+    """With `NoExecute` only: how long the pod stays once the taint appears."""
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, value: str | None) -> str | None:
+        if value is not None and not is_qualified_name(value):
+            raise ValueError(f"{value!r} is not a valid taint key ([prefix/]name)")
+        return value
+
+    @field_validator("value")
+    @classmethod
+    def _value(cls, value: str | None) -> str | None:
+        if value is not None and not is_label_value(value):
+            raise ValueError(f"{value!r} is not a valid taint value")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Toleration":
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("operator Exists takes no value")
+        if self.operator == "Equal" and self.key is None:
+            raise ValueError("operator Equal needs a key (Exists with no key tolerates every taint)")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds applies to effect NoExecute only")
+        return self
+
+    def to_pod(self) -> dict[str, Any]:
+        """As a pod's `tolerations` entry."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ProfilePodSettings(BaseModel):
+    """Where profile pods may run (profiling/pod.py). They are CPU-only and need no GPU node: a cluster
+    whose CPU nodes are tainted (or whose only nodes in a region are tainted GPU nodes) says here which
+    taints they tolerate, and may pin them to some nodes of the job's regions."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True, use_attribute_docstrings=True
+    )
+
+    tolerations: list[Toleration] = []
+    """The taints a profile pod tolerates. Empty: none (it lands only on untainted nodes)."""
+    node_selector: dict[str, str] = {}
+    """Node labels a profile pod's node must have, beside the job's regions."""
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            if not is_qualified_name(key):
+                raise ValueError(f"{key!r} is not a valid label key ([prefix/]name)")
+            if not is_label_value(label):
+                raise ValueError(f"{label!r} (of {key}) is not a valid label value")
+        return value
 
 
 class NetworkPolicySettings(BaseModel):
@@ -228,6 +298,9 @@ class ClusterPolicy(BaseModel):
     network_policy: NetworkPolicySettings = NetworkPolicySettings()
     """The NetworkPolicy each attempt gets: ingress from the attempt's own pods only; egress to them,
     to DNS, and to the Hub and object storage the job uses."""
+    profile_pod: ProfilePodSettings = ProfilePodSettings()
+    """Where the pre-flight profile's pods may run: the taints they tolerate and the node labels they
+    need, beside the job's regions (they run in the operator's namespace, CPU-only)."""
     training_backend: Literal["auto", "pytorchjob", "trainjob"] = "auto"
     """The kind of training job each attempt is: `pytorchjob` (Kubeflow training operator v1), `trainjob`
     (Kubeflow Trainer v2), or `auto`: TrainJob when the API server serves both, else whichever it serves

@@ -5,7 +5,8 @@ memory limits (fake tensors hold no data: the model's config and Python's own me
 requested, no service-account token, no Secret, no volume but a scratch emptyDir, non-root with
 every capability dropped, `HF_HUB_OFFLINE=1` (transformers never reaches for the Hub; the request
 carries the config.json, so nothing needs fetching). The pod is pinned by required node affinity to
-the regions the job may use, like every pod of the job.
+the regions the job may use, like every pod of the job, and takes the policy's `profilePod` node
+selector and tolerations (the platform says where CPU-only work may land).
 
 It runs in the operator's own namespace, not the job's: it needs nothing of the tenant's (no volume,
 no Secret, its config.json travels in its environment), so the operator needs no right to create pods
@@ -18,6 +19,7 @@ never mistaken for a training pod.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from finetune_trainer.contract import DEFAULT_REPORT_PATH, PROFILE_REQUEST_ENV, ProfileRequest
@@ -33,6 +35,9 @@ PROFILE_UID_LABEL = "finetune.dev/profile-of-uid"
 JOB_NAMESPACE_ANNOTATION = "finetune.dev/job-namespace"
 JOB_NAME_ANNOTATION = "finetune.dev/job-name"
 CONFIG_HASH_ANNOTATION = "finetune.dev/profile-config"
+# A hash of where the pod may run (regions, the policy's profilePod settings): a pending pod placed
+# by an older policy is replaced (profiling/state.py), one that runs is left to finish.
+PLACEMENT_ANNOTATION = "finetune.dev/profile-placement"
 PROFILE_CONTAINER = "profile"
 PROFILE_DEADLINE_SECONDS = 1800
 PROFILE_RESOURCES = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
@@ -51,10 +56,26 @@ def is_profile_pod_of(pod: dict[str, Any], job_uid: str | None) -> bool:
     return bool(job_uid) and (meta.get("labels") or {}).get(PROFILE_UID_LABEL) == job_uid
 
 
+def placement(job: api.FineTuneJob, policy: ClusterPolicy) -> dict[str, Any]:
+    """The pod spec fields that say where the profile pod may run: the job's regions (those the policy
+    allows) by required node affinity, and the policy's profilePod node selector and tolerations."""
+    regions = [r for r in job.spec.placement.regions if r in set(policy.allowed_regions)]
+    settings = policy.profile_pod
+    return {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": policy.region_label_key, "operator": "In", "values": regions}]}]}}},
+        **({"nodeSelector": dict(settings.node_selector)} if settings.node_selector else {}),
+        **({"tolerations": [t.to_pod() for t in settings.tolerations]} if settings.tolerations else {}),
+    }
+
+
+def placement_hash(job: api.FineTuneJob, policy: ClusterPolicy) -> str:
+    return short_hash(json.dumps(placement(job, policy), sort_keys=True))
+
+
 def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_hash: str,
                        policy: ClusterPolicy, namespace: str) -> dict[str, Any]:
     """The profile pod of `job`, in `namespace` (the operator's)."""
-    regions = [r for r in job.spec.placement.regions if r in set(policy.allowed_regions)]
     job_namespace = job.metadata.namespace or "default"
     metadata: dict[str, Any] = {
         "name": profile_pod_name(job_namespace, job.metadata.name),
@@ -66,7 +87,8 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
             PROFILE_LABEL: label_value(job.metadata.name),
             PROFILE_UID_LABEL: job.metadata.uid or "",
         },
-        "annotations": {CONFIG_HASH_ANNOTATION: config_hash, JOB_NAMESPACE_ANNOTATION: job_namespace,
+        "annotations": {CONFIG_HASH_ANNOTATION: config_hash, PLACEMENT_ANNOTATION: placement_hash(job, policy),
+                        JOB_NAMESPACE_ANNOTATION: job_namespace,
                         JOB_NAME_ANNOTATION: job.metadata.name, **scanner_skips(credentials=False, network_policy=False)},
     }
     env = [
@@ -86,8 +108,7 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "securityContext": pod_security_context(),
-            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                {"matchExpressions": [{"key": policy.region_label_key, "operator": "In", "values": regions}]}]}}},
+            **placement(job, policy),
             "containers": [{
                 "name": PROFILE_CONTAINER,
                 # The policy's image, never the job's: the pod runs in the operator's namespace and its

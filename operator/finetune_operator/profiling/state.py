@@ -20,7 +20,7 @@ from ..sizing.from_job import architecture_of, config_json_of
 from ..planning.policy import ClusterPolicy
 from .cache import CachedProfile, as_report, refused_measurements
 from .estimate import ProfiledArchitecture, profiled_architecture
-from .pod import profile_pod_name, render_profile_pod
+from .pod import placement_hash, profile_pod_name, render_profile_pod
 from .setups import JobProfile, NotProfilable, config_hash, job_profile, profile_request
 
 COND_PROFILED = "Profiled"
@@ -52,6 +52,8 @@ class ProfilePod:
     config_hash: str
     report: ProfileReport | None  # parsed from the termination message, when it ended
     message: str = ""  # the kubelet's reason/message for a pod that ended without a report
+    unschedulable: str = ""  # the scheduler's message while no node fits the pending pod
+    placement: str = ""  # its PLACEMENT_ANNOTATION: where the policy of its time let it run
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,11 @@ def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | Non
         return ProfileStep(("False", "NotProfiled", str(unknown)), failure=api.FieldProblem(
             path="spec.model.architecture", message=str(unknown).split(": ", 1)[-1]))
     pod = seen.pod
-    stale = [pod.name] if pod is not None and pod.config_hash != seen.config_hash else []
+    # Stale: traced for another config, or pending under a placement the policy has changed since
+    # (profilePod tolerations added for a tainted cluster: the new pod can land, the old never will).
+    stale = [pod.name] if pod is not None and (
+        pod.config_hash != seen.config_hash
+        or (pod.phase == "Pending" and pod.placement != placement_hash(job, policy))) else []
     if stale:
         pod = None
     report = as_report(seen.cached)
@@ -165,6 +171,12 @@ def resolve(job: api.FineTuneJob, seen: ProfileObservation | NotProfilable | Non
         done = len(seen.cached.measurements)
         return ProfileStep(("Unknown", "Profiling", f"profiled {done} of {done + len(seen.cached.missing)} setups; "
                             "the next profile pod traces the rest"), delete=stale + [pod.name],
+                           pod_namespace=seen.pod_namespace)
+    if pod is not None and pod.unschedulable:
+        # It waits (a node may come: a CPU pool scaling up), saying why and where the platform decides.
+        message = (f"the profile pod {pod.name} of model_type {family!r} cannot be scheduled: {pod.unschedulable} "
+                   "(it runs in the job's regions with the cluster policy's profilePod tolerations and nodeSelector)")
+        return ProfileStep(("Unknown", "ProfilePodUnschedulable", message), delete=stale,
                            pod_namespace=seen.pod_namespace)
     if pod is not None:
         message = (f"profiling model_type {family!r} on the CPU ({len(seen.cached.missing)} setups) in pod {pod.name} "

@@ -16,7 +16,7 @@ from ..planning.space import UPLOAD_SIDECAR_HOST_BYTES
 from ..planning.storage import StorageError, storage_regions
 from . import layout as paths
 from .errors import RenderError
-from .k8s_names import is_label_value, is_qualified_name
+from ..k8s_names import is_label_value, is_qualified_name
 from .layout import Layout
 
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -26,7 +26,8 @@ from finetune_trainer.contract import parse_profile_report
 
 from .. import api
 from ..profiling.cache import CACHE_CONFIGMAP, cache_entries, evictions, read_cache
-from ..profiling.pod import (CONFIG_HASH_ANNOTATION, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, PROFILE_CONTAINER,
+from ..profiling.pod import (CONFIG_HASH_ANNOTATION, JOB_NAME_ANNOTATION, JOB_NAMESPACE_ANNOTATION, PLACEMENT_ANNOTATION,
+                           PROFILE_CONTAINER,
                            PROFILE_UID_LABEL, is_profile_pod_of, profile_pod_name)
 from ..profiling.setups import NotProfilable
 from ..profiling.state import ProfileObservation, ProfilePod, asks_for_profile, needs_profile, observation
@@ -158,9 +159,15 @@ def pod_state(pod: dict[str, Any]) -> ProfilePod:
             message = f"{terminated.get('reason') or 'terminated'} (exit code {terminated.get('exitCode')})"
     if not message and status.get("phase") == "Failed":
         message = f"{status.get('reason') or 'Failed'}: {status.get('message') or 'no message'}"
+    unschedulable = ""
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                and condition.get("reason") == "Unschedulable":
+            unschedulable = condition.get("message") or "no node fits"
     return ProfilePod(name=meta.get("name", ""), phase=status.get("phase") or "Pending",
                       config_hash=(meta.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION, ""),
-                      report=report, message=message)
+                      report=report, message=message, unschedulable=unschedulable,
+                      placement=(meta.get("annotations") or {}).get(PLACEMENT_ANNOTATION, ""))
 
 
 def _as_dict(response: Any) -> dict[str, Any]:

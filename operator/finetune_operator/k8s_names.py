@@ -1,8 +1,9 @@
 """The API server's rules for label keys and values, checked before anything is rendered.
 
-Pool selectors, taints and the policy's region label come from the platform's catalog and
-policy, not from the API server; a bad one would make every attempt fail at creation, far
-from its cause, so the renderer names it instead.
+Pool selectors, taints, the profile pod's node selector and tolerations and the policy's region
+label come from the platform's catalog and policy, not from the API server; a bad one would make
+every attempt fail at creation, far from its cause, so the renderer (or the policy's loader) names
+it instead.
 """
 
 from __future__ import annotations
