@@ -89,6 +89,14 @@ def remove_claims(namespace: str) -> None:
         shutil.rmtree(claim_dir(namespace, claim), ignore_errors=True)
 
 
+# A family the analytic model does not size (Falcon: fused query_key_value, parallel attention,
+# LayerNorm, a GELU MLP; GPT-NeoX was the example until issue 28 made it analytic); one block, so
+# the pre-flight profile traces it in seconds.
+TINY_FALCON = {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+               "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 2048,
+               "architectures": ["FalconForCausalLM"], "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 0}
+
+
 def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_steps: int = 24,
              every_steps: int = 4, global_batch: int = 4, learning_rate: float = 0.02,
              rule: dict[str, str] | None = None, attempts: int = 4, sized_as: str | None = None,
@@ -191,3 +199,23 @@ def checkpoint_steps(namespace: str, job: str) -> list[int]:
         except (OSError, ValueError, KeyError):
             continue
     return sorted(steps)
+
+
+def merged_logits_match(base: Path, adapter: Path, merged: Path) -> None:
+    """export: merged. The merged folder loads with transformers as is and gives the logits of the base
+    model with the adapter (peft) on the same input, within what the saved dtype rounds."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((merged / "config.json").read_text())
+    saved_dtype = config.get("torch_dtype") or config.get("dtype")
+    merged_model = AutoModelForCausalLM.from_pretrained(merged, torch_dtype=torch.float32).eval()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32),
+                                          adapter).eval()
+    tokens = torch.arange(1, 33).remainder(merged_model.config.vocab_size).unsqueeze(0)
+    with torch.no_grad():
+        got, want = merged_model(tokens).logits, reference(tokens).logits
+    # Saved in the training dtype: bf16 rounds each merged weight (about 3 significant digits).
+    tolerance = 1e-4 if saved_dtype in (None, "float32") else 3e-2 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= tolerance, (saved_dtype, float((got - want).abs().max()), tolerance)

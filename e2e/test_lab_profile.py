@@ -27,18 +27,14 @@ import pytest
 from finetune_operator.profiling.pod import PROFILE_UID_LABEL, profile_pod_name
 
 from e2e import operator_harness as h
+from e2e import real_processes as rp
 from e2e.lab.waiting import wait_for
 from finetune_operator import calibration as C
 from finetune_operator.planning.policy import load_policy
 
 pytestmark = pytest.mark.e2e
 
-# A family the analytic model does not size (Falcon: fused query_key_value, parallel attention,
-# LayerNorm, a GELU MLP; GPT-NeoX was the example until issue 28 made it analytic); one block, so
-# the profile traces in seconds.
-CONFIG = {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
-          "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 2048,
-          "architectures": ["FalconForCausalLM"], "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 0}
+CONFIG = rp.TINY_FALCON
 
 
 @pytest.fixture(scope="module")

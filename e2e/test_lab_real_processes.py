@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -301,25 +300,7 @@ def test_gpu_oom_in_the_real_trainer_then_a_changed_plan_resumes_from_its_checkp
     assert {"config.json", "model.safetensors.index.json", "generation_config.json"} <= {p.name for p in merged.iterdir()}
     assert any(p.name.startswith("tokenizer") for p in merged.iterdir()), sorted(p.name for p in merged.iterdir())
     assert summary["export"] == "pvc://checkpoints/gpu-oom/final/merged" and summary["exportBytes"] > 0, summary
-    _merged_logits_match(rp.claim_dir(namespace, "models") / "tiny-llama", final, merged)
-
-
-def _merged_logits_match(base: Path, adapter: Path, merged: Path) -> None:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    config = json.loads((merged / "config.json").read_text())
-    saved_dtype = config.get("torch_dtype") or config.get("dtype")
-    merged_model = AutoModelForCausalLM.from_pretrained(merged, torch_dtype=torch.float32).eval()
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32),
-                                          adapter).eval()
-    tokens = torch.arange(1, 33).remainder(merged_model.config.vocab_size).unsqueeze(0)
-    with torch.no_grad():
-        got, want = merged_model(tokens).logits, reference(tokens).logits
-    # Saved in the training dtype: bf16 rounds each merged weight (about 3 significant digits).
-    tolerance = 1e-4 if saved_dtype in (None, "float32") else 3e-2 * float(want.abs().max())
-    assert float((got - want).abs().max()) <= tolerance, (saved_dtype, float((got - want).abs().max()), tolerance)
+    rp.merged_logits_match(rp.claim_dir(namespace, "models") / "tiny-llama", final, merged)
 
 
 def test_suspend_and_resume_continue_from_the_real_checkpoint(lab, runs):

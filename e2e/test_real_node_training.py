@@ -174,9 +174,11 @@ def test_a_gpu_oom_in_the_real_container_then_the_next_attempt_resumes_from_its_
     # the lab GPU's true peak is 1.7 x the prediction, so attempt 1 runs out at OOM_STEP; the
     # calibrated re-plan fits. (Forcing an OOM on a tiny model's plan calibrates it by the whole GPU
     # over 1.5 GiB, and then rightly nothing fits.)
+    # With evaluation on a held-out eighth and a merged export: both run inside the real containers too.
     job = _job("gpu-oom", ns, vocab, max_steps=12, every_steps=CHECKPOINT_EVERY, global_batch=8,
                sized_as="llama-3.1-8b", sequence_length=4096,
-               rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)})
+               rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)},
+               evaluation={"heldOutFraction": 0.125, "everySteps": CHECKPOINT_EVERY}, export="merged")
     status, seconds = _run(lab, ns, job)
     print(f"scenario real-node gpu-oom: {seconds:.1f}s ({len(status.get('attempts') or [])} attempts)")
     assert status["phase"] == "Succeeded", _diagnose(lab, ns, "gpu-oom")
@@ -190,6 +192,14 @@ def test_a_gpu_oom_in_the_real_container_then_the_next_attempt_resumes_from_its_
     saved = (OOM_STEP - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY
     start = _trainer_events(lab, ns, f"gpu-oom-a{len(status['attempts'])}-master-0", "start")
     assert start and start[0]["startStep"] == saved, start
+    # The held-out evaluation's last figure is in status and in the provenance record; the merged
+    # folder the master pod wrote into the claim loads as is and computes base plus adapter.
+    summary = status["provenance"]
+    assert start[0]["heldOut"] == summary["heldOut"] == 8, (start, summary)
+    assert status["progress"]["evalStep"] == 12 and status["progress"]["evalLoss"] == summary["evalLoss"], status
+    final = rp.claim_dir(ns, "checkpoints") / "gpu-oom" / "final"
+    assert summary["export"] == "pvc://checkpoints/gpu-oom/final/merged" and summary["exportBytes"] > 0, summary
+    rp.merged_logits_match(rp.claim_dir(ns, "models") / "tiny-llama", final, final / "merged")
 
 
 def test_a_real_oomkilled_from_the_kubelet_then_the_pod_memory_is_raised(operator, namespace):
@@ -368,3 +378,78 @@ def test_the_trainjob_backend_runs_a_gpu_oom_and_its_resume_in_real_containers(o
         assert failed["exitCode"] == 75 and failed["step"] == OOM_STEP and failed["source"] == "report", failed
     finally:
         h.install_chart_on_real_node(lab, *_chart_values(s3))
+
+
+def test_a_profile_pod_runs_on_the_real_node_once_the_policy_tolerates_its_taints(operator, namespace, s3):
+    """The pre-flight profile on the real kubelet (issue 26 item 4): a model of a family the analytic
+    model does not know (tiny Falcon) is profiled by a CPU-only pod in the operator's namespace, which
+    enforces the restricted standard here. The real node is tainted (a GPU node of a dedicated pool),
+    so under the chart's default policy the scheduler leaves the pod Pending and the job says why
+    (ProfilePodUnschedulable, naming policy.profilePod); once `helm upgrade` sets profilePod
+    tolerations, the operator replaces the pod, it runs as a container of the trainer image, and the
+    job is planned from what it measured."""
+    from e2e.lab import nodes as lab_nodes
+    from e2e.lab.realnode import NODE_NAME
+    from finetune_operator.profiling.pod import profile_pod_name
+    from finetune_operator.shell.handlers import POLICY_POLL_SECONDS
+
+    lab = operator
+    ns, _vocab = namespace
+    name = "falcon"
+    pod_name = profile_pod_name(ns, name)
+    lab.kubectl("label", "namespace", h.RELEASE_NAMESPACE, "--overwrite",
+                "pod-security.kubernetes.io/enforce=restricted", "pod-security.kubernetes.io/enforce-version=latest")
+    lab.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "falcon", "namespace": ns},
+        "data": {"config.json": json.dumps(rp.TINY_FALCON)}}))
+    job = _job(name, ns, 512, max_steps=4)
+    job["spec"]["model"]["architecture"] = {"configMapRef": {"name": "falcon"}}
+    # Checkpointing and FSDP fixed: the profile traces 1 or 2 GPUs x micro-batch 1 or 2.
+    job["spec"]["training"].update(sequenceLength=256, globalBatchSize=2, gradientCheckpointing=True)
+    job["spec"]["resources"] = {"gpus": "auto", "maxGPUs": 2, "strategy": "fsdp"}
+    tolerations = [{"key": t["key"], "operator": "Exists", "effect": t["effect"]}
+                   for t in lab_nodes.node_taints(lab_nodes.load_pools().kubelet_pool())]
+    t0 = time.monotonic()
+    try:
+        lab.kubectl("apply", "-f", "-", input=json.dumps(job))
+        waiting = _wait("the profile pod unschedulable", lambda: (c := _condition(lab, ns, name, "Profiled"))
+                        and c.get("reason") == "ProfilePodUnschedulable" and c, 90, 1)
+        assert "untolerated taint" in waiting["message"] and "profilePod" in waiting["message"], waiting
+        assert _status(lab, ns, name)["phase"] == "Pending"
+        h.install_chart_on_real_node(lab, *_chart_values(s3), "--set-json",
+                                     "policy.profilePod=" + json.dumps({"tolerations": tolerations}))
+        seen: dict[str, Any] = {}
+
+        def planned():
+            # The operator deletes the profile pod once it has read its report: note where it ran meanwhile.
+            pod = json.loads(lab.kubectl("get", "pod", pod_name, "-n", h.RELEASE_NAMESPACE, "-o", "json",
+                                         check=False).stdout or "{}")
+            if (pod.get("spec") or {}).get("nodeName"):
+                seen["node"] = pod["spec"]["nodeName"]
+                seen["tolerations"] = pod["spec"].get("tolerations")
+            seen.setdefault("containers", set()).update(
+                c["metadata"]["name"] for c in crictl_containers(lab)
+                if c["labels"].get("io.kubernetes.pod.name") == pod_name)
+            c = _condition(lab, ns, name, "Profiled")
+            return c is not None and c.get("status") == "True" and c
+
+        profiled = _wait("the job planned from the profile", planned, 4 * POLICY_POLL_SECONDS + 240, 1)
+        assert "falcon" in profiled["message"], profiled
+        plan = _status(lab, ns, name).get("plan") or {}
+        assert "measured" in plan.get("breakdown", ""), plan
+        # The pod ran on the real node, tolerating its taints, as a container of the node's runtime.
+        # (The API server adds its default not-ready/unreachable tolerations.)
+        assert seen.get("node") == NODE_NAME and all(t in seen["tolerations"] for t in tolerations), seen
+        assert seen["containers"] == {"profile"}, seen
+        print(f"scenario real-node profile: {time.monotonic() - t0:.1f}s")
+    finally:
+        lab.kubectl("delete", "ftj", name, "-n", ns, "--wait=false", check=False)
+        lab.kubectl("label", "namespace", h.RELEASE_NAMESPACE, "pod-security.kubernetes.io/enforce-",
+                    "pod-security.kubernetes.io/enforce-version-", check=False)
+        lab.kubectl("delete", "configmap", "finetune-operator-profiles", "-n", h.RELEASE_NAMESPACE,
+                    "--ignore-not-found", check=False)
+        h.install_chart_on_real_node(lab, *_chart_values(s3))
+
+
+def _condition(lab, ns: str, name: str, kind: str) -> dict[str, Any] | None:
+    return next((c for c in _status(lab, ns, name).get("conditions") or [] if c.get("type") == kind), None)
