@@ -433,10 +433,16 @@ def test_a_profile_pod_runs_on_the_real_node_once_the_policy_tolerates_its_taint
             c = _condition(lab, ns, name, "Profiled")
             return c is not None and c.get("status") == "True" and c
 
-        profiled = _wait("the job planned from the profile", planned, 4 * POLICY_POLL_SECONDS + 240, 1)
+        try:
+            profiled = _wait("the job profiled", planned, 4 * POLICY_POLL_SECONDS + 240, 1)
+        except AssertionError as late:
+            raise AssertionError(f"{late}:\n{_diagnose(lab, ns, name)}") from None
         assert "falcon" in profiled["message"], profiled
-        plan = _status(lab, ns, name).get("plan") or {}
-        assert "measured" in plan.get("breakdown", ""), plan
+        try:
+            status = _wait("the job planned", lambda: (st := _status(lab, ns, name)).get("plan") and st, 60, 1)
+        except AssertionError as late:
+            raise AssertionError(f"{late}:\n{_diagnose(lab, ns, name)}") from None
+        assert "measured" in status["plan"].get("breakdown", ""), status["plan"]
         # The pod ran on the real node, tolerating its taints, as a container of the node's runtime.
         # (The API server adds its default not-ready/unreachable tolerations.)
         assert seen.get("node") == NODE_NAME and all(t in seen["tolerations"] for t in tolerations), seen

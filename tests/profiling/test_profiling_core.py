@@ -259,6 +259,31 @@ def test_a_profile_pod_no_node_takes_says_so_and_waits_naming_the_policy():
     assert not _step(j, {}, running, policy=tolerant).delete
 
 
+def test_the_planner_sizes_the_jobs_own_lora_dropout_so_a_profile_of_it_plans():
+    """The planner once sized every candidate at the API's default dropout (0.05): a job with
+    lora.dropout 0 was profiled at 0, and then no candidate matched the profile (NoFit, "setup not
+    supported"); the analytic model counted dropout masks the job never saves."""
+    from finetune_operator.planning import plan_job
+
+    j = job(gradientCheckpointing=True)
+    j = j.model_copy(update={"spec": j.spec.model_copy(update={"lora": j.spec.lora.model_copy(update={"dropout": 0.0})})})
+    first = _step(j, {})
+    [pod] = first.create
+    profile = job_profile(j.spec)
+    report = _report(profile, lambda ph, w, b, s: 10**8 * b + 10**9 // w)
+    done = _finished(pod, report)
+    data = cache_entries(done.config_hash, report, WRITTEN, profile.setups())
+    planned = _step(j.model_copy(update={"status": first.status}), data, done)
+    assert planned.status.phase == "Launching", _conditions(planned).get("Planned")
+    # The analytic model: no dropout, no masks.
+    spec = example("llama-8b-lora.yaml").spec
+    peaks = []
+    for dropout in (0.0, 0.05):
+        lora = spec.lora.model_copy(update={"dropout": dropout})
+        peaks.append(plan_job(spec.model_copy(update={"lora": lora}), POOLS, POLICY).predicted_peak_bytes)
+    assert peaks[0] < peaks[1], peaks
+
+
 def test_a_model_that_cannot_be_built_fails_naming_the_reason():
     j = job(gradientCheckpointing=True)
     [pod] = _step(j, {}).create

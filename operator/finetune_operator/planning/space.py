@@ -86,6 +86,7 @@ class Ask:
     levers: LeverAsk = LeverAsk()  # the lean-trainer levers the job fixes or leaves to the planner
     target_experts: bool = False
     packing: bool = False  # spec.dataset.packing (examples packed with their boundaries)
+    lora_dropout: float = 0.0  # spec.lora.dropout (> 0 saves a dropout mask per adapted input)
     # Host memory the export after training needs (sizing/export.py; 0 for an adapter): rank 0 merges
     # on the CPU once the other ranks have exited, so one pod's memory must hold it.
     export_host_bytes: int = 0
@@ -191,9 +192,9 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         arch = architecture or architecture_of(spec)
     except SizingError as error:
         return Infeasible(message=f"spec.model.architecture: {error}")
-    lora_rank, lora_targets = 16, "all-linear"
+    lora_rank, lora_targets, lora_dropout = 16, "all-linear", 0.0
     if spec.lora is not None:
-        lora_rank = spec.lora.rank
+        lora_rank, lora_dropout = spec.lora.rank, spec.lora.dropout
         targets = spec.lora.target_modules
         lora_targets = "all-linear" if targets == ["all-linear"] else tuple(targets)
         if spec.method != "full":
@@ -231,6 +232,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         optimizer=t.optimizer,
         attention=t.attention,
         packing=spec.dataset.packing,
+        lora_dropout=lora_dropout if spec.method != "full" else 0.0,
         sequence_length=t.sequence_length,
         global_batch_size=t.global_batch_size,
         steps=t.max_steps,

@@ -91,6 +91,7 @@ class ProfiledModel:
             "method": (setup.method, t.method), "precision": (setup.precision, t.precision),
             "sequence_length": (setup.sequence_length, t.sequence_length),
             "optimizer": (setup.optimizer, "adamw"), "offload": (setup.offload, "none"),
+            "packing": (getattr(setup, "packing", False), t.packing),
         }
         for name, (got, measured) in wanted.items():
             if got != measured:
