@@ -112,7 +112,7 @@ def runs(lab, operator, request):
     for all to end; yield (namespace, {name: Run}).
 
     two-pod:  2 pods; the worker pod is deleted once checkpoint 4 exists; attempt 2 (2 pods) resumes.
-    gpu-oom:  sized as an 8B (so the lab GPU's rule, predicted x 1.7 > 80 GiB, makes attempt 1 run
+    gpu-oom:  sized as an 8B (so the lab GPU's rule, predicted x rp.OOM_FACTOR > 80 GiB, makes attempt 1 run
               out of GPU memory at step OOM_STEP in the real trainer); attempt 2 (another plan)
               resumes; it is suspended once it wrote checkpoint SUSPEND_AFTER and resumed: the
               last attempt continues from the newest checkpoint.
@@ -132,7 +132,7 @@ def runs(lab, operator, request):
         "two-pod": rp.tiny_job("two-pod", namespace, vocab, gpus=2, max_steps=24, every_steps=4),
         "gpu-oom": rp.tiny_job("gpu-oom", namespace, vocab, max_steps=40, every_steps=CHECKPOINT_EVERY, global_batch=8,
                                sized_as="llama-3.1-8b", sequence_length=4096,
-                               rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)},
+                               rule={"true-peak-factor": rp.OOM_FACTOR, "oom-step": str(OOM_STEP)},
                                evaluation={"heldOutFraction": 0.125, "everySteps": EVAL_EVERY}, export="merged"),
         "host-oom": rp.tiny_job("host-oom", namespace, vocab, max_steps=8, every_steps=4,
                                 rule={"host-memory-scale": HOST_MEMORY_SCALE}),

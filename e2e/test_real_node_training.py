@@ -171,13 +171,13 @@ def test_a_gpu_oom_in_the_real_container_then_the_next_attempt_resumes_from_its_
     lab = operator
     ns, vocab = namespace
     # Sized as Llama 3.1 8B at 4096 tokens (the trainer trains the tiny model): the plan fills the GPU,
-    # the lab GPU's true peak is 1.7 x the prediction, so attempt 1 runs out at OOM_STEP; the
+    # the lab GPU's true peak is rp.OOM_FACTOR x the prediction, so attempt 1 runs out at OOM_STEP; the
     # calibrated re-plan fits. (Forcing an OOM on a tiny model's plan calibrates it by the whole GPU
     # over 1.5 GiB, and then rightly nothing fits.)
     # With evaluation on a held-out eighth and a merged export: both run inside the real containers too.
     job = _job("gpu-oom", ns, vocab, max_steps=12, every_steps=CHECKPOINT_EVERY, global_batch=8,
                sized_as="llama-3.1-8b", sequence_length=4096,
-               rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)},
+               rule={"true-peak-factor": rp.OOM_FACTOR, "oom-step": str(OOM_STEP)},
                evaluation={"heldOutFraction": 0.125, "everySteps": CHECKPOINT_EVERY}, export="merged")
     status, seconds = _run(lab, ns, job)
     print(f"scenario real-node gpu-oom: {seconds:.1f}s ({len(status.get('attempts') or [])} attempts)")
@@ -352,7 +352,7 @@ def test_the_trainjob_backend_runs_a_gpu_oom_and_its_resume_in_real_containers(o
     try:
         t0 = time.monotonic()
         job = _job("tj-oom", ns, vocab, max_steps=12, every_steps=CHECKPOINT_EVERY,
-                   rule={"true-peak-factor": "1.7", "oom-step": str(OOM_STEP)}, **SLOW)
+                   rule={"true-peak-factor": rp.OOM_FACTOR, "oom-step": str(OOM_STEP)}, **SLOW)
         status, _ = _run(lab, ns, job)
         print(f"scenario real-node trainjob gpu-oom: {time.monotonic() - t0:.1f}s ({len(status.get('attempts') or [])} attempts)")
         assert status["phase"] == "Succeeded", _diagnose(lab, ns, "tj-oom")
