@@ -102,14 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.fake_gpu:
             show_trainer_lines(lab, namespace, "support-bot")
             rp.remove_claims(namespace)
-        print(lab.kubectl("describe", "ftj", "support-bot", "-n", namespace).stdout)
-        final = h.get_job(lab, namespace, "support-bot")["status"]
-        ok = final.get("phase") == "Succeeded"
-        say("the job succeeded" if ok else f"the job ended in phase {final.get('phase')}")
-        if args.keep:
-            say(f"the lab is still running: export KUBECONFIG={lab.kubeconfig}")
-            say(f"stop it (and the operator) with: {down_command(lab.workdir)}")
-        return 0 if ok else 1
+        return 0 if report_end(lab, namespace, "support-bot", args.keep, "and the operator") else 1
     finally:
         if not args.keep:
             if operator is not None:
@@ -166,15 +159,9 @@ def real_node_demo(args) -> int:
             if c["labels"].get("io.kubernetes.pod.namespace") == namespace:
                 print(f"  {c['labels'].get('io.kubernetes.pod.name'):<32} {c['metadata']['name']:<12} {c['state']}")
         print()
-        print(lab.kubectl("describe", "ftj", name, "-n", namespace).stdout)
-        final = h.get_job(lab, namespace, name)["status"]
-        ok = final.get("phase") == "Succeeded"
-        say("the job succeeded" if ok else f"the job ended in phase {final.get('phase')}")
-        if args.keep:
-            say(f"the lab is still running: export KUBECONFIG={lab.kubeconfig}")
-            say(f"stop it (and put the host back) with: {down_command(lab.workdir)}")
-            return 0 if ok else 1
-        rp.remove_claims(namespace)
+        ok = report_end(lab, namespace, name, args.keep, "and put the host back")
+        if not args.keep:
+            rp.remove_claims(namespace)
         return 0 if ok else 1
     finally:
         if not args.keep:
@@ -241,6 +228,19 @@ def print_trainer_lines(attempt: int, events: list[dict]) -> None:
     losses = rp.losses([e for e in events if e.get("event") == "progress"])
     if losses:
         print(f"  attempt {attempt} loss: " + ", ".join(f"{s}:{v:.3f}" for s, v in sorted(losses.items())[:12]))
+
+
+def report_end(lab, namespace: str, name: str, keep: bool, stopping: str) -> bool:
+    """`kubectl describe` of the job and whether it succeeded; with `keep`, how to reach and stop the
+    lab (`stopping`: what stopping it also does)."""
+    print(lab.kubectl("describe", "ftj", name, "-n", namespace).stdout)
+    final = h.get_job(lab, namespace, name)["status"]
+    ok = final.get("phase") == "Succeeded"
+    say("the job succeeded" if ok else f"the job ended in phase {final.get('phase')}")
+    if keep:
+        say(f"the lab is still running: export KUBECONFIG={lab.kubeconfig}")
+        say(f"stop it ({stopping}) with: {down_command(lab.workdir)}")
+    return ok
 
 
 def down_command(workdir) -> str:

@@ -11,7 +11,7 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from ..k8s_names import is_label_value, is_qualified_name
@@ -128,18 +128,14 @@ class Toleration(BaseModel):
     toleration_seconds: int | None = Field(default=None, ge=0)
     """With `NoExecute` only: how long the pod stays once the taint appears."""
 
-    @field_validator("key")
+    @field_validator("key", "value")
     @classmethod
-    def _key(cls, value: str | None) -> str | None:
-        if value is not None and not is_qualified_name(value):
-            raise ValueError(f"{value!r} is not a valid taint key ([prefix/]name)")
-        return value
-
-    @field_validator("value")
-    @classmethod
-    def _value(cls, value: str | None) -> str | None:
-        if value is not None and not is_label_value(value):
-            raise ValueError(f"{value!r} is not a valid taint value")
+    def _api_name(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """The API server's rules: a key is `[prefix/]name`, a value a label value."""
+        valid = is_qualified_name if info.field_name == "key" else is_label_value
+        if value is not None and not valid(value):
+            shape = " ([prefix/]name)" if info.field_name == "key" else ""
+            raise ValueError(f"{value!r} is not a valid taint {info.field_name}{shape}")
         return value
 
     @model_validator(mode="after")
