@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.true_peak_factor is None:
         # The 8B example (LoRA dropout 0.05) dies at 1.7 x; the tiny job planned as an 8B (dropout 0) at 2 x.
-        args.true_peak_factor = "1.7" if args.fake_gpu else TRUE_PEAK_FACTOR
+        args.true_peak_factor = "1.7" if args.fake_gpu else rp.OOM_FACTOR
     if not (args.fake_gpu or args.process_runner):
         return real_node_demo(args)
 
@@ -112,9 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 REAL_OOM_STEP = 10
-# The lab GPU's true peak over the estimate: the tiny job planned as Llama 3.1 8B at 4096 tokens is
-# predicted at 42.6 GiB on an H100, and 2 x that does not fit its 79.6 GiB (real_processes.OOM_FACTOR).
-TRUE_PEAK_FACTOR = rp.OOM_FACTOR
 
 
 def real_node_demo(args) -> int:

@@ -4,9 +4,11 @@ Labels are -100 where the model must not learn: prompts and chat turns other tha
 the assistant's. Packing keeps each example whole and its boundaries: every example of a
 packed sequence numbers its positions from 0, and the collator passes those position ids
 (with no attention mask), from which transformers builds attention that never crosses an
-example (sdpa and eager: a block-diagonal causal mask; flash: its variable-length kernel). The sample order of a whole run is a pure function of the seed, so a
-resumed attempt can skip exactly the samples earlier attempts consumed, whatever the
-micro-batch, accumulation or GPU count of each attempt.
+example (sdpa and eager: a block-diagonal causal mask; flash: its variable-length kernel).
+
+The sample order of a whole run is a pure function of the seed, so a resumed attempt can
+skip exactly the samples earlier attempts consumed, whatever the micro-batch, accumulation
+or GPU count of each attempt.
 """
 
 from __future__ import annotations
@@ -318,37 +320,23 @@ class Collator:
     def __call__(self, batch: list[dict[str, list[int]]]):
         import torch
 
-        packed = ["position_ids" in item for item in batch]
-        if any(packed) and not all(packed):
+        packed = all("position_ids" in item for item in batch)
+        if not packed and any("position_ids" in item for item in batch):
             raise ValueError("a micro-batch mixes packed and unpacked examples")
-        real = sum(len(item["input_ids"]) for item in batch)
-        if all(packed):
-            rows = [(item["input_ids"], item["labels"], item["position_ids"]) for item in batch]
-            if self.flatten:
-                rows = [tuple(sum((list(row[k]) for row in rows), []) for k in range(3))]
-            longest = max(len(ids) for ids, _, _ in rows)
-            input_ids, labels, positions = [], [], []
-            for ids, row_labels, row_positions in rows:
-                pad = longest - len(ids)
-                input_ids.append(list(ids) + [self.pad_token_id] * pad)
-                labels.append(list(row_labels) + [IGNORE] * pad)
-                positions.append(list(row_positions) + list(range(pad)))
-            return {
-                "input_ids": torch.tensor(input_ids, dtype=torch.long),
-                "labels": torch.tensor(labels, dtype=torch.long),
-                "position_ids": torch.tensor(positions, dtype=torch.long),
-                "token_count": torch.tensor(real, dtype=torch.long),
-            }
-        longest = max(len(item["input_ids"]) for item in batch)
-        input_ids, labels, mask = [], [], []
-        for item in batch:
-            pad = longest - len(item["input_ids"])
-            input_ids.append(item["input_ids"] + [self.pad_token_id] * pad)
-            labels.append(item["labels"] + [IGNORE] * pad)
-            mask.append([1] * len(item["input_ids"]) + [0] * pad)
+        rows = [(item["input_ids"], item["labels"], item.get("position_ids")) for item in batch]
+        if packed and self.flatten:
+            rows = [tuple([value for row in rows for value in row[k]] for k in range(3))]
+        longest = max(len(ids) for ids, _, _ in rows)
+        input_ids, labels, extra = [], [], []
+        for ids, row_labels, positions in rows:
+            pad = longest - len(ids)
+            input_ids.append(list(ids) + [self.pad_token_id] * pad)
+            labels.append(list(row_labels) + [IGNORE] * pad)
+            # Packed: the pad run is numbered as an example of its own; unpacked: masked out.
+            extra.append(list(positions) + list(range(pad)) if packed else [1] * len(ids) + [0] * pad)
         return {
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
-            "attention_mask": torch.tensor(mask, dtype=torch.long),
-            "token_count": torch.tensor(real, dtype=torch.long),
+            ("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long),
+            "token_count": torch.tensor(sum(len(item["input_ids"]) for item in batch), dtype=torch.long),
         }

@@ -217,8 +217,8 @@ def _window_masks(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
 def _sdpa_masks(arch: ModelArchitecture, setup: TrainingSetup) -> int:
     """How many b x s x s boolean masks transformers builds for sdpa: packed, one for the full
     layers and one for the sliding ones (if any); unpacked, the sliding layers' only."""
-    if setup.packing:
-        return 1 + (arch.num_sliding_layers > 0)
+    if setup.packing and arch.num_sliding_layers > 0:
+        return 2
     return 1
 
 
