@@ -14,8 +14,9 @@ is the same idea at the size of four levers: a plain tuple of plain dataclass in
 
 from __future__ import annotations
 
+from collections import namedtuple
 from itertools import product
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
 from .fields import lever_fields_model, lever_spec_model
@@ -31,15 +32,18 @@ LEVERS: tuple[Lever, ...] = (
 BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
 
-class Levers(NamedTuple):
+# One setting of every lever, as a tuple: the fields the levers own (`Lever.off`), in `LEVERS`
+# order, each defaulting to its off value. Built from the registry (a class body cannot loop over
+# it), as collections.namedtuple builds any tuple class; `Levers` below adds the methods.
+_LeverFields = namedtuple("_LeverFields", [field for lever in LEVERS for field in lever.off],
+                          defaults=[off for lever in LEVERS for off in lever.off.values()])
+
+
+class Levers(_LeverFields):
     """One setting of every lever: the fields the levers own (`Lever.off`), in `LEVERS` order, with
     their off values; the TrainingSetup, Plan, plan status and TrainerConfig fields of the same names."""
 
-    master_weights: str = "fp32"
-    update_rounding: str = "nearest"
-    optimizer_in_backward: bool = False
-    loss_chunks: int = 1
-    activation_offloading: bool = False
+    __slots__ = ()
 
     def setup_fields(self) -> dict[str, Any]:
         return self._asdict()
@@ -57,10 +61,8 @@ class Levers(NamedTuple):
 
 
 NO_LEVERS = Levers()
-# A lever added to LEVERS without its fields here (or the other way round) fails at import.
-if Levers._fields != tuple(field for lever in LEVERS for field in lever.off) or any(
-        getattr(NO_LEVERS, field) != off for lever in LEVERS for field, off in lever.off.items()):
-    raise AssertionError("memory_levers.Levers must have exactly the fields of LEVERS, defaulting to off")
+if any(tuple(lever.off)[0] != lever.name for lever in LEVERS):
+    raise AssertionError("each lever's first field (`off`) must be its name")
 if any(tuple(lever.schema) != tuple(lever.off) for lever in LEVERS):
     raise AssertionError("each lever's schema must declare exactly its fields (`off`), in that order")
 if any(tuple(lever.spec) != tuple(lever.off) or tuple(lever.auto) != tuple(lever.off) for lever in LEVERS):
