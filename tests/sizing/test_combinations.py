@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +19,7 @@ from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import ModelArchitecture, SizingError, TrainingSetup
 from finetune_trainer import combinations as C
 from finetune_trainer.contract import TrainerConfig, deepspeed_config
+from finetune_trainer.memory_levers import BY_NAME
 
 DENSE = preset("llama-3.2-1b").with_layers(2)
 MOE = preset("mixtral-8x7b").with_layers(2)
@@ -32,8 +33,8 @@ choices = st.builds(
     offload=st.sampled_from(C.OFFLOADS),
     optimizer=st.sampled_from(C.OPTIMIZERS),
     precision=st.sampled_from(C.PRECISIONS),
-    master_weights=st.sampled_from(C.MASTER_WEIGHTS),
-    update_rounding=st.sampled_from(C.UPDATE_ROUNDINGS),
+    master_weights=st.sampled_from(get_args(BY_NAME["master_weights"].schema["master_weights"].type)),
+    update_rounding=st.sampled_from(get_args(BY_NAME["master_weights"].schema["update_rounding"].type)),
     optimizer_in_backward=st.booleans(),
     gradient_accumulation=st.sampled_from((1, 2)),
     gradient_clipping=st.booleans(),

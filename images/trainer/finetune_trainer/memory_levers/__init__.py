@@ -19,7 +19,7 @@ from itertools import product
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
-from .fields import lever_fields_model, lever_spec_model
+from .fields import lever_fields_model, lever_setup_class, lever_spec_model, lever_value_checks
 from .lever import AutoOrInt, Lever, LeverField, Setting, camel
 
 # In the order the plan's words and its list of savings name them.
@@ -236,7 +236,9 @@ __all__ = [
     "lever_changes",
     "lever_options",
     "lever_fields_model",
+    "lever_setup_class",
     "lever_spec_model",
+    "lever_value_checks",
     "levers_of",
     "needs_whole_batch",
     "savings",
