@@ -73,7 +73,7 @@ class RecoverySpec(ApiModel):
 
     max_attempts: Annotated[int, Field(ge=1, le=20)] | None = None
     """Attempts in all, the first included; 1 turns recovery off. The cluster policy's default (4 unless changed) when omitted."""
-    allowed_adjustments: Annotated[list[Adjustment], Field(max_length=12)] = list(DEFAULT_ADJUSTMENTS)
+    allowed_adjustments: Annotated[list[Adjustment], Field(max_length=len(ADJUSTMENTS))] = list(DEFAULT_ADJUSTMENTS)
     """Changes recovery may make. `method` (switch to QLoRA) is off unless listed. `masterWeights` and
     `optimizerInBackward` change only what the job leaves `auto`/unset: an explicit value is kept."""
     backoff: BackoffSpec = BackoffSpec()

@@ -120,8 +120,9 @@ def lever_options(ask: LeverAsk, base: Any, *, accumulation_one: bool,
     `accumulation_one`: whether the group can run with gradient accumulation 1 (`Lever.whole_batch`)."""
     per_lever = [lever.settings_for(freedom, base) for lever, freedom in zip(LEVERS, ask.freedoms)] if ask.freedoms \
         else [(dict(lever.off),) for lever in LEVERS]
-    found = []
+    found: dict[Levers, None] = {}  # in order, once each (a replaced lever's settings fall together)
     for settings in product(*per_lever):
+        settings = _replaced_off(settings)
         fields: dict[str, Any] = {}
         choices: dict[str, Any] = {}
         whole = clipping_off = False
@@ -138,8 +139,21 @@ def lever_options(ask: LeverAsk, base: Any, *, accumulation_one: bool,
         if clipping_off:
             choices["gradient_clipping"] = False
         if allows(base.but(**choices)):
-            found.append(Levers(**fields))
+            found[Levers(**fields)] = None
     return tuple(found)
+
+
+def _replaced(settings: Sequence[Setting]) -> dict[str, Lever]:
+    """The levers that a lever in use in `settings` (one per lever, in `LEVERS` order) replaces
+    (`Lever.replaces`), each with the lever that replaces it."""
+    return {name: lever for lever, setting in zip(LEVERS, settings)
+            if setting[lever.name] != lever.off[lever.name] for name in lever.replaces}
+
+
+def _replaced_off(settings: Sequence[Setting]) -> tuple[Setting, ...]:
+    """`settings` with every lever that a lever in use replaces turned off."""
+    replaced = _replaced(settings)
+    return tuple(dict(lever.off) if lever.name in replaced else setting for lever, setting in zip(LEVERS, settings))
 
 
 def needs_whole_batch(levers: Levers) -> bool:
@@ -199,10 +213,26 @@ def by_rung(order: Iterable[str]) -> tuple[Lever, ...]:
 
 
 def sized_fields(training: Any, method: str, arch: Any, notes: list) -> dict[str, Any]:
-    """The TrainingSetup fields of the levers for sizing a job as it stands (`Lever.sized`)."""
+    """The TrainingSetup fields of the levers for sizing a job as it stands (`Lever.sized`; a lever
+    that a lever in use replaces is off, with a note)."""
+    settings = [lever.sized_for(training, method, arch, notes) for lever in LEVERS]
+    replaced = _replaced(settings)
+    found: dict[str, Any] = {}
+    for lever, setting in zip(LEVERS, settings):
+        if lever.name in replaced:
+            setting = dict(lever.off)
+            notes.append(f"training.{camel(lever.name)}: off (replaced by {replaced[lever.name].phrase})")
+        found.update(setting)
+    return found
+
+
+def trainer_arguments(values: Any) -> dict[str, Any]:
+    """The transformers TrainingArguments keywords of the levers `values` (a trainer config) has on
+    (`Lever.trainer_arguments`)."""
     found: dict[str, Any] = {}
     for lever in LEVERS:
-        found.update(lever.sized_for(training, method, arch, notes))
+        if lever.trainer_arguments is not None and lever.in_use(values):
+            found.update(lever.trainer_arguments(lever.setting_of(values)))
     return found
 
 
@@ -244,4 +274,5 @@ __all__ = [
     "savings",
     "sized_fields",
     "stops_clipping",
+    "trainer_arguments",
 ]
