@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from finetune_trainer.combinations import EXPORTS, Choices, cel_rules, first_violation
-from finetune_trainer.memory_levers import choice_values, config_fields, ladder
+from finetune_trainer.memory_levers import choice_values, config_fields, derived_choices, ladder
 
 from .errors import FieldError, field_error
 from .model import ModelSpec
@@ -256,8 +256,10 @@ class FineTuneJobSpec(ApiModel):
                 },
             ]
             # What combines with what (strategy, offload, optimizer, precision, the levers): generated
-            # from the one table the validators below, the planner and the trainer also read.
-            + cel_rules(CHOICE_PATHS)
+            # from the one table the validators below, the planner and the trainer also read. A choice
+            # that follows from a field (chunked_loss: lossChunks > 1) has no values of its own there:
+            # its rules stay with the validator.
+            + cel_rules({choice: path for choice, path in CHOICE_PATHS.items() if choice not in derived_choices()})
         }
     )
 

@@ -236,6 +236,14 @@ def trainer_arguments(values: Any) -> dict[str, Any]:
     return found
 
 
+def derived_choices() -> frozenset[str]:
+    """The combinations.Choices fields a lever decides that are none of its own fields but follow
+    from one (`chunked_loss`: whether lossChunks > 1): the API field's values are not theirs, so a
+    CEL rule cannot test them (their rules stay with the API's validator)."""
+    return frozenset(choice for lever in LEVERS for choice in lever.choice_values(dict(lever.off))
+                     if choice not in lever.off)
+
+
 def config_fields() -> dict[str, str]:
     """The combinations.Choices fields the levers decide, by the config/API field they come from
     (camelCase): for error messages that name the field a person sets."""
@@ -260,6 +268,7 @@ __all__ = [
     "camel",
     "choice_values",
     "config_fields",
+    "derived_choices",
     "in_use",
     "ladder",
     "lever_ask",
