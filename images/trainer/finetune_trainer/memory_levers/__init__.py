@@ -18,7 +18,7 @@ from collections import namedtuple
 from itertools import product
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
+from . import activation_offloading, liger_kernel, loss_chunks, master_weights, optimizer_in_backward
 from .fields import lever_fields_model, lever_setup_class, lever_spec_model, lever_value_checks
 from .lever import AutoOrInt, Lever, LeverField, Setting, camel
 
@@ -28,6 +28,7 @@ LEVERS: tuple[Lever, ...] = (
     optimizer_in_backward.LEVER,
     loss_chunks.LEVER,
     activation_offloading.LEVER,
+    liger_kernel.LEVER,
 )
 BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
