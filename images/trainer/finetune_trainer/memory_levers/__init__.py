@@ -3,13 +3,14 @@
 Everything that deals with levers loops over `LEVERS` and asks the lever (lever.py says what a
 lever answers): the planner's freedoms and ranking (`lever_ask`, `lever_options`,
 `Levers.quality_cost`), what each saves (`savings`), the recovery ladder's rungs (`ladder`),
-the plan's words, the sizing of a job as it stands, the trainer config's fields, and the lever
-fields of the plan status and of spec.training (`lever_fields_model`, `lever_spec_model`). Adding a
-lever is a new module, its line in `LEVERS` and its fields in `Levers` below, plus the trainer's
-hook that acts on it.
+the plan's words, the sizing of a job as it stands, the TrainingArguments a lever sets
+(`trainer_arguments`), and the lever fields of every schema that holds them (`Levers` below;
+fields.py for spec.training, the plan status, the Plan, the trainer config, combinations.Choices
+and TrainingSetup). Adding a lever is a new module and its line in `LEVERS`, plus its memory term
+in the memory model (and the trainer's code for it, unless TrainingArguments turn it on).
 
 Kubeflow Trainer registers its runtime plugins in one place and Kueue its job integrations; this
-is the same idea at the size of four levers: a plain tuple of plain dataclass instances.
+is the same idea at the size of five levers: a plain tuple of plain dataclass instances.
 """
 
 from __future__ import annotations
