@@ -32,6 +32,13 @@ one-rank mesh, forced through a wrapper: no memory is saved by sharding over one
 but the CUDA-only code path (bitsandbytes Params4bit under fully_shard, peft adapters,
 the trainer's checkpoints) runs for real. ``--nproc 2`` on a machine with two GPUs runs
 that case sharded across them.
+
+Liger's kernels (``training.ligerKernel``, issue 28): their memory term (sizing/activations.py,
+modelled from liger-kernel 0.8.5's source) is unchecked until this script runs them: the
+``*-liger`` cases sit beside the chunked loss they replace (``--cases
+lora-chunked,lora-liger,full-bf16-chunked,full-bf16-liger`` runs just those four, about 2
+minutes). They need the liger-kernel package (the trainer image pins 0.8.5; elsewhere put it on
+PYTHONPATH, which the cases' trainer processes keep), else the trainer refuses them naming the field.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ class Case:
 def _full(**levers) -> tuple[dict, dict]:
     names = {"masterWeights": "master_weights", "updateRounding": "update_rounding",
              "optimizerInBackward": "optimizer_in_backward", "lossChunks": "loss_chunks",
-             "activationOffloading": "activation_offloading", "optimizer": "optimizer"}
+             "activationOffloading": "activation_offloading", "optimizer": "optimizer", "ligerKernel": "liger_kernel"}
     trainer = {"method": "full", **levers}
     if levers.get("optimizerInBackward"):
         trainer["maxGradNorm"] = 0
@@ -83,6 +90,7 @@ def cases() -> list[Case]:
         ("full-bf16-kahan", "+ Kahan buffers", {"masterWeights": "bf16", "updateRounding": "kahan"}),
         ("full-bf16-stochastic", "stochastic rounding", {"masterWeights": "bf16", "updateRounding": "stochastic"}),
         ("full-bf16-chunked", "+ lossChunks 8", {"masterWeights": "bf16", "lossChunks": 8}),
+        ("full-bf16-liger", "Liger's kernels in place of lossChunks 8", {"masterWeights": "bf16", "ligerKernel": True}),
         ("full-bf16-chunked-oib", "+ optimizer step in backward",
          {"masterWeights": "bf16", "lossChunks": 8, "optimizerInBackward": True}),
         ("full-bf16-chunked-oib-offload", "+ activation offloading",
@@ -96,6 +104,8 @@ def cases() -> list[Case]:
     lora = {"lora": {"rank": 16, "alpha": 32, "dropout": 0.05}}
     out.append(Case("lora-chunked", "LoRA r16 + lossChunks 8", {"method": "lora", "lossChunks": 8, **lora},
                     {"method": "lora", "lora_rank": 16, "loss_chunks": 8}))
+    out.append(Case("lora-liger", "LoRA r16 + Liger's kernels", {"method": "lora", "ligerKernel": True, **lora},
+                    {"method": "lora", "lora_rank": 16, "liger_kernel": True}))
     out.append(Case("qlora", "QLoRA r16, one GPU (DDP path)", {"method": "qlora", **lora},
                     {"method": "qlora", "lora_rank": 16}))
     out.append(Case("qlora-fsdp-path", "QLoRA through the FSDP route (accelerate FSDP2, bf16 quant storage, "
@@ -209,7 +219,9 @@ def run_case(case: Case, assets: dict[str, Path], folder: Path, nproc: int, smok
         config["sequenceLength"] = 128
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "images" / "trainer"), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+    # The trainer first; what PYTHONPATH held stays after it (liger-kernel where it is not installed).
+    path = os.pathsep.join(p for p in (str(ROOT / "images" / "trainer"), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false", **({"OMP_NUM_THREADS": "1"} if smoke else {}))
     # torchrun also for one rank on the forced route: accelerate applies FSDP only in a
     # distributed launch (LOCAL_RANK set), else it would silently run unsharded.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +19,7 @@ from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import ModelArchitecture, SizingError, TrainingSetup
 from finetune_trainer import combinations as C
 from finetune_trainer.contract import TrainerConfig, deepspeed_config
+from finetune_trainer.memory_levers import BY_NAME, derived_choices
 
 DENSE = preset("llama-3.2-1b").with_layers(2)
 MOE = preset("mixtral-8x7b").with_layers(2)
@@ -32,13 +33,14 @@ choices = st.builds(
     offload=st.sampled_from(C.OFFLOADS),
     optimizer=st.sampled_from(C.OPTIMIZERS),
     precision=st.sampled_from(C.PRECISIONS),
-    master_weights=st.sampled_from(C.MASTER_WEIGHTS),
-    update_rounding=st.sampled_from(C.UPDATE_ROUNDINGS),
+    master_weights=st.sampled_from(get_args(BY_NAME["master_weights"].schema["master_weights"].type)),
+    update_rounding=st.sampled_from(get_args(BY_NAME["master_weights"].schema["update_rounding"].type)),
     optimizer_in_backward=st.booleans(),
     gradient_accumulation=st.sampled_from((1, 2)),
     gradient_clipping=st.booleans(),
     gradient_checkpointing=st.booleans(),
     activation_offloading=st.booleans(),
+    liger_kernel=st.booleans(),
     target_experts=st.booleans(),
     moe=st.booleans(),
     chunked_loss=st.booleans(),
@@ -53,7 +55,7 @@ def _setup(c: C.Choices) -> TrainingSetup:
         update_rounding=c.update_rounding, optimizer_in_backward=c.optimizer_in_backward,
         gradient_accumulation=c.gradient_accumulation, gradient_checkpointing=c.gradient_checkpointing,
         activation_offloading=c.activation_offloading, lora_target_experts=bool(c.target_experts),
-        lora_dropout=0.0, loss_chunks=8 if c.chunked_loss else 1,
+        lora_dropout=0.0, loss_chunks=8 if c.chunked_loss else 1, liger_kernel=c.liger_kernel,
     )
 
 
@@ -71,6 +73,7 @@ def _contract(c: C.Choices) -> TrainerConfig:
         "gradientAccumulation": c.gradient_accumulation, "maxGradNorm": 1.0 if c.gradient_clipping else 0.0,
         "gradientCheckpointing": c.gradient_checkpointing, "activationOffloading": c.activation_offloading,
         "lora": {"targetExperts": bool(c.target_experts)}, "lossChunks": 8 if c.chunked_loss else 1,
+        "ligerKernel": c.liger_kernel,
     })
 
 
@@ -85,6 +88,7 @@ def _spec_document(c: C.Choices) -> dict[str, Any]:
             "optimizer": c.optimizer, "masterWeights": c.master_weights, "updateRounding": c.update_rounding,
             "optimizerInBackward": c.optimizer_in_backward, "gradientCheckpointing": c.gradient_checkpointing,
             "activationOffloading": c.activation_offloading, "lossChunks": 8 if c.chunked_loss else 1,
+            "ligerKernel": c.liger_kernel,
         },
         "resources": {"gpus": 2, "strategy": c.strategy, "offload": c.offload},
         "placement": {"regions": ["eu"]},
@@ -131,9 +135,11 @@ def test_api_and_its_cel_rules_agree_with_the_table(c: C.Choices):
     if not ok:
         first = C.first_violation(for_api)
         assert f"spec.{api.CHOICE_PATHS[first.field]}" in why, (first, why)
-    # The CEL rules see what the API server sees; they cannot derive gradient accumulation
-    # (the pydantic validator does): apart from that they reject exactly what the table does.
-    assert _cel_accepts(document) == C.allows(for_api.but(gradient_accumulation=None))
+    # The CEL rules see what the API server sees; they cannot derive gradient accumulation, nor a
+    # lever's derived choice (chunked_loss: lossChunks > 1; the pydantic validator does): apart from
+    # that they reject exactly what the table does.
+    assert _cel_accepts(document) == C.allows(
+        for_api.but(gradient_accumulation=None, **dict.fromkeys(derived_choices())))
 
 
 @functools.cache

@@ -50,7 +50,7 @@ def test_every_lever_rule_is_in_the_one_table():
 def test_the_api_spells_each_choice_field_of_a_lever():
     assert config_fields() == {"master_weights": "masterWeights", "update_rounding": "updateRounding",
                                "optimizer_in_backward": "optimizerInBackward", "chunked_loss": "lossChunks",
-                               "activation_offloading": "activationOffloading"}
+                               "activation_offloading": "activationOffloading", "liger_kernel": "ligerKernel"}
     for choice, field in config_fields().items():
         assert api.CHOICE_PATHS[choice] == f"training.{field}"
 
@@ -67,7 +67,8 @@ def test_one_savings_algorithm_for_a_setup_and_for_the_planner_cache():
                           optimizer_in_backward=True, loss_chunks=8, gradient_checkpointing=True,
                           activation_offloading=True, micro_batch_size=2, sequence_length=2048)
     direct = lever_savings(setup)
-    assert set(direct) == set(in_use(setup)) == set(BY_NAME)
+    # Every lever but Liger's, which replaces the chunked loss (its saving: test_liger_kernel.py).
+    assert set(direct) == set(in_use(setup)) == set(BY_NAME) - {"liger_kernel"}
 
     class _Ask:  # the fields of a job Estimates.setup reads
         arch, method, lora_rank, lora_targets, precision, optimizer = L8, "full", 16, "all-linear", "bf16", "adamw"
@@ -86,7 +87,7 @@ def test_one_savings_algorithm_for_a_setup_and_for_the_planner_cache():
 def test_planner_freedom_of_an_unset_lever_and_of_a_set_one():
     class _Training:
         master_weights, update_rounding, precision, optimizer = "auto", "auto", "bf16", "adamw"
-        optimizer_in_backward, loss_chunks, activation_offloading = None, "auto", True
+        optimizer_in_backward, loss_chunks, activation_offloading, liger_kernel = None, "auto", True, None
 
     ask = lever_ask(_Training(), "full", False)
     assert ask.fixed == frozenset({"activation_offloading"})
@@ -171,3 +172,34 @@ def test_a_new_lever_with_a_spec_field_reaches_the_training_spec_and_its_crd_sch
     assert node["default"] == "auto" and node["x-kubernetes-int-or-string"] is True
     (rule,) = node["x-kubernetes-validations"]
     assert rule["message"] == "must be 'auto' or an integer number of fake chunks between 1 and 4"
+
+
+def test_every_schema_takes_its_lever_fields_from_the_registry():
+    """TrainingSetup, combinations.Choices, the Plan and the trainer config hold exactly the registry's
+    lever fields (the Plan and the config in `LEVERS` order, as declared), with their off values."""
+    from dataclasses import fields
+
+    from finetune_operator.planning.plan import Plan, PlanKey
+    from finetune_trainer.contract import TrainerConfig
+    from finetune_trainer.memory_levers.fields import lever_choice_names
+
+    setup_fields = {f.name: f.default for f in fields(TrainingSetup)}
+    assert {name: setup_fields[name] for name in Levers._fields} == NO_LEVERS.setup_fields()
+    choice_names = lever_choice_names(LEVERS)
+    assert tuple(f.name for f in fields(combinations.Choices))[-len(choice_names):] == choice_names
+    for model in (Plan, TrainerConfig):
+        names = list(model.model_fields)
+        start = names.index("master_weights")
+        assert tuple(names[start:start + len(Levers._fields)]) == Levers._fields
+        assert all(model.model_fields[name].default == off for name, off in NO_LEVERS.setup_fields().items())
+    assert PlanKey._fields[-1] == "levers" and PlanKey._field_defaults["levers"] == NO_LEVERS
+
+
+def test_a_setup_refuses_a_lever_value_its_lever_does_not_declare_naming_the_field():
+    from finetune_operator.sizing import SizingError
+
+    for field, value, says in (("loss_chunks", 0, "greater than or equal to 1"), ("master_weights", "fp16", "'fp32' or 'bf16'"),
+                               ("activation_offloading", 1, "valid boolean"), ("liger_kernel", "yes", "valid boolean")):
+        with pytest.raises(SizingError) as error:
+            TrainingSetup(architecture=L8, **{field: value})
+        assert error.value.field == field and says in str(error.value), error.value

@@ -405,8 +405,8 @@ def test_levers_line():
                  lossChunks=8, gradientCheckpointing=True, activationOffloading=True)
     assert StartupLevers.of(cfg).fields() == {
         "masterWeights": "bf16", "updateRounding": "kahan", "optimizer": "adamw", "optimizerInBackward": True,
-        "lossChunks": 8, "gradientCheckpointing": True, "activationOffloading": True, "loraTargetExperts": False,
-        "qloraSharded": False, "offload": False}
+        "lossChunks": 8, "gradientCheckpointing": True, "activationOffloading": True, "ligerKernel": False,
+        "loraTargetExperts": False, "qloraSharded": False, "offload": False}
     assert StartupLevers.of(config(method="lora")).fields()["masterWeights"] == "fp32 (adapters)"
     assert StartupLevers.of(config(method="qlora", strategy="fsdp")).fields()["qloraSharded"] is True
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Iterable, Mapping
 
 from .memory_levers import LEVERS
+from .memory_levers.fields import lever_choices_class
 from . import optimizers
 from .rules import OFFLOADING, ZERO, AtLeast, Rule
 from .rules import one_of as _set
@@ -29,37 +30,40 @@ OPTIMIZERS = optimizers.NAMES  # optimizers.KINDS: the one list
 ATTENTIONS = ("sdpa", "flash", "eager")
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
-MASTER_WEIGHTS = ("fp32", "bf16")
-UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
 # What the job leaves behind (export.py): the adapter as trained, the base with the adapter merged
 # into it, or full fine-tuning's weights.
 EXPORTS = ("adapter", "merged", "full")
 
 
 @dataclass(frozen=True)
-class Choices:
-    """The choices of one training setup; `None` means not decided yet (`auto`)."""
+class _ChoicesHead:
+    """The choices of one training setup but the memory levers' (`Choices`)."""
 
     method: str | None = None
     strategy: str | None = None
     offload: str | None = None
     optimizer: str | None = None
     precision: str | None = None
-    master_weights: str | None = None
-    update_rounding: str | None = None
-    optimizer_in_backward: bool | None = None
     gradient_accumulation: int | None = None
     gradient_clipping: bool | None = None  # clipping by global norm (max_grad_norm > 0)
     gradient_checkpointing: bool | None = None
-    activation_offloading: bool | None = None
     target_experts: bool | None = None  # LoRA on the fused 3-D expert weights
     moe: bool | None = None  # whether the model has mixture-of-experts layers
-    chunked_loss: bool | None = None  # loss chunks > 1
     logit_transform: bool | None = None  # the model changes logits after the head (soft-capping, scales)
     export: str | None = None  # what the job exports after training (EXPORTS)
 
     def but(self, **changes: Any) -> "Choices":
         return replace(self, **changes)
+
+
+# The memory levers' fields (master_weights ... chunked_loss: what each lever's `choice_values`
+# decides) come from the registry, after the others (memory_levers/fields.py).
+_ChoicesLevers = lever_choices_class(_ChoicesHead, LEVERS)
+
+
+@dataclass(frozen=True)
+class Choices(_ChoicesLevers):
+    """The choices of one training setup; `None` means not decided yet (`auto`)."""
 
 
 RULES: tuple[Rule, ...] = (

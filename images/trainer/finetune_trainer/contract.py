@@ -45,7 +45,7 @@ from .failures import (  # noqa: F401  (the exit codes are the contract's names 
     TRAINER_REPORTED,
     FailureKind,
 )
-from .memory_levers import choice_values
+from .memory_levers import LEVERS, choice_values, lever_fields_model
 
 DEFAULT_CONFIG_PATH = "/etc/finetune/config.json"
 DEFAULT_REPORT_PATH = "/dev/termination-log"
@@ -218,8 +218,8 @@ def default_export(method: str) -> str:
     return "full" if method == "full" else "adapter"
 
 
-class TrainerConfig(_Contract):
-    """The trainer's whole input, one JSON document."""
+class _TrainerConfigHead(_Contract):
+    """The trainer config's fields before the memory levers'."""
 
     job_name: str = Field(min_length=1)
     attempt: int = Field(1, ge=1)
@@ -231,28 +231,18 @@ class TrainerConfig(_Contract):
     lora: LoraSettings = Field(default_factory=LoraSettings)
 
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    # Where the optimizer's copy of the weights lives. "fp32": fp32 parameters (the
-    # master copy), gradients and AdamW states, computing under autocast in
-    # `precision`. "bf16": parameters, gradients and optimizer states all in bf16, as
-    # torchtune and lit-gpt run full fine-tuning (no fp32 copy); `update_rounding` then
-    # says how the bf16 update is rounded. LoRA/QLoRA adapters always train in fp32.
-    master_weights: Literal["fp32", "bf16"] = "fp32"
-    # Only with master_weights "bf16": "nearest" (plain bf16 arithmetic), "stochastic"
-    # (stochastic rounding of the updated weight, no extra memory) or "kahan" (a bf16
-    # compensation buffer per parameter, 2 bytes each).
-    update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
     optimizer: Literal[OPTIMIZERS] = "adamw"  # type: ignore[valid-type]  (optimizers.py)
-    # Run the optimizer step for each parameter inside backward, as soon as its gradient
-    # is ready, and free that gradient at once (torchtune's optimizer_in_bwd). Needs
-    # gradient_accumulation 1 and strategy ddp or fsdp; gradient clipping by global norm
-    # is not possible then.
-    optimizer_in_backward: bool = False
-    # Cross-entropy over this many sequence chunks, so the full fp32 logits never exist
-    # at once (1: one piece, the plain loss).
-    loss_chunks: int = Field(1, ge=1, le=64)
-    # Move checkpointed activations to host memory during forward and bring them back
-    # in backward (needs gradient_checkpointing).
-    activation_offloading: bool = False
+
+
+# The memory levers (masterWeights ... activationOffloading: each lever's fields as the plan status
+# declares them, documented there, off by default) come from the registry, after the head's
+# (memory_levers/fields.py); the rest of the config follows in TrainerConfig.
+_TrainerConfigLevers = lever_fields_model(_TrainerConfigHead, LEVERS)
+
+
+class TrainerConfig(_TrainerConfigLevers):
+    """The trainer's whole input, one JSON document."""
+
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)

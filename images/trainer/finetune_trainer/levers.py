@@ -21,19 +21,16 @@ from dataclasses import dataclass
 from . import optimizers
 from .contract import TrainerConfig
 from .errors import ConfigError
-from .memory_levers import config_fields
+from .memory_levers import Levers, camel, config_fields, levers_of
 
 
 @dataclass(frozen=True)
 class StartupLevers:
     """What the attempt's startup line says about memory: the levers and the settings beside them."""
 
-    master_weights: str
-    update_rounding: str
+    levers: Levers
+    method: str
     optimizer: str
-    optimizer_in_backward: bool
-    loss_chunks: int
-    activation_offloading: bool
     gradient_checkpointing: bool
     target_experts: bool
     qlora_fsdp: bool
@@ -42,12 +39,9 @@ class StartupLevers:
     @classmethod
     def of(cls, cfg: TrainerConfig) -> "StartupLevers":
         return cls(
-            master_weights=cfg.master_weights if cfg.method == "full" else "fp32 (adapters)",
-            update_rounding=cfg.update_rounding,
+            levers=levers_of(cfg),
+            method=cfg.method,
             optimizer=cfg.optimizer,
-            optimizer_in_backward=cfg.optimizer_in_backward,
-            loss_chunks=cfg.loss_chunks,
-            activation_offloading=cfg.activation_offloading,
             gradient_checkpointing=cfg.gradient_checkpointing,
             target_experts=cfg.method != "full" and cfg.lora.target_experts,
             qlora_fsdp=cfg.method == "qlora" and cfg.strategy == "fsdp",
@@ -56,7 +50,11 @@ class StartupLevers:
 
     @property
     def bf16_master(self) -> bool:
-        return self.master_weights == "bf16"
+        return self.method == "full" and self.levers.master_weights == "bf16"
+
+    @property
+    def optimizer_in_backward(self) -> bool:
+        return self.levers.optimizer_in_backward
 
     @property
     def custom_optimizer(self) -> bool:
@@ -66,19 +64,15 @@ class StartupLevers:
                 or optimizers.kind(self.optimizer).trainer_optim is None)
 
     def fields(self) -> dict:
-        """The startup line's fields (camelCase, as in the config)."""
-        return {
-            "masterWeights": self.master_weights,
-            "updateRounding": self.update_rounding if self.bf16_master else None,
-            "optimizer": self.optimizer,
-            "optimizerInBackward": self.optimizer_in_backward,
-            "lossChunks": self.loss_chunks,
-            "gradientCheckpointing": self.gradient_checkpointing,
-            "activationOffloading": self.activation_offloading,
-            "loraTargetExperts": self.target_experts,
-            "qloraSharded": self.qlora_fsdp,
-            "offload": self.cpu_offload,
-        }
+        """The startup line's fields (camelCase, as in the config): every lever's (the registry's),
+        then the settings beside them."""
+        line = {camel(field): value for field, value in self.levers.setup_fields().items()}
+        # Adapters always train in fp32; the rounding applies to bf16 master weights only.
+        line["masterWeights"] = self.levers.master_weights if self.method == "full" else "fp32 (adapters)"
+        line["updateRounding"] = self.levers.update_rounding if self.bf16_master else None
+        return {**line, "optimizer": self.optimizer, "gradientCheckpointing": self.gradient_checkpointing,
+                "loraTargetExperts": self.target_experts, "qloraSharded": self.qlora_fsdp,
+                "offload": self.cpu_offload}
 
 
 def check_model(cfg: TrainerConfig, model) -> None:

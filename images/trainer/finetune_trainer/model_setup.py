@@ -23,6 +23,7 @@ from pathlib import Path
 from . import optimizers
 from .contract import TrainerConfig
 from .errors import ConfigError
+from .memory_levers import LEVERS, camel
 
 log = logging.getLogger("finetune_trainer")
 
@@ -49,6 +50,13 @@ def check_runnable(cfg: TrainerConfig, cuda: bool) -> None:
             raise ConfigError("attention flash needs the flash-attn package, which this image lacks")
     if cfg.precision == "fp16" and not cuda:
         raise ConfigError("precision fp16 needs CUDA; use bf16 or fp32 on CPU")
+    for lever in LEVERS:  # what each lever in use needs of the node and the image (Lever.needs_cuda, .package)
+        if not lever.in_use(cfg):
+            continue
+        if lever.needs_cuda and not cuda:
+            raise ConfigError(f"{camel(lever.name)}: {lever.needs_cuda} need CUDA; no GPU is visible")
+        if lever.package and importlib.util.find_spec(lever.package) is None:
+            raise ConfigError(f"{camel(lever.name)} needs the {lever.package} package, which this image lacks")
     model_dir = Path(cfg.model.path)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path {model_dir} holds no config.json")

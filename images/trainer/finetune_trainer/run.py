@@ -12,6 +12,7 @@ import traceback
 from . import checkpointing, optimizers
 from .contract import DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH, ConfigLoadError, Phase, TrainerConfig, load_trainer_config
 from .errors import ConfigError
+from .memory_levers import trainer_arguments
 from .phases import PROGRESS
 from .provenance import AttemptFacts, write_attempt_record
 from .reporting import build_report, build_success, log_json, rank, world_size, write_report, write_success
@@ -175,6 +176,8 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         dataloader_num_workers=0,
         # QLoRA under fsdp: the Trainer's accelerate FSDP2 shards the 4-bit base (model_setup).
         **accelerate_fsdp_arguments(cfg, fsdp_route(cfg, world_size())),
+        # The levers the Trainer turns on itself (Lever.trainer_arguments: Liger's kernels).
+        **trainer_arguments(cfg),
     )
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from finetune_trainer.combinations import EXPORTS, Choices, cel_rules, first_violation
-from finetune_trainer.memory_levers import choice_values, config_fields, ladder
+from finetune_trainer.memory_levers import choice_values, config_fields, derived_choices, ladder
 
 from .errors import FieldError, field_error
 from .model import ModelSpec
@@ -73,7 +73,7 @@ class RecoverySpec(ApiModel):
 
     max_attempts: Annotated[int, Field(ge=1, le=20)] | None = None
     """Attempts in all, the first included; 1 turns recovery off. The cluster policy's default (4 unless changed) when omitted."""
-    allowed_adjustments: Annotated[list[Adjustment], Field(max_length=12)] = list(DEFAULT_ADJUSTMENTS)
+    allowed_adjustments: Annotated[list[Adjustment], Field(max_length=len(ADJUSTMENTS))] = list(DEFAULT_ADJUSTMENTS)
     """Changes recovery may make. `method` (switch to QLoRA) is off unless listed. `masterWeights` and
     `optimizerInBackward` change only what the job leaves `auto`/unset: an explicit value is kept."""
     backoff: BackoffSpec = BackoffSpec()
@@ -256,8 +256,10 @@ class FineTuneJobSpec(ApiModel):
                 },
             ]
             # What combines with what (strategy, offload, optimizer, precision, the levers): generated
-            # from the one table the validators below, the planner and the trainer also read.
-            + cel_rules(CHOICE_PATHS)
+            # from the one table the validators below, the planner and the trainer also read. A choice
+            # that follows from a field (chunked_loss: lossChunks > 1) has no values of its own there:
+            # its rules stay with the validator.
+            + cel_rules({choice: path for choice, path in CHOICE_PATHS.items() if choice not in derived_choices()})
         }
     )
 

@@ -8,7 +8,7 @@ from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from finetune_trainer.combinations import OPTIMIZERS, STRATEGIES
-from finetune_trainer.memory_levers import Levers, camel, levers_of
+from finetune_trainer.memory_levers import LEVERS, NO_LEVERS, Levers, camel, lever_fields_model, levers_of
 
 from .. import api
 from .pools import GiB, NodePool
@@ -29,17 +29,13 @@ class PlanKey(NamedTuple):
     optimizer: str
     micro_batch_size: int
     gradient_checkpointing: bool
-    # The lean-trainer levers, memory_levers.Levers in its order (defaults: off, so keys of plans
+    # The memory levers' setting (memory_levers.Levers; default: every lever off, so keys of plans
     # made before them read back the same).
-    master_weights: str = "fp32"
-    update_rounding: str = "nearest"
-    optimizer_in_backward: bool = False
-    loss_chunks: int = 1
-    activation_offloading: bool = False
+    levers: Levers = NO_LEVERS
 
 
-class Plan(BaseModel):
-    """One concrete way to run a job: pool, GPUs, strategy, batch split, and why it won."""
+class _PlanHead(BaseModel):
+    """A Plan's fields before the memory levers'."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -57,12 +53,16 @@ class Plan(BaseModel):
     gradient_checkpointing: bool
     attention: Literal["sdpa", "flash", "eager"]
     precision: Literal["bf16", "fp16", "fp32"]
-    # The lean-trainer levers the plan uses (finetune_trainer/memory_levers); off by default.
-    master_weights: Literal["fp32", "bf16"] = "fp32"
-    update_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
-    optimizer_in_backward: bool = False
-    loss_chunks: int = Field(1, ge=1)
-    activation_offloading: bool = False
+
+
+# The memory levers the plan uses (master_weights ... activation_offloading, as the plan status
+# declares them, off by default) come from the registry, after the head's (memory_levers/fields.py).
+_PlanLevers = lever_fields_model(_PlanHead, LEVERS)
+
+
+class Plan(_PlanLevers):
+    """One concrete way to run a job: pool, GPUs, strategy, batch split, and why it won."""
+
     lever_savings_bytes: dict[str, int] = {}
     """Per-GPU required bytes each lever in use saves (the plan's estimate with that lever alone off, less its own)."""
     sequence_length: int = Field(ge=1)
@@ -138,7 +138,7 @@ class Plan(BaseModel):
             self.optimizer,
             self.micro_batch_size,
             self.gradient_checkpointing,
-            *self.levers,
+            self.levers,
         )
 
     @property
@@ -268,6 +268,6 @@ def plan_key_of(value: "Plan | PlanKey | api.PlanStatus | Iterable[Any]") -> Pla
             value.optimizer,
             value.micro_batch_size,
             value.gradient_checkpointing,
-            *levers_of(value),
+            levers_of(value),
         )
     return PlanKey(*value)

@@ -165,7 +165,7 @@ class Candidate:
 def key_of(ask: Ask, g: Group, micro: int) -> PlanKey:
     """The PlanKey of group `g` at micro-batch `micro`."""
     return PlanKey(g.pool.name, g.nodes, g.gpus_per_node, ask.method, g.strategy, g.offload, ask.optimizer,
-                   micro, g.checkpointing, *g.levers)
+                   micro, g.checkpointing, g.levers)
 
 
 

@@ -2,14 +2,22 @@
 shapes following the modules transformers runs (a decoder block's norms, attention, MLP and
 peft's adapters), and the head's and the loss's high points. The family-specific terms are in
 families.py. `saved_activations` multiplies them by the tokens and the layers, as gradient
-checkpointing and activation offloading keep them; memory.py places them in the phases."""
+checkpointing and activation offloading keep them; memory.py places them in the phases.
+
+Liger's kernels (training.ligerKernel) change three of these terms, read from liger-kernel 0.8.5's
+source (not traced: Triton runs on GPUs only; bench/gpu_levers.py measures them): the norms'
+(`_liger_norm_saved`), the SwiGLU MLP's (gate and up, not the activation's output) and the head's
+and loss's (`_liger_logits_bytes`). RoPE keeps cos and sin either way. Their backward runs in place
+(RMSNorm, SwiGLU): the block backward's transients are still the plain ones (an over-estimate)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import families
 from .architecture import ModelArchitecture
+from .errors import SizingError
 from .regime import Regime
 from .setup import TrainingSetup
 
@@ -33,6 +41,9 @@ class SavedActivations:
 def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
     """The saved activations of the whole model for this setup's micro-batch."""
     arch = setup.architecture
+    if setup.liger_kernel and arch.family not in LIGER_FAMILIES:
+        raise SizingError("liger_kernel", f"Liger's kernels are modelled for the {', '.join(LIGER_FAMILIES)} families "
+                          f"(RMSNorm, SwiGLU MLP, RoPE, fused loss); model family {arch.family} is not")
     tokens = setup.micro_batch_size * setup.sequence_length
     layers = arch.num_layers
     hidden = arch.hidden_size
@@ -45,6 +56,10 @@ def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
         shared += _sdpa_masks(arch, setup) * setup.micro_batch_size * setup.sequence_length ** 2  # boolean masks
     # The final norm's saved input and its output (the head's input), the embedding output.
     around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
+    if setup.liger_kernel:
+        # Liger's final norm keeps its input and 1/rms; its fused loss keeps no input of the head
+        # (it computes the head's gradients in forward: _liger_logits_bytes counts them).
+        around = (_liger_norm_saved(arch, regime) + regime.residual * hidden) * tokens
     if arch.traits.layer_norm:
         autocast = regime.compute == 2 and not regime.master_bf16
         around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
@@ -65,6 +80,18 @@ def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
     logits_fwd_per_token, logits_bwd_per_token = logits_bytes(arch, setup, regime)
     return SavedActivations(block_per_token, shared, around, block_input, kept, kept_lora, recompute,
                             offloaded_to_host, logits_fwd_per_token, logits_bwd_per_token)
+
+
+# Where liger-kernel (0.8.5) swaps exactly the modules its terms below count: every RMSNorm (the two
+# per block and the final one), the SwiGLU MLP, RoPE and the loss (its apply_liger_kernel_to_<family>).
+# Other families patch other modules (GeGLU, experts, q/k norms, no fused loss): not modelled, refused.
+LIGER_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def _liger_norm_saved(arch: ModelArchitecture, regime: Regime) -> float:
+    """Bytes per token Liger's RMSNorm keeps: its input as it came (the residual stream, not an fp32
+    copy) and 1/rms in fp32, whether or not its weight trains (its backward recomputes the rest)."""
+    return regime.residual * arch.hidden_size + 4
 
 
 def _norm_saved(arch: ModelArchitecture, regime: Regime) -> float:
@@ -144,7 +171,8 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         if setup.attention != "eager":
             saved += families.attention_output_copy_saved(arch, compute, regime.weights_trainable)
     else:
-        saved = traits.norms_per_layer * _norm_saved(arch, regime)
+        saved = traits.norms_per_layer * (_liger_norm_saved(arch, regime) if setup.liger_kernel
+                                          else _norm_saved(arch, regime))
     saved += families.qk_norm_saved(arch, compute, regime.weights_trainable)
     # Gemma 2's post-attention / post-feedforward norms read the sub-layer outputs; the
     # pre-norms (two per block) feed linears. Only those two feed linears below.
@@ -196,7 +224,9 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         # gathered in, gate_up, act, product, down out
         saved += top_k * (compute * hidden + compute * 2 * inter + compute * inter + compute * inter + compute * hidden)
     else:
-        saved += 3 * regime.mlp * inter  # gate (act input), act output, up
+        # gate (act input), act output, up; Liger's fused SwiGLU keeps gate and up only (it
+        # recomputes the activation in backward).
+        saved += (2 if setup.liger_kernel else 3) * regime.mlp * inter
         if regime.weights_trainable:
             saved += compute * inter  # down's input
     return saved, _lora_saved(arch, setup, regime)
@@ -242,6 +272,8 @@ def logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) 
     recomputed bf16 logits of that chunk in backward.
     """
     vocab = arch.vocab_size
+    if setup.liger_kernel:
+        return _liger_logits_bytes(arch, setup, regime)
     if setup.loss_chunks > 1:
         per_chunk_fwd = (8 if regime.compute == 4 else 10) * vocab
         per_chunk_bwd = 12 * vocab + regime.compute * vocab
@@ -255,3 +287,37 @@ def logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) 
         fwd += regime.compute * vocab * 2  # tanh output saved, capped logits
         bwd += regime.compute * vocab
     return fwd, bwd
+
+
+def _liger_logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
+    """(forward, backward) high points of Liger's fused linear cross-entropy, bytes per token.
+
+    liger_kernel/ops/fused_linear_cross_entropy.py (0.8.5) runs the head and the loss on chunks of
+    the micro-batch's tokens: ceil(vocab / hidden) chunks' worth of tokens at most, a power of two
+    (`chunk_size`), so one chunk's logits are about as large as the head's input. Its forward
+    computes the gradients too and keeps them for backward: the gradient of the head's input (one
+    `hidden` row per token, in the input's dtype) and, when the head trains, the head weight's
+    whole gradient (`zeros_like(weight)`). So at the forward's high point, inside the last chunk:
+    the head's input (the final norm's output), its gradient, the per-token loss and mask, one
+    chunk's logits in the compute dtype (the kernel writes their gradient in place) and that
+    chunk's input gradient before it is copied in; under autocast with fp32 weights also a bf16
+    cast of the head's transposed weight, which autocast does not cache (a view), made for each
+    chunk. Backward starts with the two gradients the forward kept (scaled in place).
+
+    The weight's gradient is no per-token figure: it is spread over the micro-batch's tokens here,
+    so that the phases, which multiply by the tokens, get it whole.
+    """
+    vocab, hidden = arch.vocab_size, arch.hidden_size
+    tokens = setup.micro_batch_size * setup.sequence_length
+    # chunk_size = next_power_of_2(ceil(BT / ceil(V / H))), at most BT (chunk_mem_const 1).
+    chunk = min(1 << max(0, math.ceil(tokens / math.ceil(vocab / hidden)) - 1).bit_length(), tokens)
+    # zeros_like(weight): the head trains in full fine-tuning only; its dtype is the weights' (fp32 under
+    # autocast, else the compute dtype, as FSDP and DeepSpeed gather them and bf16 master weights are).
+    weight_grad = vocab * hidden * (4 if regime.autocast_fp32_weights else regime.compute) \
+        if regime.weights_trainable else 0
+    input_grad = regime.residual * hidden  # grad_input: zeros_like(the head's input)
+    forward = (regime.residual * hidden + input_grad + 4 + 1) * tokens  # input, its gradient, loss_1d, mask
+    forward += chunk * (vocab + hidden) * regime.compute  # one chunk's logits and its input gradient
+    if regime.autocast_fp32_weights:
+        forward += 2 * vocab * hidden  # the per-chunk bf16 cast of weight.t()
+    return (forward + weight_grad) / tokens, input_grad + weight_grad / tokens

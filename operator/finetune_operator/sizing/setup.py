@@ -6,17 +6,15 @@ from dataclasses import dataclass
 
 from finetune_trainer.combinations import (
     ATTENTIONS,
-    MASTER_WEIGHTS,
     METHODS,
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
     STRATEGIES,
-    UPDATE_ROUNDINGS,
     Choices,
     first_violation,
 )
-from finetune_trainer.memory_levers import choice_values
+from finetune_trainer.memory_levers import LEVERS, choice_values, lever_setup_class, lever_value_checks
 
 from .architecture import ModelArchitecture
 from .errors import SizingError
@@ -33,8 +31,8 @@ def _positive(field: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class TrainingSetup:
-    """One concrete way of training a model on `world_size` GPUs (enum spellings as in the FineTuneJob API)."""
+class _SetupHead:
+    """A TrainingSetup's fields before the memory levers'."""
 
     architecture: ModelArchitecture
     method: str = "lora"
@@ -52,12 +50,18 @@ class TrainingSetup:
     world_size: int = 1
     offload: str = "none"
     gradient_accumulation: int = 1
-    # The levers (finetune_trainer/memory_levers; combinations.py says what each combines with):
-    master_weights: str = "fp32"  # "bf16": weights, gradients and optimizer states in bf16 (full FT)
-    update_rounding: str = "nearest"  # with bf16 master weights: "stochastic" or "kahan" (+2 bytes/param)
-    optimizer_in_backward: bool = False  # each parameter's step in backward; its gradient freed at once
-    loss_chunks: int = 1  # cross-entropy over this many sequence chunks
-    activation_offloading: bool = False  # checkpointed block inputs kept in host memory
+
+
+# The memory levers' fields (master_weights ... activation_offloading, as the plan status types them,
+# off by default) come from the registry, after the head's (finetune_trainer/memory_levers).
+_SetupLevers = lever_setup_class(_SetupHead, LEVERS)
+_LEVER_CHECKS = lever_value_checks(LEVERS)
+
+
+@dataclass(frozen=True)
+class TrainingSetup(_SetupLevers):
+    """One concrete way of training a model on `world_size` GPUs (enum spellings as in the FineTuneJob API)."""
+
     lora_target_experts: bool = False  # adapters on the fused 3-D expert weights too
 
     def __post_init__(self) -> None:
@@ -79,11 +83,12 @@ class TrainingSetup:
             if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
                 raise SizingError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout!r}")
             self.architecture.resolve_lora_targets(self.lora_targets)  # raises on unknown names
-        _choice("master_weights", self.master_weights, MASTER_WEIGHTS)
-        _choice("update_rounding", self.update_rounding, UPDATE_ROUNDINGS)
         _positive("gradient_accumulation", self.gradient_accumulation)
-        _positive("loss_chunks", self.loss_chunks)
-        for name in ("packing", "optimizer_in_backward", "activation_offloading", "lora_target_experts"):
+        for name, check in _LEVER_CHECKS.items():  # each lever field against its declared type
+            problem = check(getattr(self, name))
+            if problem is not None:
+                raise SizingError(name, problem)
+        for name in ("packing", "lora_target_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SizingError(name, f"must be true or false, got {getattr(self, name)!r}")
         # What combines with what: the one table the API, the trainer and the planner share.

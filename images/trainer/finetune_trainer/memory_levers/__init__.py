@@ -3,22 +3,24 @@
 Everything that deals with levers loops over `LEVERS` and asks the lever (lever.py says what a
 lever answers): the planner's freedoms and ranking (`lever_ask`, `lever_options`,
 `Levers.quality_cost`), what each saves (`savings`), the recovery ladder's rungs (`ladder`),
-the plan's words, the sizing of a job as it stands, the trainer config's fields, and the lever
-fields of the plan status and of spec.training (`lever_fields_model`, `lever_spec_model`). Adding a
-lever is a new module, its line in `LEVERS` and its fields in `Levers` below, plus the trainer's
-hook that acts on it.
+the plan's words, the sizing of a job as it stands, the TrainingArguments a lever sets
+(`trainer_arguments`), and the lever fields of every schema that holds them (`Levers` below;
+fields.py for spec.training, the plan status, the Plan, the trainer config, combinations.Choices
+and TrainingSetup). Adding a lever is a new module and its line in `LEVERS`, plus its memory term
+in the memory model (and the trainer's code for it, unless TrainingArguments turn it on).
 
 Kubeflow Trainer registers its runtime plugins in one place and Kueue its job integrations; this
-is the same idea at the size of four levers: a plain tuple of plain dataclass instances.
+is the same idea at the size of five levers: a plain tuple of plain dataclass instances.
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from itertools import product
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from . import activation_offloading, loss_chunks, master_weights, optimizer_in_backward
-from .fields import lever_fields_model, lever_spec_model
+from . import activation_offloading, liger_kernel, loss_chunks, master_weights, optimizer_in_backward
+from .fields import lever_fields_model, lever_setup_class, lever_spec_model, lever_value_checks
 from .lever import AutoOrInt, Lever, LeverField, Setting, camel
 
 # In the order the plan's words and its list of savings name them.
@@ -27,19 +29,23 @@ LEVERS: tuple[Lever, ...] = (
     optimizer_in_backward.LEVER,
     loss_chunks.LEVER,
     activation_offloading.LEVER,
+    liger_kernel.LEVER,
 )
 BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
 
-class Levers(NamedTuple):
+# One setting of every lever, as a tuple: the fields the levers own (`Lever.off`), in `LEVERS`
+# order, each defaulting to its off value. Built from the registry (a class body cannot loop over
+# it), as collections.namedtuple builds any tuple class; `Levers` below adds the methods.
+_LeverFields = namedtuple("_LeverFields", [field for lever in LEVERS for field in lever.off],
+                          defaults=[off for lever in LEVERS for off in lever.off.values()])
+
+
+class Levers(_LeverFields):
     """One setting of every lever: the fields the levers own (`Lever.off`), in `LEVERS` order, with
     their off values; the TrainingSetup, Plan, plan status and TrainerConfig fields of the same names."""
 
-    master_weights: str = "fp32"
-    update_rounding: str = "nearest"
-    optimizer_in_backward: bool = False
-    loss_chunks: int = 1
-    activation_offloading: bool = False
+    __slots__ = ()
 
     def setup_fields(self) -> dict[str, Any]:
         return self._asdict()
@@ -57,10 +63,8 @@ class Levers(NamedTuple):
 
 
 NO_LEVERS = Levers()
-# A lever added to LEVERS without its fields here (or the other way round) fails at import.
-if Levers._fields != tuple(field for lever in LEVERS for field in lever.off) or any(
-        getattr(NO_LEVERS, field) != off for lever in LEVERS for field, off in lever.off.items()):
-    raise AssertionError("memory_levers.Levers must have exactly the fields of LEVERS, defaulting to off")
+if any(tuple(lever.off)[0] != lever.name for lever in LEVERS):
+    raise AssertionError("each lever's first field (`off`) must be its name")
 if any(tuple(lever.schema) != tuple(lever.off) for lever in LEVERS):
     raise AssertionError("each lever's schema must declare exactly its fields (`off`), in that order")
 if any(tuple(lever.spec) != tuple(lever.off) or tuple(lever.auto) != tuple(lever.off) for lever in LEVERS):
@@ -118,8 +122,9 @@ def lever_options(ask: LeverAsk, base: Any, *, accumulation_one: bool,
     `accumulation_one`: whether the group can run with gradient accumulation 1 (`Lever.whole_batch`)."""
     per_lever = [lever.settings_for(freedom, base) for lever, freedom in zip(LEVERS, ask.freedoms)] if ask.freedoms \
         else [(dict(lever.off),) for lever in LEVERS]
-    found = []
+    found: dict[Levers, None] = {}  # in order, once each (a replaced lever's settings fall together)
     for settings in product(*per_lever):
+        settings = _replaced_off(settings)
         fields: dict[str, Any] = {}
         choices: dict[str, Any] = {}
         whole = clipping_off = False
@@ -136,8 +141,21 @@ def lever_options(ask: LeverAsk, base: Any, *, accumulation_one: bool,
         if clipping_off:
             choices["gradient_clipping"] = False
         if allows(base.but(**choices)):
-            found.append(Levers(**fields))
+            found[Levers(**fields)] = None
     return tuple(found)
+
+
+def _replaced(settings: Sequence[Setting]) -> dict[str, Lever]:
+    """The levers that a lever in use in `settings` (one per lever, in `LEVERS` order) replaces
+    (`Lever.replaces`), each with the lever that replaces it."""
+    return {name: lever for lever, setting in zip(LEVERS, settings)
+            if setting[lever.name] != lever.off[lever.name] for name in lever.replaces}
+
+
+def _replaced_off(settings: Sequence[Setting]) -> tuple[Setting, ...]:
+    """`settings` with every lever that a lever in use replaces turned off."""
+    replaced = _replaced(settings)
+    return tuple(dict(lever.off) if lever.name in replaced else setting for lever, setting in zip(LEVERS, settings))
 
 
 def needs_whole_batch(levers: Levers) -> bool:
@@ -197,11 +215,35 @@ def by_rung(order: Iterable[str]) -> tuple[Lever, ...]:
 
 
 def sized_fields(training: Any, method: str, arch: Any, notes: list) -> dict[str, Any]:
-    """The TrainingSetup fields of the levers for sizing a job as it stands (`Lever.sized`)."""
+    """The TrainingSetup fields of the levers for sizing a job as it stands (`Lever.sized`; a lever
+    that a lever in use replaces is off, with a note)."""
+    settings = [lever.sized_for(training, method, arch, notes) for lever in LEVERS]
+    replaced = _replaced(settings)
+    found: dict[str, Any] = {}
+    for lever, setting in zip(LEVERS, settings):
+        if lever.name in replaced:
+            setting = dict(lever.off)
+            notes.append(f"training.{camel(lever.name)}: off (replaced by {replaced[lever.name].phrase})")
+        found.update(setting)
+    return found
+
+
+def trainer_arguments(values: Any) -> dict[str, Any]:
+    """The transformers TrainingArguments keywords of the levers `values` (a trainer config) has on
+    (`Lever.trainer_arguments`)."""
     found: dict[str, Any] = {}
     for lever in LEVERS:
-        found.update(lever.sized_for(training, method, arch, notes))
+        if lever.trainer_arguments is not None and lever.in_use(values):
+            found.update(lever.trainer_arguments(lever.setting_of(values)))
     return found
+
+
+def derived_choices() -> frozenset[str]:
+    """The combinations.Choices fields a lever decides that are none of its own fields but follow
+    from one (`chunked_loss`: whether lossChunks > 1): the API field's values are not theirs, so a
+    CEL rule cannot test them (their rules stay with the API's validator)."""
+    return frozenset(choice for lever in LEVERS for choice in lever.choice_values(dict(lever.off))
+                     if choice not in lever.off)
 
 
 def config_fields() -> dict[str, str]:
@@ -228,16 +270,20 @@ __all__ = [
     "camel",
     "choice_values",
     "config_fields",
+    "derived_choices",
     "in_use",
     "ladder",
     "lever_ask",
     "lever_changes",
     "lever_options",
     "lever_fields_model",
+    "lever_setup_class",
     "lever_spec_model",
+    "lever_value_checks",
     "levers_of",
     "needs_whole_batch",
     "savings",
     "sized_fields",
     "stops_clipping",
+    "trainer_arguments",
 ]

@@ -107,6 +107,10 @@ class Lever:
     use, which the planner prices as time."""
     traced_by_profile: bool = False
     """Whether the pre-flight profile can size it in use (otherwise only its off setting)."""
+    replaces: tuple[str, ...] = ()
+    """The levers whose work this one does in use (Liger's fused loss chunks the head and the loss
+    itself, so the chunked loss has nothing left to do): the planner and the sizing of a job turn
+    them off with it. A job that sets both is refused by a rule of this lever's."""
     # ---- sizing a job as it stands --------------------------------------------------------
     sized: Callable[[Any, str, Any, list], dict[str, Any]] | None = None
     """(spec.training, method, architecture, notes) -> its TrainingSetup fields for `estimate`, a
@@ -120,6 +124,18 @@ class Lever:
     keeps_explicit: bool = False
     """Its rung frees it only where the job left it `auto`: a value the job set is kept (a lever
     that costs result quality)."""
+    # ---- the trainer -----------------------------------------------------------------------------
+    needs_cuda: str = ""
+    """What of it runs only on CUDA, as a sentence's subject ("Liger's Triton kernels"): in use, the
+    trainer refuses it on a node that shows no GPU, naming the field (a ConfigError before anything
+    loads, not a crash); "": it runs anywhere."""
+    package: str = ""
+    """The Python package (its import name) the trainer needs for it in use, which the trainer
+    checks before anything loads; "": nothing beyond the trainer's own."""
+    trainer_arguments: Callable[[Setting], dict[str, Any]] | None = None
+    """A setting in use as the transformers TrainingArguments keywords that turn it on, where the
+    Trainer acts on the lever itself (Liger's kernels); None: the trainer's own code does (the
+    lever's module says where)."""
     # ---- words ----------------------------------------------------------------------------------
     label: str = ""
     """Its name in `plan` output and lists: "activation offloading"."""
