@@ -64,6 +64,7 @@ def profile_setup(setup: TrainingSetup):
     return ProfileSetup(
         method=setup.method, lora_rank=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
         lora_dropout=setup.lora_dropout, lora_targets=targets, precision=setup.precision,
+        lora_modules_to_save=list(setup.lora_modules_to_save) or None,
         # A family transformers cannot run with sdpa (gpt-oss: attention sinks) runs eager, as in the trainer.
         attention="eager" if setup.attention == "eager" or setup.architecture.traits.eager_only else "sdpa",
         sequence_length=setup.sequence_length, packing=setup.packing,
@@ -145,7 +146,7 @@ def measure_levers(setup: TrainingSetup, steps: int = 2) -> Measurement:
         finally:
             activation_offload._Offloader = original
     chunked = ChunkedLoss(model, setup.loss_chunks) if setup.loss_chunks > 1 else None
-    tied = setup.architecture.tie_word_embeddings
+    shared = profile.shared_parameters(model)  # tied embeddings, re-tied after to_empty
     tracker = PeakTracker()
     step_peaks: list[tuple[int, dict]] = []
     # The bf16 AdamW reads its step count as a Python float (bias correction): a fake tensor has
@@ -155,19 +156,18 @@ def measure_levers(setup: TrainingSetup, steps: int = 2) -> Measurement:
     bf16_adamw.float = lambda value: 1.0 if isinstance(value, torch.Tensor) else float(value)
     with contextlib.ExitStack() as restore:
         restore.callback(lambda: delattr(bf16_adamw, "float"))
-        return _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, tied, steps, t0, notes,
+        return _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, shared, steps, t0, notes,
                              BF16AdamW, InBackwardOptimizer, FakeTensorMode, profile)
 
 
-def _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, tied, steps, t0, notes,
+def _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, shared, steps, t0, notes,
                   BF16AdamW, InBackwardOptimizer, FakeTensorMode, profile) -> Measurement:
     import torch
 
     b, s = setup.micro_batch_size, setup.sequence_length
     with profile._patched_transformers(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
         model.to_empty(device="cpu")
-        if tied:
-            model.tie_weights()
+        profile.retie(shared)
         named = [(n, p, 0.0) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p, _ in named]
 
@@ -209,8 +209,10 @@ def setup_from_args(ns) -> TrainingSetup:
     arch = preset(ns.preset)
     if ns.layers:
         arch = arch.with_layers(ns.layers)
+    targets = "all-linear" if ns.targets == "all-linear" else tuple(ns.targets.split(","))
     return TrainingSetup(
-        architecture=arch, method=ns.method, lora_rank=ns.rank, lora_dropout=ns.dropout, micro_batch_size=ns.batch,
+        architecture=arch, method=ns.method, lora_rank=ns.rank, lora_dropout=ns.dropout, lora_targets=targets,
+        lora_modules_to_save=tuple(m for m in ns.modules_to_save.split(",") if m), micro_batch_size=ns.batch,
         sequence_length=ns.seq, gradient_checkpointing=ns.gc, attention=ns.attention,
         packing=ns.packing, strategy=ns.strategy, world_size=ns.world_size, master_weights=ns.master_weights,
         update_rounding=ns.rounding, optimizer_in_backward=ns.optimizer_in_backward, loss_chunks=ns.loss_chunks,
@@ -226,6 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--method", default="lora", choices=("full", "lora"))
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument("--targets", default="all-linear", help="LoRA target modules, comma-separated, or all-linear")
+    p.add_argument("--modules-to-save", default="", help="lora.modulesToSave, comma-separated")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--gc", action="store_true")

@@ -53,6 +53,7 @@ class Choices:
     gradient_checkpointing: bool | None = None
     activation_offloading: bool | None = None
     target_experts: bool | None = None  # LoRA on the fused 3-D expert weights
+    modules_to_save: bool | None = None  # lora.modulesToSave names modules trained in full beside the adapters
     moe: bool | None = None  # whether the model has mixture-of-experts layers
     chunked_loss: bool | None = None  # loss chunks > 1
     logit_transform: bool | None = None  # the model changes logits after the head (soft-capping, scales)
@@ -88,6 +89,10 @@ RULES: tuple[Rule, ...] = (
          "targetExperts adds adapters: it needs method lora or qlora"),
     Rule("experts-dense", {"target_experts": _set(True), "moe": _set(False)}, "target_experts",
          "the model has no mixture-of-experts layers to adapt"),
+    # ---- modules trained in full beside the adapters ---------------------------------------------
+    Rule("saved-modules-sharded", {"modules_to_save": _set(True), "strategy": _set("fsdp", "zero3")}, "strategy",
+         "lora.modulesToSave runs with ddp, zero1 or zero2: peft trains a copy of each saved module, and neither "
+         "FSDP's sharded modules (they cannot be copied) nor ZeRO-3's partitioned parameters load that copy"),
     # ---- export -------------------------------------------------------------------------------
     Rule("merged-full", {"export": _set("merged"), "method": _set("full")}, "export",
          "merged merges a LoRA adapter into the base: it needs method lora or qlora (full fine-tuning exports "
@@ -146,26 +151,32 @@ def _cel_literal(value: Any) -> str:
     return "'" + str(value).replace("'", "\\'") + "'"
 
 
-def cel_rules(paths: Mapping[str, str], *, spelled: Mapping[str, Mapping[Any, Any]] | None = None) -> list[dict[str, str]]:
+def cel_rules(paths: Mapping[str, str], *, spelled: Mapping[str, Mapping[Any, Any]] | None = None,
+              listed: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     """The rules as CRD `x-kubernetes-validations` of the object whose fields `paths` names.
 
     `paths` maps a Choices field to its dotted path below `self` (e.g. "resources.offload").
     Rules that read a field the object does not have (gradient accumulation, which the API
     derives) or a numeric condition are left to the pydantic validator. `spelled` maps
-    a field's values to the API's spelling where they differ.
+    a field's values to the API's spelling where they differ. `listed` maps a boolean Choices
+    field that says whether a list is non-empty (modules_to_save) to that list's path.
     """
-    spelled = spelled or {}
+    spelled, listed = spelled or {}, listed or {}
     rules: list[dict[str, str]] = []
     for rule in RULES:
-        if any(name not in paths or isinstance(values, AtLeast) for name, values in rule.when.items()):
+        if any((name not in paths and name not in listed) or isinstance(values, AtLeast)
+               or (name in listed and set(values) != {True}) for name, values in rule.when.items()):
             continue
         terms = []
         for name, values in rule.when.items():
-            path = paths[name]
+            path = listed.get(name) or paths[name]
             guards = []
             parts = path.split(".")
             for i in range(len(parts)):
                 guards.append(f"has(self.{'.'.join(parts[:i + 1])})")
+            if name in listed:
+                terms.append("(" + " && ".join(guards) + f" && size(self.{path}) > 0)")
+                continue
             spell = spelled.get(name, {})
             literals = ", ".join(_cel_literal(spell.get(v, v)) for v in sorted(values, key=str))
             terms.append("(" + " && ".join(guards) + f" && self.{path} in [{literals}])")

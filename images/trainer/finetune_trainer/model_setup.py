@@ -241,14 +241,18 @@ def apply_lora(cfg: TrainerConfig, model):
         lora_dropout=dropout,
         target_modules=cfg.lora.target_modules,
         target_parameters=expert_targets,
+        modules_to_save=cfg.lora.modules_to_save or None,
         task_type="CAUSAL_LM",
     )
+    check_modules_to_save(model, cfg.lora.modules_to_save or [])
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as exc:
         # peft names the modules it could not find; that is a config problem.
         field = "lora.targetExperts" if expert_targets and "target_parameters" in str(exc) else "lora.targetModules"
         raise ConfigError(f"{field}: {exc}") from exc
+    if not cfg.zero_stage:  # DeepSpeed casts the model itself and keeps fp32 masters of what trains
+        train_in_fp32(peft_model)
     if experts_wrapped and cfg.lora.dropout > 0:
         from .moe import restore_linear_dropout
 
@@ -260,3 +264,24 @@ def apply_lora(cfg: TrainerConfig, model):
                                  f"the fused expert adapters ({wrapped}) train without dropout "
                                  f"(peft's ParamWrapper cannot apply it)")
     return peft_model
+
+
+def check_modules_to_save(model, names: list[str]) -> None:
+    """Each name of lora.modulesToSave must be a module of the model: peft matches names as suffixes
+    and skips a name that matches nothing without a word, which would train nothing in full."""
+    module_names = [name for name, _ in model.named_modules()]
+    for wanted in names:
+        if not any(name == wanted or name.endswith("." + wanted) for name in module_names):
+            raise ConfigError(f"lora.modulesToSave: {wanted!r} is not a module of {type(model).__name__}")
+
+
+def train_in_fp32(model) -> None:
+    """Every trainable parameter in fp32: peft keeps the LoRA adapters in fp32 by itself, but the copy it
+    trains of a `modules_to_save` module keeps the base's dtype (bf16 for LoRA), where AdamW's small
+    updates to embeddings are lost in bf16's rounding. The fp32 copy trains like the adapters: autocast
+    casts it per use. The sizing model counts it so (sizing/saved_modules.py)."""
+    import torch
+
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()

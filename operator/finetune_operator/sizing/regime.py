@@ -37,6 +37,10 @@ def regime_of(setup: TrainingSetup) -> Regime:
     # FSDP (fsdp_qlora) the rest stays in the compute dtype: FSDP shards one dtype per group.
     autocast_fp32 = full and setup.strategy == "ddp" and compute == 2 and not master_bf16
     qlora_fp32_rest = qlora and setup.strategy != "fsdp"
-    residual = 4 if (autocast_fp32 or compute == 4 or qlora_fp32_rest) else compute
+    # LoRA training the embedding in full (lora.modulesToSave): its copy is fp32 and F.embedding is no
+    # autocast op, so the residual stream is fp32 too (DeepSpeed casts the whole model to bf16).
+    fp32_embedding = (not full and setup.architecture.traits.embedding_module in setup.lora_modules_to_save
+                      and not setup.strategy.startswith("zero"))
+    residual = 4 if (autocast_fp32 or compute == 4 or qlora_fp32_rest or fp32_embedding) else compute
     mlp = 4 if qlora_fp32_rest else compute
     return Regime(compute, residual, autocast_fp32, full, not full, qlora, mlp, master_bf16)

@@ -20,6 +20,7 @@ from finetune_trainer.memory_levers import choice_values
 
 from .architecture import ModelArchitecture
 from .errors import SizingError
+from .saved_modules import saved_modules
 
 
 def _choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -59,6 +60,9 @@ class TrainingSetup:
     loss_chunks: int = 1  # cross-entropy over this many sequence chunks
     activation_offloading: bool = False  # checkpointed block inputs kept in host memory
     lora_target_experts: bool = False  # adapters on the fused 3-D expert weights too
+    # peft's modules_to_save (spec.lora.modulesToSave): the family's input embedding and/or output
+    # head trained in full (an fp32 copy each) beside the adapters (saved_modules.py).
+    lora_modules_to_save: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, ModelArchitecture):
@@ -79,10 +83,16 @@ class TrainingSetup:
             if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
                 raise SizingError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout!r}")
             self.architecture.resolve_lora_targets(self.lora_targets)  # raises on unknown names
+            saved_modules(self.architecture, self.lora_modules_to_save, self.lora_targets)  # raises on what is not sized
+        elif self.lora_modules_to_save:
+            raise SizingError("lora_modules_to_save", "method full trains every module already; modules to save "
+                                                      "beside the adapters need lora or qlora")
         _choice("master_weights", self.master_weights, MASTER_WEIGHTS)
         _choice("update_rounding", self.update_rounding, UPDATE_ROUNDINGS)
         _positive("gradient_accumulation", self.gradient_accumulation)
         _positive("loss_chunks", self.loss_chunks)
+        if isinstance(self.lora_modules_to_save, list):  # a list from the API: hashable, as the setup must be
+            object.__setattr__(self, "lora_modules_to_save", tuple(self.lora_modules_to_save))
         for name in ("packing", "optimizer_in_backward", "activation_offloading", "lora_target_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SizingError(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -98,6 +108,7 @@ class TrainingSetup:
             precision=self.precision, gradient_accumulation=self.gradient_accumulation,
             gradient_checkpointing=self.gradient_checkpointing,
             target_experts=self.lora_target_experts if self.method != "full" else None,
+            modules_to_save=bool(self.lora_modules_to_save) if self.method != "full" else None,
             moe=self.architecture.is_moe,
             logit_transform=bool(self.architecture.final_logit_softcapping),
             **choice_values(self),

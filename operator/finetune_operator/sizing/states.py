@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from finetune_trainer import optimizers
 
 from . import constants as K
-from . import optimizer_state, zero3
+from . import optimizer_state, saved_modules, zero3
 from .architecture import ModelArchitecture
 from .regime import Regime
 from .setup import TrainingSetup
@@ -67,7 +67,7 @@ def _optimizer_bytes_per_param(setup: TrainingSetup, regime: Regime) -> float:
     kind = optimizers.kind(setup.optimizer)
     if kind.quantised is not None:
         groups = optimizer_state.trained_tensors(setup.architecture, setup.method, setup.lora_rank,
-                                                 _targets(setup.lora_targets))
+                                                 _targets(setup.lora_targets), saved_modules.of_setup(setup))
         full_bytes = 2.0 if regime.master_bf16 else 4.0
         trained = sum(g.numel * g.count for g in groups)
         return optimizer_state.state_bytes(kind, groups, full_bytes) / trained
@@ -83,8 +83,10 @@ def _largest_trainable(setup: TrainingSetup) -> int:
         # Fused 3-D expert weights are one parameter each.
         return max(arch.vocab_size * arch.hidden_size, max(lin.params for lin in arch.block_linears()))
     rank = setup.lora_rank
-    return max(rank * max(lin.in_features, lin.out_features) * (lin.experts if lin.name.startswith("experts.") else 1)
-               for lin in arch.resolve_lora_targets(setup.lora_targets))
+    blocks = [rank * max(lin.in_features, lin.out_features) * (lin.experts if lin.name.startswith("experts.") else 1)
+              for lin in arch.resolve_lora_targets(setup.lora_targets)]
+    # Outside the blocks: the trained copies of lora.modulesToSave and the head's adapter.
+    return max(blocks + [saved_modules.largest_trainable(arch, rank, setup.lora_targets, saved_modules.of_setup(setup))])
 
 
 def static_state(setup: TrainingSetup, regime: Regime) -> StaticState:
@@ -140,8 +142,9 @@ def static_state(setup: TrainingSetup, regime: Regime) -> StaticState:
             weights, grads = 0.0, 0.0
         return StaticState(weights, grads, opt, 0.0, buffers, host, unified, weight_bytes * largest / shards)
 
-    # LoRA / QLoRA: frozen base, fp32 adapters with their own grads and states.
-    trainable = arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
+    # LoRA / QLoRA: frozen base, fp32 adapters (and the fp32 copies of lora.modulesToSave) with
+    # their own grads and states.
+    trainable = arch.lora_trainable_params(setup.lora_rank, setup.lora_targets) + saved_modules.of_setup(setup).params
     base_bytes = 4 if regime.compute == 4 else 2
     if setup.method == "qlora":
         linear = arch.linear_params

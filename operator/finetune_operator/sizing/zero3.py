@@ -426,17 +426,20 @@ def decoder_trace(arch: ModelArchitecture, method: str, lora_rank: int, lora_tar
     embed = b.param(arch.vocab_size * hidden, full)
     adapted = {lin.name for lin in arch.resolve_lora_targets(lora_targets)} if not full else set()
 
+    def adapter(base: _Node, in_features: int, out_features: int) -> _Node:
+        """peft's LoRA layer around `base`: the base layer, dropout, lora_A, lora_B."""
+        a = _Node(b.module(b.param(lora_rank * in_features, True)))
+        bb = _Node(b.module(b.param(lora_rank * out_features, True)))
+        children = (base, _Node(b.module()), a, bb) if lora_dropout else (base, a, bb)
+        return _Node(b.module(), children)
+
     def linear(lin) -> _Node:
         experts = lin.experts if lin.name.startswith("experts.") else 1
         weight = b.param(lin.in_features * lin.out_features * experts, full)
         bias = [b.param(lin.out_features * experts, full, no_decay=True)] if lin.bias else []
         if lin.name not in adapted:
             return _Node(b.module(weight, *bias))
-        base = _Node(b.module(weight, *bias))
-        a = _Node(b.module(b.param(lora_rank * lin.in_features * experts, True)))
-        bb = _Node(b.module(b.param(lora_rank * lin.out_features * experts, True)))
-        children = (base, _Node(b.module()), a, bb) if lora_dropout else (base, a, bb)
-        return _Node(b.module(), children)
+        return adapter(_Node(b.module(weight, *bias)), lin.in_features * experts, lin.out_features * experts)
 
     def norm(width: int) -> _Node:
         return _Node(b.module(b.param(width, full, no_decay=True)))
@@ -471,6 +474,8 @@ def decoder_trace(arch: ModelArchitecture, method: str, lora_rank: int, lora_tar
     final_norm = norm(hidden)
     head_param = embed if arch.tie_word_embeddings else b.param(arch.vocab_size * hidden, full)
     head = _Node(b.module(head_param))
+    if not full and arch.head_adapted(lora_targets):  # the head's adapter (lora.targetModules names it)
+        head = adapter(head, hidden, arch.vocab_size)
     embedding = _Node(b.module(embed))
     rotary = _Node(b.module())
     if arch.vision is not None:  # partitioned like the rest, never run on text
