@@ -16,6 +16,7 @@ re-measures. Usage:
     python bench/sizing_accuracy.py --family phi,gpt_neox      # issue 28
     python bench/sizing_accuracy.py --only packed              # packing with boundaries (issue 28)
     python bench/sizing_accuracy.py --only "|m=" ; --only lm_head  # lora.modulesToSave, LoRA on the head (issue 28)
+    python bench/sizing_accuracy.py --only adamw_implementation     # torch's foreach AdamW (issue 28)
 
 The table ends with one summary row per family (median |err|, worst |err|, most negative).
 The families of 2026 (issue 16: qwen3, qwen3_moe, gemma3_text, gpt_oss, olmo2, granite) were
@@ -158,6 +159,23 @@ def matrix() -> list[Case]:
         *lever_cases(),
         *packing_cases(),
         *saved_module_cases(),
+        *adamw_cases(),
+    ]
+
+
+def adamw_cases() -> list[Case]:
+    """torch's foreach AdamW in place of the fused one the trainer runs (issue 28): its step holds one
+    fp32 copy of the values it steps, which makes the optimizer step the peak of small-activation full
+    fine-tuning. The term was read off the dispatch tracker on a group of four tensors
+    (tests/sizing/test_adamw_step.py); every row here is held out. `--only adamw_implementation`."""
+    C = Case
+    foreach = (("adamw_implementation", "foreach"),)
+    return [
+        C("qwen2.5-0.5b", "full", batch=1, seq=512, gc=True, levers=foreach),
+        C("llama-3.2-1b", "full", batch=1, seq=512, gc=True, levers=foreach),
+        C("llama-3.2-3b", "full", batch=1, seq=1024, gc=True, levers=foreach),
+        C("qwen2.5-0.5b", "full", batch=2, seq=1024, gc=True, levers=foreach + (("optimizer_in_backward", True),)),
+        C("llama-3.1-8b", "lora", batch=1, seq=2048, gc=True, levers=foreach),
     ]
 
 

@@ -91,14 +91,15 @@ LEVER_SUPPORTED = dict(method=("full", "lora"), precision=("bf16",), optimizer=(
 
 def has_levers(setup: TrainingSetup) -> bool:
     return (setup.master_weights != "fp32" or setup.optimizer_in_backward or setup.loss_chunks > 1
-            or setup.activation_offloading)
+            or setup.activation_offloading or setup.adamw_implementation != "fused")
 
 
 def measure_levers(setup: TrainingSetup, steps: int = 2) -> Measurement:
     """Trace `setup` with the trainer's lever code on fake tensors: its bf16 AdamW
     (bf16_adamw.BF16AdamW, with the update rounding), the optimizer step in backward
     (optimizer_in_backward.InBackwardOptimizer: one optimizer per parameter, stepped from its
-    post-accumulate-grad hook), the chunked loss (chunked_loss.ChunkedLoss on the output
+    post-accumulate-grad hook), torch's foreach AdamW in place of the fused one when the setup
+    says so (a published setup's), the chunked loss (chunked_loss.ChunkedLoss on the output
     projection) and activation offloading (activation_offload.install on the checkpointed
     layers). One GPU (the levers' multi-rank behaviour is not traced here).
 
@@ -174,7 +175,8 @@ def _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks
         def make(groups):
             if master_bf16:
                 return BF16AdamW(groups, lr=1e-4, rounding=setup.update_rounding)
-            return torch.optim.AdamW(groups, lr=1e-4, fused=True)
+            path = {"fused": True} if setup.adamw_implementation == "fused" else {"foreach": True}
+            return torch.optim.AdamW(groups, lr=1e-4, **path)
 
         optimizer = InBackwardOptimizer(named, make) if setup.optimizer_in_backward else make(params)
         forward = model.__call__ if master_bf16 else profile._wrap_forward_like_accelerate(model, setup.precision)
@@ -216,7 +218,7 @@ def setup_from_args(ns) -> TrainingSetup:
         sequence_length=ns.seq, gradient_checkpointing=ns.gc, attention=ns.attention,
         packing=ns.packing, strategy=ns.strategy, world_size=ns.world_size, master_weights=ns.master_weights,
         update_rounding=ns.rounding, optimizer_in_backward=ns.optimizer_in_backward, loss_chunks=ns.loss_chunks,
-        activation_offloading=ns.activation_offloading,
+        activation_offloading=ns.activation_offloading, adamw_implementation=ns.adamw_implementation,
         gradient_accumulation=1,
     )
 
@@ -242,6 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer-in-backward", action="store_true")
     p.add_argument("--loss-chunks", type=int, default=1)
     p.add_argument("--activation-offloading", action="store_true")
+    p.add_argument("--adamw-implementation", default="fused", choices=("fused", "foreach"))
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     setup = setup_from_args(ns)

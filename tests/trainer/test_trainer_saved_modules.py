@@ -58,6 +58,9 @@ def test_saved_embedding_and_head_train_in_fp32_resume_and_merge(assets, tmp_pat
                             precision="fp32", export="merged")
     first = run_trainer(write_config(tmp_path, config))
     assert first.returncode == 0, first.output[-3000:]
+    # torch's fused AdamW steps them, on the CPU too (no step temporaries: optimizers.TRAINER_ADAMW).
+    [built] = first.of("optimizer")
+    assert (built["implementation"], built["adamwPath"]) == ("torch.optim.adamw.AdamW", "fused"), built
     out = tmp_path / "out"
     with safe_open(out / "adapter_model.safetensors", "pt") as saved:
         assert {EMBED, HEAD} <= set(saved.keys())

@@ -17,6 +17,7 @@ from finetune_trainer.combinations import (
     first_violation,
 )
 from finetune_trainer.memory_levers import choice_values
+from finetune_trainer.optimizers import ADAMW_GROUP_MOMENT_COPIES, TRAINER_ADAMW
 
 from .architecture import ModelArchitecture
 from .errors import SizingError
@@ -63,6 +64,9 @@ class TrainingSetup:
     # peft's modules_to_save (spec.lora.modulesToSave): the family's input embedding and/or output
     # head trained in full (an fp32 copy each) beside the adapters (saved_modules.py).
     lora_modules_to_save: tuple[str, ...] = ()
+    # torch AdamW's path (optimizers.ADAMW_GROUP_MOMENT_COPIES): the trainer runs fused; a published
+    # setup that ran foreach (torch's choice on CUDA when none is asked for) is sized with its temporaries.
+    adamw_implementation: str = TRAINER_ADAMW
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, ModelArchitecture):
@@ -90,6 +94,13 @@ class TrainingSetup:
         _choice("master_weights", self.master_weights, MASTER_WEIGHTS)
         _choice("update_rounding", self.update_rounding, UPDATE_ROUNDINGS)
         _positive("gradient_accumulation", self.gradient_accumulation)
+        _choice("adamw_implementation", self.adamw_implementation, tuple(ADAMW_GROUP_MOMENT_COPIES))
+        if self.adamw_implementation != TRAINER_ADAMW and (
+                self.optimizer != "adamw" or (self.method == "full" and self.master_weights == "bf16")
+                or self.strategy.startswith("zero")):
+            raise SizingError("adamw_implementation", f"{self.adamw_implementation} is a path of torch's AdamW over "
+                              "fp32 weights or adapters: it needs optimizer adamw, fp32 master weights (bf16 ones step "
+                              "in the trainer's bf16 AdamW) and strategy ddp or fsdp (DeepSpeed steps its own partitions)")
         _positive("loss_chunks", self.loss_chunks)
         if isinstance(self.lora_modules_to_save, list):  # a list from the API: hashable, as the setup must be
             object.__setattr__(self, "lora_modules_to_save", tuple(self.lora_modules_to_save))

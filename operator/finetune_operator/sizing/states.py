@@ -207,12 +207,20 @@ def _zero3(setup: TrainingSetup, regime: Regime) -> zero3.Zero3Memory:
 
 
 def optimizer_step_temporaries(setup: TrainingSetup, regime: Regime, static: StaticState) -> float:
-    """Transient bytes of one optimizer step. Fused torch AdamW and bitsandbytes' kernels
-    update in place; the trainer's bf16 AdamW (bf16_adamw.py) computes one parameter at a
-    time in fp32 (gradient, both moments, the old weight, and for stochastic rounding the
-    random bits and the rounded value): bytes per element of the largest parameter's shard.
-    torchao's low-bit AdamW steps one parameter at a time too (`step_temp_bytes_per_value`)."""
+    """Transient bytes of one optimizer step. Fused torch AdamW (what the trainer runs) and
+    bitsandbytes' kernels update in place; torch's foreach AdamW (a published setup's, when the
+    setup says so) holds the square roots of a whole parameter group's second moments at once:
+    the fp32 values this GPU steps (one parameter with the step in backward). The trainer's bf16
+    AdamW (bf16_adamw.py) computes one parameter at a time in fp32 (gradient, both moments, the
+    old weight, and for stochastic rounding the random bits and the rounded value): bytes per
+    element of the largest parameter's shard. torchao's low-bit AdamW steps one parameter at a
+    time too (`step_temp_bytes_per_value`)."""
     kind = optimizers.kind(setup.optimizer)
+    copies = optimizers.ADAMW_GROUP_MOMENT_COPIES[setup.adamw_implementation]
+    if copies:
+        # The group counted whole: the no-decay group (norms, biases) is under 0.1% of it. Its fp32
+        # gradients are what this GPU holds of it (offloaded ones step on the host).
+        return copies * (static.largest_gradient if setup.optimizer_in_backward else static.gradients)
     if kind.step_temp_bytes_per_value:
         return kind.step_temp_bytes_per_value * static.largest_gradient / (2.0 if regime.master_bf16 else 4.0)
     if not regime.master_bf16 or setup.optimizer != "adamw":
