@@ -186,7 +186,7 @@ def test_planner_enumeration_follows_the_table():
     assert C.offloads_for("fsdp") == ("none", "optimizer+params")
     assert C.offloads_for("zero1") == ("none", "optimizer")
     assert C.offloads_for("zero3") == C.OFFLOADS
-    assert C.strategies_for("qlora") == ("ddp", "fsdp")
+    assert C.strategies_for("qlora") == ("ddp", "fsdp", "zero3")
     assert C.strategies_for("full", optimizer="paged-adamw-8bit") == ("ddp", "fsdp")
     assert C.strategies_for("full", precision="fp16") == ("ddp", "zero1", "zero2", "zero3")
 

@@ -72,9 +72,10 @@ RULES: tuple[Rule, ...] = (
     Rule("fsdp-optimizer-offload", {"strategy": _set("fsdp"), "offload": _set("optimizer")}, "offload",
          "fsdp offloads parameters together with the optimizer: use optimizer+params"),
     # ---- method -------------------------------------------------------------------------
-    Rule("qlora-zero", {"method": _set("qlora"), "strategy": ZERO}, "strategy",
-         "qlora runs with ddp or fsdp (fsdp shards the 4-bit base, as fsdp_qlora does); DeepSpeed ZeRO"
-         " cannot partition bitsandbytes 4-bit weights"),
+    Rule("qlora-zero12", {"method": _set("qlora"), "strategy": _set("zero1", "zero2")}, "strategy",
+         "qlora runs with ddp, fsdp (it shards the 4-bit base, as fsdp_qlora does) or zero3 (it partitions the"
+         " 4-bit base stored in the compute dtype, as peft's ZeRO-3 QLoRA recipe does); zero1 and zero2 are not"
+         " run with bitsandbytes' 4-bit weights here"),
     Rule("qlora-fp32", {"method": _set("qlora"), "precision": _set("fp32")}, "precision",
          "qlora computes in bf16 or fp16; fp32 is not allowed"),
     # ---- precision / optimizer x strategy ---------------------------------------------

@@ -175,9 +175,10 @@ def fsdp_route(cfg: TrainerConfig, world_size: int) -> str:
 
 
 def qlora_quantization(cfg: TrainerConfig, route: str) -> dict:
-    """BitsAndBytesConfig arguments. Under FSDP the packed 4-bit bytes are stored in the
-    compute dtype: FSDP shards floating tensors only, and all tensors of one FSDP unit
-    must share a dtype (fsdp_qlora's quant_storage trick)."""
+    """BitsAndBytesConfig arguments. Under FSDP and ZeRO-3 the packed 4-bit bytes are stored in
+    the compute dtype: FSDP shards floating tensors only, and all tensors of one FSDP unit must
+    share a dtype (fsdp_qlora's quant_storage trick); ZeRO-3's zero.Init partitions the model as
+    it loads in one dtype, and transformers and peft run QLoRA under it with that storage."""
     import torch
 
     args = {
@@ -186,11 +187,20 @@ def qlora_quantization(cfg: TrainerConfig, route: str) -> dict:
         "bnb_4bit_use_double_quant": True,
         "bnb_4bit_compute_dtype": compute_dtype(cfg),
     }
-    if route == FSDP_ACCELERATE:
+    if route == FSDP_ACCELERATE or cfg.strategy == "zero3":
         args["bnb_4bit_quant_storage"] = compute_dtype(cfg)
     else:
         args["bnb_4bit_quant_storage"] = torch.uint8
     return args
+
+
+def prepares_kbit(cfg: TrainerConfig) -> bool:
+    """Whether peft's prepare_model_for_kbit_training runs: for QLoRA, except under ZeRO-3. It casts
+    every parameter that is not 4-bit to fp32, which ZeRO-3's partitioned parameters (loaded in the
+    compute dtype by zero.Init) do not take; the Trainer's gradient checkpointing and the frozen base
+    need nothing more. TRL's SFTTrainer skips it for sharded QLoRA the same way. The memory model sizes
+    the non-4-bit rest in the compute dtype there (sizing/regime.py)."""
+    return cfg.method == "qlora" and cfg.strategy != "zero3"
 
 
 def accelerate_fsdp_arguments(cfg: TrainerConfig, route: str) -> dict:
@@ -216,7 +226,7 @@ def accelerate_fsdp_arguments(cfg: TrainerConfig, route: str) -> dict:
 def apply_lora(cfg: TrainerConfig, model):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if cfg.method == "qlora":
+    if prepares_kbit(cfg):
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=cfg.gradient_checkpointing,

@@ -47,7 +47,9 @@ How each part was checked:
   (activations.py's `logits_bytes`: one chunk of logits), activation offloading
   (`SavedActivations.offloaded_to_host`: the kept block inputs go to host memory), paged 8-bit
   AdamW (`StaticState.unified`: outside the allocator, counted on the host), QLoRA under FSDP
-  (`static_state`, `sharding_of`: the 4-bit base sharded and gathered per block).
+  (`static_state`, `sharding_of`: the 4-bit base sharded and gathered per block) and under
+  ZeRO-3 (zero3.py: the 4-bit codes as bf16 storage, partitioned and gathered like any bf16
+  parameter; checked against DeepSpeed on the CPU with emulated 4-bit layers).
   `lever_savings` says what each saves.
 * Not modelled: what lies outside the allocator's peak (CUDA context, cuBLAS
   workspaces, NCCL buffers, allocator caching) is the fragmentation factor and reserve
@@ -155,6 +157,10 @@ def _notes(setup: TrainingSetup) -> list[str]:
         notes.append("paged 8-bit AdamW states live in CUDA unified memory: not in the allocator's peak (the figure"
                      " torch.cuda.max_memory_allocated reports) nor in the required GPU memory; the driver pages"
                      " them to host memory when the GPU is full, and host memory counts them")
+    if setup.strategy == "zero3" and setup.method == "qlora":
+        notes.append("QLoRA under ZeRO-3: the 4-bit codes partitioned as bf16 storage (checked against DeepSpeed on the"
+                     " CPU with emulated 4-bit layers, bench/zero_truth.py --qlora), the quantisation state whole on"
+                     " every GPU")
     if setup.strategy == "zero3":
         notes.append("DeepSpeed ZeRO-3 replayed from the settings the trainer's DeepSpeed config writes (partitions,"
                      " persistent parameters, prefetch and reuse of gathered parameters, reduce bucket, optimizer"
@@ -291,7 +297,7 @@ def _weight_copies(setup: TrainingSetup, regime: Regime) -> _WeightCopies:
         # (ZeRO-3: DeepSpeed casts the adapters to bf16 with the model and keeps their fp32
         # master copy in the optimizer, zero3.py; nothing to cast per forward.)
         copies_fwd = 0.0 if setup.strategy in ("fsdp", "zero3") else 2 * lora_params
-        if regime.qlora and setup.strategy != "fsdp":
+        if regime.qlora and setup.strategy not in ("fsdp", "zero3"):
             # The frozen fp32 head is cast on every call (not cached: it needs no grad) and
             # the cast is saved for the input gradient; a trained copy of the head
             # (lora.modulesToSave) is cast in its place, cached, as large.

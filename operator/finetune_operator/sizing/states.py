@@ -101,11 +101,13 @@ def static_state(setup: TrainingSetup, regime: Regime) -> StaticState:
 
     if strategy == "zero3":
         # Stage 3's partitions, persistent parameters and reduce bucket, from the module trace
-        # and the settings the trainer's DeepSpeed config writes (zero3.py).
+        # and the settings the trainer's DeepSpeed config writes (zero3.py). QLoRA's quantisation
+        # state is no parameter: ZeRO-3 does not partition it, every GPU holds all of it.
         stage3 = _zero3(setup, regime)
-        return StaticState(stage3.weights + stage3.persistent, stage3.gradients, stage3.optimizer, stage3.master,
-                       stage3.reduce_bucket, stage3.host,
-                       largest_gradient=regime.compute * largest / world, zero3=stage3)
+        quant_state = float(nf4_quant_state_bytes(arch)) if setup.method == "qlora" else 0.0
+        return StaticState(stage3.weights + stage3.persistent + quant_state, stage3.gradients, stage3.optimizer,
+                           stage3.master, stage3.reduce_bucket, stage3.host,
+                           largest_gradient=regime.compute * largest / world, zero3=stage3)
     if setup.method == "full":
         if strategy in ("zero1", "zero2"):
             # DeepSpeed keeps the compute-dtype weights and gradients, and an fp32 master
