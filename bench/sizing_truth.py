@@ -83,6 +83,17 @@ def measure(setup: TrainingSetup, steps: int = 2) -> Measurement:
                        wall_s=m.wall_s, notes=m.notes)
 
 
+_PEAKS: dict = {}
+
+
+def peak_bytes(setup: TrainingSetup) -> int:
+    """`measure(setup)`'s peak, traced once per setup in this process (tests compare a setup with
+    a deeper or plainer one, and meet the same setup again)."""
+    if setup not in _PEAKS:
+        _PEAKS[setup] = measure(setup).peak_bytes
+    return _PEAKS[setup]
+
+
 # ---- the lean-trainer levers, through the trainer's own lever code ------------------------
 
 LEVER_SUPPORTED = dict(method=("full", "lora"), precision=("bf16",), optimizer=("adamw",), strategy=("ddp",),

@@ -62,15 +62,10 @@ INCREMENT_TOLERANCE = 0.03  # leaving out the head's cast (1/8 of its increment)
 # The fp32 residual stream is a block's only change: its input, kept under checkpointing, doubles.
 PER_BLOCK = ("embedding-saved-gc", "gpt_neox-both-saved-gc")
 
-_TRUTH: dict = {}
-
-
 def _truth(setup: TrainingSetup) -> int:
-    from sizing_truth import measure
+    from sizing_truth import peak_bytes
 
-    if setup not in _TRUTH:
-        _TRUTH[setup] = measure(setup).peak_bytes
-    return _TRUTH[setup]
+    return peak_bytes(setup)
 
 
 def _estimate(setup: TrainingSetup) -> int:
