@@ -113,6 +113,15 @@ def cases() -> list[Case]:
                     {"method": "qlora", "strategy": "fsdp", "offload": "optimizer+params", **lora},
                     {"method": "qlora", "lora_rank": 16, "strategy": "fsdp", "offload": "optimizer+params"},
                     force_fsdp_route=True))
+    # Issue 28: QLoRA under DeepSpeed ZeRO-3 (4-bit codes stored in bf16, partitioned by zero.Init; no
+    # fp32 cast of the rest), one rank under torchrun. The CPU checks only its partitioning, with
+    # emulated 4-bit layers (bench/zero_truth.py --qlora): bitsandbytes needs CUDA.
+    sys.path.insert(0, str(ROOT / "images" / "trainer"))
+    from finetune_trainer.contract import deepspeed_config
+
+    out.append(Case("qlora-zero3", "QLoRA r16 under DeepSpeed ZeRO-3 (bf16 quant storage), one rank",
+                    {"method": "qlora", "strategy": "zero3", "deepspeed": deepspeed_config(3), **lora},
+                    {"method": "qlora", "lora_rank": 16, "strategy": "zero3"}))
     return out
 
 
@@ -225,7 +234,9 @@ def run_case(case: Case, assets: dict[str, Path], folder: Path, nproc: int, smok
                TOKENIZERS_PARALLELISM="false", **({"OMP_NUM_THREADS": "1"} if smoke else {}))
     # torchrun also for one rank on the forced route: accelerate applies FSDP only in a
     # distributed launch (LOCAL_RANK set), else it would silently run unsharded.
-    if case.force_fsdp_route or (nproc > 1 and case.trainer.get("strategy") == "fsdp"):
+    # DeepSpeed too: it needs torchrun's distributed environment, even for one rank.
+    if case.force_fsdp_route or (nproc > 1 and case.trainer.get("strategy") == "fsdp") \
+            or case.trainer.get("strategy", "").startswith("zero"):
         script = folder / "entry.py"
         script.write_text(FORCE_ROUTE if case.force_fsdp_route else "from finetune_trainer.run import main\n"
                                                                       "import sys; sys.exit(main(sys.argv[1:]))\n")

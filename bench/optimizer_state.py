@@ -2,13 +2,19 @@
 
     python bench/optimizer_state.py [--elements 16777216] [--no-compile]
 
-For each optimizer that runs here (torch's AdamW, torchao's 8-bit and 4-bit AdamW) and each
-weight dtype: one parameter of --elements values, two warm-up steps (torchao compiles its step
-per shape on the first), then a third step under torch's profiler with memory profiling. It prints
-the moments' bytes the optimizer keeps against `OptimizerKind.state_bytes`, and the step's peak
-transient bytes per value against `OptimizerKind.step_temp_bytes_per_value`. The temporaries are
-those of the CPU's compiled kernels (inductor's C++): a GPU's Triton kernels may fuse otherwise,
-which bench/gpu_levers.py checks on a lent device. bitsandbytes needs CUDA and is not run here.
+For each optimizer that runs here (torch's AdamW on its fused and its foreach path, torchao's 8-bit
+and 4-bit AdamW) and each weight dtype: one parameter of --elements values (torch's AdamW: a group of
+four unequal ones, --elements in all, since foreach works on the whole group at once), two warm-up
+steps (torchao compiles its step per shape on the first), then a third step under torch's profiler
+with memory profiling. It prints the moments' bytes the optimizer keeps against
+`OptimizerKind.state_bytes`, and the bytes the step allocates per value of the group against
+`OptimizerKind.step_temp_bytes_per_value` (torchao) or `ADAMW_GROUP_MOMENT_COPIES` x the moment's
+bytes (torch's paths). Each allocation is counted once, in the op that made it (an op's figure
+includes its callees'); the profiler does not see frees outside ops, so the figure is what the step
+allocates, an upper bound of its peak (equal to it for these steps, whose temporaries all live to the
+step's end or are one tensor). The temporaries are those of the CPU's kernels (inductor's C++ for
+torchao's compiled step): a GPU's kernels may differ, which bench/gpu_levers.py checks on a lent
+device. bitsandbytes needs CUDA and is not run here.
 """
 
 from __future__ import annotations
@@ -40,10 +46,18 @@ def tensor_bytes(value) -> int:
 
 
 def _peak_during(step) -> int:
-    """The highest sum of live bytes the CPU allocator's events reach during `step` (from zero)."""
+    """The highest sum of live bytes the CPU allocator's events reach during `step` (from zero). An
+    event's figure is its net allocation, its callees' included (`_foreach_sqrt` holds its `sqrt`s'):
+    each event counts its own share, what it allocated at its start and what it freed (after its
+    callees ran) at its end."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage)
+    events = []
+    for e in prof.events():
+        own = e.cpu_memory_usage - sum(c.cpu_memory_usage for c in e.cpu_children)
+        if own:
+            events.append((e.time_range.start if own > 0 else e.time_range.end, own))
+    events.sort()
     live = peak = 0
     for _, delta in events:
         live += delta
@@ -66,22 +80,30 @@ def main() -> None:
     if ns.no_compile:
         torch.compile = lambda fn, **_: fn
     rows = []
-    for name in ("adamw", "torchao-adamw-8bit", "torchao-adamw-4bit"):
+    # The trainer runs torch's AdamW fused (adamw_torch_fused); foreach is torch's pick on CUDA otherwise.
+    runs = [("adamw", {"fused": True}, "fused"), ("adamw", {"foreach": True}, "foreach"),
+            ("torchao-adamw-8bit", {}, ""), ("torchao-adamw-4bit", {}, "")]
+    for name, path, label in runs:
         kind = optimizers.kind(name)
         for dtype in (torch.float32, torch.bfloat16):
-            param = torch.nn.Parameter(torch.randn(4096, ns.elements // 4096, dtype=dtype))
-            param.grad = torch.randn_like(param)
-            # The trainer runs torch's AdamW fused (adamw_torch_fused).
-            optimizer = _class(kind)([param], lr=1e-3, **({"fused": True} if kind.library == "torch" else {}))
+            # torch's AdamW: a group of four unequal tensors (foreach steps a group at once).
+            widths = (1, 2, 1, 4) if kind.library == "torch" else (8,)
+            params = [torch.nn.Parameter(torch.randn(512, w * ns.elements // 4096, dtype=dtype)) for w in widths]
+            for param in params:
+                param.grad = torch.randn_like(param)
+            optimizer = _class(kind)(params, lr=1e-3, **path)
             start = time.time()
             optimizer.step()
             optimizer.step()
             warm = time.time() - start
             peak = _peak_during(optimizer.step)
-            kept = sum(tensor_bytes(v) for k, v in optimizer.state[param].items() if k != "step")
-            full = param.element_size()
-            rows.append((name, str(dtype).removeprefix("torch."), kept, kind.state_bytes(param.numel(), full),
-                         peak / param.numel(), kind.step_temp_bytes_per_value, warm))
+            values = sum(p.numel() for p in params)
+            kept = sum(tensor_bytes(v) for p in params for k, v in optimizer.state[p].items() if k != "step")
+            full = params[0].element_size()
+            estimated_temp = (optimizers.ADAMW_GROUP_MOMENT_COPIES[label] * full if label
+                              else kind.step_temp_bytes_per_value)
+            rows.append((f"{name} {label}".strip(), str(dtype).removeprefix("torch."), kept,
+                         sum(kind.state_bytes(p.numel(), full) for p in params), peak / values, estimated_temp, warm))
     print(f"{'optimizer':<20} {'weights':<9} {'state kept':>12} {'estimated':>12} {'step temp B/value':>18} "
           f"{'estimated':>9} {'warm-up s':>9}")
     for name, dtype, kept, est, temp, est_temp, warm in rows:

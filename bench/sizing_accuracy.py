@@ -15,6 +15,8 @@ re-measures. Usage:
     python bench/sizing_accuracy.py --family qwen3,qwen3_moe,gemma3_text,gpt_oss,olmo2,granite
     python bench/sizing_accuracy.py --family phi,gpt_neox      # issue 28
     python bench/sizing_accuracy.py --only packed              # packing with boundaries (issue 28)
+    python bench/sizing_accuracy.py --only "|m=" ; --only lm_head  # lora.modulesToSave, LoRA on the head (issue 28)
+    python bench/sizing_accuracy.py --only adamw_implementation     # torch's foreach AdamW (issue 28)
 
 The table ends with one summary row per family (median |err|, worst |err|, most negative).
 The families of 2026 (issue 16: qwen3, qwen3_moe, gemma3_text, gpt_oss, olmo2, granite) were
@@ -61,17 +63,21 @@ class Case:
     packing: bool = False  # examples packed with their boundaries (spec.dataset.packing)
     in_sample: bool = False  # a term of the model was changed because of this case's error
     levers: tuple = ()  # lean-trainer levers: (TrainingSetup field, value) pairs, traced by measure_levers
+    targets: str | tuple = "all-linear"  # lora.targetModules (a tuple may name the output head)
+    saved: tuple = ()  # lora.modulesToSave (issue 28)
 
     @property
     def key(self) -> str:
         return (f"{self.preset}|{self.method}|r{self.rank}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|"
                 f"{self.attention}|{self.strategy}x{self.world_size}" + (f"|d{self.dropout}" if self.dropout else "") + ("|packed" if self.packing else "")
-                + "".join(f"|{k}={v}" for k, v in self.levers))
+                + "".join(f"|{k}={v}" for k, v in self.levers)
+                + ("" if self.targets == "all-linear" else "|t=" + "+".join(self.targets))
+                + ("|m=" + "+".join(self.saved) if self.saved else ""))
 
     def setup(self) -> TrainingSetup:
         return TrainingSetup(
             architecture=preset(self.preset), method=self.method, lora_rank=self.rank,
-            lora_dropout=self.dropout,
+            lora_dropout=self.dropout, lora_targets=self.targets, lora_modules_to_save=self.saved,
             micro_batch_size=self.batch, sequence_length=self.seq, gradient_checkpointing=self.gc,
             attention=self.attention, packing=self.packing, strategy=self.strategy, world_size=self.world_size,
             **dict(self.levers),
@@ -81,6 +87,10 @@ class Case:
         args = ["--preset", self.preset, "--method", self.method, "--rank", str(self.rank), "--dropout", str(self.dropout), "--batch", str(self.batch),
                 "--seq", str(self.seq), "--attention", self.attention, "--strategy", self.strategy,
                 "--world-size", str(self.world_size), "--json"]
+        if self.targets != "all-linear":
+            args += ["--targets", ",".join(self.targets)]
+        if self.saved:
+            args += ["--modules-to-save", ",".join(self.saved)]
         for name, value in self.levers:
             flag = "--" + {"update_rounding": "rounding"}.get(name, name).replace("_", "-")
             args += [flag] if value is True else [flag, str(value)]
@@ -148,6 +158,48 @@ def matrix() -> list[Case]:
         *families_issue28(),
         *lever_cases(),
         *packing_cases(),
+        *saved_module_cases(),
+        *adamw_cases(),
+    ]
+
+
+def adamw_cases() -> list[Case]:
+    """torch's foreach AdamW in place of the fused one the trainer runs (issue 28): its step holds one
+    fp32 copy of the values it steps, which makes the optimizer step the peak of small-activation full
+    fine-tuning. The term was read off the dispatch tracker on a group of four tensors
+    (tests/sizing/test_adamw_step.py); every row here is held out. `--only adamw_implementation`."""
+    C = Case
+    foreach = (("adamw_implementation", "foreach"),)
+    return [
+        C("qwen2.5-0.5b", "full", batch=1, seq=512, gc=True, levers=foreach),
+        C("llama-3.2-1b", "full", batch=1, seq=512, gc=True, levers=foreach),
+        C("llama-3.2-3b", "full", batch=1, seq=1024, gc=True, levers=foreach),
+        C("qwen2.5-0.5b", "full", batch=2, seq=1024, gc=True, levers=foreach + (("optimizer_in_backward", True),)),
+        C("llama-3.1-8b", "lora", batch=1, seq=2048, gc=True, levers=foreach),
+    ]
+
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def saved_module_cases() -> list[Case]:
+    """lora.modulesToSave (`m=`: the embedding and head trained in full beside the adapters) and LoRA
+    on the output head (`t=` naming lm_head), issue 28. The terms were read off tiny traces
+    (tests/sizing/test_saved_modules_tracker.py); every row here is held out. `--only m=` or
+    `--only lm_head` prints them."""
+    C = Case
+    both = ("embed_tokens", "lm_head")
+    return [
+        C("llama-3.2-1b", "lora", batch=2, seq=2048, saved=both),  # tied: two copies of one matrix
+        C("llama-3.1-8b", "lora", batch=1, seq=2048, gc=True, saved=both),
+        C("qwen2.5-7b", "lora", batch=2, seq=1024, saved=("lm_head",)),
+        C("qwen2.5-0.5b", "lora", batch=4, seq=1024, saved=("embed_tokens",)),
+        C("llama-3.1-8b", "lora", batch=1, seq=256, saved=("lm_head",)),  # the head's backward is the peak
+        C("phi-2", "lora", batch=2, seq=2048, dropout=0.05, saved=both),
+        C("pythia-1b", "lora", batch=2, seq=2048, gc=True, saved=("embed_in", "lm_head")),
+        C("qwen2.5-7b", "lora", batch=1, seq=2048, strategy="ddp", world_size=2, saved=("lm_head",)),
+        C("llama-3.1-8b", "lora", batch=2, seq=2048, gc=True, targets=ALL_LINEAR + ("lm_head",)),
+        C("gemma-3-1b", "lora", batch=4, seq=2048, gc=True, dropout=0.05, targets=ALL_LINEAR + ("lm_head",)),
     ]
 
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "operator"))
+sys.path.insert(0, os.path.join(HERE, "..", "images", "trainer"))
 
 from finetune_operator.sizing import TrainingSetup, estimate_memory  # noqa: E402
 from finetune_operator.sizing.presets import preset  # noqa: E402
@@ -60,11 +61,16 @@ class GpuCase:
     dropout: float = 0.05
     expandable: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as the trainer's pod sets
     variable: bool = False  # steps of lengths seq/2, 3seq/4, seq, 5seq/8 (the collator pads per batch)
+    adamw: str = "fused"  # torch AdamW's path (the trainer's: fused; foreach: torch's pick on CUDA otherwise)
+    saved: tuple = ()  # lora.modulesToSave (peft modules_to_save, trained in fp32 as the trainer does)
+    targets: str | tuple = "all-linear"  # lora.targetModules (may name lm_head)
 
     @property
     def key(self) -> str:
         return (f"{self.preset}|{self.method}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|{self.attention}"
-                f"|{self.optimizer}" + ("" if self.expandable else "|classic") + ("|var" if self.variable else ""))
+                f"|{self.optimizer}" + ("" if self.expandable else "|classic") + ("|var" if self.variable else "")
+                + ("" if self.adamw == "fused" else f"|{self.adamw}") + ("|m=" + "+".join(self.saved) if self.saved else "")
+                + ("" if self.targets == "all-linear" else "|t=" + "+".join(self.targets)))
 
     def lengths(self) -> tuple[int, ...]:
         s = self.seq
@@ -78,14 +84,23 @@ class GpuCase:
             architecture=preset(self.preset), method=self.method, lora_rank=self.rank,
             lora_dropout=self.dropout, micro_batch_size=self.batch, sequence_length=self.seq,
             gradient_checkpointing=self.gc, attention=self.attention, optimizer=self.optimizer,
+            adamw_implementation=self.adamw, lora_modules_to_save=tuple(self.saved),
+            lora_targets=self.targets if isinstance(self.targets, str) else tuple(self.targets),
         )
 
 
 # Small and mid-size models that fit one H200 (141 GB); cheapest first so a short
 # budget still calibrates something.
+_BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MATRIX = [
     GpuCase("qwen2.5-0.5b", "full", 4, 1024, False),
     GpuCase("llama-3.2-1b", "lora", 2, 2048, False),
+    # Issue 28: torch's fused and foreach AdamW where the step is the peak (foreach holds one fp32 copy
+    # of the trained values, fused none), lora.modulesToSave and LoRA on the head beside the row above.
+    GpuCase("qwen2.5-0.5b", "full", 1, 512, True),
+    GpuCase("qwen2.5-0.5b", "full", 1, 512, True, adamw="foreach"),
+    GpuCase("llama-3.2-1b", "lora", 2, 2048, False, saved=("embed_tokens", "lm_head")),
+    GpuCase("llama-3.2-1b", "lora", 2, 2048, False, targets=_BLOCK_LINEARS + ("lm_head",)),
     GpuCase("llama-3.2-1b", "full", 2, 2048, True),
     GpuCase("llama-3.2-1b", "lora", 1, 1024, False, attention="eager"),
     GpuCase("llama-3.2-3b", "lora", 4, 2048, True),
@@ -144,14 +159,20 @@ def run_case(case: GpuCase, device: str = "cuda") -> dict:
         if case.method == "qlora":
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.gc,
                                                          gradient_checkpointing_kwargs={"use_reentrant": False})
+        from finetune_trainer.model_setup import train_in_fp32
+
+        targets = case.targets if isinstance(case.targets, str) else list(case.targets)
         model = peft.get_peft_model(model, peft.LoraConfig(r=case.rank, lora_alpha=2 * case.rank,
-                                                           lora_dropout=case.dropout, target_modules="all-linear"))
+                                                           lora_dropout=case.dropout, target_modules=targets,
+                                                           modules_to_save=list(case.saved) or None))
+        train_in_fp32(model)  # modules_to_save's copies in fp32, as the trainer trains them
     if case.gc:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if case.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+        path = {"fused": True} if case.adamw == "fused" else {"foreach": True}
+        optimizer = torch.optim.AdamW(params, lr=1e-5, **path)
     else:
         import bitsandbytes as bnb
 

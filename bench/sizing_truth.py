@@ -64,6 +64,7 @@ def profile_setup(setup: TrainingSetup):
     return ProfileSetup(
         method=setup.method, lora_rank=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
         lora_dropout=setup.lora_dropout, lora_targets=targets, precision=setup.precision,
+        lora_modules_to_save=list(setup.lora_modules_to_save) or None,
         # A family transformers cannot run with sdpa (gpt-oss: attention sinks) runs eager, as in the trainer.
         attention="eager" if setup.attention == "eager" or setup.architecture.traits.eager_only else "sdpa",
         sequence_length=setup.sequence_length, packing=setup.packing,
@@ -82,6 +83,17 @@ def measure(setup: TrainingSetup, steps: int = 2) -> Measurement:
                        wall_s=m.wall_s, notes=m.notes)
 
 
+_PEAKS: dict = {}
+
+
+def peak_bytes(setup: TrainingSetup) -> int:
+    """`measure(setup)`'s peak, traced once per setup in this process (tests compare a setup with
+    a deeper or plainer one, and meet the same setup again)."""
+    if setup not in _PEAKS:
+        _PEAKS[setup] = measure(setup).peak_bytes
+    return _PEAKS[setup]
+
+
 # ---- the lean-trainer levers, through the trainer's own lever code ------------------------
 
 LEVER_SUPPORTED = dict(method=("full", "lora"), precision=("bf16",), optimizer=("adamw",), strategy=("ddp",),
@@ -90,14 +102,15 @@ LEVER_SUPPORTED = dict(method=("full", "lora"), precision=("bf16",), optimizer=(
 
 def has_levers(setup: TrainingSetup) -> bool:
     return (setup.master_weights != "fp32" or setup.optimizer_in_backward or setup.loss_chunks > 1
-            or setup.activation_offloading)
+            or setup.activation_offloading or setup.adamw_implementation != "fused")
 
 
 def measure_levers(setup: TrainingSetup, steps: int = 2) -> Measurement:
     """Trace `setup` with the trainer's lever code on fake tensors: its bf16 AdamW
     (bf16_adamw.BF16AdamW, with the update rounding), the optimizer step in backward
     (optimizer_in_backward.InBackwardOptimizer: one optimizer per parameter, stepped from its
-    post-accumulate-grad hook), the chunked loss (chunked_loss.ChunkedLoss on the output
+    post-accumulate-grad hook), torch's foreach AdamW in place of the fused one when the setup
+    says so (a published setup's), the chunked loss (chunked_loss.ChunkedLoss on the output
     projection) and activation offloading (activation_offload.install on the checkpointed
     layers). One GPU (the levers' multi-rank behaviour is not traced here).
 
@@ -145,7 +158,7 @@ def measure_levers(setup: TrainingSetup, steps: int = 2) -> Measurement:
         finally:
             activation_offload._Offloader = original
     chunked = ChunkedLoss(model, setup.loss_chunks) if setup.loss_chunks > 1 else None
-    tied = setup.architecture.tie_word_embeddings
+    shared = profile.shared_parameters(model)  # tied embeddings, re-tied after to_empty
     tracker = PeakTracker()
     step_peaks: list[tuple[int, dict]] = []
     # The bf16 AdamW reads its step count as a Python float (bias correction): a fake tensor has
@@ -155,26 +168,26 @@ def measure_levers(setup: TrainingSetup, steps: int = 2) -> Measurement:
     bf16_adamw.float = lambda value: 1.0 if isinstance(value, torch.Tensor) else float(value)
     with contextlib.ExitStack() as restore:
         restore.callback(lambda: delattr(bf16_adamw, "float"))
-        return _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, tied, steps, t0, notes,
+        return _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, shared, steps, t0, notes,
                              BF16AdamW, InBackwardOptimizer, FakeTensorMode, profile)
 
 
-def _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, tied, steps, t0, notes,
+def _trace_levers(setup, model, chunked, stats, master_bf16, tracker, step_peaks, shared, steps, t0, notes,
                   BF16AdamW, InBackwardOptimizer, FakeTensorMode, profile) -> Measurement:
     import torch
 
     b, s = setup.micro_batch_size, setup.sequence_length
     with profile._patched_transformers(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
         model.to_empty(device="cpu")
-        if tied:
-            model.tie_weights()
+        profile.retie(shared)
         named = [(n, p, 0.0) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p, _ in named]
 
         def make(groups):
             if master_bf16:
                 return BF16AdamW(groups, lr=1e-4, rounding=setup.update_rounding)
-            return torch.optim.AdamW(groups, lr=1e-4, fused=True)
+            path = {"fused": True} if setup.adamw_implementation == "fused" else {"foreach": True}
+            return torch.optim.AdamW(groups, lr=1e-4, **path)
 
         optimizer = InBackwardOptimizer(named, make) if setup.optimizer_in_backward else make(params)
         forward = model.__call__ if master_bf16 else profile._wrap_forward_like_accelerate(model, setup.precision)
@@ -209,12 +222,14 @@ def setup_from_args(ns) -> TrainingSetup:
     arch = preset(ns.preset)
     if ns.layers:
         arch = arch.with_layers(ns.layers)
+    targets = "all-linear" if ns.targets == "all-linear" else tuple(ns.targets.split(","))
     return TrainingSetup(
-        architecture=arch, method=ns.method, lora_rank=ns.rank, lora_dropout=ns.dropout, micro_batch_size=ns.batch,
+        architecture=arch, method=ns.method, lora_rank=ns.rank, lora_dropout=ns.dropout, lora_targets=targets,
+        lora_modules_to_save=tuple(m for m in ns.modules_to_save.split(",") if m), micro_batch_size=ns.batch,
         sequence_length=ns.seq, gradient_checkpointing=ns.gc, attention=ns.attention,
         packing=ns.packing, strategy=ns.strategy, world_size=ns.world_size, master_weights=ns.master_weights,
         update_rounding=ns.rounding, optimizer_in_backward=ns.optimizer_in_backward, loss_chunks=ns.loss_chunks,
-        activation_offloading=ns.activation_offloading,
+        activation_offloading=ns.activation_offloading, adamw_implementation=ns.adamw_implementation,
         gradient_accumulation=1,
     )
 
@@ -226,6 +241,8 @@ def main(argv=None) -> int:
     p.add_argument("--method", default="lora", choices=("full", "lora"))
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument("--targets", default="all-linear", help="LoRA target modules, comma-separated, or all-linear")
+    p.add_argument("--modules-to-save", default="", help="lora.modulesToSave, comma-separated")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--gc", action="store_true")
@@ -238,6 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer-in-backward", action="store_true")
     p.add_argument("--loss-chunks", type=int, default=1)
     p.add_argument("--activation-offloading", action="store_true")
+    p.add_argument("--adamw-implementation", default="fused", choices=("fused", "foreach"))
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     setup = setup_from_args(ns)

@@ -53,6 +53,7 @@ sys.path.insert(0, sys.argv[1])
 from finetune_trainer.contract import ZERO_SETTINGS, deepspeed_config
 from finetune_trainer.peak_tracker import PeakTracker
 stage, width, layers, scale = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+QLORA_RANK = 16
 nccl_like = sys.argv[6] == "1"
 cfg = deepspeed_config(stage, "none", ZERO_SETTINGS.scaled(scale))
 world = int(os.environ["WORLD_SIZE"])
@@ -79,31 +80,85 @@ if nccl_like:
 
 
 class Scale(torch.nn.Module):
-    def __init__(self, width):
+    def __init__(self, width, trainable=True):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.weight = torch.nn.Parameter(torch.ones(width), requires_grad=trainable)
 
     def forward(self, x):
         return x * self.weight
 
 
+def dequantise(storage, width):
+    # Memory as bitsandbytes' dequantize_4bit allocates it: one compute-dtype weight of width x width
+    # values from the packed codes (a quarter as many bf16 elements); the values do not matter here.
+    return storage.view(-1, 1).expand(-1, 4).reshape(width, width)
+
+
+class MatMul4bit(torch.autograd.Function):
+    # As bitsandbytes' MatMul4Bit: saves the packed codes, not the dequantised weight, and dequantises
+    # again for the input's gradient.
+    @staticmethod
+    def forward(ctx, x, storage, width):
+        ctx.save_for_backward(storage)
+        ctx.width = width
+        return x @ dequantise(storage, width).T
+
+    @staticmethod
+    def backward(ctx, grad):
+        (storage,) = ctx.saved_tensors
+        return grad @ dequantise(storage, ctx.width), None, None
+
+
+class Linear4bit(torch.nn.Module):
+    # bitsandbytes' Linear4bit as ZeRO-3 sees it with bnb_4bit_quant_storage=bf16: a frozen bf16
+    # parameter of the packed codes, two 4-bit codes a byte, width * width / 4 elements.
+    def __init__(self, width):
+        super().__init__()
+        self.width = width
+        self.weight = torch.nn.Parameter(torch.zeros(width * width // 4, 1), requires_grad=False)
+
+    def forward(self, x):
+        return MatMul4bit.apply(x, self.weight, self.width)
+
+
+class LoraLayer(torch.nn.Module):
+    # peft's LoRA layer: the base layer, then lora_A and lora_B (no dropout).
+    def __init__(self, width, rank):
+        super().__init__()
+        self.base_layer = Linear4bit(width)
+        self.lora_A = torch.nn.Linear(width, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, width, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
 torch.manual_seed(0)
 llama = sys.argv[7] == "llama"
+qlora = sys.argv[7] == "qlora"
 if llama:
     # A small Llama from its config (random weights): the module tree transformers runs.
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(**json.loads(sys.argv[8])))
     model.config.use_cache = False
+elif qlora:
+    blocks = []
+    for _ in range(layers):
+        blocks += [LoraLayer(width, QLORA_RANK), Scale(width, trainable=False)]
+    model = torch.nn.Sequential(*blocks)
 else:
     blocks = []
     for _ in range(layers):
         blocks += [torch.nn.Linear(width, width, bias=False), Scale(width)]
     model = torch.nn.Sequential(*blocks)
-decay = [p for n, p in model.named_parameters() if p.ndim > 1]
-no_decay = [p for n, p in model.named_parameters() if p.ndim == 1]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=1e-4, fused=True)
+decay = [p for n, p in model.named_parameters() if p.ndim > 1 and p.requires_grad]
+no_decay = [p for n, p in model.named_parameters() if p.ndim == 1 and p.requires_grad]
+if not no_decay:
+    optimizer_groups = [{"params": decay, "weight_decay": 0.01}]
+else:
+    optimizer_groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+optimizer = torch.optim.AdamW(optimizer_groups, lr=1e-4, fused=True)
 tracker = PeakTracker()
 phases = {}
 with tracker:
@@ -138,27 +193,28 @@ def llama_config(width: int, layers: int) -> dict:
 
 
 def run(stage: int, world: int, width: int, layers: int, scale: int, port: int, nccl_like: bool = True,
-        llama: bool = False) -> dict[str, int]:
-    """The fullest rank's figures per phase. A rank that aborts inside gloo ("terminate called without
-    an active exception": 2 of about 20 runs here, at random sizes) is run again once, on another port."""
+        model: str = "stack") -> dict[str, int]:
+    """The fullest rank's figures per phase (`model`: stack, llama or qlora). A rank that aborts inside
+    gloo ("terminate called without an active exception": 2 of about 20 runs here, at random sizes) is
+    run again once, on another port."""
     try:
-        return _run(stage, world, width, layers, scale, port, nccl_like, llama)
+        return _run(stage, world, width, layers, scale, port, nccl_like, model)
     except RuntimeError as exc:
         if "terminate called without an active exception" not in str(exc):
             raise
         print(f"  (a rank aborted inside gloo; running {width}x{layers} again)", file=sys.stderr, flush=True)
-        return _run(stage, world, width, layers, scale, port + 500, nccl_like, llama)
+        return _run(stage, world, width, layers, scale, port + 500, nccl_like, model)
 
 
 def _run(stage: int, world: int, width: int, layers: int, scale: int, port: int, nccl_like: bool,
-         llama: bool) -> dict[str, int]:
+         model: str) -> dict[str, int]:
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(ROOT / "images" / "trainer"), str(stage),
                                        str(width), str(layers), str(scale), "1" if nccl_like else "0",
-                                       "llama" if llama else "stack", json.dumps(llama_config(width, layers))],
+                                       model, json.dumps(llama_config(width, layers))],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -186,25 +242,62 @@ def bench_trace(width: int, layers: int):
     return ModuleTrace(tuple(params), tuple(modules), forward, backward)
 
 
-def estimate(stage: int, world: int, width: int, layers: int, scale: int, llama: bool = False) -> dict[str, float]:
+QLORA_RANK = 16  # the rank script's
+
+
+def qlora_bench_trace(width: int, layers: int):
+    """The QLoRA bench model's module trace: per block peft's LoRA layer (a container: the 4-bit base
+    layer, whose frozen bf16 storage holds zero3.nf4_storage_elements of its values, then lora_A and
+    lora_B) and a frozen scale. The first base layer reads the input, which needs no gradient: its
+    backward hooks never fire."""
+    from finetune_operator.sizing.zero3 import ModuleTrace, Param, nf4_storage_elements
+
+    params, modules, forward, backward_blocks = [], [()], [0], []
+    for _ in range(layers):
+        container = len(modules)
+        modules.append(())
+        own = []
+        for numel, trainable in ((nf4_storage_elements(width * width), False), (QLORA_RANK * width, True),
+                                 (width * QLORA_RANK, True)):
+            params.append(Param(numel, trainable))
+            modules.append((len(params) - 1,))
+            own.append(len(modules) - 1)
+        params.append(Param(width, trainable=False))
+        modules.append((len(params) - 1,))
+        forward += [container, *own, len(modules) - 1]
+        base, a, b = own
+        backward_blocks.append([len(modules) - 1, container, b, a, base])
+    backward_blocks[0].pop()  # the first base layer: no gradient flows into it
+    backward = (0,) + tuple(m for block in reversed(backward_blocks) for m in block)
+    return ModuleTrace(tuple(params), tuple(modules), tuple(forward), backward)
+
+
+def estimate(stage: int, world: int, width: int, layers: int, scale: int, llama: bool = False,
+             qlora: bool = False) -> dict[str, float]:
     """The memory model's figure for each phase of the bench model (no activations to speak of:
-    one token, or two for the Llama)."""
+    one token, or two for the Llama). QLoRA: beside stage 3's terms, the dequantised weight of the
+    module that runs (memory.py's `_dequantised_weight`, in forward and backward)."""
     from finetune_operator.sizing import ModelArchitecture
     from finetune_operator.sizing.zero3 import decoder_trace, rank_memory
     from finetune_trainer.contract import ZERO_SETTINGS
 
     settings = ZERO_SETTINGS.scaled(scale)
+    dequantised = 0.0
     if llama:
         arch = ModelArchitecture.from_hf_config(dict(llama_config(width, layers), model_type="llama"))
         trace = decoder_trace(arch, "full", 16, "all-linear", False, False)
+    elif qlora:
+        trace = qlora_bench_trace(width, layers)
+        dequantised = 2.0 * width * width
     else:
         trace = bench_trace(width, layers)
     params = sum(p.numel for p in trace.params)
     if stage == 3:
         m = rank_memory(trace, world=world, compute_bytes=2, optimizer_bytes_per_param=8, settings=settings)
         steady = m.weights + m.persistent + m.master + m.optimizer + m.gradients + m.reduce_bucket
-        return {"steady": steady, "forward": steady + m.gathered_forward, "backward": steady + m.gathered_backward,
-                "step": steady - m.persistent + m.step_transient, "_terms": asdict(m)}
+        return {"steady": steady, "forward": steady + m.gathered_forward + dequantised,
+                "backward": steady + m.gathered_backward + dequantised,
+                "step": steady + m.step_above_start, "_terms": asdict(m)}
     weights, grads = 2.0 * params, 2.0 * params / (world if stage == 2 else 1)
     states = 12.0 * params / world
     buckets = 2 * 2 * settings.reduce_bucket_size
@@ -224,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama", action="store_true",
                     help="a small transformers Llama (hidden x layers) instead of the Linear stack: the estimate"
                          " replays the decoder trace sizing builds for any Llama (sizing/zero3.decoder_trace)")
+    ap.add_argument("--qlora", action="store_true",
+                    help="QLoRA's layers: bitsandbytes' 4-bit base emulated (its packed codes in a frozen bf16"
+                         " parameter, as bnb_4bit_quant_storage=bf16 stores them, dequantised per call) under"
+                         " peft's LoRA pair; the estimate replays zero3.rank_memory over that trace")
     ap.add_argument("--worlds", default="2")
     ap.add_argument("--stages", default="3")
     ap.add_argument("--scale", type=int, default=64)
@@ -242,14 +339,15 @@ def main(argv: list[str] | None = None) -> int:
         for stage in [int(s) for s in ns.stages.split(",")]:
             for world in [int(w) for w in ns.worlds.split(",")]:
                 port += 1
-                measured = run(stage, world, width, layers, ns.scale, port, not ns.gloo_reduce_scatter, ns.llama)
-                predicted = estimate(stage, world, width, layers, ns.scale, ns.llama)
+                model = "llama" if ns.llama else "qlora" if ns.qlora else "stack"
+                measured = run(stage, world, width, layers, ns.scale, port, not ns.gloo_reduce_scatter, model)
+                predicted = estimate(stage, world, width, layers, ns.scale, ns.llama, ns.qlora)
                 cells = []
                 for ph in PHASES:
                     err = predicted[ph] / measured[ph] - 1
                     cells.append(f"{measured[ph] / mb:>9.1f}/{predicted[ph] / mb:>9.1f} {err:>+6.1%}")
-                params = (sum(p.numel for p in bench_trace(width, layers).params) if not ns.llama else
-                          llama_params(width, layers))
+                params = (llama_params(width, layers) if ns.llama else
+                          sum(p.numel for p in (qlora_bench_trace if ns.qlora else bench_trace)(width, layers).params))
                 print(f"{size:>8} {params / 1e6:>6.1f}M {stage:>5} {world:>5} " + " ".join(cells), flush=True)
                 rows.append({"size": size, "stage": stage, "world": world, "measured": measured,
                              "estimate": {k: v for k, v in predicted.items()}})

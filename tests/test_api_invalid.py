@@ -115,7 +115,9 @@ CASES = [
     Case("ddp-with-offload", _both(_set("spec.resources.strategy", "ddp"), _set("spec.resources.offload", "optimizer")), "spec.resources.offload", "sharded strategy", False),
     Case("zero2-offload-params", _both(_set("spec.resources.strategy", "zero2"), _set("spec.resources.offload", "optimizer+params")), "spec.resources.offload", "fsdp or zero3", False),
     Case("fsdp-offload-optimizer-only", _both(_set("spec.resources.strategy", "fsdp"), _set("spec.resources.offload", "optimizer")), "spec.resources.offload", "optimizer+params", False),
-    Case("qlora-with-zero3", _both(_set("spec.method", "qlora"), _set("spec.resources.strategy", "zero3")), "spec.resources.strategy", "ddp", False),
+    Case("qlora-with-zero2", _both(_set("spec.method", "qlora"), _set("spec.resources.strategy", "zero2")), "spec.resources.strategy", "zero3", False),
+    Case("modules-to-save-with-fsdp", _both(_set("spec.lora.modulesToSave", ["lm_head"]), _set("spec.resources.strategy", "fsdp")), "spec.resources.strategy", "modulesToSave runs with ddp, zero1 or zero2", False),
+    Case("module-saved-and-adapted", _both(_set("spec.lora.targetModules", ["q_proj", "lm_head"]), _set("spec.lora.modulesToSave", ["lm_head"])), "spec.lora.modulesToSave", "adapted (targetModules) or trained in full", False),
     # the lean-trainer levers (combinations.py)
     Case("bf16-master-with-lora", _set("spec.training.masterWeights", "bf16"), "spec.training.masterWeights", "adapters always train in fp32", False),
     Case("kahan-with-fp32-master", _both(_set("spec.method", "full"), _delete("spec.lora"), _set("spec.training.masterWeights", "fp32"), _set("spec.training.updateRounding", "kahan")), "spec.training.updateRounding", "need bf16 master weights", False),

@@ -393,8 +393,8 @@ def test_a_plan_that_changes_the_global_batch_is_refused(lora_job):
 
 def test_a_plan_the_trainer_would_refuse_is_named(lora_job):
     job = job_of(lora_job)
-    with pytest.raises(RenderError, match="cannot partition bitsandbytes 4-bit weights"):
-        render_attempt(job, plan_for(job, method="qlora", strategy="zero3"), 1, policy())
+    with pytest.raises(RenderError, match="zero1 and zero2 are not run with bitsandbytes"):
+        render_attempt(job, plan_for(job, method="qlora", strategy="zero2"), 1, policy())
 
 
 def test_attempt_must_be_positive(lora_job):

@@ -96,15 +96,10 @@ PER_BLOCK_TOLERANCE = (-0.04, 0.08)  # (under, over): 5-25% terms stand out eith
 # (leaving the copy out passes the tolerance above and fails this one, tried by hand).
 PER_BLOCK_TIGHT = {name: (-0.01, 0.01) for name in ("phi-lora", "phi-full", "phi-lora-fsdp2", "gpt_neox-full-eager")}
 
-_TRUTH: dict = {}
-
-
 def _truth(setup: TrainingSetup) -> int:
-    from sizing_truth import measure
+    from sizing_truth import peak_bytes
 
-    if setup not in _TRUTH:
-        _TRUTH[setup] = measure(setup).peak_bytes
-    return _TRUTH[setup]
+    return peak_bytes(setup)
 
 
 def _deeper(setup: TrainingSetup) -> TrainingSetup:

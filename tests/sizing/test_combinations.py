@@ -42,6 +42,7 @@ choices = st.builds(
     activation_offloading=st.booleans(),
     liger_kernel=st.booleans(),
     target_experts=st.booleans(),
+    modules_to_save=st.booleans(),
     moe=st.booleans(),
     chunked_loss=st.booleans(),
     logit_transform=st.booleans(),
@@ -56,7 +57,13 @@ def _setup(c: C.Choices) -> TrainingSetup:
         gradient_accumulation=c.gradient_accumulation, gradient_checkpointing=c.gradient_checkpointing,
         activation_offloading=c.activation_offloading, lora_target_experts=bool(c.target_experts),
         lora_dropout=0.0, loss_chunks=8 if c.chunked_loss else 1, liger_kernel=c.liger_kernel,
+        lora_modules_to_save=_saved(c),
     )
+
+
+def _saved(c: C.Choices) -> tuple[str, ...]:
+    """lora.modulesToSave as the choice says (only adapters have it)."""
+    return ("embed_tokens", "lm_head") if c.modules_to_save and c.method != "full" else ()
 
 
 def _contract(c: C.Choices) -> TrainerConfig:
@@ -72,8 +79,8 @@ def _contract(c: C.Choices) -> TrainerConfig:
         "updateRounding": c.update_rounding, "optimizerInBackward": c.optimizer_in_backward,
         "gradientAccumulation": c.gradient_accumulation, "maxGradNorm": 1.0 if c.gradient_clipping else 0.0,
         "gradientCheckpointing": c.gradient_checkpointing, "activationOffloading": c.activation_offloading,
-        "lora": {"targetExperts": bool(c.target_experts)}, "lossChunks": 8 if c.chunked_loss else 1,
-        "ligerKernel": c.liger_kernel,
+        "lora": {"targetExperts": bool(c.target_experts), "modulesToSave": list(_saved(c))},
+        "lossChunks": 8 if c.chunked_loss else 1, "ligerKernel": c.liger_kernel,
     })
 
 
@@ -94,7 +101,7 @@ def _spec_document(c: C.Choices) -> dict[str, Any]:
         "placement": {"regions": ["eu"]},
     }
     if c.method != "full":
-        spec["lora"] = {"rank": 8, "targetExperts": bool(c.target_experts)}
+        spec["lora"] = {"rank": 8, "targetExperts": bool(c.target_experts), "modulesToSave": list(_saved(c))}
     return spec
 
 
@@ -110,7 +117,8 @@ def _accepted(build) -> tuple[bool, str]:
 @given(c=choices)
 def test_setup_and_contract_agree_with_the_table(c: C.Choices):
     # TrainingSetup knows the model (MoE or not) but not gradient clipping (the renderer's).
-    for_setup = c.but(gradient_clipping=None, target_experts=c.target_experts if c.method != "full" else None)
+    for_setup = c.but(gradient_clipping=None, target_experts=c.target_experts if c.method != "full" else None,
+                  modules_to_save=c.modules_to_save if c.method != "full" else None)
     ok, why = _accepted(lambda: _setup(c))
     assert ok == C.allows(for_setup), (for_setup, why)
     if not ok:
@@ -119,7 +127,8 @@ def test_setup_and_contract_agree_with_the_table(c: C.Choices):
             _setup(c)
         assert error.value.field == first.field
     # The contract knows clipping but not the model's experts.
-    for_contract = c.but(moe=None, logit_transform=None, target_experts=c.target_experts if c.method != "full" else None)
+    for_contract = c.but(moe=None, logit_transform=None, target_experts=c.target_experts if c.method != "full" else None,
+                  modules_to_save=c.modules_to_save if c.method != "full" else None)
     ok, why = _accepted(lambda: _contract(c))
     assert ok == C.allows(for_contract), (for_contract, why)
 
@@ -128,7 +137,8 @@ def test_setup_and_contract_agree_with_the_table(c: C.Choices):
 @given(c=choices)
 def test_api_and_its_cel_rules_agree_with_the_table(c: C.Choices):
     # The API knows neither the model (a preset name only) nor clipping; lora settings exist for adapters only.
-    for_api = c.but(moe=None, logit_transform=None, gradient_clipping=None, target_experts=c.target_experts if c.method != "full" else None)
+    for_api = c.but(moe=None, logit_transform=None, gradient_clipping=None, target_experts=c.target_experts if c.method != "full" else None,
+                  modules_to_save=c.modules_to_save if c.method != "full" else None)
     document = _spec_document(c)
     ok, why = _accepted(lambda: api.parse_spec(document))
     assert ok == C.allows(for_api), (for_api, why)
@@ -173,7 +183,7 @@ def _eval_cel(rule: str, spec: dict[str, Any]) -> bool:
 
     text = re.sub(r"has\(self\.([\w.]+)\)", r'_has("\1")', rule)
     text = re.sub(r"self\.([\w.]+)", r'_get("\1")', text)
-    text = text.replace("&&", " and ").replace("!(", " not (").replace("true", "True").replace("false", "False")
+    text = text.replace("size(", "len(").replace("&&", " and ").replace("!(", " not (").replace("true", "True").replace("false", "False")
     return bool(eval(text, {"_has": has, "_get": get}))  # noqa: S307 - our own generated rules
 
 
@@ -182,7 +192,7 @@ def test_planner_enumeration_follows_the_table():
     assert C.offloads_for("fsdp") == ("none", "optimizer+params")
     assert C.offloads_for("zero1") == ("none", "optimizer")
     assert C.offloads_for("zero3") == C.OFFLOADS
-    assert C.strategies_for("qlora") == ("ddp", "fsdp")
+    assert C.strategies_for("qlora") == ("ddp", "fsdp", "zero3")
     assert C.strategies_for("full", optimizer="paged-adamw-8bit") == ("ddp", "fsdp")
     assert C.strategies_for("full", precision="fp16") == ("ddp", "zero1", "zero2", "zero3")
 

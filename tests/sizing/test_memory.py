@@ -197,8 +197,8 @@ def test_required_is_peak_times_the_setup_s_required_factor_plus_reserve():
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_json_contract_and_breakdown_sums_to_peak(method, strategy):
-    if method == "qlora" and strategy.startswith("zero"):
-        pytest.skip("qlora runs with ddp or fsdp")
+    if method == "qlora" and strategy in ("zero1", "zero2"):
+        pytest.skip("qlora runs with ddp, fsdp or zero3")
     est = estimate_memory(setup(method=method, strategy=strategy, world_size=4, gradient_checkpointing=True))
     doc = json.loads(json.dumps(est.to_json()))
     per = doc["perGPU"]
@@ -235,7 +235,7 @@ def test_sequence_beyond_context_is_a_note():
         (dict(sequence_length=-1), "sequence_length"),
         (dict(world_size=0), "world_size"),
         (dict(offload="optimizer"), "offload"),  # ddp cannot offload
-        (dict(method="qlora", strategy="zero3", world_size=2), "strategy"),  # qlora shards with fsdp only
+        (dict(method="qlora", strategy="zero2", world_size=2), "strategy"),  # qlora shards with fsdp or zero3 only
         (dict(method="lora", lora_rank=0), "lora_rank"),
         (dict(method="lora", lora_targets=("nope",)), "lora_targets"),
         (dict(method="full", strategy="fsdp", world_size=2, offload="optimizer"), "offload"),

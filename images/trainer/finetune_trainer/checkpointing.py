@@ -345,8 +345,10 @@ def _set_model(model, state_dict, lora: bool, full: bool) -> None:
 
 
 def _check_loaded(result, lora: bool) -> None:
-    """Every trainable tensor must come from the checkpoint (all of them for full fine-tuning)."""
-    missing = [k for k in getattr(result, "missing_keys", []) if not lora or "lora_" in k]
+    """Every trainable tensor must come from the checkpoint (all of them for full fine-tuning; under
+    LoRA the adapters and the copies peft trains of lora.modulesToSave)."""
+    missing = [k for k in getattr(result, "missing_keys", [])
+               if not lora or "lora_" in k or ".modules_to_save." in k]
     if missing:
         raise RuntimeError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 

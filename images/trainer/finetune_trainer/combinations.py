@@ -48,6 +48,7 @@ class _ChoicesHead:
     gradient_clipping: bool | None = None  # clipping by global norm (max_grad_norm > 0)
     gradient_checkpointing: bool | None = None
     target_experts: bool | None = None  # LoRA on the fused 3-D expert weights
+    modules_to_save: bool | None = None  # lora.modulesToSave names modules trained in full beside the adapters
     moe: bool | None = None  # whether the model has mixture-of-experts layers
     logit_transform: bool | None = None  # the model changes logits after the head (soft-capping, scales)
     export: str | None = None  # what the job exports after training (EXPORTS)
@@ -75,9 +76,10 @@ RULES: tuple[Rule, ...] = (
     Rule("fsdp-optimizer-offload", {"strategy": _set("fsdp"), "offload": _set("optimizer")}, "offload",
          "fsdp offloads parameters together with the optimizer: use optimizer+params"),
     # ---- method -------------------------------------------------------------------------
-    Rule("qlora-zero", {"method": _set("qlora"), "strategy": ZERO}, "strategy",
-         "qlora runs with ddp or fsdp (fsdp shards the 4-bit base, as fsdp_qlora does); DeepSpeed ZeRO"
-         " cannot partition bitsandbytes 4-bit weights"),
+    Rule("qlora-zero12", {"method": _set("qlora"), "strategy": _set("zero1", "zero2")}, "strategy",
+         "qlora runs with ddp, fsdp (it shards the 4-bit base, as fsdp_qlora does) or zero3 (it partitions the"
+         " 4-bit base stored in the compute dtype, as peft's ZeRO-3 QLoRA recipe does); zero1 and zero2 are not"
+         " run with bitsandbytes' 4-bit weights here"),
     Rule("qlora-fp32", {"method": _set("qlora"), "precision": _set("fp32")}, "precision",
          "qlora computes in bf16 or fp16; fp32 is not allowed"),
     # ---- precision / optimizer x strategy ---------------------------------------------
@@ -92,6 +94,10 @@ RULES: tuple[Rule, ...] = (
          "targetExperts adds adapters: it needs method lora or qlora"),
     Rule("experts-dense", {"target_experts": _set(True), "moe": _set(False)}, "target_experts",
          "the model has no mixture-of-experts layers to adapt"),
+    # ---- modules trained in full beside the adapters ---------------------------------------------
+    Rule("saved-modules-sharded", {"modules_to_save": _set(True), "strategy": _set("fsdp", "zero3")}, "strategy",
+         "lora.modulesToSave runs with ddp, zero1 or zero2: peft trains a copy of each saved module, and neither "
+         "FSDP's sharded modules (they cannot be copied) nor ZeRO-3's partitioned parameters load that copy"),
     # ---- export -------------------------------------------------------------------------------
     Rule("merged-full", {"export": _set("merged"), "method": _set("full")}, "export",
          "merged merges a LoRA adapter into the base: it needs method lora or qlora (full fine-tuning exports "
@@ -150,26 +156,32 @@ def _cel_literal(value: Any) -> str:
     return "'" + str(value).replace("'", "\\'") + "'"
 
 
-def cel_rules(paths: Mapping[str, str], *, spelled: Mapping[str, Mapping[Any, Any]] | None = None) -> list[dict[str, str]]:
+def cel_rules(paths: Mapping[str, str], *, spelled: Mapping[str, Mapping[Any, Any]] | None = None,
+              listed: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     """The rules as CRD `x-kubernetes-validations` of the object whose fields `paths` names.
 
     `paths` maps a Choices field to its dotted path below `self` (e.g. "resources.offload").
     Rules that read a field the object does not have (gradient accumulation, which the API
     derives) or a numeric condition are left to the pydantic validator. `spelled` maps
-    a field's values to the API's spelling where they differ.
+    a field's values to the API's spelling where they differ. `listed` maps a boolean Choices
+    field that says whether a list is non-empty (modules_to_save) to that list's path.
     """
-    spelled = spelled or {}
+    spelled, listed = spelled or {}, listed or {}
     rules: list[dict[str, str]] = []
     for rule in RULES:
-        if any(name not in paths or isinstance(values, AtLeast) for name, values in rule.when.items()):
+        if any((name not in paths and name not in listed) or isinstance(values, AtLeast)
+               or (name in listed and set(values) != {True}) for name, values in rule.when.items()):
             continue
         terms = []
         for name, values in rule.when.items():
-            path = paths[name]
+            path = listed.get(name) or paths[name]
             guards = []
             parts = path.split(".")
             for i in range(len(parts)):
                 guards.append(f"has(self.{'.'.join(parts[:i + 1])})")
+            if name in listed:
+                terms.append("(" + " && ".join(guards) + f" && size(self.{path}) > 0)")
+                continue
             spell = spelled.get(name, {})
             literals = ", ".join(_cel_literal(spell.get(v, v)) for v in sorted(values, key=str))
             terms.append("(" + " && ".join(guards) + f" && self.{path} in [{literals}])")

@@ -131,6 +131,11 @@ class LoraSettings(_Contract):
     # Also adapt the fused 3-D expert weights of mixture-of-experts layers (peft
     # `target_parameters`), which are parameters, not Linear modules.
     target_experts: bool = False
+    # Modules trained in full beside the adapters (peft `modules_to_save`: the input embedding,
+    # the output head): peft trains a copy of each, which the trainer keeps in fp32 like the
+    # adapters (model_setup.train_in_fp32). None (left out of the JSON, so that a config without
+    # it reads the same on a trainer that predates it): none.
+    modules_to_save: list[str] | None = None
 
     @field_validator("target_modules")
     @classmethod
@@ -138,6 +143,17 @@ class LoraSettings(_Contract):
         if isinstance(value, list) and (not value or any(not m for m in value)):
             raise ValueError("targetModules must be 'all-linear' or a non-empty list of module names")
         return value
+
+    @model_validator(mode="after")
+    def _saved_apart(self) -> "LoraSettings":
+        saved = self.modules_to_save or []
+        if any(not m for m in saved) or len(set(saved)) != len(saved):
+            raise ValueError("modulesToSave must name distinct modules")
+        both = sorted(set(saved) & set(self.target_modules if isinstance(self.target_modules, list) else ()))
+        if both:
+            raise ValueError(f"modulesToSave: {', '.join(both)} also in targetModules (a module is trained in full "
+                             "or adapted, not both)")
+        return self
 
 
 class FsdpSettings(_Contract):
@@ -318,6 +334,7 @@ class TrainerConfig(_TrainerConfigLevers):
             precision=self.precision, gradient_accumulation=self.gradient_accumulation,
             gradient_clipping=self.max_grad_norm > 0, gradient_checkpointing=self.gradient_checkpointing,
             target_experts=self.lora.target_experts if self.method != "full" else None,
+            modules_to_save=bool(self.lora.modules_to_save) if self.method != "full" else None,
             export=self.export,
             **choice_values(self),
         )
@@ -793,6 +810,9 @@ class ProfileSetup(_Contract):
     lora_alpha: float = Field(32, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_targets: Literal["all-linear"] | list[str] = "all-linear"
+    # peft's modules_to_save (spec.lora.modulesToSave), trained in fp32 as the trainer trains them;
+    # None (left out of the request, for a trainer image that predates it): none.
+    lora_modules_to_save: list[str] | None = None
     precision: Literal["bf16", "fp32"] = "bf16"
     attention: Literal["sdpa", "eager"] = "sdpa"
     packing: bool = Field(False, description="examples packed with their boundaries (spec.dataset.packing)")
@@ -807,6 +827,8 @@ class ProfileSetup(_Contract):
         """Stable and short: the cache key of this setup (with the config's hash)."""
         targets = self.lora_targets if isinstance(self.lora_targets, str) else "+".join(self.lora_targets)
         lora = f"r{self.lora_rank}a{self.lora_alpha:g}d{self.lora_dropout:g}t{targets}" if self.method == "lora" else ""
+        if self.method == "lora" and self.lora_modules_to_save:  # without: keys as before, the cache stays valid
+            lora += "m" + "+".join(self.lora_modules_to_save)
         return (f"{self.method}{lora}.{self.precision}.{self.attention}.s{self.sequence_length}"
                 f".b{self.micro_batch_size}.gc{int(self.gradient_checkpointing)}.{self.strategy}{self.world_size}"
                 + (".packed" if self.packing else ""))  # unpacked keys as before: the cache stays valid

@@ -183,9 +183,10 @@ def fsdp_route(cfg: TrainerConfig, world_size: int) -> str:
 
 
 def qlora_quantization(cfg: TrainerConfig, route: str) -> dict:
-    """BitsAndBytesConfig arguments. Under FSDP the packed 4-bit bytes are stored in the
-    compute dtype: FSDP shards floating tensors only, and all tensors of one FSDP unit
-    must share a dtype (fsdp_qlora's quant_storage trick)."""
+    """BitsAndBytesConfig arguments. Under FSDP and ZeRO-3 the packed 4-bit bytes are stored in
+    the compute dtype: FSDP shards floating tensors only, and all tensors of one FSDP unit must
+    share a dtype (fsdp_qlora's quant_storage trick); ZeRO-3's zero.Init partitions the model as
+    it loads in one dtype, and transformers and peft run QLoRA under it with that storage."""
     import torch
 
     args = {
@@ -194,11 +195,20 @@ def qlora_quantization(cfg: TrainerConfig, route: str) -> dict:
         "bnb_4bit_use_double_quant": True,
         "bnb_4bit_compute_dtype": compute_dtype(cfg),
     }
-    if route == FSDP_ACCELERATE:
+    if route == FSDP_ACCELERATE or cfg.strategy == "zero3":
         args["bnb_4bit_quant_storage"] = compute_dtype(cfg)
     else:
         args["bnb_4bit_quant_storage"] = torch.uint8
     return args
+
+
+def prepares_kbit(cfg: TrainerConfig) -> bool:
+    """Whether peft's prepare_model_for_kbit_training runs: for QLoRA, except under ZeRO-3. It casts
+    every parameter that is not 4-bit to fp32, which ZeRO-3's partitioned parameters (loaded in the
+    compute dtype by zero.Init) do not take; the Trainer's gradient checkpointing and the frozen base
+    need nothing more. TRL's SFTTrainer skips it for sharded QLoRA the same way. The memory model sizes
+    the non-4-bit rest in the compute dtype there (sizing/regime.py)."""
+    return cfg.method == "qlora" and cfg.strategy != "zero3"
 
 
 def accelerate_fsdp_arguments(cfg: TrainerConfig, route: str) -> dict:
@@ -224,7 +234,7 @@ def accelerate_fsdp_arguments(cfg: TrainerConfig, route: str) -> dict:
 def apply_lora(cfg: TrainerConfig, model):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if cfg.method == "qlora":
+    if prepares_kbit(cfg):
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=cfg.gradient_checkpointing,
@@ -249,14 +259,18 @@ def apply_lora(cfg: TrainerConfig, model):
         lora_dropout=dropout,
         target_modules=cfg.lora.target_modules,
         target_parameters=expert_targets,
+        modules_to_save=cfg.lora.modules_to_save or None,
         task_type="CAUSAL_LM",
     )
+    check_modules_to_save(model, cfg.lora.modules_to_save or [])
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as exc:
         # peft names the modules it could not find; that is a config problem.
         field = "lora.targetExperts" if expert_targets and "target_parameters" in str(exc) else "lora.targetModules"
         raise ConfigError(f"{field}: {exc}") from exc
+    if not cfg.zero_stage:  # DeepSpeed casts the model itself and keeps fp32 masters of what trains
+        train_in_fp32(peft_model)
     if experts_wrapped and cfg.lora.dropout > 0:
         from .moe import restore_linear_dropout
 
@@ -268,3 +282,24 @@ def apply_lora(cfg: TrainerConfig, model):
                                  f"the fused expert adapters ({wrapped}) train without dropout "
                                  f"(peft's ParamWrapper cannot apply it)")
     return peft_model
+
+
+def check_modules_to_save(model, names: list[str]) -> None:
+    """Each name of lora.modulesToSave must be a module of the model: peft matches names as suffixes
+    and skips a name that matches nothing without a word, which would train nothing in full."""
+    module_names = [name for name, _ in model.named_modules()]
+    for wanted in names:
+        if not any(name == wanted or name.endswith("." + wanted) for name in module_names):
+            raise ConfigError(f"lora.modulesToSave: {wanted!r} is not a module of {type(model).__name__}")
+
+
+def train_in_fp32(model) -> None:
+    """Every trainable parameter in fp32: peft keeps the LoRA adapters in fp32 by itself, but the copy it
+    trains of a `modules_to_save` module keeps the base's dtype (bf16 for LoRA), where AdamW's small
+    updates to embeddings are lost in bf16's rounding. The fp32 copy trains like the adapters: autocast
+    casts it per use. The sizing model counts it so (sizing/saved_modules.py)."""
+    import torch
+
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()

@@ -102,6 +102,19 @@ KINDS: tuple[OptimizerKind, ...] = (
                   Quantised(bits=4, block=128, code_entries=16), stochastic_rounding=True, step_temp_bytes_per_value=2.0,
                   optimizer_class="torchao.optim:AdamW4bit"),
 )
+
+# torch's AdamW runs one of two multi-tensor paths, which differ in what a step allocates beyond its
+# in-place update, counted here in copies of one moment (the parameters' dtype) over every value of
+# one parameter group (torch steps the groups one after another): `fused` (one kernel per group, in
+# place) none; `foreach` takes the square root of all the group's second moments at once, one copy.
+# Measured on the CPU's kernels and the dispatch tracker (bench/optimizer_state.py,
+# tests/sizing/test_optimizer_state.py); bench/gpu_levers.py measures both on a GPU. The trainer asks
+# for fused on every device (TrainingArguments optim adamw_torch_fused; its `optimizer` log line says
+# which ran); foreach is what torch picks on CUDA when neither is asked for, as many published
+# recipes ran it (a TrainingSetup sizes it when told so: adamw_implementation).
+ADAMW_GROUP_MOMENT_COPIES: dict[str, int] = {"fused": 0, "foreach": 1}
+TRAINER_ADAMW = "fused"
+
 BY_NAME: dict[str, OptimizerKind] = {kind.name: kind for kind in KINDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 DEFAULT = "adamw"

@@ -232,15 +232,23 @@ def build_meta_model(config, setup: ProfileSetup, *, trust_remote_code: bool = F
     if setup.method != "full":
         import peft
 
+        from .errors import ConfigError
+        from .model_setup import check_modules_to_save, train_in_fp32
+
         targets = setup.lora_targets if isinstance(setup.lora_targets, str) else list(setup.lora_targets)
+        try:
+            check_modules_to_save(model, setup.lora_modules_to_save or [])
+        except ConfigError as exc:
+            raise ProfileError(str(exc), "spec.lora.modulesToSave") from exc
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = peft.get_peft_model(model, peft.LoraConfig(
                     r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                    target_modules=targets))
+                    target_modules=targets, modules_to_save=setup.lora_modules_to_save or None))
         except ValueError as exc:
             raise ProfileError(f"peft: {exc}", "spec.lora.targetModules") from exc
+        train_in_fp32(model)  # the copies of modules_to_save train in fp32, as in the trainer
     if setup.gradient_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", True):
             raise ProfileError(f"{type(model).__name__} does not support gradient checkpointing",
@@ -257,6 +265,24 @@ def _base(model):
 def _is_tied(base) -> bool:
     head, embed = base.get_output_embeddings(), base.get_input_embeddings()
     return head is not None and embed is not None and head.weight is embed.weight
+
+
+def shared_parameters(model) -> list[list[tuple[Any, str]]]:
+    """Where one parameter is held by several modules (tied embeddings): (module, attribute) per holder.
+    `to_empty` gives each holder its own tensor; `retie` shares them again. Asked of the modules, not
+    of `get_output_embeddings`: with peft's modules_to_save the head is a wrapper whose trained copy
+    is not tied, while the frozen original it keeps still is."""
+    holders: dict[int, list[tuple[Any, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def retie(groups: list[list[tuple[Any, str]]]) -> None:
+    for (first, first_name), *others in groups:
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
 
 
 def _blocks(base) -> list:
@@ -370,7 +396,7 @@ def measure(config, setup: ProfileSetup, *, steps: int = 2, trust_remote_code: b
         mesh = init_device_mesh("cpu", (setup.world_size,))  # before the fake mode (see module doc)
 
     model = build_meta_model(config, setup, trust_remote_code=trust_remote_code)
-    tied = _is_tied(_base(model))
+    shared = shared_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if sharded:
         _apply_fsdp(model, mesh)
@@ -389,8 +415,8 @@ def measure(config, setup: ProfileSetup, *, steps: int = 2, trust_remote_code: b
     try:
         with _patched_transformers(setup.packing), fake_mode, tracker:
             model.to_empty(device="cpu")
-            if not sharded and tied:
-                model.tie_weights()
+            if not sharded:
+                retie(shared)
             params = [p for p in model.parameters() if p.requires_grad]
             layout = ddp_bucket_layout(params) if not sharded else []
             bucket_bytes = sum(_rounded(n * torch.empty((), dtype=d).element_size()) for n, d in layout)

@@ -161,10 +161,17 @@ class FineTuneTrainer(Trainer):
 
 def _log_optimizer(cfg: TrainerConfig | None, optimizer, cls=None) -> None:
     """Which implementation steps the weights (the `optimizer` line): what the config names is not
-    proof of what runs."""
-    cls = cls or type(getattr(optimizer, "optimizer", optimizer))
+    proof of what runs. For torch's AdamW also its path (`fused` or `foreach`: their step temporaries
+    differ, optimizers.ADAMW_GROUP_MOMENT_COPIES); left out when torch picks it at the step."""
+    plain = getattr(optimizer, "optimizer", optimizer)
+    per_parameter = getattr(plain, "plain_optimizers", None)  # the step in backward: one per parameter
+    if callable(per_parameter):
+        plain = next(iter(per_parameter()), plain)
+    cls = cls or type(plain)
+    defaults = getattr(plain, "defaults", {}) if isinstance(plain, torch.optim.AdamW) else {}
+    path = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else None
     log_json("optimizer", optimizer=cfg.optimizer if cfg is not None else None,
-             implementation=f"{cls.__module__}.{cls.__qualname__}")
+             implementation=f"{cls.__module__}.{cls.__qualname__}", **({"adamwPath": path} if path else {}))
 
 
 def _torchao_optimizer(cfg: TrainerConfig, args):

@@ -146,6 +146,9 @@ CHOICE_PATHS: dict[str, str] = {
     **{choice: f"training.{field}" for choice, field in config_fields().items()},
 }
 
+# Choices that say whether a list of the spec is non-empty, and that list's path (for CEL).
+LISTED_CHOICES: dict[str, str] = {"modules_to_save": "lora.modulesToSave"}
+
 
 def _fixed(value: Any) -> Any:
     return None if value == "auto" else value
@@ -167,6 +170,7 @@ def spec_choices(spec: "FineTuneJobSpec") -> Choices:
         gradient_accumulation=accumulation,
         gradient_checkpointing=training.gradient_checkpointing,
         target_experts=spec.lora.target_experts if spec.lora is not None else None,
+        modules_to_save=bool(spec.lora.modules_to_save) if spec.lora is not None else None,
         export=spec.export,
         **choice_values(training, auto_is_none=True),
     )
@@ -259,7 +263,8 @@ class FineTuneJobSpec(ApiModel):
             # from the one table the validators below, the planner and the trainer also read. A choice
             # that follows from a field (chunked_loss: lossChunks > 1) has no values of its own there:
             # its rules stay with the validator.
-            + cel_rules({choice: path for choice, path in CHOICE_PATHS.items() if choice not in derived_choices()})
+            + cel_rules({choice: path for choice, path in CHOICE_PATHS.items() if choice not in derived_choices()},
+                        listed=LISTED_CHOICES)
         }
     )
 

@@ -38,7 +38,12 @@ class LoraSpec(ApiModel):
                     "rule": "!('all-linear' in self.targetModules) || size(self.targetModules) == 1",
                     "message": "targetModules: 'all-linear' stands alone; do not combine it with module names",
                     "fieldPath": ".targetModules",
-                }
+                },
+                {
+                    "rule": "!has(self.modulesToSave) || !self.modulesToSave.exists(m, m in self.targetModules)",
+                    "message": "modulesToSave: a module is adapted (targetModules) or trained in full, not both",
+                    "fieldPath": ".modulesToSave",
+                },
             ]
         }
     )
@@ -51,20 +56,42 @@ class LoraSpec(ApiModel):
     """Dropout on the adapter input."""
     target_modules: Annotated[list[LoraAdjustableModule], Field(min_length=1, max_length=64)] = ["all-linear"]
     """Modules that get adapters: `[all-linear]` (every linear layer of the blocks, not the output head),
-    or module names such as `[q_proj, v_proj]`."""
+    or module names such as `[q_proj, v_proj]`; the output head (`lm_head`) may be named beside block modules."""
     target_experts: bool = False
     """Also adapt the fused 3-D expert weights of mixture-of-experts layers (peft `target_parameters`),
     which `targetModules` cannot name because they are parameters, not linear layers. Needs a
     mixture-of-experts model (Mixtral, Qwen-MoE)."""
+
+    modules_to_save: Annotated[list[LoraAdjustableModule], Field(max_length=2)] = []
+    """Modules trained in full beside the adapters (peft `modules_to_save`), e.g. to train the embeddings of a
+    chat template's special tokens: the input embedding and the output head, by the family's module names
+    (`embed_tokens`, `lm_head`; Pythia's embedding is `embed_in`). peft trains a copy of each (with tied
+    embeddings too) while the original stays frozen; the trainer keeps the copies in fp32 (bf16 under DeepSpeed,
+    which keeps fp32 masters), so with AdamW each costs 16 bytes a parameter (Llama 3.1 8B: 8.4 GB each). The
+    adapter folder holds the copies; `export: merged` writes them in place of the base's (and unties tied
+    embeddings). Strategy ddp, zero1 or zero2."""
 
     @field_validator("target_modules")
     @classmethod
     def _all_linear_alone(cls, value: list[str]) -> list[str]:
         if "all-linear" in value and len(value) != 1:
             raise ValueError("'all-linear' stands alone; do not combine it with module names")
+        return value
+
+    @field_validator("target_modules", "modules_to_save")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
         if len(set(value)) != len(value):
             raise ValueError("module names must be unique")
         return value
+
+    @model_validator(mode="after")
+    def _saved_or_adapted(self) -> "LoraSpec":
+        both = [m for m in self.modules_to_save if m in self.target_modules]
+        if both:
+            raise field_error("modulesToSave", f"{', '.join(both)}: a module is adapted (targetModules) or trained in "
+                                               "full, not both")
+        return self
 
 
 Precision = Literal["bf16", "fp16", "fp32"]

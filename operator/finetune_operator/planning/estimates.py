@@ -111,7 +111,8 @@ class Estimates:
         if estimator is estimate_memory:
             a = ask  # every field of the job that setup() reads
             shared = (a.arch, a.method, a.lora_rank, a.lora_targets, a.precision, a.optimizer, a.sequence_length,
-                      a.attention, a.packing, a.global_batch_size, a.target_experts, a.lora_dropout)
+                      a.attention, a.packing, a.global_batch_size, a.target_experts, a.lora_dropout,
+                      a.lora_modules_to_save)
             try:
                 hash(shared)
                 self.shared = shared
@@ -158,7 +159,7 @@ class Estimates:
         a = self.ask  # a field of the job read here belongs in `self.shared` too (the memo's key)
         return TrainingSetup(
             architecture=a.arch, method=a.method, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
-            lora_dropout=a.lora_dropout,
+            lora_dropout=a.lora_dropout, lora_modules_to_save=a.lora_modules_to_save,
             precision=a.precision, optimizer=a.optimizer, micro_batch_size=micro,
             sequence_length=a.sequence_length, gradient_checkpointing=checkpointing, attention=a.attention,
             packing=a.packing, strategy=strategy, world_size=world, offload=offload,

@@ -28,6 +28,7 @@ from .. import api
 from ..sizing import ModelArchitecture, SizingError
 from ..sizing.export import estimate_export
 from ..sizing.from_job import architecture_of
+from ..sizing.saved_modules import saved_modules
 from finetune_trainer.contract import default_export
 from finetune_trainer.combinations import OFFLOADS, STRATEGIES, Choices, allows, offloads_for, strategies_for
 from finetune_trainer.memory_levers import (
@@ -87,6 +88,7 @@ class Ask:
     target_experts: bool = False
     packing: bool = False  # spec.dataset.packing (examples packed with their boundaries)
     lora_dropout: float = 0.0  # spec.lora.dropout (> 0 saves a dropout mask per adapted input)
+    lora_modules_to_save: tuple[str, ...] = ()  # spec.lora.modulesToSave (trained in full beside the adapters)
     # Host memory the export after training needs (sizing/export.py; 0 for an adapter): rank 0 merges
     # on the CPU once the other ranks have exited, so one pod's memory must hold it.
     export_host_bytes: int = 0
@@ -102,6 +104,7 @@ class Ask:
         return Choices(method=self.method, strategy=strategy, offload=offload, optimizer=self.optimizer,
                        precision=self.precision, gradient_checkpointing=checkpointing,
                        target_experts=self.target_experts if self.method != "full" else None,
+                       modules_to_save=bool(self.lora_modules_to_save) if self.method != "full" else None,
                        moe=self.arch.is_moe, logit_transform=bool(self.arch.final_logit_softcapping))
 
 
@@ -192,16 +195,19 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         arch = architecture or architecture_of(spec)
     except SizingError as error:
         return Infeasible(message=f"spec.model.architecture: {error}")
-    lora_rank, lora_targets, lora_dropout = 16, "all-linear", 0.0
+    lora_rank, lora_targets, lora_dropout, saved = 16, "all-linear", 0.0, ()
     if spec.lora is not None:
         lora_rank, lora_dropout = spec.lora.rank, spec.lora.dropout
         targets = spec.lora.target_modules
         lora_targets = "all-linear" if targets == ["all-linear"] else tuple(targets)
+        saved = tuple(spec.lora.modules_to_save)
         if spec.method != "full":
             try:
                 arch.resolve_lora_targets(lora_targets)
+                saved_modules(arch, saved, lora_targets)
             except SizingError as error:
-                return Infeasible(message=f"spec.lora.targetModules: {error}")
+                field = "modulesToSave" if error.field == "lora_modules_to_save" else "targetModules"
+                return Infeasible(message=f"spec.lora.{field}: {error.message}")
     t, r = spec.training, spec.resources
     regions = tuple(reg for reg in spec.placement.regions if reg in set(policy.allowed_regions))
     try:
@@ -221,7 +227,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
                                   "expert weights, which lora.targetModules all-linear (and lora.targetExperts) adapt; "
                                   "use export adapter, or name the attention modules in lora.targetModules")
     exported = estimate_export(arch, export=export, method=spec.method, precision=t.precision,
-                               lora_targets=lora_targets, stored_bytes=_stored_bytes(arch),
+                               lora_targets=lora_targets, modules_to_save=saved, stored_bytes=_stored_bytes(arch),
                                trained_bytes=2 if t.master_weights == "bf16" else 4)
     return Ask(
         arch=arch,
@@ -233,6 +239,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         attention=t.attention,
         packing=spec.dataset.packing,
         lora_dropout=lora_dropout if spec.method != "full" else 0.0,
+        lora_modules_to_save=saved if spec.method != "full" else (),
         sequence_length=t.sequence_length,
         global_batch_size=t.global_batch_size,
         steps=t.max_steps,

@@ -105,8 +105,8 @@ class ProfiledModel:
             raise SizingError("attention", f"the profile measured {t.attention}, not {setup.attention}")
         if setup.method != "full":
             targets = "all-linear" if setup.lora_targets == "all-linear" else list(setup.lora_targets)
-            if (setup.lora_rank, float(setup.lora_dropout), targets) != (t.lora_rank, float(t.lora_dropout),
-                                                                          t.lora_targets):
+            if (setup.lora_rank, float(setup.lora_dropout), targets, list(setup.lora_modules_to_save)) != (
+                    t.lora_rank, float(t.lora_dropout), t.lora_targets, t.lora_modules_to_save or []):
                 raise SizingError("lora", "the profile measured other LoRA settings")
         for name, plain in _PLAIN_LEVERS.items():
             if hasattr(setup, name) and getattr(setup, name) not in plain:

@@ -103,6 +103,7 @@ def job_profile(spec: api.FineTuneJobSpec) -> JobProfile:
         method=spec.method,
         lora_rank=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         lora_targets="all-linear" if targets == ["all-linear"] else list(targets),
+        lora_modules_to_save=list(lora.modules_to_save) or None,
         precision=t.precision,
         # flash is traced as the CUDA flash kernel's meta function, like sdpa without a mask
         attention="eager" if t.attention == "eager" else "sdpa",

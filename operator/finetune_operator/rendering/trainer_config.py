@@ -137,6 +137,7 @@ def _lora(spec: api.FineTuneJobSpec, plan: Plan) -> LoraSettings:
         dropout=spec.lora.dropout,
         target_modules="all-linear" if modules == ["all-linear"] else list(modules),
         target_experts=spec.lora.target_experts,
+        modules_to_save=list(spec.lora.modules_to_save) or None,
     )
 
 

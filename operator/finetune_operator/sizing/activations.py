@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import families
+from . import families, saved_modules
 from .architecture import ModelArchitecture
 from .errors import SizingError
 from .regime import Regime
@@ -64,6 +64,9 @@ def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
         autocast = regime.compute == 2 and not regime.master_bf16
         around = (families.final_layer_norm_saved(arch, regime.residual, autocast) + regime.compute * hidden
                   + regime.residual * hidden + families.embedding_dropout_saved(arch)) * tokens
+    if regime.lora:  # what trains outside the blocks: a copy of the head, the head's adapter
+        around += saved_modules.saved_per_token(arch, regime.compute, saved_modules.of_setup(setup), setup.lora_rank,
+                                                setup.lora_targets, setup.lora_dropout > 0) * tokens
     one_block = (block_per_token + lora_per_token) * tokens
     block_input = regime.residual * hidden * tokens
     offloaded_to_host = 0.0

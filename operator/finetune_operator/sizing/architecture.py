@@ -330,7 +330,8 @@ class ModelArchitecture:
         return sum(l.params for l in largest) + self._block_extra_params
 
     def resolve_lora_targets(self, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
-        """The block matrices LoRA adapts; `all-linear` is what peft adapts for the family (never the head)."""
+        """The block matrices LoRA adapts; `all-linear` is what peft adapts for the family (never the head).
+        The output head may be named too (`head_adapted`): it is no block matrix, so it is not among these."""
         if isinstance(targets, list):
             targets = tuple(targets)
         return _resolve_lora_targets(self, targets)
@@ -362,13 +363,22 @@ class ModelArchitecture:
         if not targets:
             raise SizingError("lora_targets", "must name at least one module or be 'all-linear'")
         chosen = []
+        head = self.traits.head_module
         for name in targets:
+            if name == head:
+                continue  # the output head's adapter (head_adapted), outside the blocks
             if name not in known:
                 raise SizingError(
-                    "lora_targets", f"{name!r} is not a linear layer of {self.family} blocks; known: {', '.join(known)}"
+                    "lora_targets", f"{name!r} is not a linear layer of {self.family} blocks nor its output head "
+                                    f"{head!r}; known: {', '.join(known + (head,))}"
                 )
             chosen.extend(l for l in linears if l.name == name or l.name.startswith(name + "."))
         return tuple(chosen)
+
+    def head_adapted(self, targets: str | tuple[str, ...]) -> bool:
+        """Whether LoRA adapts the output head: only when the targets name it (peft's `all-linear`
+        leaves the output layer out)."""
+        return not isinstance(targets, str) and self.traits.head_module in targets
 
     def lora_trainable_params(self, rank: int, targets: str | tuple[str, ...] = "all-linear") -> int:
         """Trainable adapter parameters, exactly as peft creates them."""
@@ -393,7 +403,8 @@ class ModelArchitecture:
         n_moe = self.num_moe_layers
         dense = per_block(self._dense_block_linears) if self.num_layers > n_moe else 0
         vision = self.vision.lora_params(rank, targets) if self.vision else 0
-        return n_moe * per_block(self._block_linears) + (self.num_layers - n_moe) * dense + vision
+        head = rank * (self.hidden_size + self.vocab_size) if self.head_adapted(targets) else 0
+        return n_moe * per_block(self._block_linears) + (self.num_layers - n_moe) * dense + vision + head
 
     # ---- construction ----------------------------------------------------------
     @classmethod

@@ -8,6 +8,7 @@ class SizingError(ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message  # without the field: for callers that name the field in the job's terms
         super().__init__(f"{field}: {message}")
 
 

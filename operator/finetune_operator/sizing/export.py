@@ -68,11 +68,14 @@ def _plain_working_set(elements: int, stored: int, out: int) -> float:
 
 def estimate_export(arch: ModelArchitecture, *, export: str, method: str, precision: str,
                     lora_targets: str | tuple[str, ...] = "all-linear", stored_bytes: int = 2,
-                    trained_bytes: int = FP32) -> ExportEstimate | None:
+                    trained_bytes: int = FP32, modules_to_save: tuple[str, ...] = ()) -> ExportEstimate | None:
     """The export's host memory and disk; None for `adapter` (nothing is written beyond the adapter).
 
     `stored_bytes`: bytes per element of the base checkpoint on disk (2 for a 16-bit base);
-    `trained_bytes`: of the Trainer's save of a full fine-tune (4 with fp32 master weights)."""
+    `trained_bytes`: of the Trainer's save of a full fine-tune (4 with fp32 master weights).
+    `modules_to_save` (lora.modulesToSave): their trained fp32 copies replace the base's tensors (read
+    from the adapter, then cast); with tied embeddings a changed head or embedding is written untied,
+    so the folder holds the vocabulary matrix twice."""
     if export == "adapter":
         return None
     out = DTYPE_BYTES[precision]
@@ -80,19 +83,29 @@ def estimate_export(arch: ModelArchitecture, *, export: str, method: str, precis
     qlora = method == "qlora"
     source = stored_bytes if export == "merged" else trained_bytes
     head = arch.vocab_size * arch.hidden_size
-    # Tensors the adapter changes: block linears only (the API's targetModules name nothing else).
+    # Tensors the adapter changes: the block linears and the head it adapts, and the modules it
+    # replaces with their trained copies.
     adapted: list[int] = []
     plain: list[int] = [head]
+    replaced: list[int] = []
+    untied = 0
     if export == "merged":
         targets = {shape.name for shape in arch.resolve_lora_targets(lora_targets)}
         for shape in arch.block_linears():
             elements = shape.experts * shape.in_features * shape.out_features
             (adapted if shape.name in targets else plain).append(elements)
+        head_adapted = arch.head_adapted(lora_targets)
+        if head_adapted:
+            adapted.append(head)
+        replaced = [head] * len(modules_to_save)
+        if arch.tie_word_embeddings and (head_adapted or modules_to_save):
+            untied = head * out  # the embedding and the head written apart (export.plan_export)
     else:
         plain += [shape.experts * shape.in_features * shape.out_features for shape in arch.block_linears()]
     working = max([_plain_working_set(n, source, out) for n in plain]
-                  + [_merged_working_set(n, source, out, compute, qlora) for n in adapted])
+                  + [_merged_working_set(n, source, out, compute, qlora) for n in adapted]
+                  + [(FP32 + out) * n for n in replaced])  # the fp32 copy read from the adapter, and its cast
     largest = max(plain + adapted)
     return ExportEstimate(kind=export, host_bytes=int(HOST_PROCESS_BYTES + working + MERGE_OVERHEAD_BYTES),
-                          disk_bytes=int(arch.total_params * out), largest_tensor_elements=largest,
+                          disk_bytes=int(arch.total_params * out + untied), largest_tensor_elements=largest,
                           working_set_bytes=int(working))

@@ -110,6 +110,7 @@ def setup_from_job(job: Any, model_config: Mapping[str, Any] | None = None) -> J
             lora_rank=spec.lora.rank,
             lora_targets="all-linear" if targets == ("all-linear",) else targets,
             lora_dropout=spec.lora.dropout,
+            lora_modules_to_save=tuple(spec.lora.modules_to_save),
         )
     setup = TrainingSetup(
         architecture=arch,

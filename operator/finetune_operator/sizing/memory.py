@@ -27,7 +27,8 @@ How each part was checked:
   in C++ outside the dispatcher, are allocated as the Reducer does), FSDP2 with
   transformers' plan at 2-8 ranks, checkpointing on and off, sdpa and eager, Llama,
   Qwen2, Mistral, Phi-3 and Gemma 2, the families of issue 16 and phi / gpt_neox (issue 28;
-  their terms are in families.py). The FSDP moments (head and block
+  their terms are in families.py), lora.modulesToSave and LoRA on the head (issue 28;
+  saved_modules.py). The FSDP moments (head and block
   reduce-scatters, the embedding group kept gathered until the root forward returns)
   and the tied-embedding gradient accumulation were read off traced timelines.
 * Derived, not traced: DeepSpeed ZeRO (its partitioning runs in its own C++/CUDA
@@ -46,7 +47,9 @@ How each part was checked:
   (activations.py's `logits_bytes`: one chunk of logits), activation offloading
   (`SavedActivations.offloaded_to_host`: the kept block inputs go to host memory), paged 8-bit
   AdamW (`StaticState.unified`: outside the allocator, counted on the host), QLoRA under FSDP
-  (`static_state`, `sharding_of`: the 4-bit base sharded and gathered per block).
+  (`static_state`, `sharding_of`: the 4-bit base sharded and gathered per block) and under
+  ZeRO-3 (zero3.py: the 4-bit codes as bf16 storage, partitioned and gathered like any bf16
+  parameter; checked against DeepSpeed on the CPU with emulated 4-bit layers).
   `lever_savings` says what each saves.
 * Not modelled: what lies outside the allocator's peak (CUDA context, cuBLAS
   workspaces, NCCL buffers, allocator caching) is the fragmentation factor and reserve
@@ -63,6 +66,7 @@ from finetune_trainer import optimizers
 from finetune_trainer.memory_levers import Levers, levers_of, savings
 
 from . import constants as K
+from . import saved_modules
 from .allocator import required_factor
 from .activations import SavedActivations, saved_activations
 from .errors import SizingError
@@ -153,6 +157,10 @@ def _notes(setup: TrainingSetup) -> list[str]:
         notes.append("paged 8-bit AdamW states live in CUDA unified memory: not in the allocator's peak (the figure"
                      " torch.cuda.max_memory_allocated reports) nor in the required GPU memory; the driver pages"
                      " them to host memory when the GPU is full, and host memory counts them")
+    if setup.strategy == "zero3" and setup.method == "qlora":
+        notes.append("QLoRA under ZeRO-3: the 4-bit codes partitioned as bf16 storage (checked against DeepSpeed on the"
+                     " CPU with emulated 4-bit layers, bench/zero_truth.py --qlora), the quantisation state whole on"
+                     " every GPU")
     if setup.strategy == "zero3":
         notes.append("DeepSpeed ZeRO-3 replayed from the settings the trainer's DeepSpeed config writes (partitions,"
                      " persistent parameters, prefetch and reuse of gathered parameters, reduce bucket, optimizer"
@@ -289,9 +297,14 @@ def _weight_copies(setup: TrainingSetup, regime: Regime) -> _WeightCopies:
         # (ZeRO-3: DeepSpeed casts the adapters to bf16 with the model and keeps their fp32
         # master copy in the optimizer, zero3.py; nothing to cast per forward.)
         copies_fwd = 0.0 if setup.strategy in ("fsdp", "zero3") else 2 * lora_params
-        if regime.qlora and setup.strategy != "fsdp":
+        if regime.qlora and setup.strategy not in ("fsdp", "zero3"):
             # The frozen fp32 head is cast on every call (not cached: it needs no grad) and
-            # the cast is saved for the input gradient.
+            # the cast is saved for the input gradient; a trained copy of the head
+            # (lora.modulesToSave) is cast in its place, cached, as large.
+            copies_fwd += 2 * embed
+        elif saved_modules.of_setup(setup).head and not setup.strategy.startswith("zero"):
+            # The trained fp32 copy of the head (lora.modulesToSave): autocast's cached cast of it,
+            # kept by the graph until the head's backward (DeepSpeed holds the copy in bf16 already).
             copies_fwd += 2 * embed
         copies_bwd_start = copies_fwd
         copies_block = 0.0
@@ -357,6 +370,10 @@ def _backward(parts: _StepParts) -> dict[str, float]:
     # Right after the head's backward (FSDP reduces its gradient): activations still alive.
     head_reduce = dict(bwd_start, logits=0.0, buffers=sharding.head_reduce + dequant)
     candidates.append(head_reduce)
+    # The trained copy of the head (lora.modulesToSave): its weight gradient in its backward.
+    head_grad = saved_modules.head_backward_bytes(arch, regime.compute, tokens, saved_modules.of_setup(setup))
+    if head_grad:
+        candidates.append(dict(bwd_start, logits=0.0, gradients=head_grad))
     # A block's backward holds gradients of its MLP intermediates (the product, the
     # activation's output, up and gate: about three b x s x intermediate at once).
     moe_k = arch.experts_per_token if arch.is_moe else 1

@@ -15,6 +15,7 @@ from functools import lru_cache
 from finetune_trainer.optimizers import OptimizerKind
 
 from .architecture import LinearShape, ModelArchitecture
+from .saved_modules import SavedModules
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,12 @@ class TensorGroup:
 # The planner estimates thousands of setups of a few models.
 @lru_cache(maxsize=256)
 def trained_tensors(arch: ModelArchitecture, method: str, lora_rank: int = 0,
-                    lora_targets: str | tuple[str, ...] = "all-linear") -> tuple[TensorGroup, ...]:
+                    lora_targets: str | tuple[str, ...] = "all-linear",
+                    saved: SavedModules = SavedModules()) -> tuple[TensorGroup, ...]:
     """The tensors the optimizer steps: every parameter for full fine-tuning (transformers builds the
     vision tower of a multimodal checkpoint, and the memory model counts it as trained, erring high),
-    peft's lora_A (r x in) and lora_B (out x r) of each adapted linear otherwise."""
+    peft's lora_A (r x in) and lora_B (out x r) of each adapted linear otherwise (the head's too when
+    the targets name it), and the copies lora.modulesToSave trains (`saved`)."""
     groups: list[TensorGroup] = []
     if method == "full":
         groups.append(TensorGroup(arch.vocab_size * arch.hidden_size, 1, embedding=True))
@@ -59,6 +62,14 @@ def trained_tensors(arch: ModelArchitecture, method: str, lora_rank: int = 0,
         groups.append(TensorGroup(lin.out_features * rank, layers))
     if arch.vision:
         groups.append(TensorGroup(arch.vision.lora_params(lora_rank, lora_targets), 1))
+    if arch.head_adapted(lora_targets):
+        groups += [TensorGroup(lora_rank * arch.hidden_size, 1), TensorGroup(arch.vocab_size * lora_rank, 1)]
+    if saved.embedding:
+        groups.append(TensorGroup(saved.embedding, 1, embedding=True))
+    if saved.head:
+        groups.append(TensorGroup(arch.vocab_size * arch.hidden_size, 1))
+        if arch.traits.head_bias:
+            groups.append(TensorGroup(arch.vocab_size, 1))
     return tuple(g for g in groups if g.numel and g.count)
 
 

@@ -34,9 +34,14 @@ def regime_of(setup: TrainingSetup) -> Regime:
     # QLoRA under DDP: peft's prepare_model_for_kbit_training casts everything not quantised
     # (embeddings, norms, head) to fp32, and bitsandbytes returns its outputs in the
     # input's dtype, so the residual stream and the MLP's tensors are fp32 as well. Under
-    # FSDP (fsdp_qlora) the rest stays in the compute dtype: FSDP shards one dtype per group.
+    # FSDP (fsdp_qlora) the rest stays in the compute dtype: FSDP shards one dtype per group;
+    # under ZeRO-3 too (the trainer skips that cast of partitioned parameters, as TRL does).
     autocast_fp32 = full and setup.strategy == "ddp" and compute == 2 and not master_bf16
-    qlora_fp32_rest = qlora and setup.strategy != "fsdp"
-    residual = 4 if (autocast_fp32 or compute == 4 or qlora_fp32_rest) else compute
+    qlora_fp32_rest = qlora and setup.strategy not in ("fsdp", "zero3")
+    # LoRA training the embedding in full (lora.modulesToSave): its copy is fp32 and F.embedding is no
+    # autocast op, so the residual stream is fp32 too (DeepSpeed casts the whole model to bf16).
+    fp32_embedding = (not full and setup.architecture.traits.embedding_module in setup.lora_modules_to_save
+                      and not setup.strategy.startswith("zero"))
+    residual = 4 if (autocast_fp32 or compute == 4 or qlora_fp32_rest or fp32_embedding) else compute
     mlp = 4 if qlora_fp32_rest else compute
     return Regime(compute, residual, autocast_fp32, full, not full, qlora, mlp, master_bf16)

@@ -15,9 +15,11 @@ from finetune_trainer.combinations import (
     first_violation,
 )
 from finetune_trainer.memory_levers import LEVERS, choice_values, lever_setup_class, lever_value_checks
+from finetune_trainer.optimizers import ADAMW_GROUP_MOMENT_COPIES, TRAINER_ADAMW
 
 from .architecture import ModelArchitecture
 from .errors import SizingError
+from .saved_modules import saved_modules
 
 
 def _choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -63,6 +65,12 @@ class TrainingSetup(_SetupLevers):
     """One concrete way of training a model on `world_size` GPUs (enum spellings as in the FineTuneJob API)."""
 
     lora_target_experts: bool = False  # adapters on the fused 3-D expert weights too
+    # peft's modules_to_save (spec.lora.modulesToSave): the family's input embedding and/or output
+    # head trained in full (an fp32 copy each) beside the adapters (saved_modules.py).
+    lora_modules_to_save: tuple[str, ...] = ()
+    # torch AdamW's path (optimizers.ADAMW_GROUP_MOMENT_COPIES): the trainer runs fused; a published
+    # setup that ran foreach (torch's choice on CUDA when none is asked for) is sized with its temporaries.
+    adamw_implementation: str = TRAINER_ADAMW
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, ModelArchitecture):
@@ -83,11 +91,24 @@ class TrainingSetup(_SetupLevers):
             if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
                 raise SizingError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout!r}")
             self.architecture.resolve_lora_targets(self.lora_targets)  # raises on unknown names
+            saved_modules(self.architecture, self.lora_modules_to_save, self.lora_targets)  # raises on what is not sized
+        elif self.lora_modules_to_save:
+            raise SizingError("lora_modules_to_save", "method full trains every module already; modules to save "
+                                                      "beside the adapters need lora or qlora")
         _positive("gradient_accumulation", self.gradient_accumulation)
         for name, check in _LEVER_CHECKS.items():  # each lever field against its declared type
             problem = check(getattr(self, name))
             if problem is not None:
                 raise SizingError(name, problem)
+        _choice("adamw_implementation", self.adamw_implementation, tuple(ADAMW_GROUP_MOMENT_COPIES))
+        if self.adamw_implementation != TRAINER_ADAMW and (
+                self.optimizer != "adamw" or (self.method == "full" and self.master_weights == "bf16")
+                or self.strategy.startswith("zero")):
+            raise SizingError("adamw_implementation", f"{self.adamw_implementation} is a path of torch's AdamW over "
+                              "fp32 weights or adapters: it needs optimizer adamw, fp32 master weights (bf16 ones step "
+                              "in the trainer's bf16 AdamW) and strategy ddp or fsdp (DeepSpeed steps its own partitions)")
+        if isinstance(self.lora_modules_to_save, list):  # a list from the API: hashable, as the setup must be
+            object.__setattr__(self, "lora_modules_to_save", tuple(self.lora_modules_to_save))
         for name in ("packing", "lora_target_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SizingError(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -103,6 +124,7 @@ class TrainingSetup(_SetupLevers):
             precision=self.precision, gradient_accumulation=self.gradient_accumulation,
             gradient_checkpointing=self.gradient_checkpointing,
             target_experts=self.lora_target_experts if self.method != "full" else None,
+            modules_to_save=bool(self.lora_modules_to_save) if self.method != "full" else None,
             moe=self.architecture.is_moe,
             logit_transform=bool(self.architecture.final_logit_softcapping),
             **choice_values(self),

@@ -69,7 +69,7 @@ def sharding_of(setup: TrainingSetup, regime: Regime, static: StaticState) -> Sh
         stage3 = static.zero3
         fwd = static.buffers_step + stage3.gathered_forward
         bwd = static.buffers_step + stage3.gathered_backward
-        step = max(0.0, static.buffers_step + stage3.step_transient - stage3.persistent)
+        step = static.buffers_step + stage3.step_above_start
         return Sharding(fwd, bwd, bwd, bwd, bwd, bwd, 0.0, step)
     buffers = static.buffers_step
     return Sharding(buffers, buffers, buffers, buffers, buffers, buffers, 0.0, buffers)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from finetune_trainer import optimizers
 
 from . import constants as K
-from . import optimizer_state, zero3
+from . import optimizer_state, saved_modules, zero3
 from .architecture import ModelArchitecture
 from .regime import Regime
 from .setup import TrainingSetup
@@ -67,7 +67,7 @@ def _optimizer_bytes_per_param(setup: TrainingSetup, regime: Regime) -> float:
     kind = optimizers.kind(setup.optimizer)
     if kind.quantised is not None:
         groups = optimizer_state.trained_tensors(setup.architecture, setup.method, setup.lora_rank,
-                                                 _targets(setup.lora_targets))
+                                                 _targets(setup.lora_targets), saved_modules.of_setup(setup))
         full_bytes = 2.0 if regime.master_bf16 else 4.0
         trained = sum(g.numel * g.count for g in groups)
         return optimizer_state.state_bytes(kind, groups, full_bytes) / trained
@@ -83,8 +83,10 @@ def _largest_trainable(setup: TrainingSetup) -> int:
         # Fused 3-D expert weights are one parameter each.
         return max(arch.vocab_size * arch.hidden_size, max(lin.params for lin in arch.block_linears()))
     rank = setup.lora_rank
-    return max(rank * max(lin.in_features, lin.out_features) * (lin.experts if lin.name.startswith("experts.") else 1)
-               for lin in arch.resolve_lora_targets(setup.lora_targets))
+    blocks = [rank * max(lin.in_features, lin.out_features) * (lin.experts if lin.name.startswith("experts.") else 1)
+              for lin in arch.resolve_lora_targets(setup.lora_targets)]
+    # Outside the blocks: the trained copies of lora.modulesToSave and the head's adapter.
+    return max(blocks + [saved_modules.largest_trainable(arch, rank, setup.lora_targets, saved_modules.of_setup(setup))])
 
 
 def static_state(setup: TrainingSetup, regime: Regime) -> StaticState:
@@ -99,11 +101,13 @@ def static_state(setup: TrainingSetup, regime: Regime) -> StaticState:
 
     if strategy == "zero3":
         # Stage 3's partitions, persistent parameters and reduce bucket, from the module trace
-        # and the settings the trainer's DeepSpeed config writes (zero3.py).
+        # and the settings the trainer's DeepSpeed config writes (zero3.py). QLoRA's quantisation
+        # state is no parameter: ZeRO-3 does not partition it, every GPU holds all of it.
         stage3 = _zero3(setup, regime)
-        return StaticState(stage3.weights + stage3.persistent, stage3.gradients, stage3.optimizer, stage3.master,
-                       stage3.reduce_bucket, stage3.host,
-                       largest_gradient=regime.compute * largest / world, zero3=stage3)
+        quant_state = float(nf4_quant_state_bytes(arch)) if setup.method == "qlora" else 0.0
+        return StaticState(stage3.weights + stage3.persistent + quant_state, stage3.gradients, stage3.optimizer,
+                           stage3.master, stage3.reduce_bucket, stage3.host,
+                           largest_gradient=regime.compute * largest / world, zero3=stage3)
     if setup.method == "full":
         if strategy in ("zero1", "zero2"):
             # DeepSpeed keeps the compute-dtype weights and gradients, and an fp32 master
@@ -140,8 +144,9 @@ def static_state(setup: TrainingSetup, regime: Regime) -> StaticState:
             weights, grads = 0.0, 0.0
         return StaticState(weights, grads, opt, 0.0, buffers, host, unified, weight_bytes * largest / shards)
 
-    # LoRA / QLoRA: frozen base, fp32 adapters with their own grads and states.
-    trainable = arch.lora_trainable_params(setup.lora_rank, setup.lora_targets)
+    # LoRA / QLoRA: frozen base, fp32 adapters (and the fp32 copies of lora.modulesToSave) with
+    # their own grads and states.
+    trainable = arch.lora_trainable_params(setup.lora_rank, setup.lora_targets) + saved_modules.of_setup(setup).params
     base_bytes = 4 if regime.compute == 4 else 2
     if setup.method == "qlora":
         linear = arch.linear_params
@@ -204,12 +209,20 @@ def _zero3(setup: TrainingSetup, regime: Regime) -> zero3.Zero3Memory:
 
 
 def optimizer_step_temporaries(setup: TrainingSetup, regime: Regime, static: StaticState) -> float:
-    """Transient bytes of one optimizer step. Fused torch AdamW and bitsandbytes' kernels
-    update in place; the trainer's bf16 AdamW (bf16_adamw.py) computes one parameter at a
-    time in fp32 (gradient, both moments, the old weight, and for stochastic rounding the
-    random bits and the rounded value): bytes per element of the largest parameter's shard.
-    torchao's low-bit AdamW steps one parameter at a time too (`step_temp_bytes_per_value`)."""
+    """Transient bytes of one optimizer step. Fused torch AdamW (what the trainer runs) and
+    bitsandbytes' kernels update in place; torch's foreach AdamW (a published setup's, when the
+    setup says so) holds the square roots of a whole parameter group's second moments at once:
+    the fp32 values this GPU steps (one parameter with the step in backward). The trainer's bf16
+    AdamW (bf16_adamw.py) computes one parameter at a time in fp32 (gradient, both moments, the
+    old weight, and for stochastic rounding the random bits and the rounded value): bytes per
+    element of the largest parameter's shard. torchao's low-bit AdamW steps one parameter at a
+    time too (`step_temp_bytes_per_value`)."""
     kind = optimizers.kind(setup.optimizer)
+    copies = optimizers.ADAMW_GROUP_MOMENT_COPIES[setup.adamw_implementation]
+    if copies:
+        # The group counted whole: the no-decay group (norms, biases) is under 0.1% of it. Its fp32
+        # gradients are what this GPU holds of it (offloaded ones step on the host).
+        return copies * (static.largest_gradient if setup.optimizer_in_backward else static.gradients)
     if kind.step_temp_bytes_per_value:
         return kind.step_temp_bytes_per_value * static.largest_gradient / (2.0 if regime.master_bf16 else 4.0)
     if not regime.master_bf16 or setup.optimizer != "adamw":

@@ -62,6 +62,10 @@ class FamilyTraits:
     # gpt_neox where the config's use_parallel_residual says so).
     parallel_block: bool = False
     rotary_default: float = 1.0  # share of a head that rotary rotates when the config does not say
+    # The input embedding's and the output head's module names (what lora.modulesToSave and
+    # lora.targetModules name them by; gpt_neox's embedding is embed_in, its head lm_head in transformers 5).
+    embedding_module: str = "embed_tokens"
+    head_module: str = "lm_head"
 
 
 FAMILIES: dict[str, FamilyTraits] = {
@@ -91,7 +95,7 @@ FAMILIES: dict[str, FamilyTraits] = {
                         out_proj="dense", head_bias=True, parallel_block=True, rotary_default=0.5),
     "gpt_neox": FamilyTraits(False, 2, True, False, _GPT_NEOX_TARGETS, layer_norm=True,
                              plain_mlp=("dense_h_to_4h", "dense_4h_to_h"), out_proj="dense", qkv_name="query_key_value",
-                             attention_bias_default=True, rotary_default=0.25),
+                             attention_bias_default=True, rotary_default=0.25, embedding_module="embed_in"),
 }
 
 # config.json files whose model_type wraps a text decoder in `text_config` (multimodal

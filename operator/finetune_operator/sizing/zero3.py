@@ -113,6 +113,13 @@ class Zero3Memory:
     step_transient: float  # one sub-group's fp32 gradient (and its flattened copy), or a norm's fp64 copy
     host: float  # what offload keeps in host memory instead
 
+    @property
+    def step_above_start(self) -> float:
+        """What the optimizer step adds to what it starts with: its transient, less the persistent
+        parameters it partitions first; never below its start (LoRA's adapters are small enough to
+        persist, and can outweigh the transient: bench/zero_truth.py --qlora on 4 ranks)."""
+        return max(0.0, self.step_transient - self.persistent)
+
 
 def _padded(numel: int, world: int) -> int:
     return -(-numel // world) * world
@@ -414,29 +421,42 @@ class _Node:
         return out
 
 
+def nf4_storage_elements(values: int, storage_bytes: int = 2) -> int:
+    """Elements of the parameter bitsandbytes packs `values` 4-bit codes into, stored in a dtype of
+    `storage_bytes` (bnb_4bit_quant_storage: the compute dtype under ZeRO-3 and FSDP)."""
+    return -(-values // 2) // storage_bytes
+
+
 @lru_cache(maxsize=512)
 def decoder_trace(arch: ModelArchitecture, method: str, lora_rank: int, lora_targets, lora_dropout: bool,
                   gradient_checkpointing: bool) -> ModuleTrace:
     """The module calls transformers' decoder makes (embedding, rotary, per block: the layer,
     its norms, attention with q/k/v/o, the MLP with its projections and activation; final norm,
-    head), with peft's LoRA layers (base layer, dropout, lora_A, lora_B) on the adapted linears."""
+    head), with peft's LoRA layers (base layer, dropout, lora_A, lora_B) on the adapted linears.
+    QLoRA: each block linear's weight is bitsandbytes' packed 4-bit codes held in a compute-dtype
+    parameter (`bnb_4bit_quant_storage`, which lets ZeRO-3 partition it like any bf16 tensor): a
+    quarter of its values in bf16 elements (two codes a byte, two bytes an element)."""
     full = method == "full"
     b = _Builder()
     hidden = arch.hidden_size
     embed = b.param(arch.vocab_size * hidden, full)
     adapted = {lin.name for lin in arch.resolve_lora_targets(lora_targets)} if not full else set()
 
+    def adapter(base: _Node, in_features: int, out_features: int) -> _Node:
+        """peft's LoRA layer around `base`: the base layer, dropout, lora_A, lora_B."""
+        a = _Node(b.module(b.param(lora_rank * in_features, True)))
+        bb = _Node(b.module(b.param(lora_rank * out_features, True)))
+        children = (base, _Node(b.module()), a, bb) if lora_dropout else (base, a, bb)
+        return _Node(b.module(), children)
+
     def linear(lin) -> _Node:
         experts = lin.experts if lin.name.startswith("experts.") else 1
-        weight = b.param(lin.in_features * lin.out_features * experts, full)
+        values = lin.in_features * lin.out_features * experts
+        weight = b.param(nf4_storage_elements(values) if method == "qlora" else values, full)
         bias = [b.param(lin.out_features * experts, full, no_decay=True)] if lin.bias else []
         if lin.name not in adapted:
             return _Node(b.module(weight, *bias))
-        base = _Node(b.module(weight, *bias))
-        a = _Node(b.module(b.param(lora_rank * lin.in_features * experts, True)))
-        bb = _Node(b.module(b.param(lora_rank * lin.out_features * experts, True)))
-        children = (base, _Node(b.module()), a, bb) if lora_dropout else (base, a, bb)
-        return _Node(b.module(), children)
+        return adapter(_Node(b.module(weight, *bias)), lin.in_features * experts, lin.out_features * experts)
 
     def norm(width: int) -> _Node:
         return _Node(b.module(b.param(width, full, no_decay=True)))
@@ -471,6 +491,8 @@ def decoder_trace(arch: ModelArchitecture, method: str, lora_rank: int, lora_tar
     final_norm = norm(hidden)
     head_param = embed if arch.tie_word_embeddings else b.param(arch.vocab_size * hidden, full)
     head = _Node(b.module(head_param))
+    if not full and arch.head_adapted(lora_targets):  # the head's adapter (lora.targetModules names it)
+        head = adapter(head, hidden, arch.vocab_size)
     embedding = _Node(b.module(embed))
     rotary = _Node(b.module())
     if arch.vision is not None:  # partitioned like the rest, never run on text
