@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .informers import slim
+from .informer import slim
 
 
 class JobBodies:
-    """The newest FineTuneJob each watch event or own status write showed (the kopf watch feeds it):
+    """The newest FineTuneJob each watch event or own status write showed (the FineTuneJob informer feeds it):
     a reconcile reads the job from here instead of a GET per look (at a thousand jobs, most of the
     operator's reads). A stale body is safe: every write is guarded by the body's resourceVersion,
     and creates and deletes come only after such a write, so a decision made on an old version
