@@ -181,3 +181,13 @@ def test_only_kinds_it_may_list_and_watch_are_informed(monkeypatch, allowed, exp
     assert informed == [b.plural for b in BACKENDS if b.resource in expected]
     if expected:  # asked in every watched namespace
         assert {ns for _, r, ns in asked if r == "pytorchjobs"} == {"a", "b"}
+
+
+@pytest.mark.parametrize("namespaces", [None, ["a", "b", "c"]])
+def test_the_client_pool_counts_a_connection_for_every_watch(monkeypatch, namespaces):
+    """Each informer's watch holds a pooled connection for minutes: the pool keeps one for each."""
+    kube = FakeKube()
+    kube.install_crd("trainjobs")
+    operator = Operator(kube, monkeypatch, namespaces=namespaces)
+    options = handlers.Options(clusterwide=namespaces is None, namespaces=tuple(namespaces or ()))
+    assert len(operator.cache.all()) == handlers.watch_connections(options)

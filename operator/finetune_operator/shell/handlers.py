@@ -82,11 +82,20 @@ RUNTIME = Runtime()
 def kube_api_client(options: Options) -> client.ApiClient:
     """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount, with two
     connections for every reconcile worker (its own, and the ConfigMap it posts alongside a status
-    write) and one per background thread (the client's default, 5 per CPU, made the workers beyond
-    it open and close a TLS connection per request). Every request is bounded (apiclient.py)."""
+    write), one per informer's watch, which holds it, and one per background thread (the client's
+    default, 5 per CPU, made the workers beyond it open and close a TLS connection per request).
+    Every request is bounded (apiclient.py)."""
     cfg = _client_configuration(options)
-    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, 2 * options.workers + EXTRA_CONNECTIONS)
+    wanted = 2 * options.workers + watch_connections(options) + EXTRA_CONNECTIONS
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, wanted)
     return bounded_client(cfg)
+
+
+def watch_connections(options: Options) -> int:
+    """The informers' watches (informers.py): nodes and each training CRD once; GPU pods, the jobs'
+    pods, the FineTuneJobs and each training-job kind cluster-wide or once per watched namespace."""
+    scopes = 1 if options.clusterwide else len(options.namespaces)
+    return 1 + len(BACKENDS) + scopes * (3 + len(BACKENDS))
 
 
 def lease_api_client(options: Options) -> client.ApiClient:
@@ -95,7 +104,7 @@ def lease_api_client(options: Options) -> client.ApiClient:
     return bounded_client(_client_configuration(options), LEASE_TIMEOUT, retries=False)
 
 
-# Connections beyond the workers: the progress poller, the wake-ups, the policy poll, the Lease, events.
+# Connections beyond the workers and the watches: the progress poller, the wake-ups, the policy poll, events.
 EXTRA_CONNECTIONS = 8
 
 
