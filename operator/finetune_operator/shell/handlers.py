@@ -23,7 +23,6 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from .. import api
 from . import metrics
 from .apiclient import LEASE_TIMEOUT, bounded_client, client_configuration
 from .calibration_store import CalibrationStore
