@@ -125,10 +125,10 @@ def _resource_arg(group: str, resource: str) -> tuple[str, str | None]:
     return (f"{base}.{group}" if group else base), (sub or None)
 
 
-def expected_access(lease: str, *, kueue: bool = True, watch_all: bool = True) -> list[tuple[str, str, str | None, str]]:
+def expected_access(lease: str, *, kueue: bool = True) -> list[tuple[str, str, str | None, str]]:
     """(verb, kubectl resource[/name], subresource, scope) for every need of operator_access.yaml
-    that applies to a release with trainingBackend auto, `kueue` as its kueue.enabled and `watch_all`
-    as its watch.allNamespaces; scopes "lease", "state" and "profile" are asked in the release namespace."""
+    that applies to a release with trainingBackend auto and `kueue` as its kueue.enabled (whichever
+    namespaces it watches); scopes "lease", "state" and "profile" are asked in the release namespace."""
     out = []
     for need in ACCESS["needs"]:
         when = need.get("when") or {}
@@ -136,8 +136,6 @@ def expected_access(lease: str, *, kueue: bool = True, watch_all: bool = True) -
             continue  # the `installed` release runs trainingBackend auto (both backends) with kueue.enabled
         if when.get("kueue") and not kueue:
             continue
-        if when.get("watchList") and watch_all:
-            continue  # serving all namespaces, kopf neither lists nor watches them
         arg, sub = _resource_arg(need["group"], need["resource"])
         if need.get("resourceName") == "LEASE":
             arg = f"{arg}/{lease}"
@@ -296,8 +294,8 @@ def test_service_account_cannot_do_what_it_must_not(lab, installed, namespace):
 
 
 def test_service_account_token_does_the_work(lab, installed, namespace, tmp_path):
-    """Real requests with a bound token of the ServiceAccount (not impersonation): what kopf and the
-    operator do first, and one thing it must be refused."""
+    """Real requests with a bound token of the ServiceAccount (not impersonation): what the operator
+    does first, and what it must be refused."""
     ns, full = installed["namespace"], installed["fullname"]
     kubeconfig = lab.service_account_kubeconfig(ns, full, path=tmp_path / "sa.kubeconfig")
 
@@ -306,6 +304,12 @@ def test_service_account_token_does_the_work(lab, installed, namespace, tmp_path
 
     as_sa("get", "finetunejobs.finetune.dev", "--all-namespaces")
     as_sa("get", "nodes", "-l", "nvidia.com/gpu.present=true")
+    # A training-job CRD is listed by name (its informer's field selector), no other CRD and not all of them.
+    as_sa("get", "customresourcedefinitions", "--field-selector", "metadata.name=pytorchjobs.kubeflow.org")
+    for attempt in (("get", "customresourcedefinitions"),
+                    ("get", "customresourcedefinitions", "--field-selector", "metadata.name=finetunejobs.finetune.dev")):
+        refused = as_sa(*attempt, check=False)
+        assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), (attempt, refused.stderr)
     as_sa("get", "pytorchjobs.kubeflow.org", "-n", namespace)
     as_sa("get", "configmap", f"{full}-policy", "-n", ns)
     as_sa("create", "configmap", "attempt-1-trainer", "-n", namespace, "--from-literal=trainer.json={}")
@@ -539,7 +543,7 @@ def test_namespaced_install_is_scoped_and_uninstalls_cleanly(lab, helm, chart_cr
                  "state": lambda ns: release_ns, "profile": lambda ns: release_ns}
         missing = [
             f"{verb} {resource} in {where[scope](ns) or 'cluster'}"
-            for verb, resource, sub, scope in expected_access(lease, kueue=False, watch_all=False)  # no kueue here
+            for verb, resource, sub, scope in expected_access(lease, kueue=False)  # no kueue here
             for ns in (team_a, team_b)
             if not can_i(lab, sa, verb, resource, where[scope](ns), sub)
         ]

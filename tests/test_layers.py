@@ -1,7 +1,9 @@
 """The layout's rules. Kubernetes I/O lives in `finetune_operator/shell/` (and `cli.py`, which starts
 it). Every other module of the operator is the pure core and imports neither the Kubernetes client's
-I/O parts, kopf, nor the shell, not even inside a function (a function-local import hides a layer
-violation from a reader as well as from a top-level scan).
+I/O parts nor the shell, not even inside a function (a function-local import hides a layer
+violation from a reader as well as from a top-level scan). No module at all imports another HTTP
+stack than the Kubernetes client's (shell/apiclient.py bounds every request it makes): not kopf, not
+aiohttp.
 
 Below both, the trainer (`images/trainer/finetune_trainer/`) imports nothing of the operator: the
 operator builds on the trainer's contract, vocabularies and levers, never the other way, so the
@@ -14,8 +16,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "operator" / "finetune_operator"
 TRAINER = Path(__file__).resolve().parents[1] / "images" / "trainer" / "finetune_trainer"
-SHELL_ONLY = ("kopf", "kubernetes.client", "kubernetes.watch", "kubernetes.config", "kubernetes.dynamic",
+SHELL_ONLY = ("kubernetes.client", "kubernetes.watch", "kubernetes.config", "kubernetes.dynamic",
               "finetune_operator.shell")
+# Another HTTP client (its own connections, its own timeouts or none) or a framework that brings one.
+OTHER_HTTP_STACKS = ("kopf", "aiohttp", "httpx", "requests", "kubernetes_asyncio")
 
 
 def _imports(path: Path, root: Path | None = None) -> list[tuple[int, str]]:
@@ -50,6 +54,24 @@ def _violations() -> list[str]:
 
 def test_the_core_imports_no_kubernetes_io_and_no_shell():
     assert _violations() == []
+
+
+def _other_http_stacks(package: Path) -> list[str]:
+    return [f"{path.relative_to(package)}:{line} imports {name}"
+            for path in sorted(package.rglob("*.py")) for line, name in _imports(path, package)
+            if any(name == s or name.startswith(s + ".") for s in OTHER_HTTP_STACKS)]
+
+
+def test_the_operator_has_one_http_stack():
+    assert _other_http_stacks(PACKAGE) == []
+
+
+def test_the_http_stack_scan_sees_a_function_local_import(tmp_path):
+    fake = tmp_path / "finetune_operator"
+    (fake / "shell").mkdir(parents=True)
+    (fake / "shell" / "x.py").write_text("def f():\n    import kopf\n    from aiohttp import web\n")
+    assert _other_http_stacks(fake) == ["shell/x.py:2 imports kopf", "shell/x.py:3 imports aiohttp",
+                                        "shell/x.py:3 imports aiohttp.web"]
 
 
 def _trainer_violations() -> list[str]:

@@ -219,7 +219,7 @@ class Lab:
 
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path | None = None, hours: int = 6) -> Path:
         """A kubeconfig that authenticates as ServiceAccount namespace/name with a real bound
-        token (TokenRequest), so any client (kopf, kubectl, helm) runs with exactly that SA's RBAC.
+        token (TokenRequest), so any client (the operator, kubectl, helm) runs with exactly that SA's RBAC.
         The ServiceAccount must exist (the chart creates it)."""
         proc = self.kubectl("create", "token", name, "-n", namespace, f"--duration={hours}h")
         token = proc.stdout.strip()

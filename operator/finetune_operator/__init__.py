@@ -3,7 +3,8 @@
 Where things are: `api` (the FineTuneJob models), `crd` (the generated CRD), `sizing/`
 (GPU memory estimates), `planning` (node pools and the plan search), `rendering/`
 (the training job and trainer config), `recovery` (failure classification and adjustments),
-`handlers` (the kopf shell), `cli` (the `finetune-operator` command).
+`shell/` (the Kubernetes I/O: informers, work queue, leadership, the process), `cli` (the
+`finetune-operator` command).
 """
 
 __version__ = "0.1.0"

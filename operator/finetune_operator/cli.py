@@ -99,7 +99,7 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run the operator (kopf) against the current cluster")
+    p = sub.add_parser("run", help="run the operator against the current cluster")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
     scope.add_argument("--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)")
@@ -107,7 +107,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy-namespace", default=None, help="its namespace (default: $POD_NAMESPACE or 'default')")
     p.add_argument("--policy-file", help="read the policy from a file instead (no reload)")
     p.add_argument("--kubeconfig", help="kubeconfig to use (default: in-cluster, then ~/.kube/config)")
-    p.add_argument("--health-port", type=int, default=8080, help="kopf liveness endpoint port (/healthz); 0 turns it off")
+    p.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port (/healthz); 0 turns it off")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port; 0 turns it off")
     p.add_argument("--lease", default="finetune-operator",
                    help="Lease (in the policy namespace) that elects the one active replica ('' for a single replica, no election)")
@@ -125,20 +125,9 @@ def _run_operator(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    import kopf
+    from .shell import handlers, runner
 
-    from .shell import handlers
-
-    kopf.configure(
-        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN,
-        verbose=args.log_level == "debug",
-        quiet=args.log_level in ("warning", "error"),
-    )
-    logging.getLogger().setLevel(args.log_level.upper())
-    if args.log_level != "debug":
-        # kopf logs every handler call ("Handler 'finetunejob_event' succeeded."): at a thousand jobs
-        # thousands of lines that say nothing; its warnings and errors stay.
-        logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, logging.getLogger().level))
+    runner.configure_logging(args.log_format, args.log_level)
     handlers.RUNTIME.options = handlers.Options(
         policy_configmap=args.policy_configmap,
         policy_namespace=args.policy_namespace or os.environ.get("POD_NAMESPACE", "default"),
@@ -152,21 +141,17 @@ def _run_operator(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         progress_interval=max(args.progress_interval, 0.0),
     )
-    kopf.run(
-        standalone=True,  # one active replica through our Lease, not kopf peering
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
-    )
-    # kopf's cleanup ran (handlers.shutdown: the Lease handed back, the last Events posted). What is
-    # left are daemon threads, some blocked in a socket read (a watch, the metrics server). Letting
-    # the interpreter finalise under them races them for the stdout/stderr locks and the GIL, and
-    # the process aborts now and then (SIGABRT, exit -6, seen on SIGTERM in the chart's e2e test).
-    # Nothing remains to be done, so leave without finalising, after flushing what was written.
+    code = runner.run(handlers.start, handlers.shutdown, health_port=args.health_port or None,
+                      dead=handlers.dead_threads)
+    # The shutdown ran (the Lease handed back, the last Events posted). What is left are daemon
+    # threads, some blocked in a socket read (a watch, the metrics server). Letting the interpreter
+    # finalise under them races them for the stdout/stderr locks and the GIL, and the process aborts
+    # now and then (SIGABRT, exit -6, seen on SIGTERM in the chart's e2e test). Nothing remains to be
+    # done, so leave without finalising, after flushing what was written.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:

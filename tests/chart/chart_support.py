@@ -151,22 +151,20 @@ def granted(rules: list[dict[str, Any]]) -> set[Grant]:
     return out
 
 
-def applies(need: dict[str, Any], backend: str = "auto", kueue: bool = False, watch_list: bool = False) -> bool:
-    """Whether a need of operator_access.yaml is granted under policy.trainingBackend `backend`, kueue.enabled
-    and watch.allNamespaces (`watch_list`: false, serving a list of namespaces)."""
+def applies(need: dict[str, Any], backend: str = "auto", kueue: bool = False) -> bool:
+    """Whether a need of operator_access.yaml is granted under policy.trainingBackend `backend` and
+    kueue.enabled."""
     when = need.get("when") or {}
-    return (backend in when.get("backends", [backend]) and (kueue or not when.get("kueue", False))
-            and (watch_list or not when.get("watchList", False)))
+    return backend in when.get("backends", [backend]) and (kueue or not when.get("kueue", False))
 
 
-def needed(scope: str, lease_name: str = "finetune-operator", backend: str = "auto", kueue: bool = False,
-           watch_list: bool = False) -> set[Grant]:
+def needed(scope: str, lease_name: str = "finetune-operator", backend: str = "auto", kueue: bool = False) -> set[Grant]:
     """The grants operator_access.yaml lists for a scope (namespaced, cluster, lease, state, profile), under
-    the chart's policy.trainingBackend, kueue.enabled and watch.allNamespaces values (the defaults: auto,
-    false, true)."""
+    the chart's policy.trainingBackend and kueue.enabled values (the defaults: auto, false). They do not
+    depend on which namespaces are watched."""
     out: set[Grant] = set()
     for need in operator_access()["needs"]:
-        if need["scope"] != scope or not applies(need, backend, kueue, watch_list):
+        if need["scope"] != scope or not applies(need, backend, kueue):
             continue
         name = lease_name if need.get("resourceName") == "LEASE" else need.get("resourceName", "")
         for verb in need["verbs"]:

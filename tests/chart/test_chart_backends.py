@@ -46,7 +46,7 @@ def test_namespaced_install_grants_the_backend_in_each_watched_namespace(render,
     values = with_values(default_values, **{"watch.allNamespaces": False, "watch.namespaces": ["team-a"],
                                             "policy.trainingBackend": "trainjob", "kueue.enabled": True})
     r = render(values)
-    assert granted(r.one("ClusterRole")["rules"]) == needed("cluster", backend="trainjob", kueue=True, watch_list=True)
+    assert granted(r.one("ClusterRole")["rules"]) == needed("cluster", backend="trainjob", kueue=True)
     assert granted(r.one("Role", FULLNAME, "team-a")["rules"]) == needed("namespaced", backend="trainjob", kueue=True)
 
 

@@ -418,7 +418,7 @@ def test_namespaced_rbac_grants_only_in_the_watched_namespaces(render, default_v
     r = render(value_sets(default_values)["namespaced"])
     args = _container(r)["args"]
     assert "--all-namespaces" not in args and _flag(args, "--namespace") == ["team-a", "team-b"]
-    assert _rules(r.one("ClusterRole")) == needed("cluster", watch_list=True)
+    assert _rules(r.one("ClusterRole")) == needed("cluster")
     sa = r.one("ServiceAccount")["metadata"]
     for ns in ("team-a", "team-b"):
         role = r.one("Role", FULLNAME, ns)
@@ -507,7 +507,7 @@ def test_access_file_lists_a_reason_for_every_need():
     for need in access["needs"]:
         assert need["why"].strip() and need["verbs"], need
         assert need["scope"] in ("namespaced", "cluster", "lease", "state", "profile"), need
-        assert need["code"].strip(), need  # what in the operator (or kopf) uses it
+        assert need["code"].strip(), need  # what in the operator uses it
     assert access["forbidden"]
 
 

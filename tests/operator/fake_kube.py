@@ -14,9 +14,9 @@ an ERROR 410 event when `compact()` has dropped that history. A change that reac
 without a new resourceVersion (a test editing a dict in place) fails the watch loudly instead of
 being silently missed.
 
-It stands in for `kubernetes.client.CoreV1Api` and `CustomObjectsApi` (the methods
-`finetune_operator.shell.cluster.Cluster` uses), so the real `Cluster` and `Reconciler` run
-on top of it. End-to-end tests use the real API server; this is for fast property tests.
+It stands in for `kubernetes.client.CoreV1Api`, `CustomObjectsApi`, `NetworkingV1Api` and
+`ApiextensionsV1Api` (the methods `finetune_operator.shell.cluster.Cluster` and the informers use), so
+the real `Cluster` and `Reconciler` run on top of it. End-to-end tests use the real API server; this is for fast property tests.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ class FakeKube:
         self.core = _Core(self)
         self.custom = _Custom(self)
         self.networking = _Networking(self)
+        self.extensions = _Extensions(self)
 
     # -- store ---------------------------------------------------------------
     def put(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +203,22 @@ class FakeKube:
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.objects.get((kind, namespace, name))
+
+    def install_crd(self, plural: str) -> dict[str, Any]:
+        """Install the CRD of a kind, as its operator's chart would: the API server then serves the kind
+        (API discovery) and a watch of CRDs sees it ADDED, Established."""
+        group, version = _GROUPS[plural]
+        self.served.add(plural)
+        return self.put("CustomResourceDefinition", {
+            "metadata": {"name": f"{plural}.{group}", "namespace": ""},
+            "spec": {"group": group, "names": {"plural": plural, "kind": _PLURALS[plural]},
+                     "versions": [{"name": version, "served": True, "storage": True}]},
+            "status": {"conditions": [{"type": "Established", "status": "True"}]}})
+
+    def remove_crd(self, plural: str) -> None:
+        """Uninstall it: the kind is no longer served (its objects go with it, not modelled here)."""
+        self.served.discard(plural)
+        self.remove("CustomResourceDefinition", "", f"{plural}.{_GROUPS[plural][0]}")
 
     def of_kind(self, kind: str, namespace: str | None = None) -> list[dict[str, Any]]:
         return [o for (k, ns, _), o in sorted(self.objects.items()) if k == kind and namespace in (None, ns)]
@@ -482,6 +499,20 @@ class _Networking:
 
     def list_namespaced_network_policy(self, namespace, **kwargs):
         return self.kube.list_or_watch("NetworkPolicy", namespace, **kwargs)
+
+
+class _Extensions:
+    """ApiextensionsV1Api: CustomResourceDefinitions, listed and watched (cluster-scoped)."""
+
+    def __init__(self, kube: FakeKube) -> None:
+        self.kube = kube
+
+    def list_custom_resource_definition(self, **kwargs):
+        # The API server's field selectors on CRDs: metadata.name and metadata.namespace only.
+        for term in (kwargs.get("field_selector") or "").split(","):
+            if term and term.replace("!=", "=").split("=", 1)[0] not in ("metadata.name", "metadata.namespace"):
+                raise _error(400, "BadRequest", f'"{term}" is not a known field selector')
+        return self.kube.list_or_watch("CustomResourceDefinition", None, **kwargs)
 
 
 class _Core:

@@ -1,10 +1,9 @@
 """Bounded API calls (apiclient.py, leadership.py) and the liveness probe, against real sockets: a
 server that accepts a connection and never answers (what a proxy that stopped forwarding, or a
-half-open connection, looks like), and kopf's own /healthz server."""
+half-open connection, looks like), and the operator's /healthz server (runner.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
@@ -208,33 +207,18 @@ def test_an_election_whose_lease_reads_get_no_answer_keeps_trying():
 
 
 def _healthz_status() -> int:
-    """kopf's own /healthz server with the operator's probes registered: the status it answers."""
-    import kopf
-    from kopf._core.engines.probing import health_reporter
+    """The operator's /healthz server (runner.serve_health, as `finetune-operator run` serves it): the
+    status it answers now."""
+    from finetune_operator.shell.runner import serve_health
 
-    port_socket = socket.socket()
-    port_socket.bind(("127.0.0.1", 0))
-    port = port_socket.getsockname()[1]
-    port_socket.close()
-
-    async def main() -> int:
-        ready = asyncio.Event()
-        task = asyncio.create_task(health_reporter(
-            f"http://127.0.0.1:{port}/healthz", memo=kopf.Memo(), indices={},
-            registry=kopf.get_default_registry(), settings=kopf.OperatorSettings(), ready_flag=ready))
-        await ready.wait()
-
-        def get() -> int:
-            try:
-                return urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10).status
-            except urllib.error.HTTPError as error:
-                return error.code
-
-        status = await asyncio.get_running_loop().run_in_executor(None, get)
-        task.cancel()
-        return status
-
-    return asyncio.run(main())
+    server = serve_health(0, handlers.dead_threads, host="127.0.0.1")
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/healthz", timeout=10).status
+    except urllib.error.HTTPError as error:
+        return error.code
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the worker's SystemExit
@@ -312,8 +296,9 @@ def test_a_leader_behind_a_frozen_connection_stops_within_its_bound_and_leads_ag
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_liveness_sees_a_dead_informer_and_a_dead_election(monkeypatch):
-    """An informer whose thread died (its store would never change again) and an election thread that
-    ended (the replica would never lead, or never notice it lost the Lease) are named by the probe."""
+    """An informer whose thread died (its store would never change again: nodes, pods, FineTuneJobs, a
+    training CRD) and an election thread that ended (the replica would never lead, or never notice it
+    lost the Lease) are named by the probe."""
     from finetune_operator.shell.informers import ClusterCache
     from finetune_operator.shell.leadership import Leadership, LeaseSettings
 
@@ -323,7 +308,15 @@ def test_liveness_sees_a_dead_informer_and_a_dead_election(monkeypatch):
     class Core:
         list_node = list_pod_for_all_namespaces = staticmethod(dies)
 
-    cache = ClusterCache(Core(), None).start()
+    class Custom:
+        list_cluster_custom_object = staticmethod(lambda *args, **kwargs: dies())
+
+    class Extensions:
+        list_custom_resource_definition = staticmethod(dies)
+
+    cache = ClusterCache(Core(), Custom(), extensions=Extensions()).start()
+    cache.watch_crds(["pytorchjobs.kubeflow.org"], lambda kind, crd: None)
+    cache.watch_jobs(lambda kind, job: None)
     monkeypatch.setattr("kubernetes.leaderelection.leaderelection.LeaderElection.run", lambda self: dies())
     leadership = Leadership(bounded_client(_configuration(1), LEASE_TIMEOUT, retries=False),
                             LeaseSettings(namespace="ns", identity="me"), on_started=lambda: None, on_stopped=lambda: None)
@@ -338,6 +331,7 @@ def test_liveness_sees_a_dead_informer_and_a_dead_election(monkeypatch):
     monkeypatch.setattr(handlers.RUNTIME, "reconciler", Reconciler)
     monkeypatch.setattr(handlers.RUNTIME, "leadership", leadership)
     expected = sorted([informer.name for informer in cache.all()] + ["leader-election"])
+    assert {"finetunejobs", "crd[pytorchjobs.kubeflow.org]"} <= set(expected)
     deadline = time.monotonic() + 5
     while len(handlers.dead_threads()) < len(expected) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from finetune_operator.shell.cluster import Cluster
-from finetune_operator.shell.informers import ACTIVE_PODS, ClusterCache, Informer, gpu_pod_facts, job_bucket
+from finetune_operator.shell.informer import Informer
+from finetune_operator.shell.informers import ACTIVE_PODS, ClusterCache, gpu_pod_facts, job_bucket
 from finetune_operator.planning.policy import load_policy
 from finetune_operator.rendering.backend import PYTORCH_JOB
 from finetune_operator.rendering.labels import JOB_LABEL
@@ -68,7 +69,7 @@ def test_a_compacted_history_is_410_and_the_relist_reports_what_vanished():
     kube.touch(changed)
     kube.compact()  # the events above are gone from the history
     seen.clear()
-    from finetune_operator.shell.informers import Gone
+    from finetune_operator.shell.informer import Gone
 
     with pytest.raises(Gone):
         informer.step()  # the watch answers ERROR 410
@@ -223,7 +224,7 @@ def test_stop_ends_a_watch_that_waits_for_events_at_once():
 
     import urllib3
 
-    from finetune_operator.shell.informers import Informer
+    from finetune_operator.shell.informer import Informer
 
     class Quiet(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

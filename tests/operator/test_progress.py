@@ -395,8 +395,7 @@ def test_the_watch_handler_does_not_reconcile_for_a_progress_write(monkeypatch):
 
     def event(status, rv):
         obj = {**body, "metadata": {**body["metadata"], "resourceVersion": rv}, "status": status}
-        handlers.finetunejob_event(event={"type": "MODIFIED", "object": obj}, namespace=NAMESPACE, name="j",
-                                   status=status)
+        handlers.job_changed("MODIFIED", obj)
 
     event(body["status"], "5")
     event({**body["status"], "progress": {"step": 1}}, "6")

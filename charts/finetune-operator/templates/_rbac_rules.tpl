@@ -4,18 +4,13 @@
 - apiGroups: [""]
   resources: [nodes]
   verbs: [get, list, watch]
-{{- if not .Values.watch.allNamespaces }}
-# Serving a list of namespaces, kopf lists and watches namespaces to follow them (serving all, it
-# does not).
-- apiGroups: [""]
-  resources: [namespaces]
-  verbs: [list, watch]
-{{- end }}
-# kopf scans custom resources at startup and when CRDs change; the operator looks again at which
-# training-job CRDs are served when one changes.
+# The training-job CRDs, each watched by name (a field selector on metadata.name, which the API server
+# authorizes against resourceNames): when one is installed, changed or removed, the operator looks
+# again at which training-job kinds are served. No other CRD is read.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [get, list, watch]
+  resourceNames: [pytorchjobs.kubeflow.org, trainjobs.trainer.kubeflow.org]
+  verbs: [list, watch]
 {{- if has (.Values.policy.trainingBackend | default "auto") (list "auto" "trainjob") }}
 # TrainJobs refer to the ClusterTrainingRuntime trainJobRuntime.name: the operator checks it exists.
 - apiGroups: [trainer.kubeflow.org]
@@ -26,7 +21,7 @@
 
 {{/* Rules on namespaced resources, granted cluster-wide or per watched namespace. */}}
 {{- define "finetune-operator.namespacedRules" -}}
-# The operator's own resource, read only: kopf lists and watches it, a reconcile reads it (no
+# The operator's own resource, read only: its informer lists and watches it, a reconcile reads it (no
 # finalizer, no annotation: the operator never writes the object itself).
 - apiGroups: [finetune.dev]
   resources: [finetunejobs]
@@ -87,8 +82,8 @@
 - apiGroups: [""]
   resources: [pods/log]
   verbs: [get]
-# kopf and the operator explain what they do with Events on the FineTuneJob, both through the core
-# API (kopf creates; the operator creates, and patches the count of a repeated one).
+# The operator explains what it does with Events on the FineTuneJob, through the core API (it creates
+# them, and patches the count of a repeated one).
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]

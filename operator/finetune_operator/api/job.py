@@ -66,7 +66,7 @@ def parse_job(document: dict[str, Any]) -> FineTuneJob:
 
 
 def parse_spec(spec: dict[str, Any]) -> FineTuneJobSpec:
-    """Validate a bare spec (as kopf hands it over); paths start at `spec`."""
+    """Validate a bare spec (as a watch event carries it); paths start at `spec`."""
     try:
         return FineTuneJobSpec.model_validate(spec)
     except ValidationError as error:

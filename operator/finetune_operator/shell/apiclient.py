@@ -1,14 +1,15 @@
-"""The one place where the operator's Kubernetes API clients are made: every request bounded, TCP
-keepalive on every socket.
+"""The one place where the operator's Kubernetes API clients are made and every request's bound is
+set: every request bounded, TCP keepalive on every socket. The operator has one HTTP stack (the
+Kubernetes client, urllib3) and no other: its watches are informers (informer.py) on this client.
 
 The client library waits forever by default: a request on a half-open connection (a proxy or load
 balancer that stopped forwarding, a node that lost its route, an API server that froze) never
 returns, so the reconcile worker holding it, and the job's key with it, stays busy for good, and a
 leader renewing its Lease never notices it lost it. Here every request that does not name its own
-`_request_timeout` (watches and log reads do) gets DEFAULT_TIMEOUT; the Lease's requests get
-LEASE_TIMEOUT and no retries, short enough that a leader steps down before a standby may take over
-(leadership.py states the sum). Keepalive probes (the client library's, with client-go's timings)
-find a dead peer on an idle pooled connection or a watch.
+`_request_timeout` gets DEFAULT_TIMEOUT; the Lease's requests get LEASE_TIMEOUT and no retries, short
+enough that a leader steps down before a standby may take over (leadership.py states the sum); a
+watch gets `watch_timeout` and a pod log read LOG_READ_TIMEOUT, both from here. Keepalive probes (the
+client library's, with client-go's timings) find a dead peer on an idle pooled connection or a watch.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ class Timeouts:
 DEFAULT_TIMEOUT = Timeouts(connect=5, read=30)
 # The Lease (leadership.py): a renew on a healthy, even loaded, API server takes milliseconds.
 LEASE_TIMEOUT = Timeouts(connect=0.5, read=0.5)
+# The rank-0 pod's log tail (progress_poller.py): the kubelet answers through the API server.
+LOG_READ_TIMEOUT = Timeouts(connect=DEFAULT_TIMEOUT.connect, read=10)
+# A watch (informer.py): the API server ends it after WATCH_SECONDS (the informer watches again from
+# its resourceVersion) and sends bookmarks meanwhile; a read that waits WATCH_GRACE_SECONDS past that
+# is a connection that went silent.
+WATCH_SECONDS = 240
+WATCH_GRACE_SECONDS = 30
+
+
+def watch_timeout(server_seconds: float = WATCH_SECONDS) -> Timeouts:
+    """The bound of a watch the API server ends after `server_seconds`."""
+    return Timeouts(connect=DEFAULT_TIMEOUT.connect, read=server_seconds + WATCH_GRACE_SECONDS)
 
 
 class BoundedApiClient(client.ApiClient):

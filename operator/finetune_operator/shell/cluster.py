@@ -19,7 +19,8 @@ from kubernetes.client.rest import ApiException
 from .. import api, lifecycle, progress
 from .aggregated_events import AggregatedEvents
 from .failed_pods import FailedPods
-from .informers import ClusterCache, wait_synced
+from .informer import wait_synced
+from .informers import ClusterCache
 from ..children import (SUSPENDED_BY_ANNOTATION, SUSPENDED_BY_US, Admission, Child, admission_of, child_of,
                        controlled_by, owned_workload)
 from ..planning.policy import ClusterPolicy
@@ -44,7 +45,7 @@ log = logging.getLogger("finetune_operator.controller")
 # Kueue's API (read only: a queued child's Workload and its LocalQueue).
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 # Which training-job kinds the API server serves, looked up again after this long (and at once when a
-# CRD changes: handlers.py calls forget_served_backends).
+# CRD changes: handlers.training_crd_changed calls forget_served_backends).
 BACKEND_DISCOVERY_SECONDS = 30.0
 # Discovery lists every node and running pod; several jobs planning at once share one look.
 DISCOVERY_CACHE_SECONDS = 5.0
@@ -65,6 +66,7 @@ class Cluster:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.networking = client.NetworkingV1Api(api_client)
+        self.extensions = client.ApiextensionsV1Api(api_client)  # the training-job CRDs' informers
         self._pool_cache: tuple[float, list[NodePool], Any] | None = None  # (when, pools, what they were made of)
         self._pool_lock = threading.Lock()
         # Nodes, GPU pods, the jobs' pods and training jobs, watched (start_cache); None: lists on every read.
@@ -207,7 +209,7 @@ class Cluster:
         """Watch nodes, GPU pods and the jobs' pods instead of listing them (informers.py); training-job
         kinds join with `cache.watch_children`. Reads fall back to the API until an informer has listed."""
         self.watched_namespaces = namespaces
-        self.cache = ClusterCache(self.core, self.custom, namespaces=namespaces, on_job=on_job,
+        self.cache = ClusterCache(self.core, self.custom, extensions=self.extensions, namespaces=namespaces, on_job=on_job,
                                   on_pod=lambda pod, deleted: self.remember_failed_pod(pod, deleted=deleted),
                                   on_capacity=on_capacity).start()
         if not wait_synced(self.cache.all(), sync_timeout):

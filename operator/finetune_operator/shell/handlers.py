@@ -1,16 +1,15 @@
-"""The kopf handlers: the thin shell. They only turn watch events into queued reconciles.
+"""The operator's startup and shutdown, and the handlers that turn watch events into queued reconciles.
 
-Every FineTuneJob event (kopf) and every change of a job's pods or training jobs (the
-informers of `informers.py`, which also keep what the reconciler reads in memory) puts the
-job's key on the work queue (`workqueue.WorkQueue`); the queue runs `Reconciler.reconcile`,
-which reads the world, calls the pure lifecycle and writes the result. No kopf handler keeps progress on the
-object and none needs a finalizer: children go by ownerReference.
+Every change of a FineTuneJob, of a job's pods or training jobs (the informers of `informers.py`,
+which also keep what the reconciler reads in memory) puts the job's key on the work queue
+(`workqueue.WorkQueue`); the queue runs `Reconciler.reconcile`, which reads the world, calls the
+pure lifecycle and writes the result. No handler writes the object and none needs a finalizer:
+children go by ownerReference. A change of a training-job CRD makes the operator look up the served
+kinds again. `runner.py` runs the process: `start`, then `shutdown` on SIGTERM.
 
 Replicas elect one leader through a coordination Lease (`leadership.py`): every replica
 watches and queues, only the leader's work queue reconciles. A standby takes over a few
 seconds after the leader dies; a replica restarted in the same pod leads again at once.
-kopf's own peering is off: it pauses kopf's handlers, not our work queue, and its records
-expire only after their lifetime, which made a restarted operator wait.
 """
 
 from __future__ import annotations
@@ -21,11 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import kopf
 import yaml
-from kubernetes import client, config
+from kubernetes import client
 
-from .. import api
 from . import metrics
 from .apiclient import LEASE_TIMEOUT, bounded_client, client_configuration
 from .calibration_store import CalibrationStore
@@ -40,8 +37,6 @@ from ..planning.policy import ClusterPolicy, PolicyError, load_policy
 from .progress_poller import (DEFAULT_INTERVAL_SECONDS, PollerSettings, ProgressOnlyChanges, ProgressPoller,
                               patch_progress, read_pod_log)
 from ..rendering.backend import BACKENDS
-from ..rendering.labels import JOB_LABEL
-from ..rendering.renderer import JOB_NAME_ANNOTATION
 
 log = logging.getLogger("finetune_operator")
 
@@ -51,7 +46,7 @@ POLICY_POLL_SECONDS = 10.0
 
 @dataclass
 class Options:
-    """What `finetune-operator run` was told (set before kopf starts)."""
+    """What `finetune-operator run` was told (set before `start`)."""
 
     policy_configmap: str | None = None
     policy_namespace: str = "default"
@@ -72,7 +67,6 @@ class Runtime:
     queue: WorkQueue | None = None
     reconciler: Reconciler | None = None
     policy: PolicyHolder = field(default_factory=lambda: PolicyHolder(ClusterPolicy()))
-    known: set[tuple[str, str]] = field(default_factory=set)
     stop: threading.Event = field(default_factory=threading.Event)
     leadership: Leadership | None = None
     progress: ProgressPoller | None = None
@@ -87,11 +81,20 @@ RUNTIME = Runtime()
 def kube_api_client(options: Options) -> client.ApiClient:
     """An API client from the kubeconfig (lab, laptop) or the pod's ServiceAccount, with two
     connections for every reconcile worker (its own, and the ConfigMap it posts alongside a status
-    write) and one per background thread (the client's default, 5 per CPU, made the workers beyond
-    it open and close a TLS connection per request). Every request is bounded (apiclient.py)."""
+    write), one per informer's watch, which holds it, and one per background thread (the client's
+    default, 5 per CPU, made the workers beyond it open and close a TLS connection per request).
+    Every request is bounded (apiclient.py)."""
     cfg = _client_configuration(options)
-    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, 2 * options.workers + EXTRA_CONNECTIONS)
+    wanted = 2 * options.workers + watch_connections(options) + EXTRA_CONNECTIONS
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, wanted)
     return bounded_client(cfg)
+
+
+def watch_connections(options: Options) -> int:
+    """The informers' watches (informers.py): nodes and each training CRD once; GPU pods, the jobs'
+    pods, the FineTuneJobs and each training-job kind cluster-wide or once per watched namespace."""
+    scopes = 1 if options.clusterwide else len(options.namespaces)
+    return 1 + len(BACKENDS) + scopes * (3 + len(BACKENDS))
 
 
 def lease_api_client(options: Options) -> client.ApiClient:
@@ -100,7 +103,7 @@ def lease_api_client(options: Options) -> client.ApiClient:
     return bounded_client(_client_configuration(options), LEASE_TIMEOUT, retries=False)
 
 
-# Connections beyond the workers: the progress poller, the wake-ups, the policy poll, the Lease, events.
+# Connections beyond the workers and the watches: the progress poller, the wake-ups, the policy poll, events.
 EXTRA_CONNECTIONS = 8
 
 
@@ -115,32 +118,18 @@ def _read_policy(cluster: Cluster, options: Options) -> ClusterPolicy:
     if options.policy_configmap:
         text = cluster.read_config_map_key(options.policy_namespace, options.policy_configmap, POLICY_KEY)
         if text is None:
-            raise kopf.PermanentError(
+            raise PolicyError(
                 f"policy ConfigMap {options.policy_namespace}/{options.policy_configmap} has no {POLICY_KEY!r}")
         return load_policy(text)
     log.warning("no policy given: no region is allowed, so no job can be placed")
     return ClusterPolicy()
 
 
-@kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def start() -> None:
+    """Start the operator: read the policy, inform, and start the reconcile workers, the election and
+    the background loops. The FineTuneJobs and the training-job CRDs are informed last, once the work
+    queue can take what their first list brings."""
     options = RUNTIME.options
-    settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's would be noise
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
-    settings.watching.connect_timeout = 30
-    settings.networking.request_timeout = 60
-    settings.networking.error_backoffs = [1, 2, 5, 10, 20, 30]
-    # kopf waits this long after an object's event for more of the same object before it calls the
-    # handler (0.1 s by default); ours only queues the key, and the work queue merges repeats.
-    settings.batching.batch_window = 0.01
-    # One active replica through our own Lease (see the module docstring), not kopf peering.
-    settings.peering.standalone = True
-    # Only our pods and training jobs, filtered by the API server rather than in the operator.
-    settings.watching.label_selectors["pods"] = JOB_LABEL
-    for backend in BACKENDS:
-        settings.watching.label_selectors[backend.group, backend.plural] = JOB_LABEL
-
     cluster = Cluster(kube_api_client(options))
     RUNTIME.policy.set(_read_policy(cluster, options))
     # Nodes, GPU pods, our pods and training jobs are informed (informers.py): reads come from memory
@@ -167,6 +156,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
             on_started=_lead, on_stopped=_follow)
         RUNTIME.leadership.start()
     RUNTIME.queue.start()
+    assert cluster.cache is not None
+    cluster.cache.watch_crds([backend.resource for backend in BACKENDS], training_crd_changed)
+    cluster.cache.watch_jobs(job_changed)
     threading.Thread(target=_wake_waiting, args=(RUNTIME.stop,), name="wake-waiting", daemon=True).start()
     threading.Thread(target=_sweep_profiles, args=(RUNTIME.stop,), name="profile-sweep", daemon=True).start()
     if options.policy_configmap:
@@ -176,6 +168,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     log.info("started: %d allowed regions, %d catalog pools", len(RUNTIME.policy.get().allowed_regions), len(RUNTIME.policy.get().catalog))
 
 
+def known_jobs() -> list[tuple[str, str]]:
+    """Every FineTuneJob the informers hold (all of them once they have listed)."""
+    reconciler = RUNTIME.reconciler
+    cache = reconciler.cluster.cache if reconciler is not None else None
+    return cache.job_keys() if cache is not None else []
+
+
 def _lead() -> None:
     """This replica leads: reconcile everything it has seen, now."""
     if RUNTIME.queue is None:
@@ -183,7 +182,7 @@ def _lead() -> None:
     RUNTIME.queue.set_active(True)
     # Every known job once, behind whatever happens now: a job applied while the leader was away
     # (queued urgent by its event) gets its child first, not after hundreds of look-agains.
-    for key in list(RUNTIME.known):
+    for key in known_jobs():
         RUNTIME.queue.add(key, urgent=False)
 
 
@@ -198,17 +197,10 @@ def _follow() -> None:
         log.warning("a reconcile still runs after losing the lease; its writes stay guarded by resourceVersion and uid")
 
 
-@kopf.on.probe(id="threads")
-def threads_alive(**_: Any) -> str:
-    """The liveness probe (/healthz) fails, and the kubelet restarts the container, when a thread the
-    operator cannot work without has died: a reconcile worker, an informer, the leader election."""
-    dead = dead_threads()
-    if dead:
-        raise kopf.PermanentError(f"threads died: {', '.join(dead)}")
-    return "alive"
-
-
 def dead_threads() -> list[str]:
+    """The threads the operator cannot work without that have died: a reconcile worker, an informer,
+    the leader election. The liveness probe (/healthz, runner.py) fails while any is named, and the
+    kubelet restarts the container."""
     dead: list[str] = []
     if RUNTIME.queue is not None:
         dead += RUNTIME.queue.dead()
@@ -219,31 +211,8 @@ def dead_threads() -> list[str]:
     return dead
 
 
-@kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """kopf and our own client act as the same user: the given kubeconfig, or the pod's ServiceAccount."""
-    options = RUNTIME.options
-    if not options.kubeconfig:
-        return kopf.login_via_client(**kwargs)
-    cfg = client.Configuration()
-    config.load_kube_config(config_file=options.kubeconfig, client_configuration=cfg)
-    keys = cfg.api_key or {}
-    # The client library files the token under "BearerToken" (older releases: "authorization").
-    authorization = keys.get("BearerToken") or keys.get("authorization") or ""
-    scheme, _, token = authorization.partition(" ")
-    return kopf.ConnectionInfo(
-        server=cfg.host,
-        ca_path=cfg.ssl_ca_cert,
-        insecure=not cfg.verify_ssl,
-        scheme=scheme or None,
-        token=token or None,
-        certificate_path=cfg.cert_file,
-        private_key_path=cfg.key_file,
-    )
-
-
-@kopf.on.cleanup()
-def shutdown(**_: Any) -> None:
+def shutdown() -> None:
+    """Stop (SIGTERM): the informers, then the running reconciles, the last Events, the Lease, the rest."""
     RUNTIME.stop.set()
     if RUNTIME.reconciler is not None and RUNTIME.reconciler.cluster.cache is not None:
         RUNTIME.reconciler.cluster.cache.stop()
@@ -263,38 +232,29 @@ def shutdown(**_: Any) -> None:
 
 def _enqueue(namespace: str | None, name: str | None, *, first: bool = False) -> None:
     if namespace and name and RUNTIME.queue is not None:
-        RUNTIME.known.add((namespace, name))
         RUNTIME.queue.add((namespace, name), first=first)
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-def finetunejob_event(event: dict[str, Any], namespace: str, name: str, status: dict[str, Any], **_: Any) -> None:
+def job_changed(kind: str, body: dict[str, Any]) -> None:
+    """A FineTuneJob was listed, added, changed or deleted (its informer, informers.py)."""
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace") or "", meta.get("name") or ""
+    key = (namespace, name)
     if RUNTIME.reconciler is not None and RUNTIME.reconciler.bodies is not None:
-        RUNTIME.reconciler.bodies.seen((namespace, name), None if event.get("type") == "DELETED" else event.get("object"))
-    if event.get("type") == "DELETED":
-        RUNTIME.known.discard((namespace, name))
-        RUNTIME.progress_only.forget((namespace, name))
+        RUNTIME.reconciler.bodies.seen(key, None if kind == "DELETED" else body)
+    if kind == "DELETED":
+        RUNTIME.progress_only.forget(key)
         metrics.track_phase(namespace, name, None)
         return
-    metrics.track_phase(namespace, name, (status or {}).get("phase") or "Pending", status=status)
+    status = body.get("status") or {}
+    metrics.track_phase(namespace, name, status.get("phase") or "Pending", status=status)
     # A progress write (progress_poller.py) changes only status.progress, and our own status write
     # shows what its reconcile left: nothing to reconcile.
-    body = event.get("object") or {}
-    only_progress = RUNTIME.progress_only.only_progress((namespace, name), body)
-    if only_progress or (RUNTIME.reconciler is not None and RUNTIME.reconciler.own_writes.is_own((namespace, name), body)):
-        RUNTIME.known.add((namespace, name))
+    only_progress = RUNTIME.progress_only.only_progress(key, body)
+    if only_progress or (RUNTIME.reconciler is not None and RUNTIME.reconciler.own_writes.is_own(key, body)):
         return
     # A job with no status was never looked at: its first look (the plan) goes ahead of the rest.
     _enqueue(namespace, name, first=not status)
-
-
-def _job_name(labels: dict[str, str], annotations: dict[str, str]) -> str | None:
-    return annotations.get(JOB_NAME_ANNOTATION) or labels.get(JOB_LABEL)
-
-
-def training_job_event(namespace: str, labels: dict[str, str], annotations: dict[str, str], **_: Any) -> None:
-    """A PyTorchJob or TrainJob of ours changed: look at its FineTuneJob."""
-    _enqueue(namespace, _job_name(labels, annotations))
 
 
 # The training-job kinds this ServiceAccount may list and watch (watch_training_jobs).
@@ -302,49 +262,43 @@ _INFORMABLE: list[Any] = []
 
 
 def watch_training_jobs(cluster: Cluster, options: Options) -> list[str]:
-    """Watch the training-job kinds the operator may list and watch (the chart grants each backend's RBAC
-    only when the policy can use it): a watch kopf is forbidden would retry and log forever. Registered
-    at startup, before kopf starts its watchers. Kinds whose CRD is installed later are picked up by
-    kopf's CRD scan; the served kinds themselves are looked up by the reconciler (API discovery)."""
+    """Inform on the training-job kinds the operator may list and watch (the chart grants each backend's
+    RBAC only when the policy can use it): a watch it is forbidden would retry and log forever. A kind
+    whose CRD is not served (yet) is informed once training_crd_changed sees it installed: an informer
+    on it would only log 404s. The served kinds themselves are looked up by API discovery."""
     watched = []
     _INFORMABLE.clear()
+    assert cluster.cache is not None
     for backend in BACKENDS:
         namespaces = [None] if options.clusterwide else list(options.namespaces)
         if namespaces and all(cluster.may(verb, backend.group, backend.plural, ns)
                               for ns in namespaces for verb in ("list", "watch")):
-            if getattr(cluster, "cache", None) is not None:
-                # informed: changes queue the job (informers.py). A kind whose CRD is not served
-                # (yet) is informed once training_crd_event sees it installed: an informer on it
-                # would only log 404s.
-                _INFORMABLE.append(backend)
-                if backend in cluster.served_backends():
-                    cluster.cache.watch_children(backend)
-            else:
-                kopf.on.event(backend.group, backend.version, backend.plural, id=f"{backend.plural}-event",
-                              labels={JOB_LABEL: kopf.PRESENT})(training_job_event)
+            _INFORMABLE.append(backend)
+            if backend in cluster.served_backends():
+                cluster.cache.watch_children(backend)
             watched.append(backend.resource)
         else:
             log.info("not watching %s: this ServiceAccount may not list and watch them", backend.resource)
     return watched
 
 
-@kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions",
-               when=lambda name, **_: name in {b.resource for b in BACKENDS})
-def training_crd_event(name: str, **_: Any) -> None:
-    """A training-job CRD was installed, changed or removed: look up the served kinds again and look at
-    every job (one waiting with NoTrainingBackend starts now)."""
+def training_crd_changed(kind: str, crd: dict[str, Any]) -> None:
+    """A training-job CRD was listed, installed, changed or removed (its informer): look up the served
+    kinds again, inform on those now served, and look at every job (one waiting with NoTrainingBackend
+    starts now)."""
     if RUNTIME.reconciler is None:
         return
     cluster = RUNTIME.reconciler.cluster
     cluster.forget_served_backends()
-    log.info("CRD %s changed: looking up the training backends again", name)
-    if getattr(cluster, "cache", None) is not None:
+    log.info("CRD %s %s: looking up the training backends again", (crd.get("metadata") or {}).get("name"),
+             kind.lower())
+    if cluster.cache is not None:
         served = cluster.served_backends()
         for backend in _INFORMABLE:
             if backend in served:
                 cluster.cache.watch_children(backend)  # no-op when already informed
     if RUNTIME.queue is not None:
-        for key in list(RUNTIME.known):
+        for key in known_jobs():
             RUNTIME.queue.add(key, urgent=False)
 
 
@@ -362,7 +316,7 @@ def apply_policy_text(text: str | None) -> None:
     RUNTIME.policy.set(policy)
     log.info("policy reloaded: regions %s, %d catalog pools", policy.allowed_regions, len(policy.catalog))
     if RUNTIME.queue is not None:
-        for key in list(RUNTIME.known):
+        for key in known_jobs():
             RUNTIME.queue.add(key, urgent=False)
 
 
@@ -409,8 +363,8 @@ def _sweep_profiles(stop: threading.Event) -> None:
 
 def _poll_policy(cluster: Cluster, options: Options, stop: threading.Event) -> None:
     """Read the policy ConfigMap every few seconds, whatever namespaces are watched: one GET by name,
-    so the operator needs no list or watch of ConfigMaps anywhere (a watch of every ConfigMap of the
-    cluster, for one of them, was what a kopf handler here used to cost)."""
+    so the operator needs no list or watch of ConfigMaps anywhere (a reload within POLICY_POLL_SECONDS
+    is soon enough for a policy; a watch would need both verbs, if only on this one name)."""
     while not stop.wait(POLICY_POLL_SECONDS):
         try:
             apply_policy_text(cluster.read_config_map_key(options.policy_namespace, options.policy_configmap, POLICY_KEY))

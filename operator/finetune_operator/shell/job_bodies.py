@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .informers import slim
+from .informer import slim
 
 
 class JobBodies:
-    """The newest FineTuneJob each watch event or own status write showed (the kopf watch feeds it):
+    """The newest FineTuneJob each watch event or own status write showed (the FineTuneJob informer feeds it):
     a reconcile reads the job from here instead of a GET per look (at a thousand jobs, most of the
     operator's reads). A stale body is safe: every write is guarded by the body's resourceVersion,
     and creates and deletes come only after such a write, so a decision made on an old version
@@ -62,8 +62,10 @@ def _older(body: dict[str, Any], than: dict[str, Any] | None) -> bool:
 class OwnWrites:
     """The resourceVersion of each job's last status the operator wrote itself. The watch event of
     that write shows the job as the reconcile that wrote it left it: reconciling it again would only
-    read and compare (at a thousand jobs, one wasted reconcile per write). Any other change has
-    another resourceVersion."""
+    read and compare (at a thousand jobs, one wasted reconcile per write). So does the event of an
+    earlier write, which a watch delivers after the next write when two follow each other closely:
+    every status write is guarded by the resourceVersion it read, so the reconcile that wrote had seen
+    every change before it. A change by anyone else after it has a newer resourceVersion."""
 
     def __init__(self) -> None:
         self._written: dict[tuple[str, str], str] = {}
@@ -78,10 +80,14 @@ class OwnWrites:
                 self._written.pop(key, None)
 
     def is_own(self, key: tuple[str, str], body: dict[str, Any]) -> bool:
-        """Whether `body` is the job as the operator's last status write stored it."""
+        """Whether `body` shows nothing newer than the job as the operator's last status write stored
+        it (that write, or a version before it; see `_older` for how versions compare)."""
         version = (body.get("metadata") or {}).get("resourceVersion")
         with self._lock:
-            return version is not None and self._written.get(key) == version
+            written = self._written.get(key)
+        if version is None or written is None:
+            return False
+        return version == written or _older(body, {"metadata": {"resourceVersion": written}})
 
     def forget(self, key: tuple[str, str]) -> None:
         with self._lock:

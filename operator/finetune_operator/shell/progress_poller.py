@@ -37,6 +37,7 @@ from .. import api
 from finetune_trainer.contract import progress_from_trainer_status
 
 from ..progress import JobProgress, RateEstimate, Target
+from .apiclient import LOG_READ_TIMEOUT
 
 log = logging.getLogger("finetune_operator.progress")
 
@@ -74,7 +75,8 @@ def read_pod_log(core: Any) -> LogSource:
     """The log tail through CoreV1Api (GET .../pods/<pod>/log)."""
     def read(target: Target, since_seconds: int | None, tail_lines: int, limit_bytes: int) -> str:
         kwargs: dict[str, Any] = {"container": target.container, "tail_lines": tail_lines, "limit_bytes": limit_bytes,
-                                  "_preload_content": False, "_request_timeout": 10}
+                                  "_preload_content": False,
+                                  "_request_timeout": LOG_READ_TIMEOUT.as_request_timeout()}
         if since_seconds is not None:
             kwargs["since_seconds"] = since_seconds
         response = core.read_namespaced_pod_log(target.pod, target.namespace, **kwargs)

@@ -1,7 +1,7 @@
 """One reconcile of one FineTuneJob: read the world (through `Cluster`), call `lifecycle.step`,
 write the result. `WorkQueue` serialises reconciles per job and schedules the "look again in N
-seconds" that the lifecycle asks for; kopf (in `handlers.py`) feeds the queue from watch events, so
-a pod that dies wakes its job at once.
+seconds" that the lifecycle asks for; the informers (through `handlers.py`) feed the queue from
+watch events, so a pod that dies wakes its job at once.
 
 Order of writes, chosen so that a kill at any point is harmless: status first (it names
 the attempt and its plan), then the attempt's objects (deterministic names: a second
@@ -104,9 +104,9 @@ class Reconciler:
     calibration: Any = None
     # Posts Events off the reconcile path (events.py); None: posted before the reconcile ends.
     events: Any = None
-    # The jobs as the watch last showed them (handlers.py feeds it); None: a GET per reconcile.
+    # The jobs as their informer last showed them (handlers.job_changed feeds it); None: a GET per reconcile.
     bodies: JobBodies | None = None
-    # The resourceVersions of our own status writes (handlers.py skips their watch events).
+    # The resourceVersions of our own status writes (handlers.job_changed skips their watch events).
     own_writes: OwnWrites = field(default_factory=lambda: OwnWrites())
     # How a write runs beside the status write (the attempt's ConfigMap): a thread pool's submit in
     # the operator, which makes the path to the training job two API round trips long, not three.
