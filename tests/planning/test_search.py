@@ -446,7 +446,9 @@ def test_a_plan_survives_a_dump_and_reload():
 def test_weights_floor_never_exceeds_the_memory_model():
     """The search rejects setups whose weights alone do not fit before sizing them: that floor must
     stay under what the sizing model says, for every preset, method, precision, strategy and offload."""
-    from finetune_operator.planning.space import Ask as _Ask, Group as _Group, weights_floor as _weights_floor
+    from finetune_operator.planning.search.ask import Ask as _Ask
+    from finetune_operator.planning.search.fit import weights_floor as _weights_floor
+    from finetune_operator.planning.search.space import Group as _Group
     from finetune_operator.sizing import PRESETS, SizingError, TrainingSetup, estimate_memory
 
     h100 = pool("h100")
