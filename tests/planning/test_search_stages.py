@@ -101,7 +101,11 @@ def test_the_branch_and_bound_sizes_a_small_share_of_the_space():
 def test_the_tie_break_prefix_never_skips_a_group_that_wins_the_tie():
     """Two setups of one pool within the cost tie: fsdp with checkpointing (two changes) costs a
     little less and is found first; ddp with checkpointing (one change) costs 0.5% more and wins
-    the tie-break on fewer changes. The pruning must size it: sizing everything chooses it."""
+    the tie-break on fewer changes. The pruning must size it: sizing everything chooses it.
+    With the real memory model (found by bench/plan_golden.py when written): examples/llama-70b-qlora.yaml
+    with resources.gpus 4 on examples/pools.yaml and placementPreference cost, plan_job takes
+    activation offloading (quality cost 1) where exhaustive_plan takes offload optimizer+params
+    (0.5% dearer, quality cost 0)."""
     from finetune_operator.planning.search.ask import ask_from_spec
     from finetune_operator.planning.search.choose import COST_TIE, bounded_search, choose
     from finetune_operator.planning.search.estimate import EstimateFacts
