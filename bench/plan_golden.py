@@ -50,6 +50,7 @@ from finetune_operator.recovery.adjust import FailedRun, decide_next  # noqa: E4
 from finetune_operator.recovery.classify import Failure, FailureKind  # noqa: E402
 from finetune_trainer.combinations import OPTIMIZERS  # noqa: E402
 from tests.planning.simple_estimator import simple_estimate  # noqa: E402
+from tests.planning.test_search import with_changes  # noqa: E402
 
 REGIONS = ["eu-de-berlin", "eu-fr-paris", "eu-nl-amsterdam", "us-east-virginia"]
 STORAGE = [{"endpoint": f"https://s3.{r}.example", "region": r} for r in REGIONS[:3]]
@@ -125,17 +126,6 @@ def example_doc(name: str) -> dict[str, Any]:
     return doc
 
 
-def set_path(doc: dict[str, Any], path: str, value: Any) -> None:
-    node = doc
-    *parents, last = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is None:
-        node.pop(last, None)
-    else:
-        node[last] = value
-
-
 EXAMPLE_VARIANTS: list[dict[str, Any]] = [
     {},
     {"spec.training.masterWeights": "fp32", "spec.training.optimizerInBackward": False,
@@ -156,9 +146,7 @@ EXAMPLE_VARIANTS: list[dict[str, Any]] = [
 def example_specs() -> Iterator[tuple[str, api.FineTuneJobSpec]]:
     for name in EXAMPLES:
         for v, variant in enumerate(EXAMPLE_VARIANTS):
-            doc = example_doc(name)
-            for path, value in variant.items():
-                set_path(doc, path, value)
+            doc = with_changes(example_doc(name), variant)
             try:
                 yield f"{name}#{v}", api.parse_job(doc).spec
             except ValueError:

@@ -43,9 +43,8 @@ BASE_SPEC: dict[str, Any] = {
 }
 
 
-def spec(**changes: Any) -> api.FineTuneJobSpec:
-    """BASE_SPEC with dotted-path changes, e.g. spec(**{"resources.maxGPUs": 2})."""
-    document = copy.deepcopy(BASE_SPEC)
+def with_changes(document: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`document` with dotted-path changes applied in place (None removes the field)."""
     for path, value in changes.items():
         *parents, leaf = path.split(".")
         node = document
@@ -55,7 +54,12 @@ def spec(**changes: Any) -> api.FineTuneJobSpec:
             node.pop(leaf, None)
         else:
             node[leaf] = value
-    return api.parse_spec(document)
+    return document
+
+
+def spec(**changes: Any) -> api.FineTuneJobSpec:
+    """BASE_SPEC with dotted-path changes, e.g. spec(**{"resources.maxGPUs": 2})."""
+    return api.parse_spec(with_changes(copy.deepcopy(BASE_SPEC), changes))
 
 
 def full_8b(**changes: Any) -> api.FineTuneJobSpec:

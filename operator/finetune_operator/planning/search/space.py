@@ -42,7 +42,7 @@ from .ask import Ask
 
 @dataclass(slots=True, eq=False)
 class Group:
-    """A (pool, W, strategy, offload, checkpointing) group; the micro-batch is searched inside it.
+    """A (pool, W, nodes, strategy, offload, checkpointing, levers) group; the micro-batch is searched inside it.
 
     Thousands are made per plan, so it is a plain slotted class (treat it as read-only).
     """
@@ -69,7 +69,9 @@ class Group:
 
 @dataclass
 class Stats:
-    """What the search saw, for the reason and the infeasible message."""
+    """What the search saw, for the reason and the infeasible message: the groups enumerated and what
+    the job's numbers rule out (here), the misses and how close each came (fit.py), the groups
+    visited and skipped (choose.py)."""
 
     rejected: dict[str, int] = field(default_factory=dict)
     closest: tuple[float, Group, int, int, int] | None = None  # (ratio, group, micro, required, usable)
@@ -83,7 +85,6 @@ class Stats:
 
     def reject(self, why: str) -> None:
         self.rejected[why] = self.rejected.get(why, 0) + 1
-
 
 
 def pools_for(ask: Ask, pools: Sequence[NodePool]) -> tuple[list[NodePool], Infeasible | None]:
