@@ -14,8 +14,8 @@ The matrix (all seeded; nothing reads the clock or the environment):
   jobs       the examples (as written, with each memory lever fixed, with fields fixed) and
              random specs drawn from per-case seeds (presets dense and MoE, full/LoRA/QLoRA,
              optimizers, precisions, levers, fixed GPUs/strategy/offload/micro-batch/checkpointing,
-             GPU types, node pools, packing, dropout, target modules, eval micro-batch, export,
-             S3 output, regions)
+             GPU types, node pools, packing, dropout, target modules (the head's too), modules to
+             save, eval micro-batch, export, S3 output, regions)
   calls      plan_job for every case; some with a calibration, some excluding their own first plan,
              some with the tests' simple memory model (sized every time, no process-wide memo),
              some also through exhaustive_plan; recovery re-plans through recovery/adjust.py's
@@ -207,7 +207,9 @@ def random_doc(rng: random.Random, regions: list[str]) -> dict[str, Any]:
     if method != "full":
         lora: dict[str, Any] = {"rank": rng.choice([8, 16, 64]), "dropout": rng.choice([0.0, 0.0, 0.05])}
         if rng.random() < 0.2:
-            lora["targetModules"] = ["q_proj", "v_proj"]
+            lora["targetModules"] = rng.choice([["q_proj", "v_proj"], ["q_proj", "v_proj", "lm_head"]])
+        if rng.random() < 0.1:
+            lora["modulesToSave"] = rng.choice([["lm_head"], ["embed_tokens", "lm_head"]])
         if preset in MOE and rng.random() < 0.3:
             lora["targetExperts"] = True
         doc["lora"] = lora
