@@ -168,7 +168,7 @@ TORCHTUNE = [
         differences=_TT_FLAGS + "; torch.compile; chunked cross-entropy; step in backward"),
     _tt("tt-3b-full-act-offload", "llama-3.2-3b", "Llama 3.2 3B", "full", A100_80, 1, 7301, seq=4096, ckpt=True,
         differences=_TT_FLAGS + "; torch.compile; chunked cross-entropy; step in backward; activation offloading "
-        "(its PCIe traffic is costed by candidates.py, not by throughput.py)"),
+        "(its PCIe traffic is costed by planning/search/estimate.py, not by throughput.py)"),
     _tt("tt-3b-full-8bit-adam", "llama-3.2-3b", "Llama 3.2 3B", "full", A100_80, 1, 6960, seq=4096, ckpt=True,
         differences=_TT_FLAGS + "; torch.compile; chunked cross-entropy; step in backward; activation offloading; "
         "8-bit AdamW"),

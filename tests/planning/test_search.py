@@ -43,9 +43,8 @@ BASE_SPEC: dict[str, Any] = {
 }
 
 
-def spec(**changes: Any) -> api.FineTuneJobSpec:
-    """BASE_SPEC with dotted-path changes, e.g. spec(**{"resources.maxGPUs": 2})."""
-    document = copy.deepcopy(BASE_SPEC)
+def with_changes(document: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`document` with dotted-path changes applied in place (None removes the field)."""
     for path, value in changes.items():
         *parents, leaf = path.split(".")
         node = document
@@ -55,7 +54,12 @@ def spec(**changes: Any) -> api.FineTuneJobSpec:
             node.pop(leaf, None)
         else:
             node[leaf] = value
-    return api.parse_spec(document)
+    return document
+
+
+def spec(**changes: Any) -> api.FineTuneJobSpec:
+    """BASE_SPEC with dotted-path changes, e.g. spec(**{"resources.maxGPUs": 2})."""
+    return api.parse_spec(with_changes(copy.deepcopy(BASE_SPEC), changes))
 
 
 def full_8b(**changes: Any) -> api.FineTuneJobSpec:
@@ -446,7 +450,9 @@ def test_a_plan_survives_a_dump_and_reload():
 def test_weights_floor_never_exceeds_the_memory_model():
     """The search rejects setups whose weights alone do not fit before sizing them: that floor must
     stay under what the sizing model says, for every preset, method, precision, strategy and offload."""
-    from finetune_operator.planning.space import Ask as _Ask, Group as _Group, weights_floor as _weights_floor
+    from finetune_operator.planning.search.ask import Ask as _Ask
+    from finetune_operator.planning.search.fit import weights_floor as _weights_floor
+    from finetune_operator.planning.search.space import Group as _Group
     from finetune_operator.sizing import PRESETS, SizingError, TrainingSetup, estimate_memory
 
     h100 = pool("h100")

@@ -115,7 +115,7 @@ def test_the_planner_trains_where_the_data_may_be_read():
 def test_the_upload_sidecar_s_memory_is_counted_on_the_node():
     """An output in object storage adds the master's upload sidecar (512 MiB requested beside the
     ranks): a node whose allocatable holds the ranks but not the sidecar too is not planned on."""
-    from finetune_operator.planning.space import UPLOAD_SIDECAR_HOST_BYTES, ask_from_spec
+    from finetune_operator.planning.search.ask import UPLOAD_SIDECAR_HOST_BYTES, ask_from_spec
 
     pvc_plan = plan_job(job(), POOLS, policy(*STORAGE), estimator=simple_estimate)
     assert isinstance(pvc_plan, Plan)

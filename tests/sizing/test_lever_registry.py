@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from finetune_operator import api
-from finetune_operator.planning.estimates import Estimates
+from finetune_operator.planning.search.estimate import Estimates
 from finetune_operator.sizing.presets import preset
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory
 from finetune_operator.sizing.memory import lever_savings

@@ -1,4 +1,5 @@
-"""Node pools (catalog and discovery), the cluster policy, and the plan search. Pure code."""
+"""Node pools (catalog and discovery), the cluster policy, and the plan search (search/: one module
+per stage, in the order it works; search/planner.py lists them). Pure code."""
 
 from .plan import Infeasible, Plan, PlanKey, PlanningResult, plan_key_of
 from .policy import ClusterPolicy, PolicyError, load_policy

@@ -12,7 +12,7 @@ from typing import Any
 from .. import api
 from ..planning import ClusterPolicy, Plan
 from ..planning.pools import gpu_type_info, same_gpu_type
-from ..planning.space import UPLOAD_SIDECAR_HOST_BYTES
+from ..planning.search.ask import UPLOAD_SIDECAR_HOST_BYTES
 from ..planning.storage import StorageError, storage_regions
 from . import layout as paths
 from .errors import RenderError
@@ -36,7 +36,7 @@ FETCH_CONTAINERS = {"model": FETCH_CONTAINER, "data": FETCH_DATA_CONTAINER, "eva
 UPLOAD_CONTAINER = "upload"
 # What the upload sidecar requests (and is limited to), beside the training container's: it copies
 # files with boto3's managed transfer (8 MiB parts, 10 threads, waiting on the network far more than
-# computing); its requests add to the pod's, so the planner counts its memory (planning/space.py,
+# computing); its requests add to the pod's, so the planner counts its memory (planning/search/ask.py,
 # UPLOAD_SIDECAR_HOST_BYTES) and its CPU comes out of the pod's share of the node (resources()). A
 # whole CPU on top of that share left the master pod unschedulable on a node the plan fitted (the
 # lab's real kubelet: "Insufficient cpu").

@@ -1,17 +1,17 @@
-"""Explaining a plan: the reason it carries (why this pool and setup, what it costs, what it
-changes) and the runners-up (the best plan of other pools, and why each lost)."""
+"""After the choice: the plan of the winning candidate, with the reason it carries (why this pool
+and setup, what it costs, what it changes, what its memory levers save) and the runners-up (the
+best plan of other pools, and why each lost)."""
 
 from __future__ import annotations
 
 from finetune_trainer.memory_levers import BY_NAME
 
-from .choice import COST_TIE
-from .plan import Plan
-from .pools import GiB
-from .space import Ask, Candidate, Group, Stats, pod_host_bytes
-
-# Runners-up named in the plan: the best plan of other pools, then another setup in the winner's pool.
-RUNNERS_UP = 3
+from ..plan import Plan
+from ..pools import GiB
+from .ask import Ask
+from .choose import COST_TIE, RUNNERS_UP
+from .fit import Candidate, pod_host_bytes
+from .space import Group, Stats
 
 
 def gib(n: float) -> str:
@@ -35,20 +35,20 @@ def setup_words(group: Group, micro: int | None = None) -> str:
     return ", ".join(parts)
 
 
-def choice_words(ask: Ask, winner: Candidate, others: list[Candidate]) -> str:
+def choice_words(winner: Candidate, others: list[Candidate], window: float) -> str:
     """Why this plan: the cheapest, or a dearer one chosen because it can start now."""
     cheapest = min(others, key=lambda c: c.cost_per_step, default=None)
     if cheapest is None or cheapest.cost_per_step >= winner.cost_per_step * (1 - COST_TIE):
         return "is the cheapest feasible plan"
     pct = (winner.cost_per_step / cheapest.cost_per_step - 1) * 100
-    if winner.needs_scale_up:  # nothing starts now: chosen for its shorter queue (choice.py)
+    if winner.needs_scale_up:  # nothing starts now: chosen for its shorter queue (choose_cheapest_or_startable)
         return (f"has the shorter queue: it costs {pct:.0f}% more than the cheapest plan ({shape(cheapest.group)} in"
                 f" {cheapest.group.pool.name}), whose pool has {queue_words(cheapest.group.pool)}, this one"
-                f" {queue_words(winner.group.pool)} (the policy prefers starting sooner within {ask.cost_window:.0%}"
+                f" {queue_words(winner.group.pool)} (the policy prefers starting sooner within {window:.0%}"
                 " of the cheapest cost)")
     return (f"starts now: it costs {pct:.0f}% more than the cheapest plan ({shape(cheapest.group)} in"
             f" {cheapest.group.pool.name}), whose pool must scale up or free GPUs first (the policy prefers"
-            f" starting now within {ask.cost_window:.0%} of the cheapest cost)")
+            f" starting now within {window:.0%} of the cheapest cost)")
 
 
 def why_lost(ask: Ask, winner: Candidate, other: Candidate) -> str:
@@ -88,9 +88,10 @@ def lever_words(savings: dict[str, int]) -> str:
     return ", ".join(f"{BY_NAME[k].phrase} {gib(v)}" for k, v in savings.items())
 
 
-def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, calibration: float,
+def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, calibration: float, window: float,
             exhaustive: bool, savings: dict[str, int] | None = None) -> Plan:
-    """The plan of the winning candidate, with its reason and runners-up."""
+    """The plan of the winning candidate, with its reason and runners-up. `window`: the cost window
+    the choice used (cost_window_of)."""
     g, f = winner.group, winner.facts
     pool = g.pool
     hours = winner.seconds_per_step * ask.steps / 3600 if ask.steps is not None else None
@@ -140,7 +141,7 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
         f"{shape(g)} in pool {pool.name} ({pool.region}) with {setup_words(g)}, micro-batch {winner.micro} x"
         f" accumulation {ask.global_batch_size // (winner.micro * g.world)}: it needs {gib(required)} per GPU{calib}"
         f" of {gib(usable)} usable ({pool.gpu_memory_bytes / GiB:.1f} GiB less {ask.headroom:.0%} headroom), peak in"
-        f" {f.peak_phase or 'training'}, and {choice_words(ask, winner, others)} ({cost_words}; searched {searched})."
+        f" {f.peak_phase or 'training'}, and {choice_words(winner, others, window)} ({cost_words}; searched {searched})."
         f" {free_words[0].upper() + free_words[1:]}."
         + (f" Changes: {', '.join(winner.changes)}." if winner.changes else "")
         + (f" Memory levers save per GPU: {lever_words(savings)}." if savings else "")

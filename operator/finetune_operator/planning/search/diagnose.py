@@ -1,26 +1,29 @@
-"""Why nothing fits: the nearest miss, the memory that stopped it, and the one constraint whose
-lifting would let the job fit (more GPUs, a fixed setting, the named pool, the GPU types, or
-another region)."""
+"""After the choice, when there is nothing to choose: why nothing fits. The nearest miss, the
+memory that stopped it, and the one constraint whose lifting would let the job fit (more GPUs, a
+fixed setting, the named pool, the GPU types, or another region), found by running the search
+(choose.find) again with that constraint lifted."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Sequence
 
-from ..sizing import SizingError
-from .candidates import choose, find
-from .estimates import Estimates
-from .explain import gib, setup_words, shape
-from .plan import Infeasible, PlanKey
-from .pools import NodePool
 from finetune_trainer.combinations import OFFLOADS, strategies_for
 
-from .space import Ask, Stats, divisors, pools_for, weights_floor
-from .throughput import JobWork
+from ...sizing import SizingError
+from ..plan import Infeasible, PlanKey
+from ..pools import NodePool
+from .ask import Ask
+from .choose import choose, find
+from .estimate import Estimates, JobWork
+from .explain import gib, setup_words, shape
+from .fit import weights_floor
+from .space import Stats, divisors, pools_for
 
 
 def infeasible(ask: Ask, all_pools: Sequence[NodePool], considered: Sequence[NodePool], work: JobWork,
-                estimates: Estimates, excluded: set[PlanKey], calibration: float, stats: Stats) -> Infeasible:
+               estimates: Estimates, excluded: set[PlanKey], calibration: float, window: float,
+               stats: Stats) -> Infeasible:
     parts = []
     biggest = max(considered, key=lambda p: p.max_gpus)
     if ask.gpus is not None and ask.global_batch_size % ask.gpus:
@@ -66,7 +69,7 @@ def infeasible(ask: Ask, all_pools: Sequence[NodePool], considered: Sequence[Nod
             f" ({shape(group)} on {group.pool.name}, {setup_words(group)}) needs {gib(needed)} per pod,"
             f" its nodes have {gib(there)}"
         )
-    suggestion = relaxed_suggestion(ask, all_pools, work, estimates, excluded, calibration)
+    suggestion = relaxed_suggestion(ask, all_pools, work, estimates, excluded, calibration, window)
     if suggestion:
         parts.append(suggestion)
     nearest = parts[0]
@@ -79,7 +82,7 @@ def infeasible(ask: Ask, all_pools: Sequence[NodePool], considered: Sequence[Nod
 
 
 def relaxed_suggestion(ask: Ask, all_pools: Sequence[NodePool], work: JobWork, estimates: Estimates,
-                        excluded: set[PlanKey], calibration: float) -> str | None:
+                       excluded: set[PlanKey], calibration: float, window: float) -> str | None:
     """Try lifting one constraint at a time; say what would fit and which constraint stops it."""
     biggest = max((p.max_gpus for p in all_pools), default=1)
     relaxations: list[tuple[Ask, str, bool]] = []  # (relaxed ask, what stops it, search all regions)
@@ -115,10 +118,10 @@ def relaxed_suggestion(ask: Ask, all_pools: Sequence[NodePool], work: JobWork, e
             pools, none = pools_for(relaxed, all_pools)
             if none is not None:
                 continue
-        found, _ = find(relaxed, pools, work, estimates, excluded, calibration, exhaustive=False)
+        found, _ = find(relaxed, pools, work, estimates, excluded, calibration, window, exhaustive=False)
         if not found:
             continue
-        winner, _ = choose(found, relaxed.cost_window)
+        winner, _ = choose(found, window)
         g = winner.group
         what = f"{shape(g)} in {g.pool.region} ({g.pool.name}, {setup_words(g, winner.micro)})"
         if any_region:

@@ -1,4 +1,12 @@
-"""Sizing estimates as the planner reads them, cached per setup (they do not depend on the pool)."""
+"""Stage 2 of the plan search: estimate what a group costs and how much memory it needs.
+
+Cost (`Costs`): seconds and ranking cost per step of a group at a micro-batch, from the step-time
+model (throughput.py) and the levers' host traffic. Cheap, so the choice stage prices every group
+at its largest micro-batch up front: that is the bound its branch and bound orders groups by.
+Memory (`Estimates`): the sizing model's estimate of a setup, asked only for the groups the fit
+stage sizes, cached per setup for the plan (memory does not depend on the pool), and, for the
+default model, across plans (the jobs of a platform repeat setups).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +14,22 @@ import threading
 from collections import OrderedDict
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from ..sizing import SizingError, TrainingSetup
-from finetune_trainer.memory_levers import NO_LEVERS, Levers, savings
+from ...sizing import SizingError, TrainingSetup, estimate_memory
+from finetune_trainer.memory_levers import LEVERS, NO_LEVERS, Levers, savings
 
-if TYPE_CHECKING:
-    from .space import Ask
+from ..throughput import (
+    PCIE_GBYTES,
+    JobWork,
+    accumulation_steps,
+    combine,
+    compute_and_communication,
+    job_work,
+    offload_costs,
+)
+from .ask import Ask
+from .space import Group
 
 Estimator = Callable[[TrainingSetup], Any]
 
@@ -67,8 +84,6 @@ def estimate_facts(estimate: Any) -> EstimateFacts:
 
 
 def default_estimator() -> Estimator:
-    from ..sizing import estimate_memory
-
     return estimate_memory
 
 
@@ -100,14 +115,12 @@ def _remember(key: tuple, value: "EstimateFacts | SizingError") -> None:
 class Estimates:
     """Sizing estimates cached per setup for one planning call (they do not depend on the pool)."""
 
-    def __init__(self, ask: "Ask", estimator: Estimator):
+    def __init__(self, ask: Ask, estimator: Estimator):
         self.ask = ask
         self.estimator = estimator
         self.cache: dict[tuple, EstimateFacts | SizingError] = {}
         self.calls = 0
         self.shared = None  # the job's part of the process-wide key, when the default model sizes
-        from ..sizing import estimate_memory
-
         if estimator is estimate_memory:
             a = ask  # every field of the job that setup() reads
             shared = (a.arch, a.method, a.lora_rank, a.lora_targets, a.precision, a.optimizer, a.sequence_length,
@@ -179,3 +192,51 @@ class Estimates:
             return None if isinstance(facts, SizingError) else facts.required_bytes
 
         return savings(levers, own.required_bytes, required)
+
+
+# ---------------------------------------------------------------------------
+# Cost
+# ---------------------------------------------------------------------------
+
+
+def work_of(ask: Ask) -> JobWork:
+    """The job's work per step, for the step-time model."""
+    return job_work(
+        ask.arch, method=ask.method, lora_rank=ask.lora_rank, lora_targets=ask.lora_targets, precision=ask.precision,
+        sequence_length=ask.sequence_length, global_batch_size=ask.global_batch_size,
+    )
+
+
+class Costs:
+    """Seconds and ranking cost per step of a group at a micro-batch. Compute and communication do
+    not depend on offload, so the offload variants of a group share them."""
+
+    def __init__(self, work: JobWork, arch: Any = None) -> None:
+        self.work = work
+        self.arch = arch  # for the levers' host transfers
+        self.shared: dict[tuple, tuple[float, float]] = {}
+
+    def of(self, group: Group, micro: int) -> tuple[float, float]:
+        key = (id(group.pool), group.nodes, group.gpus_per_node, group.strategy, group.checkpointing, micro)
+        parts = self.shared.get(key)
+        if parts is None:
+            parts = self.shared[key] = compute_and_communication(
+                self.work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, strategy=group.strategy,
+                gradient_checkpointing=group.checkpointing, micro_batch_size=micro, tflops=group.tflops,
+            )
+        transfers, cpu_step = offload_costs(
+            self.work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, offload=group.offload,
+            gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
+        )
+        lever_bytes = [lever.host_transfer_bytes(self.arch, micro, self.work.sequence_length)
+                       for lever in LEVERS if lever.host_transfer_bytes is not None and lever.in_use(group.levers)]
+        if lever_bytes:
+            transfers += self.lever_transfers(group, micro, sum(lever_bytes))
+        seconds = combine(parts[0], parts[1], transfers, cpu_step)
+        return seconds, seconds * group.world / 3600 * group.price
+
+    def lever_transfers(self, group: Group, micro: int, per_micro: float) -> float:
+        """Seconds per step of the levers' host traffic (Lever.host_transfer_bytes: activation
+        offloading's block inputs out in forward and back in backward), each micro-batch, over the
+        GPU's PCIe link (hidden by compute as far as `combine` lets traffic hide)."""
+        return accumulation_steps(self.work, group.world, micro) * per_micro / (PCIE_GBYTES * 1e9)
