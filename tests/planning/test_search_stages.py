@@ -87,18 +87,15 @@ def test_the_branch_and_bound_sizes_a_small_share_of_the_space():
     assert groups > 0 and visited <= 0.2 * groups, (visited, groups)
 
 
-@pytest.mark.xfail(strict=True, reason="known: the branch and bound's tie-break prefix (can start now, GPUs, nodes,"
-                   " changes) is compared with rank_key's first five (can start now, GPUs, nodes, quality cost,"
-                   " changes) since the levers' quality cost entered rank_key: it can skip a group that wins the"
-                   " tie-break (no behaviour change in issue 25 item 6; fixing it changes which groups are sized)")
 def test_the_tie_break_prefix_never_skips_a_group_that_wins_the_tie():
     """Two setups of one pool within the cost tie: fsdp with checkpointing (two changes) costs a
     little less and is found first; ddp with checkpointing (one change) costs 0.5% more and wins
     the tie-break on fewer changes. The pruning must size it: sizing everything chooses it.
     With the real memory model (found by bench/plan_golden.py when written): examples/llama-70b-qlora.yaml
-    with resources.gpus 4 on examples/pools.yaml and placementPreference cost, plan_job takes
+    with resources.gpus 4 on examples/pools.yaml and placementPreference cost, plan_job took
     activation offloading (quality cost 1) where exhaustive_plan takes offload optimizer+params
-    (0.5% dearer, quality cost 0)."""
+    (0.5% dearer, quality cost 0), while the pruning compared (GPUs, nodes, changes) with rank_key's
+    (GPUs, nodes, quality cost, changes)."""
     from finetune_operator.planning.search.ask import ask_from_spec
     from finetune_operator.planning.search.choose import COST_TIE, bounded_search, choose
     from finetune_operator.planning.search.estimate import EstimateFacts

@@ -21,10 +21,8 @@ jobs plans in a third of the CPU time that sizing every group takes). Cost falls
 grows, so a group's cost at its largest micro-batch bounds it from below. Groups are visited cheapest bound first. Once a bound passes the cheapest cost found so far
 (`lowest`), no cheaper plan can appear, and a group is sized only if it could still be chosen:
   - as the best of the tie window (costs within COST_TIE of the cheapest): its tie-break prefix
-    (can start now, GPUs, nodes, changes: known before sizing it) and bound beat the current best's
-    first five of `rank_key` (which has the levers' quality cost before the changes since the
-    levers came: a known defect that can skip a group winning the tie-break, kept as is here,
-    tests/planning/test_search_stages.py has it as a strict xfail);
+    (can start now, GPUs, nodes, the levers' quality cost, changes: known before sizing it) and bound
+    are no worse than the current best's first six of `rank_key`;
   - with placementPreference startTime, as a plan that can start now within the policy's margin:
     it can start now and its bound is below the current choice's cost (or the current choice
     must wait); or, while the current choice must wait, as one whose pool's queue is no longer
@@ -162,9 +160,9 @@ def bounded_search(ask: Ask, space: list[Group], costs: Costs, fit: Fit, window:
         if leader is not None and tie_best is not None and bound >= lowest:
             # Bounds only grow from here, so `lowest` is final.
             startable = group.pool.fits_now(group.nodes, group.gpus_per_node)
-            # Not rank_key's prefix: it lacks the quality cost (see the module's docstring).
-            prefix = (not startable, group.world, group.nodes, len(changes(ask, group)))
-            could_win = (bound <= lowest * (1 + COST_TIE) and prefix + (bound,) <= rank_key(tie_best)[:5]) or (
+            # rank_key's first five, known before sizing the group, then its bound for the cost.
+            prefix = (not startable, group.world, group.nodes, group.levers.quality_cost, len(changes(ask, group)))
+            could_win = (bound <= lowest * (1 + COST_TIE) and prefix + (bound,) <= rank_key(tie_best)[:6]) or (
                 window > COST_TIE and startable and bound <= lowest * (1 + window)
                 and (leader.needs_scale_up or bound <= leader.cost_per_step)) or (
                 # nothing starts now: the shortest queue within the margin (choose_cheapest_or_startable)
