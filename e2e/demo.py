@@ -4,9 +4,9 @@ Brings the lab up (building its binaries on first use), installs the Helm chart 
 LoRA job, prints its progress as `kubectl get ftj -w` would and the final `kubectl describe`,
 then tears everything down (`--keep` leaves the lab running).
 
-Default (root): real containers on the lab's real kubelet node (e2e/real_node_jobs.py). The
+Default (root): real containers on the lab's two real kubelet nodes (e2e/real_node_jobs.py). The
 operator and trainer images are built from their Dockerfiles (cached), the chart's operator
-Deployment runs as two pods on the node (`kubectl -n finetune-system get pods -o wide` is printed),
+Deployment runs as two pods on the nodes (`kubectl -n finetune-system get pods -o wide` is printed),
 and the job's pods run as containers of the trainer image in a namespace that enforces the
 restricted Pod Security Standard, training a tiny Llama built from a config on this machine's
 CPUs. The operator sizes it as the 8B it is planned as, and the lab GPU's rule (true peak 2 x
@@ -14,14 +14,11 @@ the estimate) makes the real trainer run out of GPU memory at step 10 of attempt
 reads the trainer's failure report from the kubelet's termination message, plans again (another
 plan) and attempt 2 resumes from the checkpoint of step 8 and trains to the end. The trainer's
 own lines (start, failure, resume, summary, read through `kubectl logs`) and the containers the
-node's runtime ran (`crictl ps -a`) are printed at the end.
+nodes' runtimes ran (`crictl ps -a`) are printed at the end.
 
-`--process-runner`: the same story without root: the operator runs here as a process
-authenticated as the chart's ServiceAccount, and each pod is the trainer as a process of this
-machine (e2e/lab/podrunner.py).
-
-`--fake-gpu`: the fast story (about a minute): the 8B example on the fake GPU nodes, whose pods
-the fake GPU ends by rule (no trainer runs).
+`--fake-gpu`: the fast story without root (about a minute): the 8B example on the fake GPU nodes,
+whose pods the fake GPU ends by rule (no trainer runs); the operator runs here as a process
+authenticated as the chart's ServiceAccount.
 """
 
 from __future__ import annotations
@@ -45,16 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--true-peak-factor", default=None,
                         help="the (lab) GPU's true peak over our estimate (default 1.7 with --fake-gpu, else 2.0)")
     parser.add_argument("--fake-gpu", action="store_true",
-                        help="the fast demo: pods on fake GPU nodes ended by rule, no real trainer")
-    parser.add_argument("--process-runner", action="store_true",
-                        help="without root: the operator as a local process, each pod the trainer as a process here")
+                        help="the fast demo without root: pods on fake GPU nodes ended by rule, no real trainer")
     args = parser.parse_args(argv)
     if args.true_peak_factor is None:
         # The 8B example (LoRA dropout 0.05) dies at 1.7 x; the tiny job planned as an 8B (dropout 0) at 2 x.
         args.true_peak_factor = "1.7" if args.fake_gpu else rp.OOM_FACTOR
-    if not (args.fake_gpu or args.process_runner):
-        return real_node_demo(args)
+    return fake_gpu_demo(args) if args.fake_gpu else real_node_demo(args)
 
+
+def fake_gpu_demo(args) -> int:
+    """The fast story: the 8B example on fake GPU nodes, the operator as a local process."""
     from e2e.lab.build import build
     from e2e.lab.cluster import up
 
@@ -66,9 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
         lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
-        say("installing the Helm chart (CRDs, RBAC, policy ConfigMap)"
-            + ("" if args.fake_gpu else "; the policy also allows region lab-local, the process-runner pool"))
-        h.install_chart(lab, *(() if args.fake_gpu else rp.chart_args()))
+        say("installing the Helm chart (CRDs, RBAC, policy ConfigMap)")
+        h.install_chart(lab)
         # Inside the lab's directory: the operator's kubeconfig holds a ServiceAccount token, and
         # `down` removes the directory (and stops the operator, recorded with the lab's processes).
         workdir = lab.workdir / "demo"
@@ -81,27 +77,14 @@ def main(argv: list[str] | None = None) -> int:
 
         namespace = "team-a"
         lab.kubectl("create", "namespace", namespace, check=False)
-        if args.fake_gpu:
-            job = h.job_from_example("llama-8b-lora.yaml", "support-bot", namespace,
-                                     rule={"true-peak-factor": args.true_peak_factor, "run-duration": "3s"})
-            job["spec"]["recovery"] = {"maxAttempts": 4, "backoff": {"initialSeconds": 2, "maxSeconds": 10}}
-            say("applying examples/llama-8b-lora.yaml as team-a/support-bot "
-                f"(the fake GPU's true peak is {args.true_peak_factor} x our estimate)")
-        else:
-            say("writing a tiny Llama (built from a config) and a chat dataset into the claims' directories")
-            vocab = rp.write_assets(namespace)
-            job = rp.tiny_job("support-bot", namespace, vocab, max_steps=40, every_steps=4, global_batch=8,
-                              sized_as="llama-3.1-8b", sequence_length=4096,
-                              rule={"true-peak-factor": args.true_peak_factor, "oom-step": str(REAL_OOM_STEP)})
-            say("applying team-a/support-bot: LoRA, planned as llama-3.1-8b on the process-runner pool, trained for "
-                f"real on CPU (the lab GPU's true peak is {args.true_peak_factor} x our estimate: an OOM at step "
-                f"{REAL_OOM_STEP} where the plan does not fit)")
+        job = h.job_from_example("llama-8b-lora.yaml", "support-bot", namespace,
+                                 rule={"true-peak-factor": args.true_peak_factor, "run-duration": "3s"})
+        job["spec"]["recovery"] = {"maxAttempts": 4, "backoff": {"initialSeconds": 2, "maxSeconds": 10}}
+        say("applying examples/llama-8b-lora.yaml as team-a/support-bot "
+            f"(the fake GPU's true peak is {args.true_peak_factor} x our estimate)")
         h.apply_job(lab, job)
-        watch(lab, namespace, "support-bot", timeout=300 if args.fake_gpu else 600)
+        watch(lab, namespace, "support-bot", timeout=300)
         print()
-        if not args.fake_gpu:
-            show_trainer_lines(lab, namespace, "support-bot")
-            rp.remove_claims(namespace)
         return 0 if report_end(lab, namespace, "support-bot", args.keep, "and the operator") else 1
     finally:
         if not args.keep:
@@ -121,13 +104,13 @@ def real_node_demo(args) -> int:
 
     if os.geteuid() != 0:
         say("the real node needs root (it runs containerd, a kubelet and a CNI bridge on this machine): "
-            "run `sudo make demo`, or `python -m e2e.demo --process-runner` for the same story without containers")
+            "run `sudo make demo`, or `python -m e2e.demo --fake-gpu` for the fast story on fake GPU nodes")
         return 2
     say("building (or reusing) the lab's binaries, the real node's (kubelet, containerd config, CoreDNS, "
         "the device plugin) and the operator and trainer images from their Dockerfiles")
     build(say=say, optional=False)
     say("starting the lab: etcd, kube-apiserver, scheduler, controller-manager, kwok, training operator, "
-        "and one real kubelet node with two lab GPUs")
+        "and two real kubelet nodes with a lab GPU each")
     lab = rn.start_lab(die_with_parent=not args.keep, say=say)
     try:
         say("helm install: the operator Deployment (two replicas, leader election) as pods of the operator image")
@@ -136,12 +119,12 @@ def real_node_demo(args) -> int:
         print(lab.kubectl("-n", "finetune-system", "get", "pods", "-o", "wide").stdout)
         namespace, name = "team-a", "support-bot"
         say(f"namespace {namespace} enforces the restricted Pod Security Standard; a tiny Llama (built from a "
-            "config) and a chat dataset in its claims (local volumes of the node)")
+            "config) and a chat dataset in its claims (local volumes of the nodes)")
         vocab = rn.restricted_namespace(lab, namespace)
         job = rn.job(name, namespace, vocab, max_steps=24, every_steps=4, global_batch=8,
                      sized_as="llama-3.1-8b", sequence_length=4096,
                      rule={"true-peak-factor": args.true_peak_factor, "oom-step": str(REAL_OOM_STEP)})
-        say(f"applying {namespace}/{name}: LoRA, planned as llama-3.1-8b on the real node's pool, trained for real "
+        say(f"applying {namespace}/{name}: LoRA, planned as llama-3.1-8b on the real nodes' pool, trained for real "
             f"in the trainer's container (the lab GPU's true peak is {args.true_peak_factor} x our estimate: an OOM "
             f"at step {REAL_OOM_STEP} where the plan does not fit)")
         lab.kubectl("apply", "-f", "-", input=json.dumps(job))
@@ -151,7 +134,7 @@ def real_node_demo(args) -> int:
         print()
         logs.show()
         print(lab.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout)
-        say("the containers the node's runtime ran for the job (crictl ps -a)")
+        say("the containers the nodes' runtimes ran for the job (crictl ps -a)")
         for c in rn.crictl_containers(lab):
             if c["labels"].get("io.kubernetes.pod.namespace") == namespace:
                 print(f"  {c['labels'].get('io.kubernetes.pod.name'):<32} {c['metadata']['name']:<12} {c['state']}")
@@ -201,19 +184,6 @@ TRAINER_LINES = {
     "resume": ("step", "optimizerRestored"),
     "summary": ("status", "startStep", "step", "finalLoss", "tokensPerSecond"),
 }
-
-
-def show_trainer_lines(lab, namespace: str, job: str) -> None:
-    """The real trainer's own account of each attempt, from the container logs the runner kept."""
-    say("what the trainer itself said (container logs of each attempt's master pod)")
-    attempt = 1
-    while True:
-        events = rp.attempt_events(lab, namespace, job, attempt)
-        if not events:
-            break
-        print_trainer_lines(attempt, events)
-        attempt += 1
-    print()
 
 
 def print_trainer_lines(attempt: int, events: list[dict]) -> None:

@@ -3,7 +3,7 @@ scenarios (e2e/test_real_node_training.py) share.
 
 The node, the images and the lab start from their caches (built on first use); the operator is the
 chart's Deployment on the node; a job's namespace enforces the restricted Pod Security Standard and
-its claims are `local` volumes of the node. Root only: the node changes host-wide state while it runs
+its claims are `local` volumes of the nodes. Root only: the node changes host-wide state while it runs
 (e2e/lab/realnode.py records it and `down` puts it back).
 """
 
@@ -63,10 +63,8 @@ def restricted_namespace(lab, name: str) -> int:
 
 
 def job(name: str, namespace: str, vocab: int, **kw: Any) -> dict[str, Any]:
-    """The tiny-Llama job of real_processes.tiny_job, placed in the real node's region."""
-    doc = rp.tiny_job(name, namespace, vocab, **kw)
-    doc["spec"]["placement"] = {"regions": [rp.load_pools().pool(POOL).region]}
-    return doc
+    """The tiny-Llama job of real_processes.tiny_job, placed in the real nodes' region."""
+    return rp.tiny_job(name, namespace, vocab, region=rp.load_pools().pool(POOL).region, **kw)
 
 
 def trainer_events(lab, namespace: str, pod: str, kind: str | None = None,

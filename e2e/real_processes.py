@@ -1,16 +1,13 @@
-"""Real trainer processes behind the lab's pods: the pieces the scenarios and the demo share.
+"""The real trainer behind the lab's pods: the pieces the real-node scenarios and the demo share.
 
-The lab's process runner (e2e/lab/podrunner.py) runs the pods of the `cpu-run-local` pool (region
-`lab-local`, outside the chart's default policy) as real processes of the trainer. Here:
-
-* the chart values that let the operator plan there (policy.allowedRegions + the pool in the catalog);
+* the chart values that let the operator plan on a lab pool outside the default policy
+  (policy.allowedRegions + the pool in the catalog);
 * a tiny Llama-style model built from a config and a tiny word-level tokenizer (those the trainer
   tests use, tests/trainer/trainer_assets.py), written into the model claim's directory, and a
   small chat dataset into the data claim's;
 * a FineTuneJob for them;
 * the trainer's own output: its JSON log lines (start, progress, checkpoint, resume, summary,
-  failure) read from the log files the runner writes for each container (they stay on disk after
-  the training operator or the operator deletes the pods), and the checkpoints in the claim.
+  failure) parsed from a log, and the checkpoints in the claim.
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ import yaml
 from e2e.lab.nodes import load_pools, node_taints
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REGION = "lab-local"
-POOL = "cpu-run-local"
 VOLUME_ROOT = Path("/tmp/lab-volumes")  # where operator_harness.volumes() puts each claim's hostPath PV
 # Architecture numbers of the tiny model (trainer_assets.build_model with hidden 64, 2 layers).
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -55,11 +50,9 @@ def catalog_entry(pool_name: str) -> dict[str, Any]:
 
 
 def chart_args(*pools: str) -> list[str]:
-    """helm arguments: the default policy's regions and catalog plus the given lab pools (default: the
-    process runner's) and their regions."""
+    """helm arguments: the default policy's regions and catalog plus the given lab pools and their regions."""
     values = yaml.safe_load((REPO_ROOT / "charts" / "finetune-operator" / "values.yaml").read_text())
     policy = values["policy"]
-    pools = pools or (POOL,)
     regions = list(policy["allowedRegions"]) + sorted({load_pools().pool(p).region for p in pools})
     catalog = list(policy["catalog"]) + [catalog_entry(p) for p in pools]
     return ["--set-json", f"policy.allowedRegions={json.dumps(regions)}",
@@ -104,7 +97,7 @@ TINY_FALCON = {"model_type": "falcon", "vocab_size": 512, "hidden_size": 64, "in
                "architectures": ["FalconForCausalLM"], "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 0}
 
 
-def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_steps: int = 24,
+def tiny_job(name: str, namespace: str, vocab_size: int, *, region: str, gpus: int = 1, max_steps: int = 24,
              every_steps: int = 4, global_batch: int = 4, learning_rate: float = 0.02,
              rule: dict[str, str] | None = None, attempts: int = 4, sized_as: str | None = None,
              sequence_length: int = 64, evaluation: dict[str, Any] | None = None,
@@ -129,7 +122,7 @@ def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_s
             "training": {"sequenceLength": sequence_length, "globalBatchSize": global_batch, "maxSteps": max_steps,
                          "learningRate": learning_rate},
             "resources": {"gpus": gpus, "maxGPUs": 2},
-            "placement": {"regions": [REGION]},
+            "placement": {"regions": [region]},
             "recovery": {"maxAttempts": attempts, "backoff": {"initialSeconds": 1, "maxSeconds": 2}},
             "checkpoint": {"pvc": {"claimName": "checkpoints", "path": name}, "everySteps": every_steps},
             **({"evaluation": evaluation} if evaluation else {}),
@@ -139,21 +132,6 @@ def tiny_job(name: str, namespace: str, vocab_size: int, *, gpus: int = 1, max_s
 
 
 # ---- the trainer's own output -----------------------------------------------------------------------
-def pod_dirs(lab: Any, namespace: str, prefix: str) -> list[Path]:
-    """The runner's directories of the pods `<prefix>...` in `namespace`, oldest first."""
-    root = lab.workdir / "pod-runner" / "pods"
-    found = [d for d in root.glob(f"{namespace}_{prefix}*") if d.is_dir()]
-    return sorted(found, key=lambda d: d.stat().st_mtime)
-
-
-def log_lines(pod_dir: Path, container: str = "pytorch") -> list[str]:
-    """A container's log as the kubelet's CRI file has it, without the timestamp/stream/tag prefix."""
-    path = pod_dir / "logs" / f"{container}.log"
-    if not path.exists():
-        return []
-    return [line.split(" ", 3)[3] if line.count(" ") >= 3 else "" for line in path.read_text().splitlines()]
-
-
 def events(lines: list[str], kind: str | None = None) -> list[dict[str, Any]]:
     out = []
     for line in lines:
@@ -166,31 +144,6 @@ def events(lines: list[str], kind: str | None = None) -> list[dict[str, Any]]:
         if isinstance(record, dict) and (kind is None or record.get("event") == kind):
             out.append(record)
     return out
-
-
-def master_runs(lab: Any, namespace: str, job: str) -> list[tuple[int, list[dict[str, Any]]]]:
-    """Each run of a master pod of the job, in the order they started: (attempt, the trainer's
-    events). An attempt suspended and resumed has two runs (its PyTorchJob made a new pod)."""
-    found = []
-    for d in pod_dirs(lab, namespace, f"{job}-a"):
-        name = d.name[len(namespace) + 1:].rsplit("_", 1)[0]  # <job>-a<N>-master-0
-        head, _, replica = name.rpartition("-a")[2].partition("-")
-        if replica != "master-0" or not head.isdigit():
-            continue
-        path = d / "logs" / "pytorch.log"
-        first = path.read_text().split(" ", 1)[0] if path.exists() and path.stat().st_size else "~"
-        found.append((first, int(head), events(log_lines(d))))
-    return [(attempt, evs) for _, attempt, evs in sorted(found, key=lambda f: f[0])]
-
-
-def attempt_events(lab: Any, namespace: str, job: str, attempt: int, kind: str | None = None) -> list[dict[str, Any]]:
-    """The trainer's events from the master pod of attempt `attempt` (rank 0 writes progress/summary)."""
-    dirs = pod_dirs(lab, namespace, f"{job}-a{attempt}-master-0_")
-    return [e for d in dirs for e in events(log_lines(d), kind)]
-
-
-def events_of(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [e for e in evs if e.get("event") == kind]
 
 
 def losses(progress: list[dict[str, Any]]) -> dict[int, float]:

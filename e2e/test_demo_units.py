@@ -68,13 +68,13 @@ def test_the_demo_builds_only_what_it_starts(monkeypatch):
         raise _Stop
 
     monkeypatch.setattr(lab_cluster, "up", no_lab)
-    for argv in ([], ["--process-runner"]):
+    for argv in ([], ["--fake-gpu"]):
         try:
             demo.main(argv)
         except _Stop:
             pass
     assert built == ["kubernetes", "node", "images", "kubernetes"]
-    assert started == [("kubelet",), ()]  # the real node, then the process runner's lab
+    assert started == [("kubelet",), ()]  # the real nodes, then the fake-GPU lab
     lab_build.build(say=lambda msg: None)  # what `make test` builds: everything
     assert built[-3:] == ["kubernetes", "s3", "v2"]
 
@@ -82,4 +82,4 @@ def test_the_demo_builds_only_what_it_starts(monkeypatch):
 def test_without_root_the_demo_says_how_to_run_it(monkeypatch, capsys):
     monkeypatch.setattr(demo.os, "geteuid", lambda: 1000)
     assert demo.main([]) == 2
-    assert "--process-runner" in capsys.readouterr().out
+    assert "--fake-gpu" in capsys.readouterr().out

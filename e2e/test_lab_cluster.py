@@ -9,7 +9,7 @@ from kubernetes import client
 
 from e2e.helpers import GIB, gpu_pod_spec, training_pod
 from e2e.lab.nodes import (DEFAULT_ALLOWED_REGIONS, GPU_RESOURCE, POOL_LABEL, REGION_LABEL, RUNNER_KUBELET, RUNNER_LABEL,
-                           RUNNER_PROCESS, load_pools)
+                           load_pools)
 from e2e.lab.versions import load_versions
 from e2e.lab.waiting import wait_for
 
@@ -47,10 +47,9 @@ def test_fake_gpu_nodes_are_ready_and_labelled_like_real_ones(lab):
                 assert labels["nvidia.com/gpu.memory"] == str(pool.gpu.memory_mib)
                 assert labels["nvidia.com/gpu.count"] == str(pool.gpu.count)
                 assert node.status.allocatable[GPU_RESOURCE] == str(pool.gpu.count)
-                # The process-runner pool is dedicated: its own taint besides the GPU one.
-                runner = [(RUNNER_LABEL, "NoSchedule")] if pool.runner else []
-                assert [(t.key, t.effect) for t in node.spec.taints] == [(GPU_RESOURCE, "NoSchedule")] + runner
-                assert (labels.get(RUNNER_LABEL) == RUNNER_PROCESS) == bool(pool.runner)
+                # kwok's pools carry the GPU taint and no runner's.
+                assert [(t.key, t.effect) for t in node.spec.taints] == [(GPU_RESOURCE, "NoSchedule")]
+                assert RUNNER_LABEL not in labels
             else:
                 assert GPU_RESOURCE not in node.status.allocatable
     # kubectl sees the same thing a platform engineer would look at.

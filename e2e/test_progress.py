@@ -1,7 +1,7 @@
 """Training progress in status on the lab (issue 15 part 4): the operator, running as the chart's
 ServiceAccount (so the chart's pods/log rule is exercised), reads the trainer's progress lines from the
 rank-0 pod's log through the real API server, which asks kwok for it; kwok serves the log from a
-CRI-format file named in a kwok `Logs` object, as it does for the lab's process runner. The lines are
+CRI-format file named in a kwok `Logs` object. The lines are
 the trainer's own format (contract.ProgressReport.to_log_line). `kubectl get ftj` shows PROGRESS."""
 
 from __future__ import annotations

@@ -169,14 +169,10 @@ def test_a_training_container_cannot_read_the_upload_sidecar_s_credentials(node_
 
 
 def test_crictl_sees_the_node_s_containers(node_lab):
-    from e2e.lab.build import Installation
-    from e2e.lab.realnode import NODE_NAME, node_paths
+    from e2e.real_node_jobs import crictl_containers
 
     lab, _ = node_lab
-    paths = node_paths(lab.workdir, NODE_NAME)
-    out = os.popen(f"{Installation(lab.node_home).binary('crictl')} --runtime-endpoint={paths.endpoint}"
-                   " ps -a -o json").read()
-    names = {c["metadata"]["name"] for c in json.loads(out)["containers"]}
+    names = {c["metadata"]["name"] for c in crictl_containers(lab)}
     assert "main" in names
 
 

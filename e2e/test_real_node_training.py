@@ -131,42 +131,6 @@ def _pod(lab, ns: str, name: str) -> dict[str, Any]:
     return json.loads(lab.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout)
 
 
-def test_a_two_rank_lora_job_runs_in_a_real_container_and_writes_its_adapter(operator, namespace):
-    from e2e.lab import images
-    from e2e.lab.realnode import NODE_NAME
-
-    lab = operator
-    ns, vocab = namespace
-    status, seconds = _run(lab, ns, _job("two-rank", ns, vocab, gpus=2, max_steps=12, every_steps=4))
-    print(f"scenario real-node two-rank: {seconds:.1f}s")
-    print(lab.kubectl("get", "pods", "-n", ns, "-o", "wide").stdout)
-    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "two-rank")
-    attempt = len(status["attempts"])
-    plan = status["attempts"][-1]["plan"]
-    assert plan["gpus"] == 2 and plan["nodes"] == 1 and plan["nodePool"] == POOL, plan
-    master = f"two-rank-a{attempt}-master-0"
-    pod = _pod(lab, ns, master)
-    # The pod on the real node, in the trainer image, with both GPUs the device plugin allocated ...
-    assert pod["spec"]["nodeName"] == NODE_NAME
-    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "pytorch")
-    assert trainer["image"] == images.image_names()["trainer"][0]
-    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert pod["spec"].get("automountServiceAccountToken") is False
-    state = next(c for c in pod["status"]["containerStatuses"] if c["name"] == "pytorch")["state"]["terminated"]
-    assert state["exitCode"] == 0 and state["reason"] == "Completed", state
-    # ... as a container the node's runtime ran (crictl), ...
-    ran = {(c["labels"].get("io.kubernetes.pod.name"), c["metadata"]["name"]) for c in crictl_containers(lab)}
-    assert (master, "pytorch") in ran, ran
-    # ... two ranks that met through torchrun's rendezvous at the master's Service name ...
-    start = _trainer_events(lab, ns, master, "start")
-    assert start and start[0]["worldSize"] == 2, start
-    summary = _trainer_events(lab, ns, master, "summary")
-    assert summary and summary[-1]["status"] == "completed" and summary[-1]["step"] == 12, summary
-    # ... and the adapter in the claim, a local volume of the node, written by uid 1000.
-    final = rp.claim_dir(ns, "checkpoints") / "two-rank" / "final"
-    assert (final / "adapter_config.json").is_file() and (final / "adapter_config.json").stat().st_uid == 1000
-
-
 def test_a_gpu_oom_in_the_real_container_then_the_next_attempt_resumes_from_its_checkpoint(operator, namespace):
     lab = operator
     ns, vocab = namespace
@@ -244,35 +208,63 @@ def _pods_of(lab, ns: str, name: str) -> list[dict[str, Any]]:
     return [p for p in items if p["metadata"]["name"].startswith(f"{name}-a")]
 
 
-def _start_slow_job(lab, ns: str, vocab: int, name: str) -> None:
+def _start_slow_job(lab, ns: str, vocab: int, name: str, gpus: int = 1) -> None:
     """Apply a SLOW job of STEPS steps and return once attempt 1 wrote its first checkpoint (read in
     the claim, not the status's progress: that is polled, and lags by more than a checkpoint interval)."""
-    lab.kubectl("apply", "-f", "-", input=json.dumps(_job(name, ns, vocab, max_steps=STEPS,
+    lab.kubectl("apply", "-f", "-", input=json.dumps(_job(name, ns, vocab, max_steps=STEPS, gpus=gpus,
                                                           every_steps=CHECKPOINT_EVERY, **SLOW)))
     _wait("attempt 1 wrote a checkpoint", lambda: rp.checkpoint_steps(ns, name), 600, 0.5)
 
 
-def test_a_training_pod_deleted_mid_run_then_the_next_attempt_resumes_from_its_checkpoint(operator, namespace):
-    """A drain or a person deletes the running pod: the kubelet stops its container (SIGTERM, then the
-    grace period), the operator sees the attempt lost and starts the next from the newest checkpoint."""
+def test_a_two_pod_job_meets_through_its_service_and_a_worker_deleted_mid_run_resumes(operator, namespace):
+    """Two pods on the two real nodes (one GPU each): their ranks meet through torchrun's rendezvous at
+    the master's Service name, which CoreDNS resolves. Once attempt 1 wrote a checkpoint, the worker
+    pod is deleted (a drain, a person): the kubelet stops its container, the operator sees the attempt
+    lost and the next attempt, two pods again, resumes from the newest checkpoint to the end."""
+    from e2e.lab import images
+    from e2e.lab.realnode import NODE_NAMES
+
     lab = operator
     ns, vocab = namespace
     t0 = time.monotonic()
-    _start_slow_job(lab, ns, vocab, "deleted")
-    lab.kubectl("delete", "pod", "deleted-a1-master-0", "-n", ns, "--wait=false")
-    status = _ended(lab, ns, "deleted")
-    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "deleted")
-    print(f"scenario real-node pod-deleted: {time.monotonic() - t0:.1f}s ({len(status['attempts'])} attempts)")
+    _start_slow_job(lab, ns, vocab, "two-pod", gpus=2)
+    lab.kubectl("delete", "pod", "two-pod-a1-worker-0", "-n", ns, "--wait=false")
+    status = _ended(lab, ns, "two-pod")
+    assert status["phase"] == "Succeeded", _diagnose(lab, ns, "two-pod")
+    print(f"scenario real-node two-pod, worker deleted: {time.monotonic() - t0:.1f}s ({len(status['attempts'])} attempts)")
+    print(lab.kubectl("get", "pods", "-n", ns, "-o", "wide").stdout)
     outcomes = [a["outcome"] for a in status["attempts"]]
     assert len(outcomes) >= 2 and outcomes[-1] == "Succeeded", outcomes
     assert set(outcomes[:-1]) <= {"Evicted", "Preempted", "NodeFailure"}, outcomes
-    # The last attempt started from a checkpoint attempt 1 wrote (4, or a later one it reached before
-    # the kubelet stopped it) and trained to the end.
-    last = f"deleted-a{len(outcomes)}-master-0"
-    start = _trainer_events(lab, ns, last, "start")
-    assert start and start[0]["startStep"] >= CHECKPOINT_EVERY and start[0]["startStep"] % CHECKPOINT_EVERY == 0, start
-    steps = rp.losses(_trainer_events(lab, ns, last, "progress"))
+    plan = status["attempts"][-1]["plan"]
+    assert plan["gpus"] == 2 and plan["nodes"] == 2 and plan["nodePool"] == POOL, plan
+    last = len(outcomes)
+    master, worker = f"two-pod-a{last}-master-0", f"two-pod-a{last}-worker-0"
+    pods = {name: _pod(lab, ns, name) for name in (master, worker)}
+    # One pod on each real node, in the trainer image, each with the GPU its node's plugin allocated ...
+    assert {p["spec"]["nodeName"] for p in pods.values()} == set(NODE_NAMES), pods
+    for pod in pods.values():
+        trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "pytorch")
+        assert trainer["image"] == images.image_names()["trainer"][0]
+        assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert pod["spec"].get("automountServiceAccountToken") is False
+        state = next(c for c in pod["status"]["containerStatuses"] if c["name"] == "pytorch")["state"]["terminated"]
+        assert state["exitCode"] == 0 and state["reason"] == "Completed", state
+    # ... as containers of the nodes' runtimes (crictl), ...
+    ran = {(c["labels"].get("io.kubernetes.pod.name"), c["metadata"]["name"]) for c in crictl_containers(lab)}
+    assert {(master, "pytorch"), (worker, "pytorch")} <= ran, ran
+    # ... two ranks that met at the master's Service name and started from the newest checkpoint
+    # attempt 1 wrote (4, or a later one it reached before its worker was stopped) ...
+    start = _trainer_events(lab, ns, master, "start")
+    assert start and start[0]["worldSize"] == 2 and start[0]["rank"] == 0, start
+    on_worker = _trainer_events(lab, ns, worker, "start")
+    assert on_worker and on_worker[0]["worldSize"] == 2 and on_worker[0]["rank"] == 1, on_worker
+    assert start[0]["startStep"] >= CHECKPOINT_EVERY and start[0]["startStep"] % CHECKPOINT_EVERY == 0, start
+    steps = rp.losses(_trainer_events(lab, ns, master, "progress"))
     assert min(steps) == start[0]["startStep"] + 1 and max(steps) == STEPS, steps
+    # ... and the adapter in the claim (a volume both nodes reach), written by uid 1000.
+    final = rp.claim_dir(ns, "checkpoints") / "two-pod" / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_config.json").stat().st_uid == 1000
 
 
 def test_suspend_and_resume_continue_from_the_checkpoint_in_the_claim(operator, namespace):
@@ -340,7 +332,7 @@ def test_the_trainjob_backend_runs_a_gpu_oom_and_its_resume_in_real_containers(o
     running beside the training operator): the attempts are TrainJobs of the chart's
     ClusterTrainingRuntime, their pods JobSet's, run by the real kubelet; attempt 1 runs out of GPU
     memory at OOM_STEP in the real trainer, attempt 2 (another plan) resumes from its checkpoint."""
-    from e2e.lab.realnode import NODE_NAME
+    from e2e.lab.realnode import NODE_NAMES
 
     lab = operator
     ns, vocab = namespace
@@ -366,7 +358,7 @@ def test_the_trainjob_backend_runs_a_gpu_oom_and_its_resume_in_real_containers(o
         # ... whose pods (JobSet's) ran as containers of the node's runtime, the trainer as `node` ...
         pods = [p for p in json.loads(lab.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]
                 if p["metadata"]["name"].startswith(f"tj-oom-a{len(attempts)}-")]
-        assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == NODE_NAME, [p["metadata"]["name"] for p in pods]
+        assert len(pods) == 1 and pods[0]["spec"]["nodeName"] in NODE_NAMES, [p["metadata"]["name"] for p in pods]
         last = pods[0]["metadata"]["name"]
         ran = {c["metadata"]["name"] for c in crictl_containers(lab) if c["labels"].get("io.kubernetes.pod.name") == last}
         assert "node" in ran, ran
@@ -389,7 +381,7 @@ def test_a_profile_pod_runs_on_the_real_node_once_the_policy_tolerates_its_taint
     tolerations, the operator replaces the pod, it runs as a container of the trainer image, and the
     job is planned from what it measured."""
     from e2e.lab import nodes as lab_nodes
-    from e2e.lab.realnode import NODE_NAME
+    from e2e.lab.realnode import NODE_NAMES
     from finetune_operator.profiling.pod import profile_pod_name
     from finetune_operator.shell.handlers import POLICY_POLL_SECONDS
 
@@ -445,7 +437,7 @@ def test_a_profile_pod_runs_on_the_real_node_once_the_policy_tolerates_its_taint
         assert "measured" in status["plan"].get("breakdown", ""), status["plan"]
         # The pod ran on the real node, tolerating its taints, as a container of the node's runtime.
         # (The API server adds its default not-ready/unreachable tolerations.)
-        assert seen.get("node") == NODE_NAME and all(t in seen["tolerations"] for t in tolerations), seen
+        assert seen.get("node") in NODE_NAMES and all(t in seen["tolerations"] for t in tolerations), seen
         assert seen["containers"] == {"profile"}, seen
         print(f"scenario real-node profile: {time.monotonic() - t0:.1f}s")
     finally:

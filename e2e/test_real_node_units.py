@@ -220,3 +220,18 @@ def test_the_init_container_waits_for_a_name_and_gives_up():
     missing = _init_container("no-such-master.invalid", 1)["command"]
     done = subprocess.run(missing, capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "waiting for master no-such-master.invalid" in done.stdout
+
+
+def test_each_node_runs_in_a_mount_namespace_of_its_own_under_the_lab_directory(tmp_path):
+    """The nodes' namespaces are kept by files under the lab's directory, which `down` unmounts with
+    everything else left there (restore_host); each node's programs enter its own."""
+    names = realnode.NODE_NAMES
+    assert len(names) == 2, "two real nodes: a two-pod job puts one pod on each"
+    files = {realnode.mount_namespace(tmp_path, name) for name in names}
+    assert len(files) == len(names) and all(tmp_path in f.parents for f in files)
+    argv = realnode.in_node(tmp_path, names[1], ["kubelet", "--v=1"])
+    assert argv == ["nsenter", f"--mount={realnode.mount_namespace(tmp_path, names[1])}", "--", "kubelet", "--v=1"]
+    # Inside, /var/lib/kubelet is the node's own directory: the device plugins' socket directory with it.
+    assert realnode.DEVICE_PLUGIN_DIR.is_relative_to(realnode.KUBELET_HOST_DIR)
+    own = {realnode.node_paths(tmp_path, name).var_lib_kubelet for name in names}
+    assert len(own) == len(names)

@@ -46,8 +46,8 @@ KWOK_STAGES = (
     "kustomize/stage/pod/fast/pod-ready.yaml",
     "kustomize/stage/pod/fast/pod-delete.yaml",
 )
-# kwok's Logs CRD: the process runner (podrunner.py) tells kwok, per pod, which file holds a
-# container's log, so `kubectl logs` and pods/log work for pods that run real processes.
+# kwok's Logs CRD: a Logs object tells kwok which file holds a fake pod's container log, so
+# `kubectl logs` and pods/log work for it (e2e/test_progress.py).
 KWOK_LOGS_CRD = "kustomize/crd/bases/kwok.x-k8s.io_logs.yaml"
 KWOK_LOGS_CRD_SHARE = "kwok-logs-crd.yaml"
 PYTORCHJOB_CRD = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"

@@ -349,17 +349,11 @@ def _component_kubeconfigs(lab: Lab) -> dict[str, Path]:
 
 
 def _kwok_config(lab: Lab) -> Path:
-    """kwok's stages: its own (node heartbeat, pod ready, pod delete) and the fake GPU's. Pods on the
-    process runner's nodes are left out of every pod stage: the runner (podrunner.py) reports their
-    status and deletes them, as a kubelet does, and kwok must not race it."""
-    runner_nodes = lab_nodes.load_pools().runner_nodes()
+    """kwok's stages: its own (node heartbeat, pod ready, pod delete) and the fake GPU's. kwok manages
+    only its own nodes (an annotation selects them), so the real nodes' pods are the kubelets'."""
     docs = []
     for text in [f.read_text() for f in sorted((lab.home / "share" / "kwok-stages").glob("*.yaml"))] + [LAB_STAGES.read_text()]:
-        stage = yaml.safe_load(text)
-        if runner_nodes and stage["spec"]["resourceRef"]["kind"] == "Pod":
-            stage["spec"].setdefault("selector", {}).setdefault("matchExpressions", []).append(
-                {"key": ".spec.nodeName", "operator": "NotIn", "values": runner_nodes})
-        docs.append(yaml.safe_dump(stage, sort_keys=False).strip())
+        docs.append(yaml.safe_dump(yaml.safe_load(text), sort_keys=False).strip())
     path = lab.workdir / "kwok.yaml"
     path.write_text("\n---\n".join(docs) + "\n")
     return path
@@ -537,7 +531,7 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         f"--secure-port={p['scheduler']}",
         "--leader-elect=false",
     ])
-    # kwok's Logs CRD: the process runner names each of its pods' log files in a Logs object.
+    # kwok's Logs CRD: a Logs object names the file that holds a fake pod's container log (e2e/test_progress.py).
     from .build import ensure_kwok_logs_crd
 
     lab.kubectl("apply", "--server-side", "-f", str(ensure_kwok_logs_crd(inst)))
@@ -551,7 +545,7 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         f"--server-address=127.0.0.1:{p['kwok']}",
         "--node-lease-duration-seconds=40",
         # Every fake node's kubelet endpoint is this kwok (pods/log, `kubectl logs`), and kwok reads
-        # the log files of the process runner's pods from Logs objects.
+        # a pod's log from the file its Logs object names.
         "--node-ip=127.0.0.1",
         f"--node-port={p['kwok']}",
         "--enable-crds=Logs",
@@ -568,12 +562,6 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
 
     if lab.pytorchjob:
         training_operator = _start_training_operator(lab, inst, pki, kubeconfigs, core, api, launch)
-
-    if lab_nodes.load_pools().runner_nodes():
-        # The process runner: real trainer processes for pods on the runner pool's nodes (podrunner.py).
-        launch("pod-runner", [sys.executable, "-m", "e2e.lab.podrunner", f"--kubeconfig={lab.kubeconfig}",
-                              f"--workdir={lab.workdir / 'pod-runner'}"],
-               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
 
     if start_fake_gpu:
         launch("fake-gpu", [sys.executable, "-m", "e2e.lab.fakegpu", f"--kubeconfig={kubeconfigs['fake-gpu']}"],
@@ -703,7 +691,7 @@ def _start_training_operator(lab: Lab, inst: Installation, pki, kubeconfigs, cor
 # The training operator's own worker init container (alpine:3.10, no securityContext) can neither be
 # pulled on the real nodes nor pass the restricted Pod Security Standard; the template a platform team
 # would give it instead (examples/training-operator/) runs in the operator image, which every real
-# node has imported. The process runner keeps the default: it runs the template's `nslookup` itself.
+# node has imported. A lab without real nodes keeps the default (kwok's pods never run it).
 INIT_CONTAINER_TEMPLATE = REPO_ROOT / "examples" / "training-operator" / "init-pytorch.yaml"
 
 

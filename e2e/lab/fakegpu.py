@@ -20,7 +20,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from . import fate
-from .nodes import RUNNER_KUBELET, RUNNER_LABEL, RUNNER_PROCESS
+from .nodes import RUNNER_KUBELET, RUNNER_LABEL
 
 log = logging.getLogger("fake-gpu")
 
@@ -89,8 +89,8 @@ class FakeGPU:
     def handle(self, pod) -> None:
         if not self.needs_verdict(pod):
             return
-        if self.node_labels(pod.spec.node_name).get(RUNNER_LABEL) in (RUNNER_PROCESS, RUNNER_KUBELET):
-            return  # real processes (podrunner.py) or the real kubelet run this pod; it ends by itself
+        if self.node_labels(pod.spec.node_name).get(RUNNER_LABEL) == RUNNER_KUBELET:
+            return  # a real kubelet runs this pod; it ends by itself
         verdict = self.verdict_for(pod)
         meta = pod.metadata
         body = {"metadata": {"annotations": verdict.annotations(), "resourceVersion": meta.resource_version}}

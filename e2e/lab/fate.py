@@ -88,9 +88,9 @@ class Rule:
     run_duration: str = "2s"
     oom_phase: Phase = Phase.BACKWARD
     outcome_by_attempt: tuple[str, ...] = ()
-    # Process-runner pods only (podrunner.py): the global step at which the real trainer raises
-    # the lab GPU's OOM (None: the attempt's first step), and the share of the pod's memory
-    # limit its cgroup gets (this machine is far smaller than the nodes the lab plays).
+    # Real-node pods only (gpuwebhook.py): the global step at which the real trainer raises the lab
+    # GPU's OOM (None: the attempt's first step), and the share of the pod's memory request and limit
+    # the webhook gives it (this machine is far smaller than the nodes the lab plays).
     oom_step: int | None = None
     host_memory_scale: float = 1.0
 
@@ -324,29 +324,29 @@ def attempt_of(labels: Mapping[str, str] | None) -> int | None:
         return None
 
 
-# ---- the process runner's GPU (podrunner.py) --------------------------------------------------
+# ---- the lab GPU of a real trainer (the real nodes' gpuwebhook.py) ------------------------------
 # The environment finetune_trainer.faults reads (its LAB_* names): the node's GPU memory and the
 # peak this pod's plan truly reaches there; the trainer raises the OOM itself when it does not fit.
 LAB_GPU_MEMORY_ENV = "FINETUNE_LAB_GPU_MEMORY_BYTES"
 LAB_PEAK_ENV = "FINETUNE_LAB_PEAK_BYTES"
 LAB_OOM_STEP_ENV = "FINETUNE_LAB_OOM_STEP"
 LAB_OOM_PHASE_ENV = "FINETUNE_LAB_OOM_PHASE"
-PROCESS_OUTCOMES = ("auto", "gpu-oom")
-PROCESS_OOM_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+REAL_OUTCOMES = ("auto", "gpu-oom")
+REAL_OOM_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 
 
 def lab_gpu_environment(pod: TrainingPod, rule: Rule) -> dict[str, str]:
-    """What the process runner puts in a real trainer's environment: the same rule as decide()
+    """What the lab puts in a real trainer's environment: the same rule as decide()
     (true peak = predicted x true-peak-factor, or forced over the GPU's memory by gpu-oom),
     applied by the trainer at a real step. Outcomes the fake GPU fakes (host-oom, evicted, fail,
     succeed) are real events for real processes and are refused here (RuleError)."""
     outcome = rule.outcome_for(pod.attempt)
-    if outcome not in PROCESS_OUTCOMES:
-        raise RuleError(f"lab rule outcome {outcome!r} for pod {pod.name}: a pod run by the process runner "
-                        f"takes only {', '.join(PROCESS_OUTCOMES)} (its host OOMs, evictions and failures are real)")
-    if rule.oom_phase not in PROCESS_OOM_PHASES:
+    if outcome not in REAL_OUTCOMES:
+        raise RuleError(f"lab rule outcome {outcome!r} for pod {pod.name}: a pod of a real node "
+                        f"takes only {', '.join(REAL_OUTCOMES)} (its host OOMs, evictions and failures are real)")
+    if rule.oom_phase not in REAL_OOM_PHASES:
         raise RuleError(f"lab rule oom-phase {rule.oom_phase.value!r} for pod {pod.name}: the real trainer raises "
-                        f"the lab GPU's OOM in {', '.join(p.value for p in PROCESS_OOM_PHASES)}")
+                        f"the lab GPU's OOM in {', '.join(p.value for p in REAL_OOM_PHASES)}")
     if pod.gpu_memory_mib is None:
         raise RuleError(f"pod {pod.name} landed on a node without the {GPU_MEMORY_LABEL} label")
     device_total = pod.gpu_memory_mib * MIB

@@ -1,10 +1,9 @@
-"""The lab GPU on the real kubelet node: a mutating admission webhook for the pods that land there.
+"""The lab GPU on the real kubelet nodes: a mutating admission webhook for the pods that land there.
 
-On kwok's nodes the fake GPU decides how a pod ends (fakegpu.py); on the process runner's nodes the
-runner gives the real trainer the lab GPU's variables (podrunner.py). On the real node the kubelet
-runs the pod as the operator rendered it, so the lab gives the trainer those variables here, when the
-pod is created: the lab GPU's memory, and the peak this pod's plan truly reaches there under the
-FineTuneJob's lab rule (fate.lab_gpu_environment, the rule the other two runners apply). The trainer
+On kwok's nodes the fake GPU decides how a pod ends (fakegpu.py). On the real nodes the kubelet runs
+the pod as the operator rendered it, so the lab gives the trainer the lab GPU's variables here, when
+the pod is created: the lab GPU's memory, and the peak this pod's plan truly reaches there under the
+FineTuneJob's lab rule (fate.lab_gpu_environment, the rule the fake GPU applies too). The trainer
 raises the lab GPU's out-of-memory itself (images/trainer/finetune_trainer/faults.py).
 
 The rule's `host-memory-scale` (this machine is far smaller than the nodes the lab plays) scales the

@@ -17,13 +17,10 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 GPU_RESOURCE = "nvidia.com/gpu"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_ANNOTATION_VALUE = "fake"
-# Nodes of a pool with `runner: process`: the lab's process runner (podrunner.py) runs the pods
-# bound to them as real local processes instead of the fake GPU deciding how they end.
-RUNNER_LABEL = "lab.finetune.dev/runner"
-RUNNER_PROCESS = "process"
-RUNNER_TAINT = {"key": RUNNER_LABEL, "value": RUNNER_PROCESS, "effect": "NoSchedule"}
 # The pool with `runner: kubelet` is the lab's real nodes (realnode.py): real kubelets register them
-# with this pool's labels and taints, and run their pods as containers. kwok never sees them.
+# with this pool's labels and taints (RUNNER_LABEL among them), and run their pods as containers. kwok
+# never sees them; the fake GPU leaves their pods alone.
+RUNNER_LABEL = "lab.finetune.dev/runner"
 RUNNER_KUBELET = "kubelet"
 GPU_TAINT = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 # The policy the chart ships by default (issue 9); the lab's scenarios check placement against it.
@@ -47,9 +44,8 @@ class Pool(BaseModel):
     gpu: GPU | None
     cpu: str
     memory: str
-    # "process": the lab's process runner runs this pool's pods as real local processes;
-    # "kubelet": the pool is the lab's real kubelet nodes (nodes: 1 or 2), its pods real containers.
-    runner: Literal["process", "kubelet"] | None = None
+    # "kubelet": the pool is the lab's real kubelet nodes, its pods real containers.
+    runner: Literal["kubelet"] | None = None
 
     def node_names(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.nodes)]
@@ -68,18 +64,13 @@ class PoolCatalog(BaseModel):
     def gpu_pools(self) -> list[Pool]:
         return [p for p in self.pools if p.gpu]
 
-    def runner_nodes(self) -> list[str]:
-        return [n for p in self.pools if p.runner == RUNNER_PROCESS for n in p.node_names()]
-
     def kubelet_pool(self) -> Pool:
-        """The real node's pool: exactly one, of one node. realnode.py runs its kubelet and containerd on
-        this machine, and a kubelet's device manager always listens on
-        /var/lib/kubelet/device-plugins/kubelet.sock (k8s.io/kubelet DevicePluginPath, not under
-        --root-dir): a second kubelet on the same host would take over the first one's GPUs."""
+        """The real nodes' pool: exactly one. realnode.py runs a kubelet and a containerd per node on
+        this machine, each node in a mount namespace of its own."""
         found = [p for p in self.pools if p.runner == RUNNER_KUBELET]
-        if len(found) != 1 or found[0].nodes != 1:
-            raise ValueError(f"{POOLS_FILE.name} must have exactly one pool with runner: kubelet and nodes: 1"
-                             f" (one kubelet with devices per host), found {[(p.name, p.nodes) for p in found]}")
+        if len(found) != 1:
+            raise ValueError(f"{POOLS_FILE.name} must have exactly one pool with runner: kubelet,"
+                             f" found {[p.name for p in found]}")
         return found[0]
 
 

@@ -1,9 +1,11 @@
 """One real node in the lab (`python -m e2e.lab up --with kubelet`), beside kwok's fake GPU fleet.
 
-    containerd (Debian's, runc)  -- its own root, state, socket and runc root under <lab>/node/
-    kubelet                      -- registers node `lab-real-0` (pools.yaml's `runner: kubelet` pool), cgroupfs
-                                    driver, pods under CGROUP_ROOT
+    per node (pools.yaml's `runner: kubelet` pool: `lab-real-0`, `lab-real-1`), each in a mount
+    namespace of its own (below):
+    containerd (Debian's, runc)  -- its own root, state, socket and runc root under <lab>/node/<node>/
+    kubelet                      -- registers the node, cgroupfs driver, pods under CGROUP_ROOT/<node>
     lab GPU plugin (gpuplugin/)  -- a device plugin: the pool's `nvidia.com/gpu` count, allocated by the kubelet
+    shared by the nodes, in the host's namespaces:
     CNI bridge                   -- BRIDGE with GATEWAY on POD_CIDR (created here, deleted by `down`)
     kube-proxy (iptables mode)   -- Services, including `kubernetes` (10.96.0.1:443 -> GATEWAY:apiserver)
     CoreDNS                      -- on GATEWAY:53, the kubernetes plugin for cluster.local; the kubelet's clusterDNS
@@ -18,8 +20,18 @@ masquerading; restored from iptables-save), the pod cgroups (CGROUP_ROOT in ever
 mounts (container root filesystems, /dev/shm, network namespaces), the bridge, and the directories a
 kubelet creates outside its root. Pods are removed through the CRI first, so CNI deletes what it made.
 
-Only one real node runs on a machine at a time: the bridge, the cgroup root, CoreDNS's address and the
-iptables chains are host-wide. `up --with kubelet` refuses to start when the bridge already exists.
+Several kubelets on one host: a kubelet's device manager always listens on
+/var/lib/kubelet/device-plugins/kubelet.sock (k8s.io/kubelet DevicePluginPath, whatever --root-dir says),
+and its self-signed serving certificate goes to /var/lib/kubelet/pki. So each node's containerd,
+kubelet and GPU plugin run in a mount namespace of the node's own (`unshare --mount`, kept by a bind
+of its nsfs file under <lab>/node/mntns/), where /var/lib/kubelet is the node's own directory. The
+three share that namespace because the kubelet mounts volumes (tmpfs for tokens, emptyDirs) that
+containerd bind-mounts into containers; the mounts made there never reach the host's table, and go
+with the namespace. Everything else a node needs is its own by path or port already.
+
+Only one lab with real nodes runs on a machine at a time: the bridge, the cgroup root, CoreDNS's
+address and the iptables chains are host-wide. `up --with kubelet` refuses to start when the bridge
+already exists.
 """
 
 from __future__ import annotations
@@ -38,11 +50,9 @@ from . import nodes as lab_nodes
 from . import pki as lab_pki
 from .processes import LabStartError, Proc, free_ports, http_ok, wait_until
 
-# The node is that of pools.yaml's `runner: kubelet` pool: its name, labels, taints and GPUs. The code
-# keeps a node list (NODE_NAMES) because each node's containerd, cgroups and directory are its own,
-# but the pool has one node: the kubelet's device manager listens on a fixed host path
-# (DEVICE_PLUGIN_DIR), so a second kubelet would take the first one's devices. It reports this
-# machine's CPUs and memory as its capacity.
+# The nodes are those of pools.yaml's `runner: kubelet` pool: their names, labels, taints and GPUs. Each
+# reports this machine's CPUs and memory as its capacity (they share them, as the nodes of a test
+# cluster on one host do).
 POOL = lab_nodes.load_pools().kubelet_pool()
 NODE_NAMES = tuple(POOL.node_names())
 NODE_NAME = NODE_NAMES[0]
@@ -79,9 +89,11 @@ HOST_PATHS = ("/usr/libexec/kubernetes", "/var/lib/kubelet", "/var/lib/cni", "/e
               "/var/run/netns", "/var/log/pods", "/var/log/containers", "/etc/kubernetes", "/opt/cni")
 CGROUP_FS = Path("/sys/fs/cgroup")
 # The kubelet's device manager listens here whatever --root-dir says (k8s.io/kubelet DevicePluginPath);
-# the lab GPU plugin puts its socket beside it. /var/lib/kubelet is one of HOST_PATHS: down removes it
-# when the host had none.
-DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+# the lab GPU plugin puts its socket beside it. In each node's mount namespace, KUBELET_HOST_DIR is
+# the node's own directory (NodePaths.var_lib_kubelet); on the host it is only the mount point,
+# one of HOST_PATHS (down removes it when the host had none).
+KUBELET_HOST_DIR = Path("/var/lib/kubelet")
+DEVICE_PLUGIN_DIR = KUBELET_HOST_DIR / "device-plugins"
 
 
 class RealNodeError(LabStartError):
@@ -231,6 +243,40 @@ class NodePaths:
     @property
     def base_spec(self) -> Path:
         return self.containerd / "base-spec.json"
+
+    @property
+    def var_lib_kubelet(self) -> Path:
+        """What /var/lib/kubelet is inside the node's mount namespace."""
+        return self.root / "var-lib-kubelet"
+
+
+def mount_namespace(workdir: Path, name: str) -> Path:
+    """The nsfs file that keeps node `name`'s mount namespace."""
+    return nodes_root(workdir) / "mntns" / name
+
+
+def in_node(workdir: Path, name: str, argv: list[str]) -> list[str]:
+    """`argv` run inside node `name`'s mount namespace (nsenter execs it: the pid stays the program's)."""
+    return ["nsenter", f"--mount={mount_namespace(workdir, name)}", "--", *argv]
+
+
+def make_mount_namespace(workdir: Path, name: str) -> None:
+    """Node `name`'s mount namespace: a copy of the host's that receives the host's later mounts
+    (slave) and gives none back, with /var/lib/kubelet bound to the node's own directory. Kept alive by
+    a bind of its nsfs file, which must sit on a private mount (the namespace would otherwise see the
+    bind of itself); restore_host unmounts both."""
+    holder = mount_namespace(workdir, name).parent
+    holder.mkdir(parents=True, exist_ok=True)
+    if str(holder) not in _mount_points():
+        _run(["mount", "--bind", str(holder), str(holder)])
+        _run(["mount", "--make-private", str(holder)])
+    ns = mount_namespace(workdir, name)
+    ns.touch()
+    _run(["unshare", f"--mount={ns}", "--propagation", "slave", "true"])
+    own = node_paths(workdir, name).var_lib_kubelet
+    own.mkdir(parents=True, exist_ok=True)
+    KUBELET_HOST_DIR.mkdir(parents=True, exist_ok=True)
+    _run(in_node(workdir, name, ["mount", "--bind", str(own), str(KUBELET_HOST_DIR)]))
 
 
 
@@ -412,7 +458,8 @@ def prepare_host(workdir: Path) -> HostState:
                             " stopped); stop it with `python -m e2e.lab down` first")
     if (DEVICE_PLUGIN_DIR / "kubelet.sock").exists():
         raise RealNodeError(f"{DEVICE_PLUGIN_DIR / 'kubelet.sock'} exists: a kubelet already runs on this machine"
-                            " (its device manager owns that fixed path); the lab's real node cannot start beside it")
+                            " (its kube-proxy chains and cgroups would meet the lab's); the lab's real nodes cannot"
+                            " start beside it")
     nodes_root(workdir).mkdir(parents=True, exist_ok=True)
     state = HostState.capture()
     state.save(host_state_file(workdir))
@@ -426,6 +473,8 @@ def prepare_host(workdir: Path) -> HostState:
             for f in ("cpuset.cpus", "cpuset.mems"):
                 if (group.parent / f).exists() and not (group / f).read_text().strip():
                     (group / f).write_text((group.parent / f).read_text())
+    for name in NODE_NAMES:
+        make_mount_namespace(workdir, name)
     return state
 
 
@@ -486,8 +535,8 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
     node_files = {name: write_node_configs(lab, name, pki, ports) for name, ports in node_ports.items()}
     for name in NODE_NAMES:
         paths = node_paths(lab.workdir, name)
-        containerd = launch(f"containerd-{name}", ["containerd", f"--config={node_files[name]['containerd']}",
-                                                   "--log-level=warn"])
+        containerd = launch(f"containerd-{name}", in_node(lab.workdir, name, [
+            "containerd", f"--config={node_files[name]['containerd']}", "--log-level=warn"]))
         wait_until(f"{name}'s containerd socket", lambda: paths.socket.exists(), containerd, 60)
         for archive in images:
             import_image(paths, archive)
@@ -497,7 +546,7 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
     kubelets = {}
     for index, name in enumerate(NODE_NAMES):
         paths = node_paths(lab.workdir, name)
-        kubelets[name] = launch(f"kubelet-{name}", [
+        kubelets[name] = launch(f"kubelet-{name}", in_node(lab.workdir, name, [
             node_inst.binary("kubelet"),
             f"--config={node_files[name]['kubelet']}",
             f"--kubeconfig={node_files[name]['kubelet.kubeconfig']}",
@@ -506,7 +555,7 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
             f"--hostname-override={name}",
             "--node-labels=" + ",".join(f"{k}={v}" for k, v in lab_nodes.node_labels(POOL, index).items()),
             "--v=1",
-        ])
+        ]))
     core = client.CoreV1Api(lab.api_client())
     gpus = POOL.gpu.count if POOL.gpu else 0
     for name in NODE_NAMES:
@@ -517,8 +566,8 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
         wait_until(f"node {name} Ready (kubelet, containerd, CNI)", ready, kubelets[name], 180)
         if not gpus:
             continue
-        plugin = launch(f"lab-gpu-plugin-{name}", [node_inst.binary("lab-gpu-plugin"), "-dir",
-                                                   str(DEVICE_PLUGIN_DIR), "-count", str(gpus)])
+        plugin = launch(f"lab-gpu-plugin-{name}", in_node(lab.workdir, name, [
+            node_inst.binary("lab-gpu-plugin"), "-dir", str(DEVICE_PLUGIN_DIR), "-count", str(gpus)]))
 
         def advertised(name: str = name) -> bool:
             allocatable = core.read_node(name).status.allocatable or {}

@@ -302,16 +302,14 @@ def test_every_catalog_field_the_schema_allows_reaches_the_operator(render, defa
 def test_default_catalog_describes_the_lab(default_values):
     """The default values describe the lab of e2e/ (pools.yaml): every GPU pool, same region, zones,
     GPU type and count, node count as the ceiling, and the lab's pool label and GPU taint. The
-    process-runner pool (region lab-local) and the real-node pool (region lab-real), both outside the
-    default policy, are left out on purpose: only the scenarios that run pods on them name them, in
-    their own values."""
+    real-node pool (region lab-real), outside the default policy, is left out on purpose: only the
+    scenarios that run pods on it name it, in their own values."""
     from e2e.lab import nodes as lab_nodes
     from finetune_operator.planning.pools import canonical_gpu_name, load_catalog
 
     catalog = {p.name: p for p in load_catalog(default_values["policy"]["catalog"])}
-    lab = {p.name: p for p in lab_nodes.load_pools().gpu_pools()
-           if p.runner not in (lab_nodes.RUNNER_PROCESS, lab_nodes.RUNNER_KUBELET)}
-    assert "cpu-run-local" not in catalog
+    lab = {p.name: p for p in lab_nodes.load_pools().gpu_pools() if p.runner != lab_nodes.RUNNER_KUBELET}
+    assert "lab-real" not in catalog
     assert sorted(catalog) == sorted(lab)
     for name, lab_pool in lab.items():
         pool = catalog[name]

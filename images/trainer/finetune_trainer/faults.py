@@ -1,8 +1,8 @@
 """The test-only fault injection hook (``faultInjection`` in the config), and the lab's GPU.
 
-The lab's GPU: the lab cluster (e2e/lab/podrunner.py) runs real trainer processes on CPU
-for pods bound to its process-runner nodes. Those nodes pretend to have a GPU of
-``FINETUNE_LAB_GPU_MEMORY_BYTES``; the lab gives each pod the peak its plan truly reaches
+The lab's GPU: the lab cluster's real kubelet nodes (e2e/lab/realnode.py) run the trainer's
+containers on CPU. Those nodes pretend to have a GPU of
+``FINETUNE_LAB_GPU_MEMORY_BYTES``; the lab gives each pod (e2e/lab/gpuwebhook.py) the peak its plan truly reaches
 there (``FINETUNE_LAB_PEAK_BYTES``, from the fake GPU's rule: predicted x true-peak-factor).
 Where that peak does not fit, this trainer raises ``torch.OutOfMemoryError`` itself at global
 step ``FINETUNE_LAB_OOM_STEP`` (or the attempt's first step, if it resumed past it), in
