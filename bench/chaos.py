@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:
 
 from e2e import chaos as ch  # noqa: E402
 from e2e import operator_harness as h  # noqa: E402
+from e2e.lab.waiting import wait_crd_established  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -369,7 +370,7 @@ def run_benchmark(cfg: Config) -> dict[str, Any]:
     queue = None
     try:
         lab.kubectl("apply", "--server-side", "-f", str(crd_file))
-        lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
+        wait_crd_established(lab, "finetunejobs.finetune.dev")
         h.install_chart(lab)
         if not cfg.prune_unknown_status:
             ch.preserve_unknown_status_fields(lab)

@@ -34,6 +34,7 @@ import time
 from e2e import operator_harness as h
 from e2e import real_processes as rp
 from e2e.lab.processes import Proc, proc_start_ticks
+from e2e.lab.waiting import wait_crd_established
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,7 @@ def fake_gpu_demo(args) -> int:
     operator = None
     try:
         lab.kubectl("apply", "--server-side", "-f", str(h.REPO_ROOT / "crds" / "finetunejob.yaml"))
-        lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
+        wait_crd_established(lab, "finetunejobs.finetune.dev")
         say("installing the Helm chart (CRDs, RBAC, policy ConfigMap)")
         h.install_chart(lab)
         # Inside the lab's directory: the operator's kubeconfig holds a ServiceAccount token, and

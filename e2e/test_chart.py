@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from e2e.lab.versions import load_versions
-from e2e.lab.waiting import wait_for
+from e2e.lab.waiting import wait_crd_established, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -170,7 +170,7 @@ def chart_crds(lab):
     """The chart's CRDs, applied the way helm would leave them (create if missing)."""
     for path in sorted((CHART / "crds").glob("*.yaml")):
         lab.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=chart-e2e", "-f", str(path))
-    lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
+    wait_crd_established(lab, "finetunejobs.finetune.dev")
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,7 @@ def test_install_creates_the_objects_and_notes(lab, installed):
     assert _exists(lab, "clusterrole", f"{ns}-{full}") and _exists(lab, "clusterrolebinding", f"{ns}-{full}")
     assert _exists(lab, "role", f"{full}-leader-election", "-n", ns)
     assert _exists(lab, "rolebinding", f"{full}-leader-election", "-n", ns)
-    lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
+    wait_crd_established(lab, "finetunejobs.finetune.dev")
     assert not _exists(lab, "crd", "clusterkopfpeerings.kopf.dev"), "kopf peering CRDs are no longer the chart's"
     notes = installed["notes"]
     assert "NOTES:" in notes and "kubectl get finetunejobs -w" in notes

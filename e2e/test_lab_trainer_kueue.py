@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.lab.waiting import wait_for
+from e2e.lab.waiting import wait_crd_established, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO / "tests" / "rendering"))
@@ -356,7 +356,7 @@ def v2operator(v2lab, runtime, tmp_path_factory):
 
     t0 = time.monotonic()
     h.install_chart(v2lab, "--set", "kueue.enabled=true", "--set", "policy.trainingBackend=auto")
-    v2lab.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.finetune.dev", "--timeout=60s")
+    wait_crd_established(v2lab, "finetunejobs.finetune.dev")
     process = h.OperatorProcess(v2lab, tmp_path_factory.mktemp("v2operator"))
     process.start()
     print(f"\nchart + operator on the TrainJob lab in {time.monotonic() - t0:.1f}s")

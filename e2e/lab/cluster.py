@@ -27,6 +27,7 @@ import yaml
 from . import nodes as lab_nodes
 from . import pki as lab_pki
 from .build import Installation, find_installation
+from .waiting import wait_crd_established
 from .processes import LabStartError, Proc, free_ports, http_ok, is_alive, start, stop, tail, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -302,24 +303,6 @@ class Lab:
 
 
 # ---- bringing a lab up -----------------------------------------------------------------------
-def wait_crd_established(lab: Lab, name: str, timeout: float = 60) -> None:
-    """Until the CRD `name` is Established. (`kubectl wait` fails at once, "conditions accessor
-    error", when it reads the CRD before the apiserver has given it any condition.)"""
-
-    def established() -> bool:
-        proc = lab.kubectl("get", f"crd/{name}", "-o", "json", check=False)
-        if proc.returncode != 0:
-            return False
-        conditions = (json.loads(proc.stdout).get("status") or {}).get("conditions") or []
-        return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
-
-    deadline = time.monotonic() + timeout
-    while not established():
-        if time.monotonic() > deadline:
-            raise LabStartError(f"CRD {name} not Established after {timeout:.0f}s")
-        time.sleep(0.2)
-
-
 def _tls_context(lab: Lab) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(lab.pki_dir / "ca.crt"))
     admin = lab.pki_dir

@@ -34,6 +34,7 @@ import yaml
 
 from .build import Installation
 from .processes import LabStartError, Proc, http_ok, wait_until
+from .waiting import wait_crd_established
 
 TRAINER_V2 = "trainer-v2"
 KUEUE = "kueue"
@@ -117,20 +118,6 @@ def _patch_ops(directory: Path) -> dict[str, list[dict]]:
     return out
 
 
-def _wait_established(lab, *crds: str, timeout: float = 60) -> None:
-    """kubectl wait for Established; a CRD applied a moment ago may have no status.conditions yet, which
-    `kubectl wait` reports as an error ("conditions accessor error") instead of waiting: ask again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc = lab.kubectl("wait", "--for=condition=Established", *crds, f"--timeout={max(1, int(deadline - time.monotonic()))}s",
-                           check=False, timeout=timeout + 10)
-        if proc.returncode == 0:
-            return
-        if "accessor error" not in proc.stderr or time.monotonic() > deadline:
-            raise LabStartError(f"CRDs {', '.join(crds)} not Established: {proc.stderr.strip()}")
-        time.sleep(0.2)
-
-
 def _write(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -172,8 +159,8 @@ def start(lab, v2: Installation, pki, kubeconfigs: dict[str, Path], components: 
         crds = [share / "jobset-crds", share / "trainer-crds"]
         for d in crds:
             lab.kubectl("apply", "--server-side", "-f", str(d))
-        _wait_established(lab, "crd/jobsets.jobset.x-k8s.io", "crd/trainjobs.trainer.kubeflow.org",
-                          "crd/clustertrainingruntimes.trainer.kubeflow.org", "crd/trainingruntimes.trainer.kubeflow.org")
+        wait_crd_established(lab, "jobsets.jobset.x-k8s.io", "trainjobs.trainer.kubeflow.org",
+                             "clustertrainingruntimes.trainer.kubeflow.org", "trainingruntimes.trainer.kubeflow.org")
         install_webhooks(local_webhooks(share / "jobset-webhooks.yaml", "jobset", p["jobset-webhook"], ca_pem,
                                         patches=_patch_ops(share / "jobset-webhook-patches")))
         install_webhooks(local_webhooks(share / "trainer-webhooks.yaml", "trainer", p["trainer-webhook"], ca_pem))
@@ -211,8 +198,8 @@ def start(lab, v2: Installation, pki, kubeconfigs: dict[str, Path], components: 
 
     if KUEUE in components:
         lab.kubectl("apply", "--server-side", "-f", str(share / "kueue-crds"))
-        _wait_established(lab, "crd/clusterqueues.kueue.x-k8s.io", "crd/localqueues.kueue.x-k8s.io",
-                          "crd/resourceflavors.kueue.x-k8s.io", "crd/workloads.kueue.x-k8s.io")
+        wait_crd_established(lab, "clusterqueues.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io",
+                             "resourceflavors.kueue.x-k8s.io", "workloads.kueue.x-k8s.io")
         core.create_namespace({"metadata": {"name": KUEUE_NAMESPACE}})
         configs = local_webhooks(share / "kueue-webhooks.yaml", "kueue", p["kueue-webhook"], ca_pem, keep=_kueue_keeps)
         for cfg in configs:
