@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -74,16 +75,17 @@ def service_account() -> str:
 class OperatorProcess:
     """`finetune-operator run` as the chart's ServiceAccount; start, kill -9 and start again."""
 
-    def __init__(self, lab: Any, workdir: Path, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, lab: Any, workdir: Path, extra_args: tuple[str, ...] = (), server: str | None = None) -> None:
         self.lab = lab
         self.extra_args = tuple(extra_args)  # more `finetune-operator run` flags, e.g. ("--workers", "8")
         # Its name in the leader election: one per replica, kept across restarts of it (as a pod's
         # name is across container restarts), so a restarted replica leads again at once.
         # None leaves the flag out (an operator from before the Lease election, e.g. bench/chaos.py --operator-rev).
-        self.identity: str | None = f"operator-{workdir.name}-{id(self):x}"
+        self.identity: str | None = f"operator-{workdir.name}-{uuid.uuid4().hex[:10]}"
         self.workdir = workdir
+        # `server`: the API server through something in front of it (e2e/test_failover.py's frozen proxy).
         self.kubeconfig = lab.service_account_kubeconfig(RELEASE_NAMESPACE, service_account(),
-                                                         path=workdir / "operator-sa.kubeconfig")
+                                                         path=workdir / "operator-sa.kubeconfig", server=server)
         self.proc: subprocess.Popen | None = None
         self.log_path = workdir / "operator.log"
         self.health_port = free_port()

@@ -22,9 +22,11 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from finetune_operator.shell.leadership import LEASE_DURATION_SECONDS, RETRY_PERIOD_SECONDS
+from finetune_operator.shell.leadership import LEASE_DURATION_SECONDS, RETRY_PERIOD_SECONDS, deposed_within
 
 from e2e import operator_harness as h
+from e2e.chaos import FreezingProxy
+from e2e.lab.cluster import audit_events
 from e2e.lab.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -160,11 +162,12 @@ def chart(lab, ftj_crd):
 def replicas(lab, chart, tmp_path):
     started: list[h.OperatorProcess] = []
 
-    def start(count: int) -> list[h.OperatorProcess]:
+    def start(count: int, servers: dict[int, str] | None = None) -> list[h.OperatorProcess]:
+        """`count` replicas; `servers`: replica index -> the API server's address it uses (a proxy)."""
         made = []
         for i in range(count):
             (tmp_path / f"replica-{i}").mkdir()
-            made.append(h.OperatorProcess(lab, tmp_path / f"replica-{i}"))
+            made.append(h.OperatorProcess(lab, tmp_path / f"replica-{i}", server=(servers or {}).get(i)))
         _lease_is_free_of_strangers(lab, {o.identity for o in made})
         for operator in made:
             started.append(operator)
@@ -247,3 +250,109 @@ def test_a_restarted_replica_leads_again_at_once(lab, replicas, namespace):
     assert lease.spec.acquire_time == acquired, (acquired, lease.spec.acquire_time)
     assert acted < RESTART_LIMIT_S, f"the restarted replica acted {acted:.2f} s after it was up"
     assert len(h.pytorch_jobs(lab, namespace, "first")) == 1
+
+
+def _leading(operator: h.OperatorProcess) -> bool:
+    """What the replica's own finetune_leading gauge says (read from its metrics port, not the API)."""
+    return any(line.startswith("finetune_leading ") and float(line.split()[1]) == 1.0
+               for line in operator.metrics().splitlines())
+
+
+def _writes(lab, operator: h.OperatorProcess) -> list[dict[str, Any]]:
+    """The API server's record (its audit log) of every write the replica's requests made."""
+    agent = f"({operator.identity})"
+    return [e for e in audit_events(lab) if agent in (e.get("userAgent") or "")]
+
+
+def _progress_patch(event: dict[str, Any]) -> bool:
+    """A status.progress patch (progress_poller.patch_progress): a JSON patch that tests the attempt first."""
+    body = event.get("requestObject")
+    return (event["objectRef"].get("resource") == "finetunejobs" and event["verb"] == "patch"
+            and isinstance(body, list) and bool(body) and body[0].get("path") == "/status/currentAttempt")
+
+
+def _received(event: dict[str, Any]) -> float:
+    """When the API server received the request (Unix time; the lab runs on this machine's clock)."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def test_a_leader_behind_a_frozen_connection_steps_down_and_no_two_replicas_write(lab, replicas, namespace):
+    """Chaos at the connection (issue 26 item 7): a TCP proxy between the leader and the real API server
+    stops forwarding without closing anything (a stuck load balancer, a lost route). The leader's
+    requests get no answer: it stops leading within deposed_within() of its last renew, before the
+    standby may take the Lease; the standby takes over within the lease and acts on a job applied
+    meanwhile. When the proxy forwards again, the bytes it held reach the API server late: every
+    write among them that would change what the new leader owns is refused by its guard
+    (resourceVersion, uid, a deterministic name), and the old leader writes nothing after that.
+    No FineTuneJob ever has two live children; both jobs end."""
+    proxy = FreezingProxy(("127.0.0.1", lab.ports["apiserver"]))
+    try:
+        a, b = replicas(2, servers={0: f"https://127.0.0.1:{proxy.port}"})
+        by_identity = {a.identity: a, b.identity: b}
+        wait_for(lambda: _holder(lab) in by_identity, 30, "one of the two replicas to hold the Lease")
+        if _holder(lab) != a.identity:  # the replica behind the proxy must lead: make the other give way
+            b.stop()
+            wait_for(lambda: _holder(lab) == a.identity, TAKEOVER_LIMIT_S, "the proxied replica to hold the Lease")
+            b.start()
+        h.volumes(lab, namespace, h.claims_of(_job(namespace, "x", "1s")))
+        with ChildWatch(lab, namespace) as children:
+            _apply(lab, _job(namespace, "before-freeze", "40s"))
+            wait_for(lambda: h.pytorch_jobs(lab, namespace, "before-freeze"), 30, "the leader's PyTorchJob")
+            assert _leading(a) and not _leading(b)
+
+            last_renew = _lease(lab).spec.renew_time.timestamp()
+            proxy.freeze()
+            frozen = time.time()
+            _apply(lab, _job(namespace, "while-frozen", "20s"))
+            # Watch both at once: when the old leader stopped (its own gauge) and when the standby took
+            # the Lease (the Lease's acquireTime): two leaders at once is the failure.
+            stepped_down = took_over = None
+            deadline = time.monotonic() + TAKEOVER_LIMIT_S + 30
+            while (stepped_down is None or took_over is None) and time.monotonic() < deadline:
+                if stepped_down is None and not _leading(a):
+                    stepped_down = time.time()
+                lease = _lease(lab)
+                if took_over is None and lease.spec.holder_identity == b.identity:
+                    took_over = lease.spec.acquire_time.timestamp()
+                time.sleep(0.1)
+            assert stepped_down is not None, "the leader cut off from the API server never stopped leading"
+            assert took_over is not None, "the standby never took the Lease"
+            wait_for(lambda: h.pytorch_jobs(lab, namespace, "while-frozen"), TAKEOVER_LIMIT_S,
+                     "the new leader's PyTorchJob of the job applied while the old one was cut off", interval=0.1)
+            acted = time.time()
+            print(f"frozen connection: the leader stepped down {stepped_down - last_renew:.1f} s after its last renew "
+                  f"(bound {deposed_within():.1f} s), the standby took the Lease {took_over - last_renew:.1f} s after it "
+                  f"and created the new job's PyTorchJob {acted - frozen:.1f} s after the freeze")
+            # One leader at a time: the old one stops before the standby may take the Lease (the lease
+            # duration after the last renew it saw), and within the bound the timings promise.
+            assert deposed_within() < LEASE_DURATION_SECONDS
+            assert stepped_down - last_renew <= deposed_within() + 1.0, stepped_down - last_renew
+            assert stepped_down <= took_over, (stepped_down - last_renew, took_over - last_renew)
+            assert took_over - last_renew <= TAKEOVER_LIMIT_S, took_over - last_renew
+            assert acted - frozen <= TAKEOVER_LIMIT_S + 2, acted - frozen
+
+            time.sleep(2)
+            proxy.thaw()
+            thawed = time.time()
+            for job in ("before-freeze", "while-frozen"):
+                h.wait_phase(lab, namespace, job, ("Succeeded",), timeout=120)
+            # The old replica, its connection back, follows: the standby keeps the Lease.
+            assert _holder(lab) == b.identity and not _leading(a) and _leading(b)
+        late = [e for e in _writes(lab, a) if _received(e) >= took_over]
+        print("writes of the old leader the API server got after the takeover: "
+              + (", ".join(f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('subresource', '')} "
+                           f"{e['objectRef'].get('name', '')} -> {e['responseStatus']['code']}" for e in late) or "none"))
+        # The held bytes reach the server at once when the proxy forwards again; no claim is sent after
+        # (Events the old leader queued before it stepped down may still go out: they claim nothing).
+        assert all(_received(e) < thawed + 3 for e in late if e["objectRef"].get("resource") != "events"), late
+        # What they would have changed of the new leader's is refused: the Lease and the status
+        # (resourceVersion), the children (deterministic names, uid preconditions). A progress patch
+        # tests the attempt it reports on first, and an Event claims nothing.
+        harmful = [e for e in late if e["responseStatus"]["code"] < 300
+                   and e["objectRef"].get("resource") != "events" and not _progress_patch(e)]
+        assert harmful == [], harmful
+    finally:
+        proxy.close()
+    assert all(count <= 1 for count in children.most.values()), dict(children.most)

@@ -218,14 +218,16 @@ class Lab:
             api.set_default_header("Impersonate-Group", g)
         return api
 
-    def service_account_kubeconfig(self, namespace: str, name: str, path: Path | None = None, hours: int = 6) -> Path:
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path | None = None, hours: int = 6,
+                                   server: str | None = None) -> Path:
         """A kubeconfig that authenticates as ServiceAccount namespace/name with a real bound
         token (TokenRequest), so any client (the operator, kubectl, helm) runs with exactly that SA's RBAC.
-        The ServiceAccount must exist (the chart creates it)."""
+        The ServiceAccount must exist (the chart creates it). `server`: another address of the API
+        server (a proxy in front of it), the lab's own by default."""
         proc = self.kubectl("create", "token", name, "-n", namespace, f"--duration={hours}h")
         token = proc.stdout.strip()
         path = path or (self.workdir / f"sa-{namespace}-{name}.kubeconfig")
-        return write_kubeconfig(path, self.server, self.pki_dir / "ca.crt", {"token": token})
+        return write_kubeconfig(path, server or self.server, self.pki_dir / "ca.crt", {"token": token})
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Proc:
         """Start a process that belongs to the lab (e.g. the operator under test): its log goes
@@ -329,6 +331,36 @@ def _component_kubeconfigs(lab: Lab) -> dict[str, Path]:
         name = "admin.kubeconfig" if ident is lab_pki.ADMIN else f"{ident.file_stem}.kubeconfig"
         out[ident.file_stem] = write_kubeconfig(lab.workdir / name, lab.server, ca, user)
     return out
+
+
+def audit_log(lab: Lab) -> Path:
+    return lab.log_dir / "audit.log"
+
+
+def _audit_policy(lab: Lab) -> Path:
+    """The API server's audit policy: the metadata (who, verb, object, user agent, response code, when)
+    of every write by a ServiceAccount, nothing else (the lab's own components authenticate with
+    certificates, and their heartbeats would drown it)."""
+    path = lab.workdir / "audit-policy.yaml"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+        "rules": [
+            # A FineTuneJob's status patches with their body: a progress patch (a JSON patch that tests
+            # the attempt first) is told from a conditions patch (guarded by a resourceVersion).
+            {"level": "Request", "userGroups": ["system:serviceaccounts"], "verbs": ["patch"],
+             "resources": [{"group": "finetune.dev", "resources": ["finetunejobs/status"]}]},
+            {"level": "Metadata", "userGroups": ["system:serviceaccounts"],
+             "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
+            {"level": "None"}]}, sort_keys=False))
+    return path
+
+
+def audit_events(lab: Lab) -> list[dict]:
+    """The audit log's events so far (audit_log), oldest first."""
+    path = audit_log(lab)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _kwok_config(lab: Lab) -> Path:
@@ -491,6 +523,11 @@ def _bring_up(lab: Lab, inst: Installation, say, start_fake_gpu: bool) -> None:
         # kwok's nodes report 127.0.0.1 and kwok's port (below): pods/log reaches kwok there.
         # No --kubelet-certificate-authority: kwok serves a self-signed certificate.
         "--kubelet-preferred-address-types=InternalIP",
+        # What ServiceAccounts (the operator under test, pods) write, one JSON line per request
+        # (audit_events()): which replica wrote what and when the API server got it.
+        f"--audit-policy-file={_audit_policy(lab)}",
+        f"--audit-log-path={audit_log(lab)}",
+        "--audit-log-format=json",
     ])
     ctx = _tls_context(lab)
     wait_until("kube-apiserver /readyz", lambda: http_ok(f"{lab.server}/readyz", ctx), apiserver, 120)

@@ -120,6 +120,30 @@ def test_a_request_that_names_its_own_timeout_keeps_it():
     assert seen == [(10, 330), (DEFAULT_TIMEOUT.connect, DEFAULT_TIMEOUT.read)]
 
 
+def test_every_request_names_the_replica_in_its_user_agent(tmp_path, monkeypatch):
+    """The API server's audit log says which replica wrote what (e2e/test_failover.py reads it): the
+    reconcile client and the Lease client of `run` both send the replica's identity."""
+    from finetune_operator import __version__
+    from finetune_operator.shell.handlers import Options, kube_api_client, lease_api_client
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "http://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    agents = []
+    for api_client in (kube_api_client(Options(kubeconfig=str(kubeconfig), identity="replica-a")),
+                       lease_api_client(Options(kubeconfig=str(kubeconfig), identity="replica-a"))):
+        api_client.rest_client.request = lambda *a, **kw: agents.append(kw["headers"]["User-Agent"]) or (
+            _ for _ in ()).throw(RuntimeError("sent"))
+        with pytest.raises(RuntimeError):
+            client.CoreV1Api(api_client).list_node()
+    assert agents == [f"finetune-operator/{__version__} (replica-a)"] * 2
+    monkeypatch.setenv("POD_NAME", "ft-operator-7d9c-x2")  # no --identity: the pod's name, as the election's
+    assert lease_api_client(Options(kubeconfig=str(kubeconfig))).user_agent.endswith("(ft-operator-7d9c-x2)")
+
+
 class _Ok(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         body = json.dumps({"kind": "ConfigMap", "apiVersion": "v1", "metadata": {"name": "policy"}}).encode()

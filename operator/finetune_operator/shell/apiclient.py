@@ -74,15 +74,25 @@ class BoundedApiClient(client.ApiClient):
 
 
 def bounded_client(configuration: client.Configuration, timeout: Timeouts = DEFAULT_TIMEOUT,
-                   retries: bool = True) -> BoundedApiClient:
+                   retries: bool = True, identity: str | None = None) -> BoundedApiClient:
     """An API client for `configuration` (a copy: the caller's is left as it was) with `timeout` on
     every request and TCP keepalive; `retries=False` makes one attempt per request (the Lease: its
-    bound is the sum of the attempts)."""
+    bound is the sum of the attempts). `identity` (the replica's name in the leader election) goes into
+    every request's User-Agent, so the API server's audit log says which replica wrote what."""
     cfg = copy.deepcopy(configuration)
     cfg.socket_options = tcp_keepalive_socket_options()
     if not retries:
         cfg.retries = urllib3.Retry(total=0, connect=0, read=0, redirect=0, status=0, other=0)
-    return BoundedApiClient(cfg, timeout)
+    api_client = BoundedApiClient(cfg, timeout)
+    api_client.user_agent = user_agent(identity)
+    return api_client
+
+
+def user_agent(identity: str | None = None) -> str:
+    """`finetune-operator/<version>`, and the replica's identity in parentheses when it has one."""
+    from .. import __version__
+
+    return f"finetune-operator/{__version__}" + (f" ({identity})" if identity else "")
 
 
 def client_configuration(kubeconfig: str | None) -> client.Configuration:

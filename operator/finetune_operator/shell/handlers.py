@@ -32,7 +32,7 @@ from .reconciler import PolicyHolder, Reconciler
 from .job_bodies import JobBodies
 from .events import EventRecorder
 from .workqueue import WorkQueue
-from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings
+from .leadership import LEASE_DURATION_SECONDS, Leadership, LeaseSettings, default_identity
 from ..planning.policy import ClusterPolicy, PolicyError, load_policy
 from .progress_poller import (DEFAULT_INTERVAL_SECONDS, PollerSettings, ProgressOnlyChanges, ProgressPoller,
                               patch_progress, read_pod_log)
@@ -87,7 +87,7 @@ def kube_api_client(options: Options) -> client.ApiClient:
     cfg = _client_configuration(options)
     wanted = 2 * options.workers + watch_connections(options) + EXTRA_CONNECTIONS
     cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, wanted)
-    return bounded_client(cfg)
+    return bounded_client(cfg, identity=replica_identity(options))
 
 
 def watch_connections(options: Options) -> int:
@@ -100,7 +100,13 @@ def watch_connections(options: Options) -> int:
 def lease_api_client(options: Options) -> client.ApiClient:
     """The leader election's own client: its requests bounded by LEASE_TIMEOUT, one attempt each, on
     connections of their own (a reconcile burst never makes a renew wait for a pooled connection)."""
-    return bounded_client(_client_configuration(options), LEASE_TIMEOUT, retries=False)
+    return bounded_client(_client_configuration(options), LEASE_TIMEOUT, retries=False,
+                          identity=replica_identity(options))
+
+
+def replica_identity(options: Options) -> str:
+    """This replica's name: in the leader election, and in every request's User-Agent."""
+    return options.identity or default_identity()
 
 
 # Connections beyond the workers and the watches: the progress poller, the wake-ups, the policy poll, events.
@@ -148,11 +154,12 @@ def start() -> None:
                                     calibration=CalibrationStore(cluster, options.policy_namespace),
                                     alongside=ThreadPoolExecutor(options.workers, "alongside").submit)
     RUNTIME.queue = WorkQueue(lambda key: RUNTIME.reconciler.reconcile(*key), workers=options.workers)
+    metrics.LEADING.set(0 if options.lease else 1)
     if options.lease:
         RUNTIME.queue.set_active(False)  # until this replica leads
         RUNTIME.leadership = Leadership(
             lease_api_client(options), LeaseSettings(namespace=options.policy_namespace, name=options.lease,
-                                              identity=options.identity or ""),
+                                              identity=replica_identity(options)),
             on_started=_lead, on_stopped=_follow)
         RUNTIME.leadership.start()
     RUNTIME.queue.start()
@@ -180,6 +187,7 @@ def _lead() -> None:
     if RUNTIME.queue is None:
         return
     RUNTIME.queue.set_active(True)
+    metrics.LEADING.set(1)
     # Every known job once, behind whatever happens now: a job applied while the leader was away
     # (queued urgent by its event) gets its child first, not after hundreds of look-agains.
     for key in known_jobs():
@@ -191,6 +199,7 @@ def _follow() -> None:
     if RUNTIME.queue is None:
         return
     RUNTIME.queue.set_active(False)
+    metrics.LEADING.set(0)
     if RUNTIME.progress is not None:
         RUNTIME.progress.clear()  # the next leader writes progress
     if not RUNTIME.queue.wait_idle(timeout=LEASE_DURATION_SECONDS):

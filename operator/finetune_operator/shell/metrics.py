@@ -15,6 +15,7 @@ every query names only metrics this module exports):
 | `finetune_gpu_seconds_total` | counter | pool, region, gpu_type | GPU time of attempts while the job is Running: the plan's GPUs times the time |
 | `finetune_gpus_running` | gauge | pool, region, gpu_type | GPUs of the attempts running now |
 | `finetune_job_phase_since_timestamp_seconds` | gauge | job_namespace, job_name, phase | when each unfinished job entered its phase (Unix time) |
+| `finetune_leading` | gauge | | 1 while this replica holds the Lease and reconciles (or runs without an election), else 0 |
 
 Cardinality: every label has a bounded set of values (phases, failure kinds, the catalog's pools)
 except `finetune_job_phase_since_timestamp_seconds`, which has one series per FineTuneJob that has
@@ -54,6 +55,7 @@ FAILED_REASONS = (*FAILURE_KINDS, "Failed", "Invalid")
 PLANNING_RESULTS = ("launched", "replanned", "nofit")
 
 JOBS_BY_PHASE = Gauge("finetune_jobs", "FineTuneJobs this operator follows, by phase", ["phase"])
+LEADING = Gauge("finetune_leading", "1 while this replica holds the Lease and reconciles (or runs without an election), else 0")
 ATTEMPTS = Counter("finetune_attempts_total", "Attempts launched (PyTorchJobs created)")
 RECOVERIES = Counter(
     "finetune_recoveries_total",
