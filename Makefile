@@ -37,12 +37,13 @@ ROOT := $(shell [ "$$(id -u)" = 0 ] && echo 1 || echo 0)
 REAL_NODE_PACKAGES := containerd runc containernetworking-plugins iptables mmdebstrap umoci
 
 # Every test: fast unit tests and the end-to-end scenarios on the lab cluster (built on first use, cached).
-# The tests without the lab on two workers, then the lab scenarios one at a time (each lab
-# is heavy, and they share one session lab). worksteal: an idle worker takes queued tests from the
-# other, so the long trainer runs do not end on one worker (319 s against 367-419 s measured).
+# The tests without the lab on two workers (worksteal: an idle worker takes queued tests from the
+# other, so the long trainer runs do not end on one worker), then the lab scenarios on two workers,
+# each with its own session lab, one module at a time per worker (e2e/conftest.py: each module an
+# xdist group, the real nodes' two modules one group, since the nodes hold host-wide state).
 test: install lab-build real-node-build
 	CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m "not e2e" -n 2 --dist worksteal
-	FINETUNE_LAB_REAL_NODE=$(ROOT) FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e
+	FINETUNE_LAB_REAL_NODE=$(ROOT) FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e -n 2 --dist loadgroup
 
 test-fast: install
 	$(PYTHON) -m pytest -m "not e2e and not slow"

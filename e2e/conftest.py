@@ -10,6 +10,13 @@
 - `ftj_crd` (session): the FineTuneJob CRD from crds/finetunejob.yaml, installed and Established.
 - `operators_stop_cleanly` (module, autouse): the module fails when an operator it ran through
   e2e/operator_harness.py did not exit 0 within its grace after SIGTERM.
+- `real_node_lab` (session): a lab of its own with the two real kubelet nodes and Trainer v2 (root,
+  FINETUNE_LAB_REAL_NODE=1), shared by e2e/test_real_node.py and e2e/test_real_node_training.py;
+  its teardown fails the session when `down` left the host other than it was.
+
+Each module is one xdist group (the real nodes' two modules one together: the nodes hold host-wide
+state, so one worker runs them): `make test` runs the lab scenarios on two workers, each with its
+own session lab (`-n 2 --dist loadgroup`), so a module's own fixtures are set up once.
 """
 
 from __future__ import annotations
@@ -31,6 +38,42 @@ CRD_FILE = REPO_ROOT / "crds" / "finetunejob.yaml"
 
 def _required() -> bool:
     return os.environ.get("FINETUNE_LAB_REQUIRED", "") not in ("", "0", "false", "no")
+
+
+REAL_NODE_MODULES = ("test_real_node.py", "test_real_node_training.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """One xdist group per module, one for the real nodes' modules (see the module docstring)."""
+    for item in items:
+        name = item.path.name
+        group = "real-node" if name in REAL_NODE_MODULES else f"{item.path.parent.name}/{name}"
+        item.add_marker(pytest.mark.xdist_group(name=group))
+
+
+def real_node_wanted() -> bool:
+    return os.environ.get("FINETUNE_LAB_REAL_NODE", "") not in ("", "0")
+
+
+@pytest.fixture(scope="session")
+def real_node_lab():
+    """The real nodes' lab: built (binaries, both images) and started once for both modules."""
+    if not real_node_wanted():
+        pytest.skip("the real nodes are opt-in: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins, "
+                    "mmdebstrap, umoci)")
+    from e2e.lab.realnode import HostState
+    from e2e.real_node_jobs import start_lab
+
+    before = HostState.capture()
+    lab = start_lab(components=("kubelet", "trainer-v2"))
+    try:
+        yield lab
+    finally:
+        if lab.procs:
+            lab.down()
+        left = lab.host_left + before.differences(HostState.capture())
+        if left:
+            pytest.fail("`down` did not put the host back as it was:\n  " + "\n  ".join(left), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -8,33 +8,17 @@ umoci, and changes host-wide state (a bridge, iptables, sysctls, cgroups) while 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("FINETUNE_LAB_REAL_NODE", "") in ("", "0"),
-    reason="the real node is opt-in: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins, mmdebstrap, umoci)")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def node_lab():
-    from e2e.lab import images
-    from e2e.lab.build import build_node
-    from e2e.lab.cluster import up
-    from e2e.lab.realnode import HostState
-
-    build_node()
-    images.build_all(only=("operator",))
-    before = HostState.capture()
-    lab = up(die_with_parent=True, components=("kubelet",))
-    try:
-        yield lab, before
-    finally:
-        if lab.procs:
-            lab.down()
+def node_lab(real_node_lab):
+    return real_node_lab
 
 
 def _pod(name: str, image: str, command: list[str], **container) -> dict:
@@ -86,7 +70,7 @@ def test_a_pod_runs_as_a_real_container_with_dns_and_the_api_server(node_lab):
     from e2e.lab import images
     from e2e.lab.realnode import NODE_NAMES
 
-    lab, _ = node_lab
+    lab = node_lab
     ns = f"real-{uuid.uuid4().hex[:5]}"
     lab.kubectl("create", "namespace", ns)
     image = images.image_names()["operator"][0]
@@ -104,7 +88,7 @@ def test_a_pod_runs_as_a_real_container_with_dns_and_the_api_server(node_lab):
 def test_a_container_over_its_memory_limit_is_oomkilled_by_the_kubelet(node_lab):
     from e2e.lab import images
 
-    lab, _ = node_lab
+    lab = node_lab
     ns = f"oom-{uuid.uuid4().hex[:5]}"
     lab.kubectl("create", "namespace", ns)
     image = images.image_names()["operator"][0]
@@ -141,7 +125,7 @@ def test_a_training_container_cannot_read_the_upload_sidecar_s_credentials(node_
     container reads /proc/*/environ finds its own variables and never the sidecar's key."""
     from e2e.lab import images
 
-    lab, _ = node_lab
+    lab = node_lab
     ns = f"env-{uuid.uuid4().hex[:5]}"
     lab.kubectl("create", "namespace", ns)
     image = images.image_names()["operator"][0]
@@ -171,7 +155,7 @@ def test_a_training_container_cannot_read_the_upload_sidecar_s_credentials(node_
 def test_crictl_sees_the_node_s_containers(node_lab):
     from e2e.real_node_jobs import crictl_containers
 
-    lab, _ = node_lab
+    lab = node_lab
     names = {c["metadata"]["name"] for c in crictl_containers(lab)}
     assert "main" in names
 
@@ -182,7 +166,7 @@ def test_the_chart_runs_the_operator_as_real_pods(node_lab):
     from e2e.lab.realnode import NODE_NAMES
     from e2e.operator_harness import RELEASE_NAMESPACE, install_chart_on_real_node
 
-    lab, _ = node_lab
+    lab = node_lab
     t0 = time.monotonic()
     install_chart_on_real_node(lab)
     pods = json.loads(lab.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "json").stdout)["items"]
@@ -192,13 +176,3 @@ def test_the_chart_runs_the_operator_as_real_pods(node_lab):
     assert all(c["ready"] for p in pods for c in p["status"]["containerStatuses"])
     lease = json.loads(lab.kubectl("get", "lease", "-n", RELEASE_NAMESPACE, "finetune-operator", "-o", "json").stdout)
     assert lease["spec"]["holderIdentity"].startswith(tuple(p["metadata"]["name"] for p in pods))
-
-
-def test_down_puts_the_host_back(node_lab):
-    lab, before = node_lab
-    lab.down()
-    lab.procs.clear()
-    from e2e.lab.realnode import HostState
-
-    assert lab.host_left == []
-    assert before.differences(HostState.capture()) == []

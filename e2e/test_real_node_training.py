@@ -19,7 +19,6 @@ mmdebstrap, umoci; it changes host-wide state while it runs and puts it back at 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from typing import Any
@@ -32,9 +31,7 @@ from e2e.real_node_jobs import POOL, crictl_containers, install_operator, restri
 from e2e.real_node_jobs import job as _job
 from e2e.real_node_jobs import trainer_events as _trainer_events
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("FINETUNE_LAB_REAL_NODE", "") in ("", "0"),
-    reason="the real node is opt-in: FINETUNE_LAB_REAL_NODE=1 (root, containerd, runc, CNI plugins, mmdebstrap, umoci)")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 OOM_STEP = 6
 BUCKET = "team-real"
@@ -43,17 +40,8 @@ CHECKPOINT_EVERY = 4
 
 
 @pytest.fixture(scope="module")
-def node_lab():
-    from e2e.lab.realnode import HostState
-
-    before = HostState.capture()
-    lab = start_lab(components=("kubelet", "trainer-v2"))
-    try:
-        yield lab
-    finally:
-        if lab.procs:
-            lab.down()
-        assert lab.host_left == [] and before.differences(HostState.capture()) == []
+def node_lab(real_node_lab):
+    return real_node_lab
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +174,7 @@ def test_a_real_oomkilled_from_the_kubelet_then_the_pod_memory_is_raised(operato
 # Jobs slow enough to intervene in (about 2-3 s a step here): planned as Llama 3.1 8B at 4096 tokens,
 # trained as the tiny model at that length.
 SLOW = {"global_batch": 8, "sized_as": "llama-3.1-8b", "sequence_length": 4096}
-STEPS = 40
+STEPS = 20
 
 
 def _wait(what: str, check, timeout: float = 300, every: float = 1.0):
