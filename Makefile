@@ -7,7 +7,7 @@ STAMP := .install-stamp
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := 3.3.30
 
-.PHONY: install demo test test-fast test-real-node host-packages real-node-build lab-build crd clean
+.PHONY: install demo test test-fast test-real-node host-packages lab-build crd clean
 
 # torch first, then the rest without build isolation, so that DeepSpeed builds against
 # the torch already installed instead of downloading another copy into an isolated env.
@@ -38,34 +38,46 @@ REAL_NODE_PACKAGES := containerd runc containernetworking-plugins iptables mmdeb
 
 # Every test: fast unit tests and the end-to-end scenarios on the lab cluster (built on first use, cached).
 # The tests without the lab on two workers (worksteal: an idle worker takes queued tests from the
-# other, so the long trainer runs do not end on one worker), then the lab scenarios on two workers,
-# each with its own session lab, one module at a time per worker (e2e/conftest.py: each module an
-# xdist group, the real nodes' two modules one group, since the nodes hold host-wide state).
-test: install lab-build real-node-build
+# other, so the long trainer runs do not end on one worker). Then, at the same time, the real nodes'
+# scenarios in one pytest process (their trainer containers use the CPUs; their two modules share one
+# lab, e2e/conftest.py real_node_lab, and two such labs cannot run at once) and the other lab
+# scenarios on two xdist workers (mostly waiting on their labs; loadfile: a module's tests on one
+# worker, each worker with its own session lab); the real nodes' output follows the others'.
+REAL_NODE_TESTS := e2e/test_real_node.py e2e/test_real_node_training.py
+test: install lab-build
 	CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m "not e2e" -n 2 --dist worksteal
-	FINETUNE_LAB_REAL_NODE=$(ROOT) FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e -n 2 --dist loadgroup
+	@log=$$(mktemp /tmp/finetune-real-node-tests.XXXXXX); \
+	FINETUNE_LAB_REAL_NODE=$(ROOT) FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e $(REAL_NODE_TESTS) > $$log 2>&1 & real=$$!; \
+	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e -n 2 --dist loadfile $(addprefix --ignore=,$(REAL_NODE_TESTS)); rest=$$?; \
+	wait $$real; real_rc=$$?; \
+	echo "== the real nodes' scenarios (e2e/test_real_node*.py), run beside the others:"; cat $$log; rm -f $$log; \
+	[ $$rest = 0 ] && [ $$real_rc = 0 ]
 
 test-fast: install
 	$(PYTHON) -m pytest -m "not e2e and not slow"
 
 # Only the real nodes' scenarios (root).
-test-real-node: install lab-build real-node-build
-	FINETUNE_LAB_REAL_NODE=1 FINETUNE_LAB_REQUIRED=1 flock /tmp/finetune-lab.lock $(PYTHON) -m pytest e2e/test_real_node.py e2e/test_real_node_training.py -s
+test-real-node: install lab-build
+	FINETUNE_LAB_REAL_NODE=1 FINETUNE_LAB_REQUIRED=1 flock /tmp/finetune-lab.lock $(PYTHON) -m pytest $(REAL_NODE_TESTS) -s
 
 host-packages:
 	@missing=$$(for p in $(REAL_NODE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing; fi
 
-# As root: the host packages, the nodes' binaries and both images (each cached); otherwise nothing.
-real-node-build:
-	@if [ "$(ROOT)" = 1 ]; then \
-		$(MAKE) --no-print-directory host-packages && \
-		$(PYTHON) -m e2e.lab build --with kubelet && \
-		$(PYTHON) -m e2e.lab images; \
-	else echo "not root: the real kubelet nodes' scenarios will be skipped"; fi
-
-lab-build:
-	$(PYTHON) -m e2e.lab build
+# The lab's binaries from their Go modules (cached; S3 server, JobSet, Trainer v2 and Kueue included) and,
+# as root, the host packages, the real nodes' binaries and both images. The images (mmdebstrap and pip:
+# mostly the network and the disk) build while Go compiles (the CPU): on a fresh machine that hides
+# most of their minutes.
+lab-build: install
+	@set -e; if [ "$(ROOT)" = 1 ]; then \
+		$(MAKE) --no-print-directory host-packages; \
+		$(PYTHON) -m e2e.lab images & images=$$!; \
+		$(PYTHON) -m e2e.lab build --with kubelet || { kill $$images; exit 1; }; \
+		wait $$images; \
+	else \
+		$(PYTHON) -m e2e.lab build; \
+		echo "not root: the real kubelet nodes' scenarios will be skipped"; \
+	fi
 
 crd: install
 	finetune-operator crd > crds/finetunejob.yaml

@@ -14,9 +14,8 @@
   FINETUNE_LAB_REAL_NODE=1), shared by e2e/test_real_node.py and e2e/test_real_node_training.py;
   its teardown fails the session when `down` left the host other than it was.
 
-Each module is one xdist group (the real nodes' two modules one together: the nodes hold host-wide
-state, so one worker runs them): `make test` runs the lab scenarios on two workers, each with its
-own session lab (`-n 2 --dist loadgroup`), so a module's own fixtures are set up once.
+`make test` runs the real nodes' two modules in one pytest process and the other lab scenarios in
+another, at the same time (the Makefile says why); each process has its own session labs.
 """
 
 from __future__ import annotations
@@ -38,17 +37,6 @@ CRD_FILE = REPO_ROOT / "crds" / "finetunejob.yaml"
 
 def _required() -> bool:
     return os.environ.get("FINETUNE_LAB_REQUIRED", "") not in ("", "0", "false", "no")
-
-
-REAL_NODE_MODULES = ("test_real_node.py", "test_real_node_training.py")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """One xdist group per module, one for the real nodes' modules (see the module docstring)."""
-    for item in items:
-        name = item.path.name
-        group = "real-node" if name in REAL_NODE_MODULES else f"{item.path.parent.name}/{name}"
-        item.add_marker(pytest.mark.xdist_group(name=group))
 
 
 def real_node_wanted() -> bool:
