@@ -19,6 +19,9 @@ terminal or --deadline passes.
 Figures (goals from issue 17):
   apply -> child      time from the create call's return to the job's first PyTorchJob seen by
                       the benchmark's watch, p50/p99 (goal p99 < 2 s at 1000 jobs)
+  plans per second    jobs given their first PyTorchJob / seconds from the first create call to the last
+                      first PyTorchJob (every job of the burst is planned and given its child at
+                      once, placed or waiting for its pool: the operator's planning throughput)
   apply -> Succeeded  time to phase Succeeded, p50/p99 over the jobs that finished by the deadline
   plans by pool       the pool of every attempt's PyTorchJob (its plan-status annotation)
   pods Running/Pending at most
@@ -281,6 +284,10 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
             tenth = max(1, len(order) // 10)
             by_tenth = [round(percentile([d for _, d in order[i:i + tenth]], 99) or 0, 2)
                         for i in range(0, len(order), tenth)]
+            first_apply = min(seen.applied.values(), default=None)
+            last_child = max((seen.first_child[k] for k in seen.applied if k in seen.first_child), default=None)
+            plans_per_second = (len(order) / (last_child - first_apply)
+                                if order and last_child is not None and last_child > first_apply else None)
             to_done = [seen.succeeded[k] - t for k, t in seen.applied.items() if k in seen.succeeded]
             phases: dict[str, int] = {}
             for key in seen.applied:
@@ -297,6 +304,7 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
             "with_child": len(to_child),
             "apply_to_child_s": {"p50": percentile(to_child, 50), "p99": percentile(to_child, 99), "max": max(to_child, default=None),
                                  "p99_by_tenth_of_the_apply": by_tenth},
+            "plans_per_second": plans_per_second,
             "succeeded": len(to_done),
             "apply_to_succeeded_s": {"p50": percentile(to_done, 50), "p99": percentile(to_done, 99)},
             "phases_at_end": phases,
@@ -377,6 +385,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
     row("apply -> PyTorchJob, p50 / p99", lambda r: f"{fmt(r['apply_to_child_s']['p50'])} / {fmt(r['apply_to_child_s']['p99'])}"
         f" ({r['with_child']}/{r['jobs']})")
+    row("plans per second (first children)", lambda r: fmt(r.get("plans_per_second"), "/s"))
     row("apply -> Succeeded, p50 / p99", lambda r: f"{fmt(r['apply_to_succeeded_s']['p50'])} / "
         f"{fmt(r['apply_to_succeeded_s']['p99'])} ({r['succeeded']}/{r['jobs']} by {r['elapsed_seconds']:.0f}s)")
     row("plans by pool", lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["plans_by_pool"].items())))
