@@ -129,13 +129,18 @@ def test_per_rank_memory_decreases_with_the_world_size(preset, method):
 @settings(max_examples=25, deadline=None)
 @given(layers=st.integers(1, 6), world=st.sampled_from([1, 2, 4, 8]),
        buckets=st.lists(st.integers(1, 400_000_000), min_size=2, max_size=2), checkpointing=st.booleans())
-def test_a_larger_prefetch_bucket_never_decreases_the_estimate(layers, world, buckets, checkpointing):
+def test_no_prefetch_bucket_gives_less_than_the_smallest_one(layers, world, buckets, checkpointing):
+    # Not monotonic in the bucket's size, as DeepSpeed's coordinator is not: the size decides where a
+    # coalesced prefetch ends, and a batch's flat buffer lives until its last member is waited for, so
+    # a larger bucket can end a batch where less is live (one layer of Llama 3.1 8B, one rank: a bucket
+    # of 100663297 elements peaks at 1767 MiB in forward, one of 159383553 at 1418 MiB). What holds is
+    # that prefetching more than DeepSpeed's least (one parameter ahead) never lowers a peak.
     arch = PRESETS["llama-3.1-8b"].with_layers(layers)
     trace = zero3.decoder_trace(arch, "full", 16, "all-linear", False, checkpointing)
-    low, high = sorted(buckets)
-    a = replay(trace, replace(ZERO_SETTINGS, prefetch_bucket_size=low), world)
-    b = replay(trace, replace(ZERO_SETTINGS, prefetch_bucket_size=high), world)
-    assert b.forward >= a.forward and b.backward >= a.backward
+    least = replay(trace, replace(ZERO_SETTINGS, prefetch_bucket_size=1), world)
+    for bucket in buckets:
+        more = replay(trace, replace(ZERO_SETTINGS, prefetch_bucket_size=bucket), world)
+        assert more.forward >= least.forward and more.backward >= least.backward, bucket
 
 
 def test_llama2_7b_full_zero3_on_two_80gb_gpus_fits():
