@@ -37,20 +37,20 @@ def test_the_check_names_what_a_dockerfile_lacks(tmp_path: Path):
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text(
         "FROM debian:bookworm\n"
-        "COPY images/trainer/finetune_trainer/__init__.py images/trainer/finetune_trainer/contract.py \\\n"
-        "     ./images/trainer/finetune_trainer/\n"
+        "COPY images/trainer/finetune_trainer/__init__.py ./images/trainer/finetune_trainer/\n"
+        "COPY images/trainer/finetune_trainer/contract ./images/trainer/finetune_trainer/contract\n"
     )
     missing = missing_imports(dockerfile)
-    assert ("finetune_trainer.contract", "finetune_trainer.combinations") in [(m.importer, m.missing) for m in missing]
+    assert ("finetune_trainer.contract.config", "finetune_trainer.combinations") in [(m.importer, m.missing) for m in missing]
     assert any("combinations.py" in str(m) for m in missing)
 
 
 def test_a_missing_package_init_counts(tmp_path: Path):
-    # Python runs finetune_trainer/__init__.py before contract.py: leaving it out is a missing import too.
+    # Python runs finetune_trainer/__init__.py before combinations.py: leaving it out is a missing import too.
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text(
         "FROM debian:bookworm\n"
-        "COPY images/trainer/finetune_trainer/contract.py images/trainer/finetune_trainer/combinations.py \\\n"
+        "COPY images/trainer/finetune_trainer/combinations.py \\\n"
         "     images/trainer/finetune_trainer/failures.py ./t/\n"
     )
     assert "finetune_trainer" in {m.missing for m in missing_imports(dockerfile)}
@@ -62,8 +62,10 @@ def test_the_operator_image_leaves_the_training_code_out():
     trainer = {f for f in files if f.startswith("images/trainer/")}
     levers = {f.relative_to(REPO_ROOT).as_posix()
               for f in (REPO_ROOT / "images/trainer/finetune_trainer/memory_levers").glob("*.py")}
+    contract = {f.relative_to(REPO_ROOT).as_posix()
+                for f in (REPO_ROOT / "images/trainer/finetune_trainer/contract").glob("*.py")}
     assert trainer == {f"images/trainer/finetune_trainer/{m}.py"
-                       for m in ("__init__", "contract", "combinations", "failures", "rules", "optimizers")} | levers
+                       for m in ("__init__", "combinations", "failures", "rules", "optimizers")} | levers | contract
     assert not any("__pycache__" in f for f in files), ".dockerignore keeps build outputs out"
 
 
@@ -113,7 +115,7 @@ def test_source_files_place_files_as_docker_does():
     assert [rel for _, rel in source_files(several)] == ["pyproject.toml", "README.md"]
     tree = Copy(("images/trainer",), "/x", 1)
     rels = [rel for _, rel in source_files(tree)]
-    assert "finetune_trainer/contract.py" in rels and "Dockerfile" in rels
+    assert "finetune_trainer/contract/config.py" in rels and "Dockerfile" in rels
     with pytest.raises(DockerfileError, match="does not exist"):
         source_files(Copy(("no/such/file",), "/x", 3))
 
@@ -141,6 +143,7 @@ def test_the_trainer_base_says_it_uses_the_host_python():
     base = images.base_for("pytorch/pytorch:2.15.0-cuda13.2-cudnn9-devel")
     assert base.host_python and "read-only" in base.why
     assert images.base_for("python:3.11.7-slim-bookworm").host_python is False
+
 
 
 @pytest.mark.parametrize("text, words", [

@@ -81,19 +81,22 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_operator_code_and_the_contract_import_nothing_heavy():
-    files = list((REPO / "operator" / "finetune_operator").rglob("*.py"))
-    # The trainer modules the operator imports (pure Python), and the package of the levers' registry.
+    operator_files = list((REPO / "operator" / "finetune_operator").rglob("*.py"))
+    # The trainer modules the operator imports (pure Python): modules, and the packages of the
+    # contract and of the levers' registry.
     shared = ["contract", "combinations", "failures", "rules", "optimizers", "memory_levers"]
     package = REPO / "images" / "trainer" / "finetune_trainer"
-    levers = sorted((package / "memory_levers").glob("*.py"))
-    files += [package / f"{name}.py" for name in shared if name != "memory_levers"] + levers
-    for path in files:
+    shared_files = []
+    for name in shared:
+        shared_files += sorted((package / name).glob("*.py")) if (package / name).is_dir() else [package / f"{name}.py"]
+    assert all(path.is_file() for path in shared_files), shared_files
+    for path in operator_files + shared_files:
         heavy = imported_modules(path) & HEAVY
         assert not heavy, f"{path.relative_to(REPO)} imports {heavy}"
     # The operator reaches into the trainer package only for the contract, the combination rules, the
     # failure vocabulary and the levers' registry.
     allowed = {f"finetune_trainer.{name}" for name in shared}
-    for path in files[:-(len(shared) - 1 + len(levers))]:
+    for path in operator_files:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finetune_trainer"):
