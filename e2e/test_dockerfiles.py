@@ -145,6 +145,19 @@ def test_the_trainer_base_says_it_uses_the_host_python():
     assert images.base_for("python:3.11.7-slim-bookworm").host_python is False
 
 
+def test_a_lab_run_from_a_virtual_environment_gives_the_trainer_image_that_environment(monkeypatch):
+    # Outside a virtual environment: the installation only.
+    monkeypatch.setattr(images.sys, "prefix", images.sys.base_prefix)
+    assert images.host_python_paths() == (Path(images.sys.base_prefix),)
+    assert images.host_venv_site_packages() == ()
+    # In one (where pip put torch & co.): the environment too, mounted and named by /opt/venv's .pth.
+    monkeypatch.setattr(images.sys, "prefix", "/tmp/ci/venv")
+    monkeypatch.setattr(images.sysconfig, "get_paths", lambda: {"purelib": "/tmp/ci/venv/lib/python3.11/site-packages",
+                                                                "platlib": "/tmp/ci/venv/lib/python3.11/site-packages"})
+    assert images.host_python_paths() == (Path(images.sys.base_prefix), Path("/tmp/ci/venv"))
+    assert images.host_venv_site_packages() == ("/tmp/ci/venv/lib/python3.11/site-packages",)
+    assert "mkdir -p /tmp/ci/venv" in images.base_for("pytorch/pytorch:2.15.0-cuda13.2-cudnn9-devel").setup
+
 
 @pytest.mark.parametrize("text, words", [
     ("A=1 B='two words'", {"A": "1", "B": "two words"}),

@@ -127,13 +127,17 @@ def test_a_catalog_with_two_kubelet_pools_is_refused():
 
 def test_the_base_spec_adds_the_host_python_read_only_and_nothing_else():
     default = {"ociVersion": "1.0.2-dev", "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}]}
-    spec = realnode.base_spec(default, Path("/root/.pyenv/versions/3.11.7"))
+    spec = realnode.base_spec(default, (Path("/root/.pyenv/versions/3.11.7"),))
     assert spec["mounts"][0] == default["mounts"][0] and len(spec["mounts"]) == 2
     assert spec["mounts"][1] == {"destination": "/root/.pyenv/versions/3.11.7", "type": "bind",
                                  "source": "/root/.pyenv/versions/3.11.7", "options": ["rbind", "ro", "nosuid", "nodev"]}
     assert len(default["mounts"]) == 1, "the default spec is not changed in place"
     with pytest.raises(realnode.RealNodeError, match="already mounts"):
-        realnode.base_spec(spec, Path("/root/.pyenv/versions/3.11.7"))
+        realnode.base_spec(spec, (Path("/root/.pyenv/versions/3.11.7"),))
+    # The lab run from a virtual environment: the installation and the environment, both read-only.
+    in_venv = realnode.base_spec(default, (Path("/root/.pyenv/versions/3.11.7"), Path("/tmp/ci/venv")))
+    assert [(m["destination"], m.get("options")) for m in in_venv["mounts"][1:]] == [
+        ("/root/.pyenv/versions/3.11.7", ["rbind", "ro", "nosuid", "nodev"]), ("/tmp/ci/venv", ["rbind", "ro", "nosuid", "nodev"])]
     cfg = tomllib.loads(realnode.containerd_config(NodePaths(Path("/lab/node"))))
     runc = cfg["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"]
     assert runc["base_runtime_spec"] == "/lab/node/containerd/base-spec.json"

@@ -20,7 +20,8 @@ available on a lab node and pods with `imagePullPolicy: IfNotPresent` never pull
 The trainer image is the lab's, not the release's: its FROM (pytorch/pytorch, the CUDA build: about
 10 minutes and 20 GB per build here) becomes a Debian base with a virtual environment over the host's
 own Python (torch, transformers, DeepSpeed, ...), which RUN steps and, later, pods see read-only at the
-same path (HOST_PYTHON_LABEL says where). Its RUN step still installs the project from the copied files
+same path (HOST_PYTHON_LABEL says where): the installation and, when the lab runs in a virtual environment,
+that environment too (a .pth file of /opt/venv names its site-packages). Its RUN step still installs the project from the copied files
 into that environment, and bitsandbytes from PyPI. The operator image is complete: everything it runs is
 inside it.
 
@@ -71,6 +72,22 @@ def host_python_prefix() -> Path:
     return Path(sys.base_prefix)
 
 
+def host_python_paths() -> tuple[Path, ...]:
+    """What of the host's Python is mounted read-only at its own path: the installation and, where
+    this runs in a virtual environment (where torch & co. are then installed), that environment."""
+    prefixes = [host_python_prefix(), Path(sys.prefix)]
+    return tuple(dict.fromkeys(prefixes))
+
+
+def host_venv_site_packages() -> tuple[str, ...]:
+    """The host virtual environment's site-packages (none outside one): the image's /opt/venv reads
+    them through a .pth file, after its own and before the installation's."""
+    if Path(sys.prefix) == host_python_prefix():
+        return ()
+    paths = sysconfig.get_paths()
+    return tuple(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
 @dataclass(frozen=True)
 class Base:
     """What a Dockerfile's FROM becomes in the lab."""
@@ -101,8 +118,9 @@ def _venv_over_host_python() -> Base:
                   "libtinfo6", "libtirpc3", "libuuid1", "zlib1g"),
         # The mount point for the host's Python, traversable by the pods' uid 1000 (it may lie under /root).
         setup="; ".join([
-            f"mkdir -p {shlex.quote(str(prefix))}",
-            *[f"chmod 0755 {shlex.quote(str(p))}" for p in reversed(prefix.parents) if str(p) != "/"],
+            *[f"mkdir -p {shlex.quote(str(path))}" for path in host_python_paths()],
+            *[f"chmod 0755 {shlex.quote(str(p))}" for path in host_python_paths()
+              for p in reversed(path.parents) if str(p) != "/"],
             "chmod 0755 /root",
         ]),
         env=(("PATH", f"/opt/venv/bin:{DEFAULT_PATH}"),),
@@ -247,7 +265,8 @@ def _host_python_fingerprint() -> dict:
     """What of the host's Python a trainer image depends on: its version and installed distributions."""
     site = Path(sysconfig.get_paths()["purelib"])
     dists = sorted(p.name for p in site.glob("*.dist-info"))
-    return {"prefix": str(host_python_prefix()), "version": sys.version, "dists": dists}
+    return {"prefix": str(host_python_prefix()), "paths": [str(p) for p in host_python_paths()],
+            "version": sys.version, "dists": dists}
 
 
 def image_key(spec: ImageSpec) -> str:
@@ -303,9 +322,9 @@ def _run_step(rootfs: Path, argv: list[str], config: ImageConfig, base: Base, lo
         f"mount --bind -o ro /etc/resolv.conf {shlex.quote(str(rootfs / 'etc' / 'resolv.conf'))}",
     ]
     if base.host_python:
-        target = shlex.quote(str(_in_root(rootfs, str(host_python_prefix()))))
-        mounts += [f"mount --bind {shlex.quote(str(host_python_prefix()))} {target}",
-                   f"mount -o remount,bind,ro {target}"]
+        for path in host_python_paths():
+            target = shlex.quote(str(_in_root(rootfs, str(path))))
+            mounts += [f"mount --bind {shlex.quote(str(path))} {target}", f"mount -o remount,bind,ro {target}"]
     workdir = config.workdir
     inner = " ".join(["cd", shlex.quote(workdir), "&&", "exec", "env", "-i",
                       *[shlex.quote(f"{k}={v}") for k, v in env.items()], *map(shlex.quote, argv)])
@@ -342,9 +361,16 @@ def follow(spec: ImageSpec, rootfs: Path, base_tar: Path, log, say) -> ImageConf
     subprocess.run(["tar", "-xpf", str(base_tar), "-C", str(rootfs)], check=True)
     config = ImageConfig(env=dict(base.env))
     if base.host_python:
-        config.labels[HOST_PYTHON_LABEL] = str(host_python_prefix())
+        config.labels[HOST_PYTHON_LABEL] = " ".join(str(path) for path in host_python_paths())
         python = shlex.quote(str(host_python_prefix() / "bin" / "python3"))
-        _run_step(rootfs, ["/bin/sh", "-c", VENV_SETUP.format(python=python)], config, base, log)
+        setup = VENV_SETUP.format(python=python)
+        if host_venv_site_packages():
+            # The host's virtual environment, seen through a .pth file of /opt/venv (a venv's
+            # --system-site-packages reaches only the installation's own site-packages).
+            pth = "/opt/venv/lib/python{}.{}/site-packages/host-venv.pth".format(*sys.version_info[:2])
+            lines = "\\n".join(host_venv_site_packages())
+            setup += f" && printf '{lines}\\n' > {shlex.quote(pth)}"
+        _run_step(rootfs, ["/bin/sh", "-c", setup], config, base, log)
     for ins in instructions[1:]:
         if ins.keyword == "ENV":
             config.env.update(parse_env(ins))

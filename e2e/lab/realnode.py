@@ -41,6 +41,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -337,18 +338,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 """
 
 
-def base_spec(default_spec: dict, host_python: Path) -> dict:
-    """containerd's default OCI spec (`ctr oci spec`) plus one read-only bind mount: the host's Python
-    at its own path. The lab trainer image's /opt/venv runs on it (e2e/lab/images.py: the PyPI torch
+def base_spec(default_spec: dict, host_python: Sequence[Path]) -> dict:
+    """containerd's default OCI spec (`ctr oci spec`) plus read-only bind mounts: the host's Python
+    (its installation and any virtual environment the lab runs in: images.host_python_paths) at its own path. The lab trainer image's /opt/venv runs on it (e2e/lab/images.py: the PyPI torch
     is a CUDA build of several GB, too much to build into an image here), as NVIDIA's container
     toolkit mounts the driver's libraries into every GPU container. The pod specs stay exactly as the
     operator renders them (no hostPath volume, which the restricted Pod Security Standard refuses)."""
     spec = json.loads(json.dumps(default_spec))
-    target = str(host_python)
-    if any(m.get("destination") == target for m in spec.get("mounts", [])):
-        raise RealNodeError(f"containerd's default spec already mounts {target}")
-    spec.setdefault("mounts", []).append({"destination": target, "type": "bind", "source": target,
-                                          "options": ["rbind", "ro", "nosuid", "nodev"]})
+    for path in host_python:
+        target = str(path)
+        if any(m.get("destination") == target for m in spec.get("mounts", [])):
+            raise RealNodeError(f"containerd's default spec already mounts {target}")
+        spec.setdefault("mounts", []).append({"destination": target, "type": "bind", "source": target,
+                                              "options": ["rbind", "ro", "nosuid", "nodev"]})
     return spec
 
 
@@ -499,7 +501,7 @@ def write_shared_configs(lab, pki, ports: dict[str, int]) -> dict[str, Path]:
 
 def write_node_configs(lab, name: str, pki, ports: dict[str, int]) -> dict[str, Path]:
     """One node's containerd (with its base spec), CNI and kubelet configuration and kubeconfig."""
-    from .images import host_python_prefix
+    from .images import host_python_paths
 
     paths = node_paths(lab.workdir, name)
     for d in (paths.containerd, paths.kubelet, paths.cni_conf, paths.root / "pod-logs"):
@@ -508,7 +510,7 @@ def write_node_configs(lab, name: str, pki, ports: dict[str, int]) -> dict[str, 
              "kubelet.kubeconfig": _client_kubeconfig(lab, pki, kubelet_identity(name), paths.root / "kubelet.kubeconfig")}
     files["containerd"].write_text(containerd_config(paths))
     default = json.loads(_run(["ctr", "oci", "spec"]).stdout)
-    paths.base_spec.write_text(json.dumps(base_spec(default, host_python_prefix()), indent=2) + "\n")
+    paths.base_spec.write_text(json.dumps(base_spec(default, host_python_paths()), indent=2) + "\n")
     ipam = nodes_root(lab.workdir) / "cni-ipam"
     (paths.cni_conf / "10-finetune-lab.conflist").write_text(json.dumps(cni_config(ipam), indent=2) + "\n")
     files["kubelet"].write_text(yaml.safe_dump(kubelet_config(paths, ports, name), sort_keys=False))
