@@ -49,7 +49,7 @@ import yaml
 
 from . import nodes as lab_nodes
 from . import pki as lab_pki
-from .processes import LabStartError, Proc, free_ports, http_ok, wait_until
+from .processes import LabStartError, free_ports, http_ok, wait_until
 
 # The nodes are those of pools.yaml's `runner: kubelet` pool: their names, labels, taints and GPUs. Each
 # reports this machine's CPUs and memory as its capacity (they share them, as the nodes of a test
