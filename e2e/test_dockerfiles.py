@@ -151,12 +151,16 @@ def test_a_lab_run_from_a_virtual_environment_gives_the_trainer_image_that_envir
     assert images.host_python_paths() == (Path(images.sys.base_prefix),)
     assert images.host_venv_site_packages() == ()
     # In one (where pip put torch & co.): the environment too, mounted and named by /opt/venv's .pth.
+    monkeypatch.setattr(images.sys, "prefix", "/var/ci/venv")
+    monkeypatch.setattr(images.sysconfig, "get_paths", lambda: {"purelib": "/var/ci/venv/lib/python3.11/site-packages",
+                                                                "platlib": "/var/ci/venv/lib/python3.11/site-packages"})
+    assert images.host_python_paths() == (Path(images.sys.base_prefix), Path("/var/ci/venv"))
+    assert images.host_venv_site_packages() == ("/var/ci/venv/lib/python3.11/site-packages",)
+    assert "mkdir -p /var/ci/venv" in images.base_for("pytorch/pytorch:2.15.0-cuda13.2-cudnn9-devel").setup
+    # One below a path the pods mount a volume at (the scratch emptyDir at /tmp) would be hidden there.
     monkeypatch.setattr(images.sys, "prefix", "/tmp/ci/venv")
-    monkeypatch.setattr(images.sysconfig, "get_paths", lambda: {"purelib": "/tmp/ci/venv/lib/python3.11/site-packages",
-                                                                "platlib": "/tmp/ci/venv/lib/python3.11/site-packages"})
-    assert images.host_python_paths() == (Path(images.sys.base_prefix), Path("/tmp/ci/venv"))
-    assert images.host_venv_site_packages() == ("/tmp/ci/venv/lib/python3.11/site-packages",)
-    assert "mkdir -p /tmp/ci/venv" in images.base_for("pytorch/pytorch:2.15.0-cuda13.2-cudnn9-devel").setup
+    with pytest.raises(images.ImageBuildError, match="below /tmp"):
+        images.host_python_paths()
 
 
 @pytest.mark.parametrize("text, words", [

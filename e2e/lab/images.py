@@ -75,8 +75,19 @@ def host_python_prefix() -> Path:
 def host_python_paths() -> tuple[Path, ...]:
     """What of the host's Python is mounted read-only at its own path: the installation and, where
     this runs in a virtual environment (where torch & co. are then installed), that environment."""
-    prefixes = [host_python_prefix(), Path(sys.prefix)]
-    return tuple(dict.fromkeys(prefixes))
+    from finetune_operator.rendering import layout
+
+    prefixes = tuple(dict.fromkeys([host_python_prefix(), Path(sys.prefix)]))
+    # The pods mount volumes of their own over these (the scratch emptyDir at /tmp, ...): a host
+    # Python below one would be hidden in every training container.
+    covered = [layout.SCRATCH_DIR, layout.SHM_DIR, layout.CONFIG_DIR, "/mnt"]
+    for prefix in prefixes:
+        for path in covered:
+            if prefix == Path(path) or Path(path) in prefix.parents:
+                raise ImageBuildError(
+                    f"the host's Python at {prefix} lies below {path}, where the training pods mount a volume of"
+                    f" their own that would hide it: put the virtual environment (or Python) elsewhere")
+    return prefixes
 
 
 def host_venv_site_packages() -> tuple[str, ...]:
@@ -324,7 +335,8 @@ def _run_step(rootfs: Path, argv: list[str], config: ImageConfig, base: Base, lo
     if base.host_python:
         for path in host_python_paths():
             target = shlex.quote(str(_in_root(rootfs, str(path))))
-            mounts += [f"mount --bind {shlex.quote(str(path))} {target}", f"mount -o remount,bind,ro {target}"]
+            mounts += [f"mkdir -p {target}", f"mount --bind {shlex.quote(str(path))} {target}",
+                       f"mount -o remount,bind,ro {target}"]
     workdir = config.workdir
     inner = " ".join(["cd", shlex.quote(workdir), "&&", "exec", "env", "-i",
                       *[shlex.quote(f"{k}={v}") for k, v in env.items()], *map(shlex.quote, argv)])
