@@ -3,6 +3,8 @@ what the operator needs: its command line, probes, hardening, policy and least-p
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,7 +84,7 @@ def test_default_objects(render, default_values):
     assert r.kinds() == sorted([
         "ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment",
         "PodDisruptionBudget", "Role", "RoleBinding", "Role", "RoleBinding", "Role", "RoleBinding",
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "NetworkPolicy",
     ])
     # The leader election's Role, the state Role (profile cache, calibration) and the profile pods' Role,
     # with their bindings, in the release namespace; no kopf peering objects.
@@ -557,3 +559,24 @@ def test_profile_pod_settings_reach_the_operator_and_bad_ones_are_refused(helm, 
 
     with pytest.raises(PolicyError, match=r"profilePod.tolerations.0.key: .*'bad key!' is not a valid taint key"):
         load_policy({"profilePod": {"tolerations": [{"key": "bad key!", "operator": "Exists"}]}})
+
+
+def test_the_profile_pods_network_policy_selects_them_and_lets_nothing_through(render, default_values):
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "rendering"))
+    from example_pods import example_profile_pod
+
+    r = render(default_values)
+    policy = r.one("NetworkPolicy", f"{FULLNAME}-profile-pods", RELEASE_NS)
+    # Both directions closed, no rule opening either: the profile needs no network.
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "ingress" not in policy["spec"] and "egress" not in policy["spec"]
+    # It selects the pods the operator renders for a profile (in its own namespace), not the operator's.
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    profile = example_profile_pod(RELEASE_NS)
+    assert selector.items() <= profile["metadata"]["labels"].items()
+    operator_pod = r.one("Deployment", FULLNAME)["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= operator_pod.items()
+    # With it, the profile pod needs no scanner skip for "no NetworkPolicy"; without it, it does.
+    assert "CKV2_K8S_6" not in " ".join(profile["metadata"]["annotations"].values())
+    off = render(with_values(default_values, **{"policy.networkPolicy.enabled": False}))
+    assert not off.of_kind("NetworkPolicy")

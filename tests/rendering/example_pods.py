@@ -124,10 +124,15 @@ def example_pods(namespace: str = "team-a") -> list[dict[str, Any]]:
             if suffix:  # fetched sources need init containers, which a TrainJob cannot carry
                 continue
             pods.append(_trainjob_pod(f"{name}-trainjob-node", namespace, render_trainjob(job, plan, 1, policy)))
+    pods.append(example_profile_pod())
+    return pods
+
+
+def example_profile_pod(namespace: str = "finetune-system") -> dict[str, Any]:
+    """The profile pod of the first example, in the operator's namespace (where the operator runs it,
+    and where the chart's profile-pods NetworkPolicy selects it)."""
+    _, policy = _policy()
     first = api.parse_job(_jobs()[0])
     setup = ProfileSetup(method="lora", sequence_length=512, micro_batch_size=1, gradient_checkpointing=True,
                          strategy="ddp", world_size=1)
-    profile = render_profile_pod(first, ProfileRequest(config={"model_type": "x"}, setups=[setup]), "abc", policy, "finetune-system")
-    profile["metadata"]["namespace"] = namespace
-    pods.append(profile)
-    return pods
+    return render_profile_pod(first, ProfileRequest(config={"model_type": "x"}, setups=[setup]), "abc", policy, namespace)

@@ -89,7 +89,9 @@ def render_profile_pod(job: api.FineTuneJob, request: ProfileRequest, config_has
         },
         "annotations": {CONFIG_HASH_ANNOTATION: config_hash, PLACEMENT_ANNOTATION: placement_hash(job, policy),
                         JOB_NAMESPACE_ANNOTATION: job_namespace,
-                        JOB_NAME_ANNOTATION: job.metadata.name, **scanner_skips(credentials=False, network_policy=False)},
+                        JOB_NAME_ANNOTATION: job.metadata.name,
+                        # The chart's profile-pods NetworkPolicy selects it where the attempts get theirs.
+                        **scanner_skips(credentials=False, network_policy=policy.network_policy.enabled)},
     }
     env = [
         {"name": PROFILE_REQUEST_ENV, "value": request.model_dump_json(by_alias=True, exclude_none=True)},

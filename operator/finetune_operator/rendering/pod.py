@@ -413,8 +413,8 @@ SCANNER_SKIPS = {
 }
 # A pod no NetworkPolicy of ours selects: the profile pod (the operator's namespace), and training pods
 # where the cluster policy turns the attempts' NetworkPolicies off (networkPolicy.enabled: false).
-NO_NETWORK_POLICY_SKIP = ("CKV2_K8S_6", "no per-attempt NetworkPolicy selects this pod (the profile pod, or "
-                          "policy networkPolicy.enabled false): the platform's namespace policy bounds it")
+NO_NETWORK_POLICY_SKIP = ("CKV2_K8S_6", "no NetworkPolicy of the operator selects this pod (policy "
+                          "networkPolicy.enabled false): the platform's namespace policy bounds it")
 CREDENTIAL_SKIP = ("CKV_K8S_35", "the transfer containers (fetch, upload) take the key pair or Hub token from the "
                    "Secret as env, the training container never; files would be readable by every container of the pod")
 
