@@ -212,7 +212,6 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
                         "--set-json", f"policy.unschedulableTimeoutSeconds={args.unschedulable_timeout}")
         api = lab.api_client()
         core = client.CoreV1Api(api)
-        custom = client.CustomObjectsApi(api)
         for ns in NAMESPACES:
             core.create_namespace({"metadata": {"name": ns}})
             wait_for(lambda: core.read_namespaced_service_account("default", ns), 60, f"ServiceAccount {ns}/default")
@@ -297,7 +296,7 @@ def run_scale(jobs: int, args: argparse.Namespace, *, failover: bool) -> dict[st
             tenth = max(1, len(order) // 10)
             by_tenth = [round(percentile([d for _, d in order[i:i + tenth]], 99) or 0, 2)
                         for i in range(0, len(order), tenth)]
-            first_apply = t_apply if args.backlog else min(seen.applied.values(), default=None)
+            first_apply = min(seen.applied.values(), default=None)  # with --backlog: the operator's start
             last_child = max((seen.first_child[k] for k in seen.applied if k in seen.first_child), default=None)
             plans_per_second = (len(order) / (last_child - first_apply)
                                 if order and last_child is not None and last_child > first_apply else None)
