@@ -17,6 +17,7 @@ re-measures. Usage:
     python bench/sizing_accuracy.py --only packed              # packing with boundaries (issue 28)
     python bench/sizing_accuracy.py --only "|m=" ; --only lm_head  # lora.modulesToSave, LoRA on the head (issue 28)
     python bench/sizing_accuracy.py --only adamw_implementation     # torch's foreach AdamW (issue 28)
+    python bench/sizing_accuracy.py --only free ; --only tokens     # paddingFree, microBatchTokens (issue 28)
 
 The table ends with one summary row per family (median |err|, worst |err|, most negative).
 The families of 2026 (issue 16: qwen3, qwen3_moe, gemma3_text, gpt_oss, olmo2, granite) were
@@ -65,6 +66,8 @@ class Case:
     levers: tuple = ()  # lean-trainer levers: (TrainingSetup field, value) pairs, traced by measure_levers
     targets: str | tuple = "all-linear"  # lora.targetModules (a tuple may name the output head)
     saved: tuple = ()  # lora.modulesToSave (issue 28)
+    padding_free: bool = False  # spec.dataset.paddingFree (issue 28)
+    tokens: tuple = ()  # spec.dataset.microBatchTokens (issue 28)
 
     @property
     def key(self) -> str:
@@ -72,7 +75,9 @@ class Case:
                 f"{self.attention}|{self.strategy}x{self.world_size}" + (f"|d{self.dropout}" if self.dropout else "") + ("|packed" if self.packing else "")
                 + "".join(f"|{k}={v}" for k, v in self.levers)
                 + ("" if self.targets == "all-linear" else "|t=" + "+".join(self.targets))
-                + ("|m=" + "+".join(self.saved) if self.saved else ""))
+                + ("|m=" + "+".join(self.saved) if self.saved else "")
+                + ("|free" if self.padding_free else "")
+                + ("|tokens=" + "+".join(map(str, self.tokens)) if self.tokens else ""))
 
     def setup(self) -> TrainingSetup:
         return TrainingSetup(
@@ -80,12 +85,16 @@ class Case:
             lora_dropout=self.dropout, lora_targets=self.targets, lora_modules_to_save=self.saved,
             micro_batch_size=self.batch, sequence_length=self.seq, gradient_checkpointing=self.gc,
             attention=self.attention, packing=self.packing, strategy=self.strategy, world_size=self.world_size,
-            **dict(self.levers),
+            padding_free=self.padding_free, micro_batch_tokens=self.tokens, **dict(self.levers),
         )
 
     def truth_args(self) -> list[str]:
-        args = ["--preset", self.preset, "--method", self.method, "--rank", str(self.rank), "--dropout", str(self.dropout), "--batch", str(self.batch),
-                "--seq", str(self.seq), "--attention", self.attention, "--strategy", self.strategy,
+        # The micro-batch as the model sees it (sizing_truth.profile_setup): padded to the longest
+        # example, or padding-free's one row of the examples' real tokens.
+        setup = self.setup()
+        packing = self.packing or (self.padding_free and self.attention != "flash")
+        args = ["--preset", self.preset, "--method", self.method, "--rank", str(self.rank), "--dropout", str(self.dropout), "--batch", str(setup.rows),
+                "--seq", str(setup.row_length), "--attention", "sdpa" if self.attention == "flash" else self.attention, "--strategy", self.strategy,
                 "--world-size", str(self.world_size), "--json"]
         if self.targets != "all-linear":
             args += ["--targets", ",".join(self.targets)]
@@ -94,7 +103,7 @@ class Case:
         for name, value in self.levers:
             flag = "--" + {"update_rounding": "rounding"}.get(name, name).replace("_", "-")
             args += [flag] if value is True else [flag, str(value)]
-        return args + (["--gc"] if self.gc else []) + (["--packing"] if self.packing else [])
+        return args + (["--gc"] if self.gc else []) + (["--packing"] if packing else [])
 
 
 def matrix() -> list[Case]:
@@ -160,6 +169,29 @@ def matrix() -> list[Case]:
         *packing_cases(),
         *saved_module_cases(),
         *adamw_cases(),
+        *padding_free_cases(),
+    ]
+
+
+def padding_free_cases() -> list[Case]:
+    """spec.dataset.paddingFree and microBatchTokens (issue 28): the micro-batch the model sees is one
+    row of the examples' real tokens (padding-free) or rows padded to the longest declared example.
+    The truth traces that tensor: under sdpa and eager a row with restarting positions gets the packed
+    block-diagonal mask; flash is traced as sdpa without one. Written before any of them was traced;
+    every row is held out. `--only free` or `--only tokens`."""
+    C = Case
+    return [
+        C("llama-3.1-8b", "lora", batch=4, seq=4096, gc=True, padding_free=True, tokens=(3900, 6000, 7500, 8300, 8900)),
+        C("qwen2.5-7b", "lora", batch=8, seq=2048, gc=True, attention="flash", padding_free=True,
+          tokens=(2048, 3848, 4748, 5248, 5648, 5948, 6198, 6398)),
+        C("llama-3.2-3b", "full", batch=4, seq=2048, gc=True, attention="flash", padding_free=True,
+          tokens=(1600, 2600, 3300, 3600)),
+        C("gemma-3-1b", "lora", batch=2, seq=4096, padding_free=True, tokens=(3000, 5000)),
+        C("mistral-7b-v0.3", "lora", batch=2, seq=2048, gc=True, dropout=0.05, padding_free=True, tokens=(1200, 1900)),
+        C("llama-3.1-8b", "lora", batch=4, seq=8192, gc=True, tokens=(3000,)),
+        C("phi-2", "lora", batch=2, seq=2048, tokens=(1000, 1900)),
+        C("qwen3-8b", "full", batch=2, seq=4096, gc=True, strategy="fsdp", world_size=8, attention="flash",
+          padding_free=True, tokens=(4096, 5096)),
     ]
 
 

@@ -67,8 +67,12 @@ def profile_setup(setup: TrainingSetup):
         lora_modules_to_save=list(setup.lora_modules_to_save) or None,
         # A family transformers cannot run with sdpa (gpt-oss: attention sinks) runs eager, as in the trainer.
         attention="eager" if setup.attention == "eager" or setup.architecture.traits.eager_only else "sdpa",
-        sequence_length=setup.sequence_length, packing=setup.packing,
-        micro_batch_size=setup.micro_batch_size, gradient_checkpointing=setup.gradient_checkpointing,
+        # The tensor the model sees: padded to the longest example, or (padding-free) the micro-batch's
+        # examples in one row with restarting positions, which under sdpa and eager gives the packed
+        # sequences' block-diagonal mask (flash is traced as sdpa without a mask: its kernel needs none).
+        sequence_length=setup.row_length,
+        packing=(setup.packing or setup.padding_free) and setup.attention != "flash",
+        micro_batch_size=setup.rows, gradient_checkpointing=setup.gradient_checkpointing,
         strategy=setup.strategy, world_size=setup.world_size,
     )
 

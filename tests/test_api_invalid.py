@@ -203,6 +203,18 @@ CASES = [
     Case("export-full-with-lora", _set("spec.export", "full"), "spec.export", "needs method full", False),
     Case("export-full-with-qlora", _both(_set("spec.method", "qlora"), _set("spec.export", "full")),
          "spec.export", "needs method full", False),
+    # spec.dataset's batching (issue 28)
+    Case("packing-and-padding-free", _both(_set("spec.dataset.packing", True), _set("spec.dataset.paddingFree", True)),
+         "spec.dataset.paddingFree", "at most one of packing, paddingFree", False),
+    Case("micro-batch-tokens-with-packing", _both(_set("spec.dataset.packing", True),
+                                                  _set("spec.dataset.microBatchTokens", [900, 1700])),
+         "spec.dataset.microBatchTokens", "sizes unpacked examples", False),
+    Case("micro-batch-tokens-zero", _set("spec.dataset.microBatchTokens", [0, 900]), "spec.dataset.microBatchTokens[0]",
+         "greater than", True),
+    Case("micro-batch-tokens-empty", _set("spec.dataset.microBatchTokens", []), "spec.dataset.microBatchTokens",
+         "at least 1", True),
+    Case("micro-batch-tokens-decreasing", _set("spec.dataset.microBatchTokens", [900, 800]),
+         "spec.dataset.microBatchTokens", "must not decrease", False),
 ]
 
 

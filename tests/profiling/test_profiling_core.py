@@ -80,6 +80,8 @@ def test_a_packed_job_is_profiled_packed_under_keys_of_their_own():
     (dict(training={"sequenceLength": 512, "globalBatchSize": 8, "maxSteps": 10, "optimizer": "adamw-8bit"}),
      "spec.training.optimizer"),
     (dict(resources={"gpus": "auto", "strategy": "zero3"}), "spec.resources.strategy"),
+    (dict(dataset={"source": {"pvc": {"claimName": "data", "path": "d.jsonl"}}, "paddingFree": True}),
+     "spec.dataset.paddingFree"),
 ])
 def test_what_the_trace_cannot_run_is_refused_naming_the_field(change, field):
     spec = job().spec.model_copy(update={k: (type(getattr(job().spec, k)).model_validate(v) if isinstance(v, dict)

@@ -442,7 +442,8 @@ def test_a_separate_eval_dataset_on_a_volume_is_mounted_read_only_and_read_like_
                                        "everySteps": 20})
     rendered = render_attempt(job, plan_for(job, gpus_per_node=2), 1, policy())
     assert trainer(rendered)["evaluation"] == {
-        "dataset": {"path": "/mnt/eval/support/eval.jsonl", "format": "instruction", "packing": False},
+        "dataset": {"path": "/mnt/eval/support/eval.jsonl", "format": "instruction", "packing": False,
+                    "paddingFree": False},
         "everySteps": 20}
     spec = rendered.pytorch_job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert {"name": "eval", "persistentVolumeClaim": {"claimName": "evals", "readOnly": True}} in spec["volumes"]
@@ -460,3 +461,10 @@ def test_spec_export_reaches_the_trainer_and_an_omitted_one_defaults_by_the_plan
     plain = job_of(lora_job)
     rendered = render_attempt(plain, plan_for(plain), 1, policy())
     assert "export" not in trainer(rendered) and rendered.trainer_config.export_kind == "adapter"
+
+
+def test_padding_free_and_the_declared_tokens_reach_the_trainer(lora_job):
+    lora_job["spec"]["dataset"].update(paddingFree=True, microBatchTokens=[900, 1500, 2000])
+    job = job_of(lora_job)
+    dataset = trainer(render_attempt(job, plan_for(job, gpus_per_node=2), 1, policy()))["dataset"]
+    assert dataset["paddingFree"] is True and dataset["microBatchTokens"] == [900, 1500, 2000]

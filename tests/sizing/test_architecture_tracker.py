@@ -70,6 +70,12 @@ CASES = {
                                        sequence_length=1024, packing=True),
     "gemma3-lora-packed": TrainingSetup(architecture=GEMMA3, method="lora", lora_dropout=0.0, micro_batch_size=1,
                                         sequence_length=1024, packing=True),
+    # spec.dataset.paddingFree: a micro-batch's examples in one row, traced as that row (its sdpa mask);
+    # spec.dataset.microBatchTokens: padded to the longest declared example, not to sequenceLength.
+    "llama-lora-padding-free": TrainingSetup(architecture=LLAMA, method="lora", lora_dropout=0.0, micro_batch_size=3,
+                                             sequence_length=1024, padding_free=True, micro_batch_tokens=(700, 1100, 1190)),
+    "qwen3-full-padded-declared": TrainingSetup(architecture=QWEN3, method="full", micro_batch_size=2,
+                                                sequence_length=1024, micro_batch_tokens=(300,)),
     "gpt_neox-lora-gc-dropout": TrainingSetup(architecture=GPT_NEOX, method="lora", lora_dropout=0.05,
                                               micro_batch_size=2, sequence_length=1024, gradient_checkpointing=True),
 }

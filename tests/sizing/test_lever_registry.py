@@ -73,7 +73,7 @@ def test_one_savings_algorithm_for_a_setup_and_for_the_planner_cache():
     class _Ask:  # the fields of a job Estimates.setup reads
         arch, method, lora_rank, lora_targets, precision, optimizer = L8, "full", 16, "all-linear", "bf16", "adamw"
         sequence_length, attention, global_batch_size, target_experts, packing, lora_dropout = 2048, "sdpa", 2, False, False, 0.0
-        lora_modules_to_save = ()
+        lora_modules_to_save, padding_free, micro_batch_tokens = (), False, ()
 
     estimates = Estimates(_Ask(), estimate_memory)
     cached = estimates.savings(1, "ddp", "none", True, 2, levers_of(setup))

@@ -12,10 +12,14 @@ from finetune_trainer.data import (
     Collator,
     Example,
     build_examples,
+    check_micro_batch_tokens,
+    held_out_split,
     pack,
     read_jsonl,
     sample_order,
+    stream_window_tokens,
     total_samples,
+    window_tokens,
 )
 from finetune_trainer.errors import DataError
 
@@ -199,3 +203,80 @@ def test_the_held_out_split_is_the_seeds_alone_and_a_split_leaving_a_side_empty_
         held_out_split(examples, 0.01, seed=3)
     with pytest.raises(DataError, match="heldOutFraction"):
         held_out_split(examples[:1], 0.5, seed=3)
+
+
+def test_padding_free_examples_carry_their_boundaries_and_the_collator_lays_them_in_one_row(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c d e"}, {"text": "f g"}])
+    plain = build_examples(tokenizer, read_jsonl(path), "text", 64, packing=False)
+    free = build_examples(tokenizer, read_jsonl(path), "text", 64, packing=False, padding_free=True)
+    for p, f in zip(plain, free):
+        assert f.input_ids == p.input_ids and f.labels == [IGNORE] + p.labels[1:]
+        assert f.position_ids == list(range(len(p.input_ids)))
+    batch = Collator(pad_token_id=0, flatten=True)([e.item() for e in free])
+    assert batch["input_ids"].tolist() == [free[0].input_ids + free[1].input_ids]
+    assert "attention_mask" not in batch and batch["token_count"].item() == sum(len(e.input_ids) for e in free)
+
+
+def test_window_tokens_are_the_most_any_consecutive_samples_hold():
+    assert window_tokens([5, 1, 7, 2, 6], 3) == [7, 9, 15]
+    assert window_tokens([4, 3], 4) == [4, 7, 7, 7]  # windows past the stream: the whole stream
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 500), min_size=1, max_size=60), count=st.integers(1, 12))
+def test_window_tokens_against_every_window(lengths, count):
+    found = window_tokens(lengths, count)
+    for b in range(1, count + 1):
+        windows = [sum(lengths[i:i + b]) for i in range(max(1, len(lengths) - b + 1))]
+        assert found[b - 1] == max(windows)
+
+
+def test_the_declared_micro_batch_tokens_are_checked_against_the_run_stream():
+    examples = [Example([1] * n, [1] * n) for n in (50, 10, 30, 30, 20)]
+    measured = stream_window_tokens(examples, seed=42, samples=12, count=3)
+    order = sample_order(5, 0, 12, 42)
+    assert measured == window_tokens([len(examples[i].input_ids) for i in order], 3)
+    check_micro_batch_tokens(measured, measured)
+    check_micro_batch_tokens([m + 1 for m in measured], measured)
+    check_micro_batch_tokens(None, measured)
+    check_micro_batch_tokens(measured[:1], measured)
+    short = list(measured)
+    short[1] -= 1
+    with pytest.raises(DataError) as error:
+        check_micro_batch_tokens(short, measured)
+    assert str(error.value).startswith(
+        f"spec.dataset.microBatchTokens: 2 consecutive examples of this job's sample order hold {measured[1]} tokens, "
+        f"more than the {short[1]} declared; the data holds {measured}")
+
+
+def test_dataset_stats_prints_what_the_trainer_checks(tokenizer, tmp_path, capsys):
+    from finetune_operator.api.spec import DatasetSpec
+    from finetune_operator.api.training import TrainingSpec
+    from finetune_trainer import dataset_stats
+    from finetune_trainer.run import plan_run
+    from finetune_trainer.contract import TrainerConfig
+
+    # Its defaults are the API's.
+    assert dataset_stats.DEFAULT_FORMAT == DatasetSpec.model_fields["format"].default
+    assert dataset_stats.DEFAULT_SEQUENCE_LENGTH == TrainingSpec.model_fields["sequence_length"].default
+    assert dataset_stats.DEFAULT_SEED == TrainingSpec.model_fields["seed"].default
+    assert dataset_stats.percentiles([9, 5, 4, 1]) == {"p50": 4, "p90": 9, "p99": 9, "max": 9}
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    rows = [{"text": " ".join("abcdefgh"[: 1 + i % 8])} for i in range(20)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert dataset_stats.main([str(path), "--tokenizer", str(tmp_path / "tok"), "--format", "text",
+                               "--sequence-length", "6", "--global-batch-size", "4", "--epochs", "1.5",
+                               "--held-out-fraction", "0.2", "--count", "8"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    examples = build_examples(tokenizer, read_jsonl(path), "text", 6, packing=False)
+    examples, _ = held_out_split(examples, 0.2, 42)
+    # The samples the trainer's own plan trains on, and the values its check passes.
+    cfg = TrainerConfig.model_validate({
+        "jobName": "j", "model": {"path": str(tmp_path)}, "dataset": {"path": str(path), "format": "text"},
+        "method": "full", "epochs": 1.5, "microBatchSize": 2, "gradientAccumulation": 2,
+        "outputDirectory": str(tmp_path / "o"), "sequenceLength": 8})
+    plan = plan_run(cfg, len(examples), 1, None)
+    assert printed["examples"] == len(examples) and printed["samples"] == plan.max_steps * plan.global_batch
+    assert printed["microBatchTokens"] == stream_window_tokens(examples, 42, printed["samples"], 8)
+    assert printed["max"] <= 6 and printed["microBatchTokens"][0] == printed["max"]

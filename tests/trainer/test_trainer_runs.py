@@ -121,6 +121,41 @@ def test_a_packed_lora_run_trains_on_whole_examples_and_resumes_the_same_sequenc
     assert second.losses()[5] == pytest.approx(first.losses()[5], abs=0.02)
 
 
+def test_padding_free_trains_on_the_same_examples_as_padding_and_checks_the_declared_lengths(assets, tmp_path):
+    """spec.dataset.paddingFree in the real trainer: each micro-batch's examples end to end in one row
+    (sdpa: a block-diagonal mask from the restarting positions). A step sees the same examples as with
+    padding, so in fp32 the loss of every step is the padded run's. Then spec.dataset.microBatchTokens
+    declared below what the run's stream holds: the attempt fails with a DataError naming the field and
+    the right values, before the model loads."""
+    base = dict(method="lora", precision="fp32", learningRate=1e-2, maxSteps=3, checkpoint=None,
+                lora={"rank": 8, "alpha": 16, "dropout": 0.0, "targetModules": "all-linear"})
+    runs = {}
+    for name, extra in (("padded", {}), ("paddingFree", {"paddingFree": True})):
+        work = tmp_path / name
+        work.mkdir()
+        # text: every token is a target, so a boundary that leaked a target would show in the loss.
+        config = trainer_config(assets, work, **base, dataset={"path": str(assets["text"]), "format": "text", **extra})
+        runs[name] = run_trainer(write_config(work, config))
+        assert runs[name].returncode == 0, runs[name].output[-3000:]
+    padded, free = runs["padded"].losses(), runs["paddingFree"].losses()
+    assert sorted(free) == [1, 2, 3]
+    for step in free:
+        assert free[step] == pytest.approx(padded[step], abs=1e-3), (padded, free)
+    # The same real tokens counted either way (the padded batches' padding is not counted).
+    assert runs["paddingFree"].of("summary")[0]["tokens"] == runs["padded"].of("summary")[0]["tokens"]
+
+    work = tmp_path / "declared"
+    work.mkdir()
+    config = trainer_config(assets, work, **base, dataset={"path": str(assets["chat"]), "format": "chat",
+                                                           "paddingFree": True, "microBatchTokens": [8, 12]})
+    failed = run_trainer(write_config(work, config))
+    assert failed.returncode == EXIT_DATA_ERROR, failed.output[-2000:]
+    report = read_report(work / "termination-log")
+    assert report["reason"] == "DataError" and report["phase"] == "data"
+    assert "spec.dataset.microBatchTokens: 1 consecutive examples" in report["message"], report["message"]
+    assert "more than the 8 declared; the data holds [" in report["message"]
+
+
 def test_a_lora_run_on_two_ranks_exports_a_merged_folder_that_computes_base_plus_adapter(assets, tmp_path):
     """export merged: rank 0 alone merges after training (after the ranks' teardown); the folder loads
     with transformers and gives the logits of the base with the adapter the run saved (fp32 training,

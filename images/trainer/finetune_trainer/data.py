@@ -5,6 +5,8 @@ the assistant's. Packing keeps each example whole and its boundaries: every exam
 packed sequence numbers its positions from 0, and the collator passes those position ids
 (with no attention mask), from which transformers builds attention that never crosses an
 example (sdpa and eager: a block-diagonal causal mask; flash: its variable-length kernel).
+Padding-free (unpacked examples, spec.dataset.paddingFree) marks each example's boundary the same
+way, and the collator lays a micro-batch's examples end to end in one row.
 
 The sample order of a whole run is a pure function of the seed, so a resumed attempt can
 skip exactly the samples earlier attempts consumed, whatever the micro-batch, accumulation
@@ -188,7 +190,8 @@ def encode(tokenizer, record: Record, fmt: str) -> Example:
     raise DataError(f"unknown dataset format {fmt!r}")
 
 
-def build_examples(tokenizer, records: list[Record], fmt: str, sequence_length: int, packing: bool) -> list[Example]:
+def build_examples(tokenizer, records: list[Record], fmt: str, sequence_length: int, packing: bool,
+                   padding_free: bool = False) -> list[Example]:
     encoded = [encode(tokenizer, r, fmt) for r in records]
     examples = [Example(e.input_ids[:sequence_length], e.labels[:sequence_length]) for e in encoded]
     # An example whose learnable tokens were all cut off teaches nothing (and makes the
@@ -198,7 +201,51 @@ def build_examples(tokenizer, records: list[Record], fmt: str, sequence_length: 
         raise DataError(
             f"no example keeps a learnable token within sequenceLength {sequence_length}"
         )
-    return pack(examples, sequence_length) if packing else examples
+    if packing:
+        return pack(examples, sequence_length)
+    if padding_free:
+        return [bounded(e) for e in examples]
+    return examples
+
+
+def bounded(example: Example) -> Example:
+    """The example with its boundary marked, as a packed one is: positions from 0 (the collator
+    lays a micro-batch of these end to end in one row) and its first token no target (the token
+    before it belongs to another example; alone it is never one anyway)."""
+    return Example(example.input_ids, [IGNORE] + example.labels[1:], list(range(len(example.input_ids))))
+
+
+def window_tokens(lengths: list[int], count: int) -> list[int]:
+    """[w_1, ..., w_count]: w_b is the most tokens any b consecutive of `lengths` hold (a window
+    longer than the stream holds the whole stream)."""
+    import numpy as np  # transformers' dependency: vectorised, a million samples x 64 values in about 0.5 s
+
+    prefix = np.concatenate(([0], np.cumsum(np.asarray(lengths, dtype=np.int64))))
+    found = [int((prefix[b:] - prefix[:-b]).max()) for b in range(1, min(count, len(lengths)) + 1)]
+    return found + [int(prefix[-1])] * (count - len(found))
+
+
+def stream_window_tokens(examples: list[Example], seed: int, samples: int, count: int) -> list[int]:
+    """window_tokens of the run's sample stream: the `samples` samples the run trains on, in order
+    (sample_order). A micro-batch of b is b consecutive samples of it on every rank (the sampler is
+    sequential and accelerate deals whole batches to the ranks in turn), wherever an attempt resumes,
+    so w_b bounds every micro-batch of b the run can make."""
+    lengths = [len(examples[i].input_ids) for i in sample_order(len(examples), 0, samples, seed)]
+    return window_tokens(lengths, count)
+
+
+def check_micro_batch_tokens(declared: list[int] | None, measured: list[int]) -> None:
+    """The run's stream against spec.dataset.microBatchTokens, which the plan was sized for. Raises a
+    DataError naming the field and the right values before any GPU memory is spent on a plan that
+    does not hold."""
+    if not declared:
+        return
+    for b, (said, holds) in enumerate(zip(declared, measured), start=1):
+        if holds > said:
+            raise DataError(
+                f"spec.dataset.microBatchTokens: {b} consecutive examples of this job's sample order hold "
+                f"{holds} tokens, more than the {said} declared; the data holds {measured} (python -m "
+                f"finetune_trainer.dataset_stats prints them), or omit the field")
 
 
 def pack(examples: list[Example], sequence_length: int) -> list[Example]:
@@ -266,7 +313,8 @@ def eval_examples(tokenizer, source, sequence_length: int) -> list[Example]:
     the field."""
     try:
         records = read_jsonl(source.path)
-        examples = build_examples(tokenizer, records, source.format, sequence_length, source.packing)
+        examples = build_examples(tokenizer, records, source.format, sequence_length, source.packing,
+                                  source.padding_free)
     except DataError as error:
         raise DataError(f"spec.evaluation.dataset: {error}") from error
     except OSError as error:

@@ -187,8 +187,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     import torch
     from transformers import PrinterCallback
 
-    from .data import (Collator, build_examples, eval_examples, held_out_digest, held_out_split, read_jsonl,
-                       sample_order)
+    from .data import (Collator, build_examples, check_micro_batch_tokens, eval_examples, held_out_digest, held_out_split, read_jsonl,
+                       sample_order, stream_window_tokens)
     from .faults import FaultInjector
     from .model_setup import check_deepspeed_batch, check_runnable, load_model, load_tokenizer
     from .training import (CheckpointCallback, FineTuneTrainer, LeversCallback, PhaseCallback, ProgressCallback,
@@ -208,7 +208,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     PROGRESS.enter(Phase.DATA, 0)
     tokenizer = load_tokenizer(cfg)
     records = read_jsonl(cfg.dataset.path)
-    examples = build_examples(tokenizer, records, cfg.dataset.format, cfg.sequence_length, cfg.dataset.packing)
+    examples = build_examples(tokenizer, records, cfg.dataset.format, cfg.sequence_length, cfg.dataset.packing,
+                              cfg.dataset.padding_free)
     facts = AttemptFacts.read(cfg, len(records), len(examples))
     held_out: list = []
     if cfg.evaluation is not None and cfg.evaluation.dataset is not None:
@@ -219,6 +220,10 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
         facts.held_out = len(held_out)
     checkpoint = usable_checkpoint(cfg)
     plan = plan_run(cfg, len(examples), world, checkpoint)
+    declared = cfg.dataset.micro_batch_tokens
+    if declared:
+        check_micro_batch_tokens(declared, stream_window_tokens(examples, cfg.seed, plan.max_steps * plan.global_batch,
+                                                                len(declared)))
     faults.arm_lab_gpu(plan.start_step)  # the lab's GPU only (faults.py); nothing else sets it
     log_json("start", job=cfg.job_name, attempt=cfg.attempt, method=cfg.method, strategy=cfg.strategy,
              worldSize=world, examples=len(examples), microBatchSize=cfg.micro_batch_size,
@@ -270,7 +275,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
 
     eval_dataset = [e.item() for e in held_out] or None
     trainer = FineTuneTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
-                              data_collator=Collator(tokenizer.pad_token_id, flatten=cfg.attention == "flash"),
+                              data_collator=Collator(tokenizer.pad_token_id,
+                                                     flatten=cfg.attention == "flash" or cfg.dataset.padding_free),
                               processing_class=tokenizer,
                               faults=faults, cfg=cfg, chunked_loss=chunked)
     trainer.remove_callback(PrinterCallback)

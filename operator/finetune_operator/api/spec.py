@@ -21,6 +21,22 @@ from .training import LoraSpec, Method, ResourcesSpec, TrainingSpec
 class DatasetSpec(ApiModel):
     """The training data: JSON lines."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!(has(self.packing) && self.packing && has(self.paddingFree) && self.paddingFree)",
+                 "message": "set at most one of packing, paddingFree (packed sequences are padding-free already)",
+                 "fieldPath": ".paddingFree"},
+                {"rule": "!(has(self.packing) && self.packing && has(self.microBatchTokens))",
+                 "message": "microBatchTokens sizes unpacked examples; packed sequences are sequenceLength long",
+                 "fieldPath": ".microBatchTokens"},
+                {"rule": "!has(self.microBatchTokens) || self.microBatchTokens.isSorted()",
+                 "message": "microBatchTokens must not decrease (b + 1 consecutive examples hold at least what b do)",
+                 "fieldPath": ".microBatchTokens"},
+            ]
+        }
+    )
+
     source: DataSource
     """Where the JSONL data is."""
     format: Literal["chat", "instruction", "text"] = "chat"
@@ -31,6 +47,36 @@ class DatasetSpec(ApiModel):
     tokens, best fit. Their boundaries are kept: positions restart at each example and attention never
     crosses one (sdpa and eager: a block-diagonal mask, sized by the planner; flash: its
     variable-length kernel, no mask)."""
+    padding_free: bool = False
+    """Unpacked examples without padding: each micro-batch's examples are laid end to end in one row,
+    positions restarting at each and attention never crossing one, so the model sees only their real
+    tokens (as TRL's `padding_free`). A step still trains on the same examples as padded batches. It
+    saves memory with `training.attention: flash` (its variable-length kernel); under sdpa and eager
+    the row gets a block-diagonal mask of (its tokens)^2, which the planner sizes and which outgrows
+    padding's saving for long rows. The planner sizes the row from `microBatchTokens`. Not with `packing`
+    (packed sequences are padding-free already)."""
+    micro_batch_tokens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=64)] | None = None
+    """What the data holds, for the planner to size micro-batches by: the i-th value is the most tokens
+    that any i consecutive examples of the job's sample order hold (each cut to `sequenceLength`), so
+    the first is the longest example. `python -m finetune_trainer.dataset_stats` prints it for a job and
+    its data. The planner sizes a padded micro-batch of b rows by the first value and a padding-free one
+    (one row) by the b-th (past the list: the last plus the longest example per further example).
+    Omitted: any example may be `sequenceLength` long. The sample order depends on the data, the
+    tokenizer, `training.seed`, `sequenceLength`, `globalBatchSize`, `maxSteps` or `epochs` and
+    `evaluation.heldOutFraction`: the trainer checks the values against the data before it loads the
+    model and, where the data holds more, fails the job with a DataError naming this field and the
+    right values. Not with `packing` (packed sequences are `sequenceLength` long)."""
+
+    @model_validator(mode="after")
+    def _one_batching(self) -> "DatasetSpec":
+        if self.packing and self.padding_free:
+            raise FieldError("paddingFree", "set at most one of packing, paddingFree (packed sequences are "
+                                            "padding-free already)")
+        if self.packing and self.micro_batch_tokens is not None:
+            raise FieldError("microBatchTokens", "sizes unpacked examples; packed sequences are sequenceLength long")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens != sorted(self.micro_batch_tokens):
+            raise FieldError("microBatchTokens", "must not decrease (b + 1 consecutive examples hold at least what b do)")
+        return self
 
 
 Region = Annotated[str, Field(min_length=1, max_length=63, pattern=LABEL_VALUE)]

@@ -92,6 +92,8 @@ class ProfiledModel:
             "sequence_length": (setup.sequence_length, t.sequence_length),
             "optimizer": (setup.optimizer, "adamw"), "offload": (setup.offload, "none"),
             "packing": (getattr(setup, "packing", False), t.packing),
+            # The profile traces padded rows without a mask; a padding-free row's mask is not in it.
+            "padding_free": (getattr(setup, "padding_free", False), False),
         }
         for name, (got, measured) in wanted.items():
             if got != measured:

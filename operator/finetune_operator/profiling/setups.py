@@ -90,6 +90,10 @@ def job_profile(spec: api.FineTuneJobSpec) -> JobProfile:
         raise NotProfilable("spec.training.precision", f"{t.precision} cannot be profiled; use bf16 or fp32")
     if r.offload not in ("auto", "none"):
         raise NotProfilable("spec.resources.offload", "offload cannot be profiled; leave it auto or none")
+    if spec.dataset.padding_free:
+        raise NotProfilable("spec.dataset.paddingFree", "a padding-free row cannot be profiled (the trace runs padded "
+                            "rows, without the row's mask); leave it off for a model the analytic memory model does "
+                            "not know")
     if r.strategy == "auto":
         strategies = PROFILED_STRATEGIES
     elif r.strategy in PROFILED_STRATEGIES:

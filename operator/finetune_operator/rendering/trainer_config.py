@@ -76,7 +76,8 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             held_out_fraction=spec.evaluation.held_out_fraction,
             # The eval data is read like the training data (its format and packing).
             dataset=None if eval_path is None else DatasetSource(path=eval_path, format=spec.dataset.format,
-                                                                 packing=spec.dataset.packing),
+                                                                 packing=spec.dataset.packing,
+                                                                 padding_free=spec.dataset.padding_free),
             every_steps=spec.evaluation.every_steps, micro_batch_size=spec.evaluation.micro_batch_size,
             early_stopping=None if spec.evaluation.early_stopping is None else EarlyStopping(
                 patience=spec.evaluation.early_stopping.patience, min_delta=spec.evaluation.early_stopping.min_delta),
@@ -87,7 +88,9 @@ def build_trainer_config(job: api.FineTuneJob, plan: Plan, attempt: int, layout:
             job_name=job.metadata.name,
             attempt=attempt,
             model=ModelSource(path=layout.model_path),
-            dataset=DatasetSource(path=layout.data_path, format=spec.dataset.format, packing=spec.dataset.packing),
+            dataset=DatasetSource(path=layout.data_path, format=spec.dataset.format, packing=spec.dataset.packing,
+                                  padding_free=spec.dataset.padding_free,
+                                  micro_batch_tokens=spec.dataset.micro_batch_tokens),
             method=plan.method,
             lora=_lora(spec, plan),
             precision=plan.precision,

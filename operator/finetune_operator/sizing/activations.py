@@ -44,16 +44,16 @@ def saved_activations(setup: TrainingSetup, regime: Regime) -> SavedActivations:
     if setup.liger_kernel and arch.family not in LIGER_FAMILIES:
         raise SizingError("liger_kernel", f"Liger's kernels are modelled for the {', '.join(LIGER_FAMILIES)} families "
                           f"(RMSNorm, SwiGLU MLP, RoPE, fused loss); model family {arch.family} is not")
-    tokens = setup.micro_batch_size * setup.sequence_length
+    tokens = setup.tokens_per_micro_batch
     layers = arch.num_layers
     hidden = arch.hidden_size
     block_per_token, lora_per_token = _block_saved_bytes_per_token(arch, setup, regime)
     # Shared by all blocks: rotary cos/sin; eager attention's 4-D causal mask.
     shared = 2 * regime.compute * arch.rotary_dim * tokens
     if setup.attention == "eager":
-        shared += regime.compute * setup.micro_batch_size * setup.sequence_length ** 2
+        shared += regime.compute * setup.rows * setup.row_length ** 2
     elif _sdpa_needs_mask(arch, setup):
-        shared += _sdpa_masks(arch, setup) * setup.micro_batch_size * setup.sequence_length ** 2  # boolean masks
+        shared += _sdpa_masks(arch, setup) * setup.rows * setup.row_length ** 2  # boolean masks
     # The final norm's saved input and its output (the head's input), the embedding output.
     around = (_norm_saved(arch, regime) + regime.compute * hidden + regime.residual * hidden) * tokens
     if setup.liger_kernel:
@@ -133,7 +133,7 @@ def _lora_saved(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -
     seen: set[str] = set()
     for lin in arch.resolve_lora_targets(setup.lora_targets):
         if lin.name in ("experts.gate_up_proj", "experts.down_proj") and arch.traits.moe != "mixtral":
-            saved += families.expert_adapter_saved(arch, lin, regime.compute, setup.micro_batch_size * setup.sequence_length)
+            saved += families.expert_adapter_saved(arch, lin, regime.compute, setup.tokens_per_micro_batch)
             continue
         if lin.name in ("experts.gate_up_proj", "experts.down_proj"):
             # Expert adapters see only their routed tokens: experts_per_token copies in all.
@@ -163,7 +163,7 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
     hidden, inter, q_width, kv_width = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
     heads, compute = arch.num_attention_heads, regime.compute
     traits = arch.traits
-    seq = setup.sequence_length
+    seq = setup.row_length
 
     autocast = compute == 2 and not regime.master_bf16  # the forward runs under autocast
     if traits.layer_norm:
@@ -236,28 +236,34 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
 
 
 def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
-    """sdpa gets an explicit mask when the examples are packed (a block-diagonal causal mask from
-    the position ids) or a sliding window is shorter than the sequence; otherwise it runs causal
-    without one, as flash does (flash reads packed boundaries and windows itself)."""
-    return setup.attention == "sdpa" and (setup.packing or _window_masks(arch, setup))
+    """sdpa gets an explicit mask when positions restart in a row (packed, or padding-free: a
+    block-diagonal causal mask from the position ids) or a sliding window is shorter than the row;
+    otherwise it runs causal without one, as flash does (flash reads boundaries and windows itself)."""
+    return setup.attention == "sdpa" and (_restarting_positions(setup) or _window_masks(arch, setup))
+
+
+def _restarting_positions(setup: TrainingSetup) -> bool:
+    """Rows whose positions restart at each example (packed, or padding-free's one row): transformers
+    builds them a block-diagonal mask."""
+    return setup.packing or setup.padding_free
 
 
 def _window_masks(arch: ModelArchitecture, setup: TrainingSetup) -> bool:
     # A window no layer uses (Qwen) masks nothing.
-    return arch.num_sliding_layers > 0 and setup.sequence_length > arch.sliding_window
+    return arch.num_sliding_layers > 0 and setup.row_length > arch.sliding_window
 
 
 def _sdpa_masks(arch: ModelArchitecture, setup: TrainingSetup) -> int:
     """How many b x s x s boolean masks transformers builds for sdpa: packed, one for the full
     layers and one for the sliding ones (if any); unpacked, the sliding layers' only."""
-    if setup.packing and arch.num_sliding_layers > 0:
+    if _restarting_positions(setup) and arch.num_sliding_layers > 0:
         return 2
     return 1
 
 
 def _sdpa_masked_share(arch: ModelArchitecture, setup: TrainingSetup) -> float:
     """The share of the blocks whose sdpa gets a mask: every block when packed, else the sliding ones."""
-    return 1.0 if setup.packing else families.sliding_share(arch)
+    return 1.0 if _restarting_positions(setup) else families.sliding_share(arch)
 
 
 def logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> tuple[float, float]:
@@ -311,7 +317,7 @@ def _liger_logits_bytes(arch: ModelArchitecture, setup: TrainingSetup, regime: R
     so that the phases, which multiply by the tokens, get it whole.
     """
     vocab, hidden = arch.vocab_size, arch.hidden_size
-    tokens = setup.micro_batch_size * setup.sequence_length
+    tokens = setup.tokens_per_micro_batch
     # chunk_size = next_power_of_2(ceil(BT / ceil(V / H))), at most BT (chunk_mem_const 1).
     chunk = min(1 << max(0, math.ceil(tokens / math.ceil(vocab / hidden)) - 1).bit_length(), tokens)
     # zeros_like(weight): the head trains in full fine-tuning only; its dtype is the weights' (fp32 under

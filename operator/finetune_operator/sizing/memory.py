@@ -271,7 +271,7 @@ class _StepParts:
 
     @property
     def tokens(self) -> int:
-        return self.setup.micro_batch_size * self.setup.sequence_length
+        return self.setup.tokens_per_micro_batch
 
     def resting(self) -> dict[str, float]:
         """Every term, zero but the state that lives through the step (in TERMS order: the sums add in it)."""
@@ -347,7 +347,7 @@ def _forward(parts: _StepParts) -> dict[str, float]:
         # Inside the last block's eager attention, before the head: the masked scores, the
         # logits they are joined into and the softmax exist at once (gpt-oss at 8192 tokens:
         # 8 GiB each; seen under FSDP with checkpointing).
-        scores = regime.compute * setup.architecture.num_attention_heads * (setup.sequence_length + 1) * tokens
+        scores = regime.compute * setup.architecture.num_attention_heads * (setup.row_length + 1) * tokens
         in_attention = dict(forward, logits=0.0, activations=forward["activations"] + 3 * scores)
         if sum(in_attention.values()) > sum(forward.values()):
             forward = in_attention
@@ -383,7 +383,7 @@ def _backward(parts: _StepParts) -> dict[str, float]:
     if setup.attention == "eager":
         # ... and eager attention's softmax backward: the scores' gradient, as large as the
         # probabilities (gpt-oss at 8192 tokens: 8 GiB a block; seen under FSDP with checkpointing).
-        block_bwd += regime.compute * arch.num_attention_heads * (setup.sequence_length + 1) * tokens
+        block_bwd += regime.compute * arch.num_attention_heads * (setup.row_length + 1) * tokens
     if not setup.gradient_checkpointing:
         # The first block's backward: everything else forward saved is still alive.
         first = dict(bwd_start, logits=0.0, activations=bwd_start["activations"] + block_bwd,

@@ -71,6 +71,12 @@ class TrainingSetup(_SetupLevers):
     # torch AdamW's path (optimizers.ADAMW_GROUP_MOMENT_COPIES): the trainer runs fused; a published
     # setup that ran foreach (torch's choice on CUDA when none is asked for) is sized with its temporaries.
     adamw_implementation: str = TRAINER_ADAMW
+    # spec.dataset.paddingFree: a micro-batch's examples laid end to end in one row (data.Collator).
+    padding_free: bool = False
+    # spec.dataset.microBatchTokens: the i-th (0-based) is the most tokens any i + 1 consecutive examples
+    # of the run's sample order hold (the first: the longest example). Empty: any example may be
+    # sequence_length long.
+    micro_batch_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, ModelArchitecture):
@@ -109,7 +115,17 @@ class TrainingSetup(_SetupLevers):
                               "in the trainer's bf16 AdamW) and strategy ddp or fsdp (DeepSpeed steps its own partitions)")
         if isinstance(self.lora_modules_to_save, list):  # a list from the API: hashable, as the setup must be
             object.__setattr__(self, "lora_modules_to_save", tuple(self.lora_modules_to_save))
-        for name in ("packing", "lora_target_experts"):
+        if isinstance(self.micro_batch_tokens, list):
+            object.__setattr__(self, "micro_batch_tokens", tuple(self.micro_batch_tokens))
+        declared = self.micro_batch_tokens
+        if any(not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in declared) \
+                or list(declared) != sorted(declared):
+            raise SizingError("micro_batch_tokens", f"must be positive token counts, non-decreasing (b + 1 examples "
+                                                    f"hold at least what b do), got {declared!r}")
+        if self.packing and self.padding_free:
+            raise SizingError("padding_free", "packed sequences are padding-free already: set at most one of "
+                                              "packing, padding_free")
+        for name in ("packing", "padding_free", "lora_target_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SizingError(name, f"must be true or false, got {getattr(self, name)!r}")
         # What combines with what: the one table the API, the trainer and the planner share.
@@ -132,4 +148,34 @@ class TrainingSetup(_SetupLevers):
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch_size * self.sequence_length
+        return self.rows * self.row_length
+
+    @property
+    def longest_example(self) -> int:
+        """The most tokens one example can have: cut to sequence_length, and as declared."""
+        return min(self.sequence_length, self.micro_batch_tokens[0]) if self.micro_batch_tokens else self.sequence_length
+
+    def window_tokens(self, count: int) -> int:
+        """The most real tokens `count` consecutive examples of the run can hold: as declared for a
+        count the declaration covers; past it, the declared last plus the rest as long as the longest."""
+        declared = self.micro_batch_tokens
+        if count <= len(declared):
+            return min(count * self.sequence_length, declared[count - 1])
+        known = min(len(declared) * self.sequence_length, declared[-1]) if declared else 0
+        return known + (count - len(declared)) * self.longest_example
+
+    @property
+    def rows(self) -> int:
+        """Rows of the micro-batch tensor the model sees: one when padding-free, else one per sequence."""
+        return 1 if self.padding_free else self.micro_batch_size
+
+    @property
+    def row_length(self) -> int:
+        """Tokens per row of the largest micro-batch the data can make. Packed: sequence_length (the
+        bins fill up). Padded: the longest example (the collator pads to the micro-batch's longest).
+        Padding-free: the most tokens micro_batch_size consecutive examples hold, end to end."""
+        if self.packing:
+            return self.sequence_length
+        if self.padding_free:
+            return self.window_tokens(self.micro_batch_size)
+        return self.longest_example

@@ -47,6 +47,16 @@ class DatasetSource(Contract):
     path: str = Field(min_length=1)
     format: Literal["chat", "instruction", "text"] = "chat"
     packing: bool = False
+    # A micro-batch's examples end to end in one row (spec.dataset.paddingFree).
+    padding_free: bool = False
+    # What the plan was sized for (spec.dataset.microBatchTokens): checked against the data at start.
+    micro_batch_tokens: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _one_batching(self) -> "DatasetSource":
+        if self.packing and self.padding_free:
+            raise ValueError("dataset: set at most one of packing, padding_free")
+        return self
 
 
 class LoraSettings(Contract):

@@ -59,6 +59,8 @@ class Ask:
     levers: LeverAsk = LeverAsk()  # the lean-trainer levers the job fixes or leaves to the planner
     target_experts: bool = False
     packing: bool = False  # spec.dataset.packing (examples packed with their boundaries)
+    padding_free: bool = False  # spec.dataset.paddingFree
+    micro_batch_tokens: tuple[int, ...] = ()  # spec.dataset.microBatchTokens
     lora_dropout: float = 0.0  # spec.lora.dropout (> 0 saves a dropout mask per adapted input)
     lora_modules_to_save: tuple[str, ...] = ()  # spec.lora.modulesToSave (trained in full beside the adapters)
     # Host memory the export after training needs (sizing/export.py; 0 for an adapter): rank 0 merges
@@ -129,6 +131,8 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         optimizer=t.optimizer,
         attention=t.attention,
         packing=spec.dataset.packing,
+        padding_free=spec.dataset.padding_free,
+        micro_batch_tokens=tuple(spec.dataset.micro_batch_tokens or ()),
         lora_dropout=lora_dropout if spec.method != "full" else 0.0,
         lora_modules_to_save=saved if spec.method != "full" else (),
         sequence_length=t.sequence_length,

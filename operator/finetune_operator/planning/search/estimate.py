@@ -124,7 +124,7 @@ class Estimates:
         if estimator is estimate_memory:
             a = ask  # every field of the job that setup() reads
             shared = (a.arch, a.method, a.lora_rank, a.lora_targets, a.precision, a.optimizer, a.sequence_length,
-                      a.attention, a.packing, a.global_batch_size, a.target_experts, a.lora_dropout,
+                      a.attention, a.packing, a.padding_free, a.micro_batch_tokens, a.global_batch_size, a.target_experts, a.lora_dropout,
                       a.lora_modules_to_save)
             try:
                 hash(shared)
@@ -133,14 +133,16 @@ class Estimates:
                 pass
 
     def get(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
-            levers: Levers = NO_LEVERS) -> EstimateFacts | SizingError:
-        key = (world, strategy, offload, checkpointing, micro, levers)
+            levers: Levers = NO_LEVERS, declared: bool = True) -> EstimateFacts | SizingError:
+        """`declared` False: sized without spec.dataset.microBatchTokens (which describes the training
+        stream, not the evaluation data)."""
+        key = (world, strategy, offload, checkpointing, micro, levers, declared)
         hit = self.cache.get(key)
         if hit is None and self.shared is not None:
             hit = _recall((self.shared, key))
         if hit is None:
             try:
-                setup = self.setup(world, strategy, offload, checkpointing, micro, levers)
+                setup = self.setup(world, strategy, offload, checkpointing, micro, levers, declared)
                 self.calls += 1
                 hit = estimate_facts(self.estimator(setup))
             except SizingError as error:
@@ -158,7 +160,7 @@ class Estimates:
         nothing of its phases counts its whole step (more, never less)."""
         micro = self.ask.eval_micro_batch
         assert micro is not None
-        facts = self.get(world, strategy, offload, True, micro, levers)
+        facts = self.get(world, strategy, offload, True, micro, levers, declared=False)
         if isinstance(facts, SizingError):
             return facts
         phases = getattr(facts.source, "phase_peaks", None) or {}
@@ -168,14 +170,14 @@ class Estimates:
         return int(facts.required_bytes - facts.peak_bytes + forward)
 
     def setup(self, world: int, strategy: str, offload: str, checkpointing: bool, micro: int,
-              levers: Levers = NO_LEVERS) -> TrainingSetup:
+              levers: Levers = NO_LEVERS, declared: bool = True) -> TrainingSetup:
         a = self.ask  # a field of the job read here belongs in `self.shared` too (the memo's key)
         return TrainingSetup(
             architecture=a.arch, method=a.method, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
             lora_dropout=a.lora_dropout, lora_modules_to_save=a.lora_modules_to_save,
             precision=a.precision, optimizer=a.optimizer, micro_batch_size=micro,
             sequence_length=a.sequence_length, gradient_checkpointing=checkpointing, attention=a.attention,
-            packing=a.packing, strategy=strategy, world_size=world, offload=offload,
+            packing=a.packing, padding_free=a.padding_free, micro_batch_tokens=a.micro_batch_tokens if declared else (), strategy=strategy, world_size=world, offload=offload,
             gradient_accumulation=max(1, a.global_batch_size // (micro * world)),
             lora_target_experts=a.target_experts and a.method != "full", **levers.setup_fields(),
         )
