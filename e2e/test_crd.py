@@ -66,6 +66,27 @@ def test_invalid_finetunejob_is_rejected_with_the_crd_message(lab, ftj_crd, name
     assert "spec.method" in proc.stderr and "Unsupported value" in proc.stderr, proc.stderr
 
 
+def test_the_dataset_batching_rules_run_in_the_api_server(lab, ftj_crd, namespace):
+    """spec.dataset's CEL (issue 28): packing with paddingFree, and microBatchTokens that decrease (the
+    Kubernetes list library's isSorted), are refused with the CRD's messages; a padding-free job with
+    its tokens is taken."""
+    def apply(name: str, **dataset):
+        job = copy.deepcopy(_example("llama-8b-lora"))
+        job["metadata"]["name"] = name
+        job["spec"]["dataset"].update(dataset)
+        return lab.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(job),
+                           check=False)
+
+    both = apply("both", packing=True, paddingFree=True)
+    assert both.returncode != 0 and "set at most one of packing, paddingFree" in both.stderr, both.stderr
+    down = apply("down", paddingFree=True, microBatchTokens=[900, 800])
+    assert down.returncode != 0 and "microBatchTokens must not decrease" in down.stderr, down.stderr
+    packed = apply("packed", packing=True, microBatchTokens=[900])
+    assert packed.returncode != 0 and "microBatchTokens sizes unpacked examples" in packed.stderr, packed.stderr
+    ok = apply("ok", paddingFree=True, microBatchTokens=[900, 1500, 1500])
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_get_ftj_shows_the_printer_columns(lab, ftj_crd, namespace):
     example = _example("llama-8b-lora")
     lab.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(example))
