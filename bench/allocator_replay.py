@@ -32,9 +32,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "operator"))
 sys.path.insert(0, os.path.join(HERE, "..", "images", "trainer"))
 sys.path.insert(0, HERE)
 
-from finetune_operator.sizing import TrainingSetup  # noqa: E402
+from finetune_operator.sizing import TrainingSetup, estimate_memory  # noqa: E402
 from finetune_operator.sizing.allocator import (  # noqa: E402
-    FACTOR_MARGIN, MEASURED_FACTORS, MIN_CAPACITY_FACTORS, factor_key, fit_factors, min_capacity, replay)
+    FACTOR_MARGIN, MIN_CAPACITY_FACTORS, TRANSIENT_FACTORS, factor_key, fit_factors, min_capacity, replay,
+    resident_bytes)
 from finetune_operator.sizing.presets import preset  # noqa: E402
 
 GIB = 1 << 30
@@ -53,7 +54,7 @@ class ReplayCase:
     strategy: str = "ddp"
     world_size: int = 1
     dropout: float = 0.0
-    held_out: bool = False  # not used to fit reserved_factor
+    held_out: bool = False  # not used to fit the factors
 
     @property
     def variable(self) -> bool:
@@ -196,27 +197,32 @@ def format_row(r: ReplayRow) -> str:
 
 
 def factor_rows(rows: list[dict], held_out: bool, measure: str = "reserved"):
-    """(FactorKey, ratio) for both allocator modes of each row that is (or is not) held out.
+    """(FactorKey, ratio, name, mode) for both allocator modes of each row that is (or is not) held out.
     measure "reserved": the unlimited run's peak reserved (what max_memory_reserved shows on a GPU
-    with room to spare); "min_cap": the least capacity the trace runs in (what decides a fit)."""
+    with room to spare) over the transient part, resident (allocator.resident_bytes of the memory
+    model's estimate of the case) set aside: (reserved - resident) / (live peak - resident);
+    "min_cap": the least capacity the trace runs in (what decides a fit) over the live peak."""
+    by_name = {c.name: c for c in CASES}
     for r in rows:
         case = r["case"]
         if case["held_out"] != held_out:
             continue
         variable = len(set(case["seqs"])) > 1
+        resident = resident_bytes(estimate_memory(by_name[case["name"]].setup())) if measure == "reserved" else 0.0
         for mode, expandable in (("classic", False), ("expandable", True)):
             top = r[mode]["peak_reserved"] if measure == "reserved" else r[f"min_cap_{mode}"]
-            yield (factor_key(expandable, variable, case["gc"]), top / r["peak_live"], case["name"], mode)
+            yield (factor_key(expandable, variable, case["gc"]), (top - resident) / (r["peak_live"] - resident),
+                   case["name"], mode)
 
 
 def print_fit(rows: list[dict]) -> None:
-    for measure, stored_factors in (("reserved", MEASURED_FACTORS), ("min_cap", MIN_CAPACITY_FACTORS)):
+    for measure, stored_factors in (("reserved", TRANSIENT_FACTORS), ("min_cap", MIN_CAPACITY_FACTORS)):
         _print_fit(rows, measure, stored_factors)
 
 
 def _print_fit(rows: list[dict], measure: str, stored_factors: dict) -> None:
     fit = fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False, measure=measure))
-    name_of = "MEASURED_FACTORS" if measure == "reserved" else "MIN_CAPACITY_FACTORS"
+    name_of = "TRANSIENT_FACTORS" if measure == "reserved" else "MIN_CAPACITY_FACTORS"
     print(f"\n{measure}: fit on the rows not held out (the largest ratio of each group, rounded up to 0.01):")
     for key, value in sorted(fit.items(), key=lambda kv: (not kv[0].expandable, kv[0].variable, kv[0].checkpointing)):
         stored = stored_factors.get(key)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "images" / "trainer"))
 from finetune_operator import api  # noqa: E402
 from finetune_operator.planning import ClusterPolicy, Infeasible, load_catalog, plan_job  # noqa: E402
 from finetune_operator.sizing import ModelArchitecture, TrainingSetup, estimate_memory  # noqa: E402
-from finetune_operator.sizing.allocator import reserved_factor  # noqa: E402
+from finetune_operator.sizing.allocator import reserved_bytes  # noqa: E402
 from finetune_operator.sizing.presets import preset  # noqa: E402
 from finetune_trainer.memory_levers import LEVERS, camel  # noqa: E402
 
@@ -193,8 +193,9 @@ def measured_row(job: Job, m: Measured) -> dict[str, Any]:
         # The published runs used PyTorch's default allocator (no expandable segments), with
         # variable-length batches unless packed: the classic factor of allocator.py, not the one the
         # operator plans its own trainer with.
-        factor = reserved_factor(setup, expandable_segments=False, variable_lengths=True)
-        value = est.peak_allocated_bytes * factor / GIB
+        reserved = reserved_bytes(est, setup, expandable_segments=False, variable_lengths=True)
+        factor = reserved / est.peak_allocated_bytes
+        value = reserved / GIB
         metric = f"peak reserved (max_memory_reserved ~ allocated x {factor:.2f}, classic allocator)"
     return {"source": m.source, "metric": metric, "measured_gib": m.gib, "estimate_gib": value,
             "error": value / m.gib - 1, "differences": m.differences,

@@ -6,7 +6,7 @@ checkpointing, peft adapters in fp32) it runs two real training steps and record
 the second step:
 
 * max_memory_allocated   -> compared with the estimate's peak allocated bytes
-* max_memory_reserved    -> reserved / allocated, printed beside sizing.allocator.reserved_factor's
+* max_memory_reserved    -> reserved / allocated, printed beside sizing.allocator.reserved_bytes'
                             prediction for the case (expandable segments on, as the trainer runs,
                             unless the case says off; fixed or variable sequence lengths)
 * device used (mem_get_info) - reserved -> calibrates CUDA_CONTEXT_RESERVE_BYTES
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "images", "trainer"))
 from finetune_operator.sizing import TrainingSetup, estimate_memory  # noqa: E402
 from finetune_operator.sizing.presets import preset  # noqa: E402
 from finetune_operator.sizing import constants as K  # noqa: E402
-from finetune_operator.sizing.allocator import reserved_factor  # noqa: E402
+from finetune_operator.sizing.allocator import reserved_bytes  # noqa: E402
 
 GIB = 1 << 30
 # A whole run must stay under 8 minutes: each case gets a hard limit, and the run stops
@@ -77,7 +77,11 @@ class GpuCase:
         return (s // 2, 3 * s // 4, s, 5 * s // 8) if self.variable else (s, s)
 
     def predicted_factor(self) -> float:
-        return reserved_factor(self.setup(), expandable_segments=self.expandable, variable_lengths=self.variable)
+        """Predicted reserved over allocated (allocator.reserved_bytes over the estimate's peak)."""
+        setup = self.setup()
+        estimate = estimate_memory(setup)
+        return reserved_bytes(estimate, setup, expandable_segments=self.expandable,
+                              variable_lengths=self.variable) / estimate.peak_allocated_bytes
 
     def setup(self) -> TrainingSetup:
         return TrainingSetup(
@@ -244,7 +248,7 @@ def main(argv=None) -> int:
 
     cases = [c for c in MATRIX if ns.only in c.key]
     if ns.dry_run:
-        print(f"{'setup':<70} {'est peak GiB':>12} {'est required GiB':>16} {'reserved_factor':>15}")
+        print(f"{'setup':<70} {'est peak GiB':>12} {'est required GiB':>16} {'reserved/alloc':>15}")
         for c in cases:
             e = estimate_memory(c.setup())
             print(f"{c.key:<70} {e.peak_allocated_bytes / GIB:>12.2f} {e.required_bytes / GIB:>16.2f} "
@@ -293,9 +297,9 @@ def main(argv=None) -> int:
         print(f"\n{len(ok)} setups: median |err| {statistics.median(abs(e) for e in errs):.1f}%, "
               f"worst {max(abs(e) for e in errs):.1f}%, most negative {min(errs):+.1f}%")
         print(f"reserved/allocated: median {statistics.median(frag):.3f}, max {max(frag):.3f} "
-              f"(allocator.reserved_factor plans per setup)")
+              f"(allocator.reserved_bytes per setup)")
         gaps = [(r["predicted_factor"] - r["max_reserved"] / r["max_allocated"]) for r in ok]
-        print(f"reserved_factor - measured ratio: median {statistics.median(gaps):+.3f}, "
+        print(f"predicted - measured reserved/allocated: median {statistics.median(gaps):+.3f}, "
               f"lowest {min(gaps):+.3f} (negative: the model predicts less than measured)")
         print(f"device used - reserved: median {statistics.median(ctx) / GIB:.2f} GiB, max {max(ctx) / GIB:.2f} GiB "
               f"(CUDA_CONTEXT_RESERVE_BYTES now {K.CUDA_CONTEXT_RESERVE_BYTES / GIB:.2f} GiB)")

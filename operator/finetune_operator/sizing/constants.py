@@ -14,7 +14,7 @@ MIB = 1 << 20
 # ---- from peak allocated to what the GPU must hold ------------------------------
 # The caching allocator keeps freed blocks cached and splits large segments; the reserved
 # figure (what the device sees) runs above the allocated peak by a factor that depends on the
-# setup: sizing/allocator.py's reserved_factor(setup), replayed from traced allocations
+# setup: sizing/allocator.py's reserved_bytes (resident + transient x a replayed factor)
 # (bench/allocator_replay.py) and checked on a GPU by bench/sizing_gpu.py.
 
 # Outside the allocator entirely: the CUDA context and loaded kernels (~500-700 MiB
