@@ -280,3 +280,18 @@ def test_dataset_stats_prints_what_the_trainer_checks(tokenizer, tmp_path, capsy
     assert printed["examples"] == len(examples) and printed["samples"] == plan.max_steps * plan.global_batch
     assert printed["microBatchTokens"] == stream_window_tokens(examples, 42, printed["samples"], 8)
     assert printed["max"] <= 6 and printed["microBatchTokens"][0] == printed["max"]
+
+
+def test_padding_free_batches_are_what_transformers_flattening_collator_makes(tokenizer, tmp_path):
+    """The trainer keeps its own collator (it also lays packed sequences out and counts real tokens);
+    for padding-free examples its row is transformers' DataCollatorWithFlattening's, tensor for tensor."""
+    from transformers import DataCollatorWithFlattening
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c d e"}, {"text": "f g"}, {"text": "h i j"}])
+    plain = build_examples(tokenizer, read_jsonl(path), "text", 64, packing=False)
+    free = build_examples(tokenizer, read_jsonl(path), "text", 64, packing=False, padding_free=True)
+    ours = Collator(pad_token_id=0, flatten=True)([e.item() for e in free])
+    theirs = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": e.input_ids, "labels": e.labels}
+                                                              for e in plain])
+    for key in ("input_ids", "labels", "position_ids"):
+        assert ours[key].tolist() == theirs[key].tolist(), key
