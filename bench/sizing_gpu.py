@@ -24,6 +24,7 @@ printed with the suggested constants.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -64,13 +65,17 @@ class GpuCase:
     adamw: str = "fused"  # torch AdamW's path (the trainer's: fused; foreach: torch's pick on CUDA otherwise)
     saved: tuple = ()  # lora.modulesToSave (peft modules_to_save, trained in fp32 as the trainer does)
     targets: str | tuple = "all-linear"  # lora.targetModules (may name lm_head)
+    # spec.dataset.paddingFree: the lengths of the examples one micro-batch lays end to end in one row
+    # (positions restarting at each); `batch` is their count and `seq` the longest.
+    examples: tuple = ()
 
     @property
     def key(self) -> str:
         return (f"{self.preset}|{self.method}|b{self.batch}|s{self.seq}|gc{int(self.gc)}|{self.attention}"
                 f"|{self.optimizer}" + ("" if self.expandable else "|classic") + ("|var" if self.variable else "")
                 + ("" if self.adamw == "fused" else f"|{self.adamw}") + ("|m=" + "+".join(self.saved) if self.saved else "")
-                + ("" if self.targets == "all-linear" else "|t=" + "+".join(self.targets)))
+                + ("" if self.targets == "all-linear" else "|t=" + "+".join(self.targets))
+                + ("|free=" + "+".join(map(str, self.examples)) if self.examples else ""))
 
     def lengths(self) -> tuple[int, ...]:
         s = self.seq
@@ -90,6 +95,9 @@ class GpuCase:
             gradient_checkpointing=self.gc, attention=self.attention, optimizer=self.optimizer,
             adamw_implementation=self.adamw, lora_modules_to_save=tuple(self.saved),
             lora_targets=self.targets if isinstance(self.targets, str) else tuple(self.targets),
+            padding_free=bool(self.examples),
+            # The row's exact tokens: i examples hold at most the i longest together.
+            micro_batch_tokens=tuple(itertools.accumulate(sorted(self.examples, reverse=True))),
         )
 
 
@@ -118,6 +126,9 @@ MATRIX = [
     GpuCase("llama-3.2-1b", "full", 2, 2048, True, variable=True),
     GpuCase("llama-3.2-1b", "full", 2, 2048, True, variable=True, expandable=False),
     GpuCase("llama-3.2-1b", "lora", 2, 2048, False, variable=True, expandable=False),
+    # Padding-free rows (issue 28): flash's variable-length kernel (no mask), and sdpa's block-diagonal mask.
+    GpuCase("llama-3.2-1b", "lora", 4, 1800, True, attention="flash", examples=(1800, 900, 600, 300)),
+    GpuCase("llama-3.2-1b", "lora", 4, 1800, True, examples=(1800, 900, 600, 300)),
 ]
 
 
@@ -193,8 +204,12 @@ def run_case(case: GpuCase, device: str = "cuda") -> dict:
     setup_s = time.perf_counter() - t0
     for step, length in enumerate(lengths):
         ids = torch.randint(0, arch.vocab_size, (case.batch if device == "cuda" else 1, length), device=device)
+        extra = {}
+        if case.examples:  # one row of the examples, positions restarting at each (data.Collator's flatten)
+            ids = torch.randint(0, arch.vocab_size, (1, sum(case.examples)), device=device)
+            extra["position_ids"] = torch.cat([torch.arange(n, device=device) for n in case.examples])[None]
         if device == "cpu":
-            loss = forward(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids, **extra).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -202,7 +217,7 @@ def run_case(case: GpuCase, device: str = "cuda") -> dict:
         torch.cuda.synchronize()
         if step == 1:  # the peaks of the steps with optimizer state (from the second on)
             torch.cuda.reset_peak_memory_stats()
-        loss = forward(input_ids=ids, labels=ids).loss
+        loss = forward(input_ids=ids, labels=ids, **extra).loss
         loss.backward()
         del loss
         torch.nn.utils.clip_grad_norm_(params, 1.0)

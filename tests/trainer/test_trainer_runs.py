@@ -143,6 +143,9 @@ def test_padding_free_trains_on_the_same_examples_as_padding_and_checks_the_decl
         assert free[step] == pytest.approx(padded[step], abs=1e-3), (padded, free)
     # The same real tokens counted either way (the padded batches' padding is not counted).
     assert runs["paddingFree"].of("summary")[0]["tokens"] == runs["padded"].of("summary")[0]["tokens"]
+    # The start line prints what micro-batches of this run's data hold, for the job to declare.
+    measured = runs["paddingFree"].of("start")[0]["microBatchTokens"]
+    assert len(measured) == 64 and measured == sorted(measured) and measured[0] <= 64  # sequenceLength
 
     work = tmp_path / "declared"
     work.mkdir()

@@ -240,6 +240,7 @@ def check_micro_batch_tokens(declared: list[int] | None, measured: list[int]) ->
     does not hold."""
     if not declared:
         return
+    measured = measured[:len(declared)]
     for b, (said, holds) in enumerate(zip(declared, measured), start=1):
         if holds > said:
             raise DataError(

@@ -19,6 +19,7 @@ import json
 import math
 import sys
 
+from .contract import MICRO_BATCH_TOKENS_COUNT
 from .data import build_examples, held_out_split, read_jsonl, stream_window_tokens, total_samples
 from .errors import DataError
 
@@ -59,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     steps.add_argument("--max-steps", type=int)
     steps.add_argument("--epochs", type=float)
     parser.add_argument("--held-out-fraction", type=float, help="spec.evaluation.heldOutFraction, if set")
-    parser.add_argument("--count", type=int, default=64, help="how many values to print (1-64)")
+    parser.add_argument("--count", type=int, default=MICRO_BATCH_TOKENS_COUNT, help="how many values to print (1-64)")
     args = parser.parse_args(argv)
-    if not 1 <= args.count <= 64:
+    if not 1 <= args.count <= MICRO_BATCH_TOKENS_COUNT:
         parser.error("--count must be 1-64 (spec.dataset.microBatchTokens holds at most 64)")
     from transformers import AutoTokenizer
 

@@ -189,6 +189,7 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
 
     from .data import (Collator, build_examples, check_micro_batch_tokens, eval_examples, held_out_digest, held_out_split, read_jsonl,
                        sample_order, stream_window_tokens)
+    from .contract import MICRO_BATCH_TOKENS_COUNT
     from .faults import FaultInjector
     from .model_setup import check_deepspeed_batch, check_runnable, load_model, load_tokenizer
     from .training import (CheckpointCallback, FineTuneTrainer, LeversCallback, PhaseCallback, ProgressCallback,
@@ -220,17 +221,20 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
         facts.held_out = len(held_out)
     checkpoint = usable_checkpoint(cfg)
     plan = plan_run(cfg, len(examples), world, checkpoint)
-    declared = cfg.dataset.micro_batch_tokens
-    if declared:
-        check_micro_batch_tokens(declared, stream_window_tokens(examples, cfg.seed, plan.max_steps * plan.global_batch,
-                                                                len(declared)))
+    # What micro-batches of this run's data hold (spec.dataset.microBatchTokens): checked against what
+    # the plan was sized for, and printed in the start line for the user to declare next time.
+    measured = None if cfg.dataset.packing else stream_window_tokens(
+        examples, cfg.seed, plan.max_steps * plan.global_batch, MICRO_BATCH_TOKENS_COUNT)
+    if measured is not None:
+        check_micro_batch_tokens(cfg.dataset.micro_batch_tokens, measured)
     faults.arm_lab_gpu(plan.start_step)  # the lab's GPU only (faults.py); nothing else sets it
     log_json("start", job=cfg.job_name, attempt=cfg.attempt, method=cfg.method, strategy=cfg.strategy,
              worldSize=world, examples=len(examples), microBatchSize=cfg.micro_batch_size,
              gradientAccumulation=cfg.gradient_accumulation, globalBatch=plan.global_batch,
              startStep=plan.start_step, maxSteps=plan.max_steps, heldOut=facts.held_out,
              evalSequences=len(held_out), heldOutSha256=held_out_digest(held_out) if held_out else None,
-             resumeFrom=str(checkpoint.path) if checkpoint else None, device="cuda" if cuda else "cpu")
+             resumeFrom=str(checkpoint.path) if checkpoint else None, device="cuda" if cuda else "cpu",
+             microBatchTokens=measured)
     # One line that says which memory levers this attempt runs with (levers.py).
     log_json("levers", **StartupLevers.of(cfg).fields())
     remaining = plan.max_steps - plan.start_step

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from finetune_trainer.combinations import EXPORTS, Choices, cel_rules, first_violation
+from finetune_trainer.contract import MICRO_BATCH_TOKENS_COUNT
 from finetune_trainer.memory_levers import choice_values, config_fields, derived_choices, ladder
 
 from .errors import FieldError, field_error
@@ -55,7 +56,8 @@ class DatasetSpec(ApiModel):
     the row gets a block-diagonal mask of (its tokens)^2, which the planner sizes and which outgrows
     padding's saving for long rows. The planner sizes the row from `microBatchTokens`. Not with `packing`
     (packed sequences are padding-free already)."""
-    micro_batch_tokens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=64)] | None = None
+    micro_batch_tokens: Annotated[list[Annotated[int, Field(ge=1)]],
+                                  Field(min_length=1, max_length=MICRO_BATCH_TOKENS_COUNT)] | None = None
     """What the data holds, for the planner to size micro-batches by: the i-th value is the most tokens
     that any i consecutive examples of the job's sample order hold (each cut to `sequenceLength`), so
     the first is the longest example. `python -m finetune_trainer.dataset_stats` prints it for a job and

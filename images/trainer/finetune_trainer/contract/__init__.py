@@ -37,6 +37,7 @@ from .base import (  # noqa: F401
     reason_for_exit_code,
 )
 from .config import (  # noqa: F401
+    MICRO_BATCH_TOKENS_COUNT,
     CheckpointSettings,
     ConfigLoadError,
     DatasetSource,

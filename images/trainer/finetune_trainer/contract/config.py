@@ -35,6 +35,10 @@ class ModelSource(Contract):
     trust_remote_code: bool = False
 
 
+# How many values spec.dataset.microBatchTokens may hold (the API's maxItems); the trainer prints as many.
+MICRO_BATCH_TOKENS_COUNT = 64
+
+
 class DatasetSource(Contract):
     """A JSONL file (or a directory of ``*.jsonl`` files).
 
@@ -50,7 +54,7 @@ class DatasetSource(Contract):
     # A micro-batch's examples end to end in one row (spec.dataset.paddingFree).
     padding_free: bool = False
     # What the plan was sized for (spec.dataset.microBatchTokens): checked against the data at start.
-    micro_batch_tokens: list[int] | None = None
+    micro_batch_tokens: list[int] | None = Field(None, min_length=1, max_length=MICRO_BATCH_TOKENS_COUNT)
 
     @model_validator(mode="after")
     def _one_batching(self) -> "DatasetSource":
