@@ -7,7 +7,7 @@ STAMP := .install-stamp
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := 3.3.30
 
-.PHONY: install demo test test-fast test-real-node host-packages lab-build crd clean
+.PHONY: install demo test test-fast test-real-node host-packages lab-build lab-binaries crd clean
 
 # torch first, then the rest without build isolation, so that DeepSpeed builds against
 # the torch already installed instead of downloading another copy into an isolated env.
@@ -43,9 +43,17 @@ REAL_NODE_PACKAGES := containerd runc containernetworking-plugins iptables mmdeb
 # lab, e2e/conftest.py real_node_lab, and two such labs cannot run at once) and the other lab
 # scenarios on two xdist workers (mostly waiting on their labs; loadfile: a module's tests on one
 # worker, each worker with its own session lab); the real nodes' output follows the others'.
+# The images (only the real nodes' scenarios run them) build in the background while the tests
+# without the lab run: a change to the copied code rebuilds their last layers, about 45 s that
+# otherwise come before every test.
 REAL_NODE_TESTS := e2e/test_real_node.py e2e/test_real_node_training.py
-test: install lab-build
-	CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m "not e2e" -n 2 --dist worksteal
+test: install lab-binaries
+	@images_log=$$(mktemp /tmp/finetune-images.XXXXXX); \
+	if [ "$(ROOT)" = 1 ]; then $(PYTHON) -m e2e.lab images > $$images_log 2>&1 & images=$$!; else images=; fi; \
+	CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m "not e2e" -n 2 --dist worksteal; fast=$$?; \
+	images_rc=0; if [ -n "$$images" ]; then wait $$images; images_rc=$$?; fi; \
+	echo "== the images, built beside the tests above:"; cat $$images_log; rm -f $$images_log; \
+	[ $$fast = 0 ] && [ $$images_rc = 0 ]
 	@log=$$(mktemp /tmp/finetune-real-node-tests.XXXXXX); \
 	FINETUNE_LAB_REAL_NODE=$(ROOT) FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e $(REAL_NODE_TESTS) > $$log 2>&1 & real=$$!; \
 	FINETUNE_LAB_REQUIRED=1 $(PYTHON) -m pytest -m e2e -n 2 --dist loadfile $(addprefix --ignore=,$(REAL_NODE_TESTS)); rest=$$?; \
@@ -74,6 +82,16 @@ lab-build: install
 		$(PYTHON) -m e2e.lab images & images=$$!; \
 		$(PYTHON) -m e2e.lab build --with kubelet || { kill $$images; exit 1; }; \
 		wait $$images; \
+	else \
+		$(PYTHON) -m e2e.lab build; \
+		echo "not root: the real kubelet nodes' scenarios will be skipped"; \
+	fi
+
+# The same without the images (`test` builds them beside its first stage).
+lab-binaries: install
+	@set -e; if [ "$(ROOT)" = 1 ]; then \
+		$(MAKE) --no-print-directory host-packages; \
+		$(PYTHON) -m e2e.lab build --with kubelet; \
 	else \
 		$(PYTHON) -m e2e.lab build; \
 		echo "not root: the real kubelet nodes' scenarios will be skipped"; \
