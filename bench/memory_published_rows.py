@@ -62,26 +62,8 @@ LITGPT_DATASET = LITGPT + "prepare_dataset.md"
 
 METRICS = ("allocated", "active", "reserved", "nvidia-smi")
 
-# Hugging Face config.json values (public configs) of checkpoints the operator has no preset for.
-LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-             "tie_word_embeddings": False, "max_position_embeddings": 4096}
-LLAMA2_13B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824,
-              "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
-              "tie_word_embeddings": False, "max_position_embeddings": 4096}
-LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
-              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-              "tie_word_embeddings": False, "max_position_embeddings": 4096}
-YI_34B = {"model_type": "llama", "vocab_size": 64000, "hidden_size": 7168, "intermediate_size": 20480,
-          "num_hidden_layers": 60, "num_attention_heads": 56, "num_key_value_heads": 8,
-          "tie_word_embeddings": False, "max_position_embeddings": 4096}
-MISTRAL_7B_V02 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "tie_word_embeddings": False, "max_position_embeddings": 32768, "sliding_window": None}
-# stabilityai/stablelm-base-alpha-3b (GPT-NeoX).
-STABLELM_ALPHA_3B = {"model_type": "gpt_neox", "vocab_size": 50688, "hidden_size": 4096, "intermediate_size": 16384,
-                     "num_hidden_layers": 16, "num_attention_heads": 32, "max_position_embeddings": 4096,
-                     "rotary_pct": 0.25, "use_parallel_residual": True, "tie_word_embeddings": False}
+from published_models import (  # noqa: E402  (bench/ is on the path of whoever imports this)
+    LLAMA2_7B, LLAMA2_13B, LLAMA2_70B, MISTRAL_7B_V02, STABLELM_ALPHA_3B, YI_34B)
 
 # LoRA targets as the sources name them, in the operator's module names.
 QV = ("q_proj", "v_proj")

@@ -28,19 +28,7 @@ FSDP_QLORA = "https://github.com/AnswerDotAI/fsdp_qlora/blob/05ed9f2a60f96a0795c
 TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/"
               "benchmarks/llama3_h100_202412_torchtitan.md")
 
-# Hugging Face config.json values of checkpoints the operator has no preset for (public configs).
-LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-             "tie_word_embeddings": False, "max_position_embeddings": 4096}
-LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
-              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-              "tie_word_embeddings": False, "max_position_embeddings": 4096}
-YI_34B = {"model_type": "llama", "vocab_size": 64000, "hidden_size": 7168, "intermediate_size": 20480,
-          "num_hidden_layers": 60, "num_attention_heads": 56, "num_key_value_heads": 8,
-          "tie_word_embeddings": False, "max_position_embeddings": 4096}
-MISTRAL_7B_V02 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "tie_word_embeddings": False, "max_position_embeddings": 32768}
+from published_models import LLAMA2_7B, LLAMA2_70B, MISTRAL_7B_V02, YI_34B  # noqa: E402, F401
 
 
 @dataclass(frozen=True)

@@ -3,26 +3,16 @@ row the model can be asked about is estimated (no torch needed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import sys
-from pathlib import Path
+from .bench_module import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 PINNED = re.compile(r"^https://github\.com/[\w.-]+/[\w.-]+/blob/[0-9a-f]{40}/\S+$")
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("memory_published", BENCH / "memory_published.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("memory_published")
 
 
 def test_rows_name_a_pinned_source_a_known_metric_and_a_unique_key():

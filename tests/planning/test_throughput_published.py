@@ -3,24 +3,13 @@ listed with why it cannot be."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from .bench_module import load_bench
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("throughput_published", BENCH / "throughput_published.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("throughput_published")
 
 
 def test_every_published_row_is_predicted_or_left_out_with_a_reason():
