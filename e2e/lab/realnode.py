@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -535,14 +536,20 @@ def start(lab, node_inst, pki, launch, say, images: list[Path]) -> None:
     prepare_host(lab.workdir)
     shared = write_shared_configs(lab, pki, shared_ports)
     node_files = {name: write_node_configs(lab, name, pki, ports) for name, ports in node_ports.items()}
-    for name in NODE_NAMES:
+    containerds = {name: launch(f"containerd-{name}", in_node(lab.workdir, name, [
+        "containerd", f"--config={node_files[name]['containerd']}", "--log-level=warn"])) for name in NODE_NAMES}
+
+    def load_images(name: str) -> None:
         paths = node_paths(lab.workdir, name)
-        containerd = launch(f"containerd-{name}", in_node(lab.workdir, name, [
-            "containerd", f"--config={node_files[name]['containerd']}", "--log-level=warn"]))
-        wait_until(f"{name}'s containerd socket", lambda: paths.socket.exists(), containerd, 60)
+        wait_until(f"{name}'s containerd socket", lambda: paths.socket.exists(), containerds[name], 60)
         for archive in images:
             import_image(paths, archive)
         say(f"{name}: containerd ready; imported {', '.join(a.parent.name for a in images)}")
+
+    # Each node's containerd unpacks its own copy of the images: the nodes at once, not one after the other.
+    with ThreadPoolExecutor(max_workers=len(NODE_NAMES)) as pool:
+        for done in [pool.submit(load_images, name) for name in NODE_NAMES]:
+            done.result()
     launch("coredns", [node_inst.binary("coredns"), "-conf", str(shared["corefile"]), "-dns.port", "53"])
     launch("kube-proxy", [node_inst.binary("kube-proxy"), f"--config={shared['kube-proxy']}"])
     kubelets = {}
