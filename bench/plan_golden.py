@@ -14,8 +14,8 @@ The matrix (all seeded; nothing reads the clock or the environment):
   jobs       the examples (as written, with each memory lever fixed, with fields fixed) and
              random specs drawn from per-case seeds (presets dense and MoE, full/LoRA/QLoRA,
              optimizers, precisions, levers, fixed GPUs/strategy/offload/micro-batch/checkpointing,
-             GPU types, node pools, packing, dropout, target modules (the head's too), modules to
-             save, eval micro-batch, export, S3 output, regions)
+             GPU types, node pools, packing, padding-free rows and declared micro-batch tokens, dropout,
+             target modules (the head's too), modules to save, eval micro-batch, export, S3 output, regions)
   calls      plan_job for every case; some with a calibration, some excluding their own first plan,
              some with the tests' simple memory model (sized every time, no process-wide memo),
              some also through exhaustive_plan; recovery re-plans through recovery/adjust.py's
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import random
 import sys
@@ -204,6 +205,13 @@ def random_doc(rng: random.Random, regions: list[str]) -> dict[str, Any]:
         "resources": resources,
         "placement": {"regions": rng.sample(regions, rng.randint(1, len(regions)))},
     }
+    if not doc["dataset"]["packing"]:  # padding-free rows, and micro-batches sized from declared tokens
+        if rng.random() < 0.2:
+            doc["dataset"]["paddingFree"] = True
+        if rng.random() < 0.3:
+            lengths = sorted((rng.randint(16, training["sequenceLength"]) for _ in range(rng.randint(1, 16))),
+                             reverse=True)
+            doc["dataset"]["microBatchTokens"] = list(itertools.accumulate(lengths))
     if method != "full":
         lora: dict[str, Any] = {"rank": rng.choice([8, 16, 64]), "dropout": rng.choice([0.0, 0.0, 0.05])}
         if rng.random() < 0.2:
