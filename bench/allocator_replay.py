@@ -223,7 +223,9 @@ def print_fit(rows: list[dict]) -> None:
 def _print_fit(rows: list[dict], measure: str, stored_factors: dict) -> None:
     fit = fit_factors((k, v) for k, v, _, _ in factor_rows(rows, held_out=False, measure=measure))
     name_of = "TRANSIENT_FACTORS" if measure == "reserved" else "MIN_CAPACITY_FACTORS"
-    print(f"\n{measure}: fit on the rows not held out (the largest ratio of each group, rounded up to 0.01):")
+    what = ("(reserved - resident) / (live peak - resident)" if measure == "reserved"
+            else "least capacity / live peak")
+    print(f"\n{measure}, {what}: fit on the rows not held out (the largest ratio of each group, rounded up to 0.01):")
     for key, value in sorted(fit.items(), key=lambda kv: (not kv[0].expandable, kv[0].variable, kv[0].checkpointing)):
         stored = stored_factors.get(key)
         print(f"  expandable={key.expandable!s:<5} variable={key.variable!s:<5} checkpointing={key.checkpointing!s:<5}"
