@@ -46,3 +46,26 @@ def test_evaluation_is_sized_without_the_training_streams_tokens():
     train = estimates.setup(1, "ddp", "none", True, 2)
     evaluation = estimates.setup(1, "ddp", "none", True, 4, declared=False)
     assert train.row_length == TOKENS[1] and evaluation.row_length == 4 * 8192
+
+
+def test_the_step_time_counts_the_tokens_the_rows_can_hold():
+    """The step-time model prices what a step computes on: padded rows at most the longest example
+    long, a padding-free step at most the tokens its samples hold (upper bounds, as the memory's)."""
+    from finetune_operator.planning.search.estimate import work_of
+    from finetune_operator.planning.throughput import accumulation_steps
+
+    undeclared = work_of(ask_from_spec(job(), POLICY, None))
+    shorter = [6000] + TOKENS[1:]  # the longest example 6000 tokens
+    padded = work_of(ask_from_spec(job(**{"dataset.microBatchTokens": shorter}), POLICY, None))
+    free = work_of(ask_from_spec(job(**{"dataset.paddingFree": True, "dataset.microBatchTokens": shorter}), POLICY, None))
+    assert undeclared.tokens_per_step == 16 * 8192 and undeclared.sequence_length == 8192
+    assert padded.tokens_per_step == 16 * 6000 and padded.sequence_length == 6000
+    assert free.tokens_per_step == TOKENS[15] < padded.tokens_per_step
+    for work in (undeclared, padded, free):
+        assert accumulation_steps(work, 2, 4) == 2  # samples per step are the job's, whatever their tokens
+    pools = [pool("h100")]
+    plans = [plan_job(spec, pools, POLICY) for spec in (
+        job(**{"resources.gpus": 1, "training.microBatchSize": 4}),
+        job(**{"resources.gpus": 1, "training.microBatchSize": 4, "dataset.paddingFree": True,
+               "dataset.microBatchTokens": TOKENS}))]
+    assert plans[1].seconds_per_step < plans[0].seconds_per_step

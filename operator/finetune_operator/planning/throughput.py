@@ -89,7 +89,8 @@ class JobWork:
     trainable_params: float  # parameters the optimizer updates
     dequant_tokens: float  # QLoRA: `QLORA_DEQUANT_TOKENS`; 0 for methods that do not dequantise
     rate: float  # precision factor on the peak (fp32 on TF32)
-    sequence_length: int
+    sequence_length: int  # the longest row attention spans: sequenceLength, or the longest example declared
+    global_batch_size: int  # samples per optimizer step
 
 
 def active_params(arch: ModelArchitecture) -> int:
@@ -114,7 +115,11 @@ def job_work(
     precision: str,
     sequence_length: int,
     global_batch_size: int,
+    step_tokens: int | None = None,
 ) -> JobWork:
+    """`sequence_length`: the longest row a sample's attention spans; `step_tokens`: the most real
+    tokens one step's samples hold (padding-free with declared micro-batch tokens), by default
+    global_batch_size x sequence_length (padded rows compute on their padding too)."""
     n = float(matmul_params(arch))
     attention = 2.0 * arch.num_layers * sequence_length * arch.q_size  # forward, causal
     compute_bytes = 4 if precision == "fp32" else 2
@@ -131,18 +136,19 @@ def job_work(
     return JobWork(
         flops_per_token=flops,
         recompute_flops_per_token=2 * n + attention,
-        tokens_per_step=global_batch_size * sequence_length,
+        tokens_per_step=step_tokens if step_tokens is not None else global_batch_size * sequence_length,
         weight_bytes=weight_bytes,
         grad_bytes=compute_bytes * trainable,
         trainable_params=trainable,
         dequant_tokens=QLORA_DEQUANT_TOKENS if method == "qlora" else 0.0,
         rate=FP32_RATE if precision == "fp32" else 1.0,
         sequence_length=sequence_length,
+        global_batch_size=global_batch_size,
     )
 
 
 def accumulation_steps(work: JobWork, world: int, micro_batch_size: int) -> int:
-    return max(1, work.tokens_per_step // (micro_batch_size * work.sequence_length * world))
+    return max(1, work.global_batch_size // (micro_batch_size * world))
 
 
 def compute_and_communication(
@@ -159,7 +165,7 @@ def compute_and_communication(
     """Seconds of GPU compute and of collective communication in one optimizer step."""
     world = nodes * gpus_per_node
     per_token = work.flops_per_token + (work.recompute_flops_per_token if gradient_checkpointing else 0.0)
-    micro_tokens = micro_batch_size * work.sequence_length
+    micro_tokens = micro_batch_size * work.tokens_per_step / work.global_batch_size
     utilisation = STRATEGY_MFU[strategy] * micro_tokens / (micro_tokens + MICRO_BATCH_HALF_TOKENS)
     dequantisation = micro_tokens / (micro_tokens + work.dequant_tokens)
     flops_per_second = world * (tflops if tflops is not None else pool.tflops) * 1e12 * utilisation * dequantisation * work.rate

@@ -22,6 +22,17 @@ from .errors import SizingError
 from .saved_modules import saved_modules
 
 
+def declared_window(sequence_length: int, micro_batch_tokens: tuple[int, ...], count: int) -> int:
+    """The most real tokens `count` consecutive samples of a run can hold (spec.dataset.microBatchTokens):
+    as declared for a count the declaration covers; past it, the declared last plus the longest example
+    per further sample; every example cut to sequence_length. Nothing declared: count x sequence_length."""
+    longest = min(sequence_length, micro_batch_tokens[0]) if micro_batch_tokens else sequence_length
+    if count <= len(micro_batch_tokens):
+        return min(count * sequence_length, micro_batch_tokens[count - 1])
+    known = min(len(micro_batch_tokens) * sequence_length, micro_batch_tokens[-1]) if micro_batch_tokens else 0
+    return known + (count - len(micro_batch_tokens)) * longest
+
+
 def _choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise SizingError(field, f"must be one of {', '.join(allowed)}; got {value!r}")
@@ -156,13 +167,8 @@ class TrainingSetup(_SetupLevers):
         return min(self.sequence_length, self.micro_batch_tokens[0]) if self.micro_batch_tokens else self.sequence_length
 
     def window_tokens(self, count: int) -> int:
-        """The most real tokens `count` consecutive examples of the run can hold: as declared for a
-        count the declaration covers; past it, the declared last plus the rest as long as the longest."""
-        declared = self.micro_batch_tokens
-        if count <= len(declared):
-            return min(count * self.sequence_length, declared[count - 1])
-        known = min(len(declared) * self.sequence_length, declared[-1]) if declared else 0
-        return known + (count - len(declared)) * self.longest_example
+        """The most real tokens `count` consecutive examples of the run can hold (declared_window)."""
+        return declared_window(self.sequence_length, self.micro_batch_tokens, count)
 
     @property
     def rows(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...sizing import SizingError, TrainingSetup, estimate_memory
+from ...sizing.setup import declared_window
 from finetune_trainer.memory_levers import LEVERS, NO_LEVERS, Levers, savings
 
 from ..throughput import (
@@ -202,10 +203,15 @@ class Estimates:
 
 
 def work_of(ask: Ask) -> JobWork:
-    """The job's work per step, for the step-time model."""
+    """The job's work per step, for the step-time model. With spec.dataset.microBatchTokens declared
+    (unpacked data) rows are at most the longest example long, and padding-free a step computes on at
+    most the real tokens its samples can hold: upper bounds, as the memory model's are."""
+    declared = () if ask.packing else ask.micro_batch_tokens
+    row = declared_window(ask.sequence_length, declared, 1)
+    step = declared_window(ask.sequence_length, declared, ask.global_batch_size) if ask.padding_free else None
     return job_work(
         ask.arch, method=ask.method, lora_rank=ask.lora_rank, lora_targets=ask.lora_targets, precision=ask.precision,
-        sequence_length=ask.sequence_length, global_batch_size=ask.global_batch_size,
+        sequence_length=row, global_batch_size=ask.global_batch_size, step_tokens=step,
     )
 
 
