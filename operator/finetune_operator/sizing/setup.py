@@ -161,11 +161,6 @@ class TrainingSetup(_SetupLevers):
     def tokens_per_micro_batch(self) -> int:
         return self.rows * self.row_length
 
-    @property
-    def longest_example(self) -> int:
-        """The most tokens one example can have: cut to sequence_length, and as declared."""
-        return min(self.sequence_length, self.micro_batch_tokens[0]) if self.micro_batch_tokens else self.sequence_length
-
     def window_tokens(self, count: int) -> int:
         """The most real tokens `count` consecutive examples of the run can hold (declared_window)."""
         return declared_window(self.sequence_length, self.micro_batch_tokens, count)
@@ -184,4 +179,4 @@ class TrainingSetup(_SetupLevers):
             return self.sequence_length
         if self.padding_free:
             return self.window_tokens(self.micro_batch_size)
-        return self.longest_example
+        return self.window_tokens(1)  # the longest example
