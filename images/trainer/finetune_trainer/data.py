@@ -209,9 +209,9 @@ def build_examples(tokenizer, records: list[Record], fmt: str, sequence_length: 
 
 
 def bounded(example: Example) -> Example:
-    """The example with its boundary marked, as a packed one is: positions from 0 (the collator
-    lays a micro-batch of these end to end in one row) and its first token no target (the token
-    before it belongs to another example; alone it is never one anyway)."""
+    """The example with its boundary marked, as packing and padding-free lay examples end to end:
+    positions from 0 and its first token no target (the token before it belongs to another example;
+    alone it is never one anyway)."""
     return Example(example.input_ids, [IGNORE] + example.labels[1:], list(range(len(example.input_ids))))
 
 
@@ -281,9 +281,10 @@ def pack(examples: list[Example], sequence_length: int) -> list[Example]:
         labels: list[int] = []
         positions: list[int] = []
         for i in members:
-            ids.extend(cut[i].input_ids)
-            labels.extend([IGNORE] + cut[i].labels[1:])
-            positions.extend(range(len(cut[i].input_ids)))
+            member = bounded(cut[i])
+            ids.extend(member.input_ids)
+            labels.extend(member.labels)
+            positions.extend(member.position_ids)
         packed.append(Example(ids, labels, positions))
     return packed
 
