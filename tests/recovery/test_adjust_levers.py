@@ -35,7 +35,7 @@ def test_one_ladder_the_api_and_recovery_share():
     assert api.DEFAULT_ADJUSTMENTS == [a for a in api.ADJUSTMENTS if a != "method"]
     assert api.ADJUSTMENTS == ("gradientCheckpointing", "chunkedLoss", "microBatch", "sharding",
                                "activationOffloading", "optimizer8bit", "offload", "optimizerInBackward", "moreGPUs",
-                               "masterWeights", "hostMemory", "method")
+                               "masterWeights", "sequenceParallel", "hostMemory", "method")
     assert api.RecoverySpec.model_fields["allowed_adjustments"].default == api.DEFAULT_ADJUSTMENTS
 
 

@@ -25,7 +25,7 @@ def _fixed(doc: dict) -> dict:
     doc = copy.deepcopy(doc)
     doc["spec"]["resources"].update(gpus=4, strategy="fsdp", offload="none")
     doc["spec"]["training"].update(microBatchSize=2, gradientCheckpointing=True, optimizerInBackward=False,
-                                   activationOffloading=False, lossChunks=4)
+                                   activationOffloading=False, lossChunks=4, sequenceParallel=1)
     return doc
 
 

@@ -50,6 +50,7 @@ def test_every_lever_rule_is_in_the_one_table():
 def test_the_api_spells_each_choice_field_of_a_lever():
     assert config_fields() == {"master_weights": "masterWeights", "update_rounding": "updateRounding",
                                "optimizer_in_backward": "optimizerInBackward", "chunked_loss": "lossChunks",
+                               "sequence_split": "sequenceParallel",
                                "activation_offloading": "activationOffloading", "liger_kernel": "ligerKernel"}
     for choice, field in config_fields().items():
         assert api.CHOICE_PATHS[choice] == f"training.{field}"
@@ -67,8 +68,9 @@ def test_one_savings_algorithm_for_a_setup_and_for_the_planner_cache():
                           optimizer_in_backward=True, loss_chunks=8, gradient_checkpointing=True,
                           activation_offloading=True, micro_batch_size=2, sequence_length=2048)
     direct = lever_savings(setup)
-    # Every lever but Liger's, which replaces the chunked loss (its saving: test_liger_kernel.py).
-    assert set(direct) == set(in_use(setup)) == set(BY_NAME) - {"liger_kernel"}
+    # Every lever but Liger's, which replaces the chunked loss (its saving: test_liger_kernel.py), and
+    # sequence parallelism, which needs DeepSpeed (its terms: test_sequence_parallel.py).
+    assert set(direct) == set(in_use(setup)) == set(BY_NAME) - {"liger_kernel", "sequence_parallel"}
 
     class _Ask:  # the fields of a job Estimates.setup reads
         arch, method, lora_rank, lora_targets, precision, optimizer = L8, "full", 16, "all-linear", "bf16", "adamw"
@@ -89,14 +91,15 @@ def test_planner_freedom_of_an_unset_lever_and_of_a_set_one():
     class _Training:
         master_weights, update_rounding, precision, optimizer = "auto", "auto", "bf16", "adamw"
         optimizer_in_backward, loss_chunks, activation_offloading, liger_kernel = None, "auto", True, None
+        sequence_parallel = 1
 
     ask = lever_ask(_Training(), "full", False)
-    assert ask.fixed == frozenset({"activation_offloading"})
+    assert ask.fixed == frozenset({"activation_offloading", "sequence_parallel"})
     base = combinations.Choices(method="full", strategy="ddp", offload="none", optimizer="adamw", precision="bf16",
                                 gradient_checkpointing=True, gradient_accumulation=4, gradient_clipping=True)
     options = lever_options(ask, base, accumulation_one=False, allows=combinations.allows)
     # bf16 master weights with their auto rounding, no step in backward (accumulation 4), 8 chunks, offloading.
-    assert options == (Levers("fp32", "nearest", False, 8, True), Levers("bf16", "stochastic", False, 8, True))
+    assert options == (Levers("fp32", "nearest", False, 8, True, False, 1), Levers("bf16", "stochastic", False, 8, True, False, 1))
     assert lever_options(ask, base.but(gradient_checkpointing=False), accumulation_one=False,
                          allows=combinations.allows) == ()  # offloading needs checkpointing
 

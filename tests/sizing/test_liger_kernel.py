@@ -124,6 +124,7 @@ def test_the_planner_turns_it_on_only_where_the_job_asks_and_then_without_the_ch
     class _Training:
         master_weights, update_rounding, precision, optimizer = "auto", "auto", "bf16", "adamw"
         optimizer_in_backward, loss_chunks, activation_offloading, liger_kernel = None, "auto", None, None
+        sequence_parallel = 1
 
     base = combinations.Choices(method="lora", strategy="ddp", offload="none", optimizer="adamw", precision="bf16",
                                 gradient_checkpointing=True, gradient_accumulation=4, gradient_clipping=True)

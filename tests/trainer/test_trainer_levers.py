@@ -406,7 +406,7 @@ def test_levers_line():
     assert StartupLevers.of(cfg).fields() == {
         "masterWeights": "bf16", "updateRounding": "kahan", "optimizer": "adamw", "optimizerInBackward": True,
         "lossChunks": 8, "gradientCheckpointing": True, "activationOffloading": True, "ligerKernel": False,
-        "loraTargetExperts": False, "qloraSharded": False, "offload": False}
+        "sequenceParallel": 1, "loraTargetExperts": False, "qloraSharded": False, "offload": False}
     assert StartupLevers.of(config(method="lora")).fields()["masterWeights"] == "fp32 (adapters)"
     assert StartupLevers.of(config(method="qlora", strategy="fsdp")).fields()["qloraSharded"] is True
 

@@ -360,12 +360,20 @@ class Collator:
     real and is never a target; with ``flatten`` (flash attention, whose variable-length kernel
     reads the boundaries only from one row) the micro-batch becomes one row, with no padding.
 
-    Each batch says how many of its tokens are real (``token_count``): the trainer counts them
-    as trained tokens and takes the key out before the model sees the batch."""
+    With ``sequence_shards`` > 1 (sequence parallelism: DeepSpeed's adapter slices every tensor of the
+    batch along the sequence over that many ranks) the rows are padded to a multiple of it, and unpacked
+    rows carry position ids in place of the mask: Ulysses drops the mask and orders attention by the
+    position ids (right padding comes after every real token, so causal attention never reads it).
 
-    def __init__(self, pad_token_id: int, flatten: bool = False):
+    Each batch says how many of its tokens are real (``token_count``): the trainer counts them
+    as trained tokens and takes the key out before the model sees the batch. Under sequence
+    parallelism it is a plain int: the adapter slices every tensor along the sequence and copies
+    other values to each rank of the group."""
+
+    def __init__(self, pad_token_id: int, flatten: bool = False, sequence_shards: int = 1):
         self.pad_token_id = pad_token_id
         self.flatten = flatten
+        self.sequence_shards = sequence_shards
 
     def __call__(self, batch: list[dict[str, list[int]]]):
         import torch
@@ -376,17 +384,24 @@ class Collator:
         rows = [(item["input_ids"], item["labels"], item.get("position_ids")) for item in batch]
         if packed and self.flatten:
             rows = [tuple([value for row in rows for value in row[k]] for k in range(3))]
+        shards = self.sequence_shards
         longest = max(len(ids) for ids, _, _ in rows)
+        longest = -(-longest // shards) * shards
         input_ids, labels, extra = [], [], []
         for ids, row_labels, positions in rows:
             pad = longest - len(ids)
             input_ids.append(list(ids) + [self.pad_token_id] * pad)
             labels.append(list(row_labels) + [IGNORE] * pad)
-            # Packed: the pad run is numbered as an example of its own; unpacked: masked out.
-            extra.append(list(positions) + list(range(pad)) if packed else [1] * len(ids) + [0] * pad)
+            if packed:  # the pad run is numbered as an example of its own
+                extra.append(list(positions) + list(range(pad)))
+            elif shards > 1:  # positions only: Ulysses drops the mask
+                extra.append(list(range(longest)))
+            else:  # masked out
+                extra.append([1] * len(ids) + [0] * pad)
+        count = sum(len(item["input_ids"]) for item in batch)
         return {
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
-            ("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long),
-            "token_count": torch.tensor(sum(len(item["input_ids"]) for item in batch), dtype=torch.long),
+            ("position_ids" if packed or shards > 1 else "attention_mask"): torch.tensor(extra, dtype=torch.long),
+            "token_count": count if shards > 1 else torch.tensor(count, dtype=torch.long),
         }

@@ -23,7 +23,8 @@ from pathlib import Path
 from . import optimizers
 from .contract import TrainerConfig
 from .errors import ConfigError
-from .memory_levers import LEVERS, camel
+from .memory_levers import LEVERS, camel, ranks_per_replica
+from . import reporting
 
 log = logging.getLogger("finetune_trainer")
 
@@ -65,6 +66,40 @@ def check_runnable(cfg: TrainerConfig, cuda: bool) -> None:
         raise ConfigError(f"model.tokenizerPath {tokenizer_dir} does not exist")
 
 
+def check_sequence_parallel(cfg: TrainerConfig, world_size: int) -> None:
+    """What a sequence-parallel config needs of this attempt's ranks (memory_levers/sequence_parallel.py):
+    a ConfigError before anything loads."""
+    degree = cfg.sequence_parallel
+    if degree > 1 and world_size % degree:
+        raise ConfigError(f"sequenceParallel {degree} does not divide the {world_size} ranks of this attempt")
+    if degree > 1 and attention_for(cfg) == "eager":
+        raise ConfigError(f"sequenceParallel: this model runs eager attention only ({_model_type(cfg)}), and Ulysses "
+                          "drops the attention mask that eager attention needs")
+
+
+def sequence_parallel_arguments(cfg: TrainerConfig) -> dict:
+    """The TrainingArguments keywords that split each sequence over `sequenceParallel` ranks: accelerate's
+    ParallelismConfig with DeepSpeed's Ulysses (ALST) as its backend. The Trainer then wraps the train
+    dataloader in DeepSpeed's adapter (each micro-batch's rows sliced over the ranks of its group), swaps
+    the attention function for Ulysses' all-to-all around it, and computes the loss as the token-weighted
+    mean of the slices (transformers' deepspeed_sp_compute_loss). Evaluation runs without the split
+    (`sp_disable_in_eval`): its batches are not sliced, and each rank attends over its own whole sequence."""
+    if cfg.sequence_parallel <= 1:
+        return {}
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    world = reporting.world_size()
+    handler = DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True,  # each micro-batch is padded to its own longest row
+        sp_attn_implementation=attention_for(cfg),
+        sp_disable_in_eval=True,
+    )
+    return {"parallelism_config": ParallelismConfig(
+        sp_size=cfg.sequence_parallel, sp_backend="deepspeed", dp_replicate_size=world // cfg.sequence_parallel,
+        sp_handler=handler)}
+
+
 def check_deepspeed_batch(cfg: TrainerConfig, world_size: int) -> None:
     """Numbers a DeepSpeed config states instead of "auto" must match this attempt.
 
@@ -76,7 +111,7 @@ def check_deepspeed_batch(cfg: TrainerConfig, world_size: int) -> None:
     expected = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation,
-        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation * world_size,
+        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation * world_size // ranks_per_replica(cfg),
     }
     for key, value in expected.items():
         stated = cfg.deepspeed.get(key, "auto")

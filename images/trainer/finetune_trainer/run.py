@@ -12,7 +12,7 @@ import traceback
 from . import checkpointing, optimizers
 from .contract import DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH, ConfigLoadError, Phase, TrainerConfig, load_trainer_config
 from .errors import ConfigError
-from .memory_levers import trainer_arguments
+from .memory_levers import ranks_per_replica, trainer_arguments
 from .phases import PROGRESS
 from .provenance import AttemptFacts, write_attempt_record
 from .reporting import build_report, build_success, log_json, rank, world_size, write_report, write_success
@@ -89,7 +89,8 @@ def plan_run(cfg: TrainerConfig, num_examples: int, world: int, checkpoint) -> "
     from .data import total_samples
     from .training import RunPlan
 
-    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation * world
+    # The ranks of one sequence-parallel group share each micro-batch (memory_levers.ranks_per_replica).
+    global_batch = cfg.micro_batch_size * cfg.gradient_accumulation * world // ranks_per_replica(cfg)
     start_step = checkpoint.meta.step if checkpoint else 0
     start_samples = checkpoint.meta.samples_consumed if checkpoint else 0
     if cfg.max_steps is not None:
@@ -134,7 +135,7 @@ def usable_checkpoint(cfg: TrainerConfig):
 def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
     from transformers import TrainingArguments
 
-    from .model_setup import accelerate_fsdp_arguments, fsdp_route
+    from .model_setup import accelerate_fsdp_arguments, fsdp_route, sequence_parallel_arguments
 
     return TrainingArguments(
         output_dir=cfg.output_directory,
@@ -161,7 +162,10 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         # its memory stays under the training peak the plan sized (README, "Evaluation").
         eval_strategy="steps" if cfg.evaluation and cfg.evaluation.every_steps else "no",
         eval_steps=cfg.evaluation.every_steps if cfg.evaluation else None,
-        per_device_eval_batch_size=(cfg.evaluation.micro_batch_size if cfg.evaluation else None) or cfg.micro_batch_size,
+        # Under sequence parallelism evaluation runs each rank's sequences whole: one at a time unless the
+        # job names its eval micro-batch (what the planner sized).
+        per_device_eval_batch_size=(cfg.evaluation.micro_batch_size if cfg.evaluation else None)
+        or (1 if ranks_per_replica(cfg) > 1 else cfg.micro_batch_size),
         prediction_loss_only=True,
         save_strategy="no",  # our own atomic, reshardable checkpoints (checkpointing.py)
         report_to=[],
@@ -178,6 +182,8 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         **accelerate_fsdp_arguments(cfg, fsdp_route(cfg, world_size())),
         # The levers the Trainer turns on itself (Lever.trainer_arguments: Liger's kernels).
         **trainer_arguments(cfg),
+        # Each sequence split over sequenceParallel ranks (DeepSpeed's Ulysses through accelerate).
+        **sequence_parallel_arguments(cfg),
     )
 
 
@@ -191,7 +197,7 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
                        sample_order, stream_window_tokens)
     from .contract import MICRO_BATCH_TOKENS_COUNT
     from .faults import FaultInjector
-    from .model_setup import check_deepspeed_batch, check_runnable, load_model, load_tokenizer
+    from .model_setup import check_deepspeed_batch, check_runnable, check_sequence_parallel, load_model, load_tokenizer
     from .training import (CheckpointCallback, FineTuneTrainer, LeversCallback, PhaseCallback, ProgressCallback,
                            ResumeCallback)
 
@@ -203,6 +209,7 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     PROGRESS.gradient_accumulation = cfg.gradient_accumulation
     check_runnable(cfg, cuda)
     check_deepspeed_batch(cfg, world)
+    check_sequence_parallel(cfg, world)
     from .levers import StartupLevers
     faults = FaultInjector(cfg.fault_injection, cfg.attempt)
 
@@ -280,7 +287,8 @@ def train(cfg: TrainerConfig) -> "AttemptFacts":
     eval_dataset = [e.item() for e in held_out] or None
     trainer = FineTuneTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                               data_collator=Collator(tokenizer.pad_token_id,
-                                                     flatten=cfg.attention == "flash" or cfg.dataset.padding_free),
+                                                     flatten=cfg.attention == "flash" or cfg.dataset.padding_free,
+                                                     sequence_shards=cfg.sequence_parallel),
                               processing_class=tokenizer,
                               faults=faults, cfg=cfg, chunked_loss=chunked)
     trainer.remove_callback(PrinterCallback)

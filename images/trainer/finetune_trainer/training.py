@@ -19,6 +19,7 @@ from . import checkpointing, optimizers
 from .checkpointing import Checkpoint, CheckpointMeta
 from .contract import Phase, ProgressReport, TrainerConfig
 from .faults import FaultInjector
+from .memory_levers import ranks_per_replica
 from .phases import PROGRESS
 from .reporting import log_json, rank
 from .trainjob_status import StatusReporter
@@ -364,7 +365,10 @@ class ProgressCallback(TrainerCallback):
             if dist.get_backend() == "nccl":
                 tokens = tokens.cuda()
             dist.all_reduce(tokens)
-        return int(tokens.item())
+        # Every rank of a sequence-parallel group counts each micro-batch the group runs (the adapter
+        # hands each of them a slice of it, with the whole batch's count).
+        cfg = getattr(self.trainer, "cfg", None)
+        return int(tokens.item()) // (ranks_per_replica(cfg) if cfg is not None else 1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}

@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from finetune_trainer.combinations import EXPORTS, Choices, cel_rules, first_violation
 from finetune_trainer.contract import MICRO_BATCH_TOKENS_COUNT
-from finetune_trainer.memory_levers import choice_values, config_fields, derived_choices, ladder
+from finetune_trainer.memory_levers import attention_refusal, choice_values, config_fields, derived_choices, ladder
 
 from .errors import FieldError, field_error
 from .model import ModelSpec
@@ -207,8 +207,11 @@ def spec_choices(spec: "FineTuneJobSpec") -> Choices:
     training, resources = spec.training, spec.resources
     micro, gpus = training.micro_batch_size, resources.gpus
     accumulation = None
+    # The GPUs that split one sequence run its micro-batches together: accumulation is that many times
+    # more. Left to the planner, 1: the least it can be, which the rules on accumulation (at least) need.
+    split = training.sequence_parallel if isinstance(training.sequence_parallel, int) else 1
     if isinstance(micro, int) and isinstance(gpus, int) and training.global_batch_size % (micro * gpus) == 0:
-        accumulation = training.global_batch_size // (micro * gpus)
+        accumulation = training.global_batch_size * split // (micro * gpus)
     return Choices(
         method=spec.method,
         strategy=_fixed(resources.strategy),
@@ -365,6 +368,13 @@ class FineTuneJobSpec(ApiModel):
         problem = first_violation(spec_choices(self))
         if problem is not None:
             raise field_error(CHOICE_PATHS[problem.field], problem.message)
+        refusal = attention_refusal(self.training.sequence_parallel, self.training.attention,
+                                    self.dataset.packing or self.dataset.padding_free)
+        if refusal is not None:
+            raise field_error("training.sequenceParallel", refusal)
+        split, gpus = self.training.sequence_parallel, self.resources.gpus
+        if isinstance(split, int) and isinstance(gpus, int) and gpus % split:
+            raise field_error("training.sequenceParallel", f"{split} GPUs per sequence do not divide gpus {gpus}")
         micro, gpus = self.training.micro_batch_size, self.resources.gpus
         if isinstance(micro, int) and isinstance(gpus, int) and self.training.global_batch_size % (micro * gpus):
             raise field_error(

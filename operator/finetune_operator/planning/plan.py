@@ -8,7 +8,8 @@ from pydantic.alias_generators import to_camel
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from finetune_trainer.combinations import OPTIMIZERS, STRATEGIES
-from finetune_trainer.memory_levers import LEVERS, NO_LEVERS, Levers, camel, lever_fields_model, levers_of
+from finetune_trainer.memory_levers import (LEVERS, NO_LEVERS, Levers, camel, lever_fields_model, levers_of,
+                                           ranks_per_replica)
 
 from .. import api
 from .pools import GiB, NodePool
@@ -123,8 +124,9 @@ class Plan(_PlanLevers):
 
     @property
     def data_parallel_size(self) -> int:
-        # Every strategy here is data-parallel over all GPUs (sharding splits state, not data).
-        return self.gpus
+        # Every strategy here is data-parallel over all GPUs (sharding splits state, not data), but for the
+        # GPUs that split one micro-batch's sequence (memory_levers.ranks_per_replica).
+        return self.gpus // ranks_per_replica(self)
 
     @property
     def key(self) -> PlanKey:

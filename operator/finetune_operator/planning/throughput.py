@@ -91,6 +91,9 @@ class JobWork:
     rate: float  # precision factor on the peak (fp32 on TF32)
     sequence_length: int  # the longest row attention spans: sequenceLength, or the longest example declared
     global_batch_size: int  # samples per optimizer step
+    # Bytes per token that sequence parallelism's all-to-all moves in one forward over all layers: each
+    # block's q, k, v and attention output (Ulysses exchanges each of them once per pass).
+    exchange_bytes_per_token: float = 0.0
 
 
 def active_params(arch: ModelArchitecture) -> int:
@@ -137,6 +140,7 @@ def job_work(
         flops_per_token=flops,
         recompute_flops_per_token=2 * n + attention,
         tokens_per_step=step_tokens if step_tokens is not None else global_batch_size * sequence_length,
+        exchange_bytes_per_token=compute_bytes * arch.num_layers * (2 * arch.q_size + 2 * arch.kv_size),
         weight_bytes=weight_bytes,
         grad_bytes=compute_bytes * trainable,
         trainable_params=trainable,
@@ -147,8 +151,10 @@ def job_work(
     )
 
 
-def accumulation_steps(work: JobWork, world: int, micro_batch_size: int) -> int:
-    return max(1, work.global_batch_size // (micro_batch_size * world))
+def accumulation_steps(work: JobWork, world: int, micro_batch_size: int, sequence_parallel: int = 1) -> int:
+    """Micro-batches per optimizer step on each GPU: the GPUs that split one sequence run each of their
+    micro-batches together (sequence parallelism), so they run `sequence_parallel` times as many."""
+    return max(1, work.global_batch_size * sequence_parallel // (micro_batch_size * world))
 
 
 def compute_and_communication(
@@ -161,11 +167,14 @@ def compute_and_communication(
     gradient_checkpointing: bool,
     micro_batch_size: int,
     tflops: float | None = None,
+    sequence_parallel: int = 1,
 ) -> tuple[float, float]:
-    """Seconds of GPU compute and of collective communication in one optimizer step."""
+    """Seconds of GPU compute and of collective communication in one optimizer step. Under sequence
+    parallelism each GPU computes its slice of every micro-batch (the same tokens per GPU in all, in
+    smaller pieces) and exchanges every block's attention inputs and output with its group."""
     world = nodes * gpus_per_node
     per_token = work.flops_per_token + (work.recompute_flops_per_token if gradient_checkpointing else 0.0)
-    micro_tokens = micro_batch_size * work.tokens_per_step / work.global_batch_size
+    micro_tokens = micro_batch_size * work.tokens_per_step / work.global_batch_size / sequence_parallel
     utilisation = STRATEGY_MFU[strategy] * micro_tokens / (micro_tokens + MICRO_BATCH_HALF_TOKENS)
     dequantisation = micro_tokens / (micro_tokens + work.dequant_tokens)
     flops_per_second = world * (tflops if tflops is not None else pool.tflops) * 1e12 * utilisation * dequantisation * work.rate
@@ -173,7 +182,7 @@ def compute_and_communication(
 
     communication = 0.0
     if world > 1:
-        accumulation = accumulation_steps(work, world, micro_batch_size)
+        accumulation = accumulation_steps(work, world, micro_batch_size, sequence_parallel)
         if strategy in ("fsdp", "zero3"):
             gathers = 3 if gradient_checkpointing else 2
             volume = accumulation * (gathers * work.weight_bytes + work.grad_bytes)
@@ -187,6 +196,17 @@ def compute_and_communication(
             share = gpus_per_node / pool.gpus_per_node
             link = max(pool.inter_node_gbps, 1.0) * share / 8 * 1e9
             communication += volume * (nodes - 1) / nodes / link
+    if sequence_parallel > 1:
+        # Ulysses: each pass over the layers (forward, its recompute, backward) sends (d-1)/d of the
+        # slice's exchanged tensors, within a node when the group fits in one.
+        passes = 3 if gradient_checkpointing else 2
+        exchanged = passes * work.exchange_bytes_per_token * work.tokens_per_step / world
+        exchanged *= (sequence_parallel - 1) / sequence_parallel
+        if sequence_parallel <= gpus_per_node:
+            communication += exchanged / (INTRA_NODE_GBYTES[pool.intra_node] * 1e9)
+        else:
+            share = gpus_per_node / pool.gpus_per_node
+            communication += exchanged / (max(pool.inter_node_gbps, 1.0) * share / 8 * 1e9)
     return compute, communication
 
 
@@ -199,6 +219,7 @@ def offload_costs(
     offload: str,
     gradient_checkpointing: bool,
     micro_batch_size: int,
+    sequence_parallel: int = 1,
 ) -> tuple[float, float]:
     """Seconds of host<->GPU transfers and of the CPU optimizer step in one optimizer step."""
     if offload == "none":
@@ -213,7 +234,7 @@ def offload_costs(
     if offload == "optimizer+params":
         gathers = 3 if gradient_checkpointing else 2
         per_micro_step = (gathers * work.weight_bytes + work.grad_bytes) / world / pcie
-        transfers += accumulation_steps(work, world, micro_batch_size) * per_micro_step
+        transfers += accumulation_steps(work, world, micro_batch_size, sequence_parallel) * per_micro_step
     return transfers, cpu_step
 
 

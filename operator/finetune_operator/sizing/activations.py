@@ -203,7 +203,9 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         if arch.attn_logit_softcapping:
             saved += compute * heads * seq  # tanh output
     else:
-        saved += compute * (2 * q_width + 2 * kv_width) + 4 * heads  # q, k, v, output, logsumexp
+        # q, k, v, output, logsumexp (under sequence parallelism the kernel's, over the whole sequence
+        # and a share of the heads: as many bytes per token, but for replicated key/value heads)
+        saved += compute * (2 * q_width + 2 * _kernel_kv_width(arch, setup)) + 4 * heads
         if traits.fused_qkv:
             saved += compute * (q_width + kv_width)  # v is a view: the whole fused qkv output stays alive
         if _sdpa_needs_mask(arch, setup):
@@ -233,6 +235,24 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         if regime.weights_trainable:
             saved += compute * inter  # down's input
     return saved, _lora_saved(arch, setup, regime)
+
+
+def _kernel_kv_width(arch: ModelArchitecture, setup: TrainingSetup) -> int:
+    """Key (or value) elements per token the attention kernel holds. Under sequence parallelism with
+    fewer key/value heads than GPUs in the group, Ulysses repeats each key/value head so that every GPU
+    gets one (its kv_replication_factor): a GPU then holds one head over the whole sequence."""
+    return arch.dim_per_head * max(arch.num_key_value_heads, setup.sequence_parallel)
+
+
+def ulysses_exchange_per_token(arch: ModelArchitecture, setup: TrainingSetup, regime: Regime) -> float:
+    """Bytes per token (of the GPU's slice) that Ulysses' all-to-all adds around one block's attention
+    in backward, sequence parallelism only: the gradients of q, k, v and of the output in the layout of
+    the exchange, each as its rearranged copy and the all-to-all's output (deepspeed's
+    UlyssesSPAttentionHF: `rearrange(...).contiguous()` then `_dim_zero_all_to_all`)."""
+    if setup.sequence_parallel <= 1:
+        return 0.0
+    q_width, kv_width = arch.q_size, _kernel_kv_width(arch, setup)
+    return 2 * regime.compute * (2 * q_width + 2 * kv_width)
 
 
 def _sdpa_needs_mask(arch: ModelArchitecture, setup: TrainingSetup) -> bool:

@@ -68,7 +68,7 @@ from finetune_trainer.memory_levers import Levers, levers_of, savings
 from . import constants as K
 from . import saved_modules
 from .allocator import required_factor
-from .activations import SavedActivations, saved_activations
+from .activations import SavedActivations, saved_activations, ulysses_exchange_per_token
 from .errors import SizingError
 from .regime import Regime, regime_of
 from .setup import TrainingSetup
@@ -380,6 +380,8 @@ def _backward(parts: _StepParts) -> dict[str, float]:
     block_bwd = 3 * regime.mlp * arch.expert_intermediate_size * moe_k * tokens
     # ... and the gradient of the residual stream: the one flowing in and the one being built.
     block_bwd += 2 * regime.residual * hidden * tokens
+    # ... and, under sequence parallelism, Ulysses' exchange around the block's attention.
+    block_bwd += ulysses_exchange_per_token(arch, setup, regime) * tokens
     if setup.attention == "eager":
         # ... and eager attention's softmax backward: the scores' gradient, as large as the
         # probabilities (gpt-oss at 8192 tokens: 8 GiB a block; seen under FSDP with checkpointing).

@@ -14,12 +14,17 @@ from finetune_trainer.combinations import (
     Choices,
     first_violation,
 )
-from finetune_trainer.memory_levers import LEVERS, choice_values, lever_setup_class, lever_value_checks
+from finetune_trainer.memory_levers import LEVERS, attention_refusal, choice_values, lever_setup_class, lever_value_checks
 from finetune_trainer.optimizers import ADAMW_GROUP_MOMENT_COPIES, TRAINER_ADAMW
 
 from .architecture import ModelArchitecture
 from .errors import SizingError
 from .saved_modules import saved_modules
+
+
+def _padded_to(length: int, multiple: int) -> int:
+    # Sequence parallelism: the collator pads each row to a multiple of the degree (data.Collator).
+    return -(-length // multiple) * multiple
 
 
 def declared_window(sequence_length: int, micro_batch_tokens: tuple[int, ...], count: int) -> int:
@@ -136,6 +141,8 @@ class TrainingSetup(_SetupLevers):
         if self.packing and self.padding_free:
             raise SizingError("padding_free", "packed sequences are padding-free already: set at most one of "
                                               "packing, padding_free")
+        if self.sequence_parallel > 1:
+            self._check_sequence_parallel()
         for name in ("packing", "padding_free", "lora_target_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SizingError(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -157,9 +164,35 @@ class TrainingSetup(_SetupLevers):
             **choice_values(self),
         )
 
+    def _check_sequence_parallel(self) -> None:
+        """What Ulysses cannot split (memory_levers/sequence_parallel.py): each GPU attends over the whole
+        sequence with its share of the heads, and the attention mask is dropped (causality comes from the
+        position ids)."""
+        arch, degree = self.architecture, self.sequence_parallel
+        refusal = attention_refusal(degree, self.attention, self.packing or self.padding_free)
+        if refusal is None and arch.traits.eager_only:
+            refusal = f"sequence parallelism needs sdpa or flash attention; model family {arch.family} runs eager only"
+        if refusal is None and arch.num_attention_heads % degree:
+            refusal = (f"sequence parallelism splits the {arch.num_attention_heads} attention heads over the GPUs of a "
+                       f"sequence: {degree} does not divide them")
+        kv = arch.num_key_value_heads
+        if refusal is None and kv % degree and degree % kv:
+            refusal = f"the {kv} key/value heads and the degree {degree} must divide one another (Ulysses)"
+        if refusal is None and self.attention == "sdpa" and arch.num_sliding_layers > 0:
+            refusal = ("sequence parallelism drops the sliding-window mask sdpa would need: use flash attention, "
+                       "which takes the window itself")
+        if refusal is not None:
+            raise SizingError("sequence_parallel", refusal)
+
+    @property
+    def sequence_shard(self) -> int:
+        """Tokens per row on one GPU: the row, or (sequence parallelism) its slice."""
+        return self.row_length // self.sequence_parallel
+
     @property
     def tokens_per_micro_batch(self) -> int:
-        return self.rows * self.row_length
+        """Tokens of the micro-batch whose activations one GPU holds."""
+        return self.rows * self.sequence_shard
 
     def window_tokens(self, count: int) -> int:
         """The most real tokens `count` consecutive examples of the run can hold (declared_window)."""
@@ -174,7 +207,11 @@ class TrainingSetup(_SetupLevers):
     def row_length(self) -> int:
         """Tokens per row of the largest micro-batch the data can make. Packed: sequence_length (the
         bins fill up). Padded: the longest example (the collator pads to the micro-batch's longest).
-        Padding-free: the most tokens micro_batch_size consecutive examples hold, end to end."""
+        Padding-free: the most tokens micro_batch_size consecutive examples hold, end to end. Under
+        sequence parallelism, rounded up to a multiple of the degree (the collator pads so)."""
+        return _padded_to(self._real_row_length(), self.sequence_parallel)
+
+    def _real_row_length(self) -> int:
         if self.packing:
             return self.sequence_length
         if self.padding_free:

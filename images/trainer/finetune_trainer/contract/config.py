@@ -21,7 +21,7 @@ from ..combinations import (
     describe,
     violations,
 )
-from ..memory_levers import LEVERS, choice_values, lever_fields_model
+from ..memory_levers import LEVERS, attention_refusal, choice_values, lever_fields_model
 from .base import Contract, DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH
 from .deepspeed import check_deepspeed
 
@@ -257,6 +257,10 @@ class TrainerConfig(_TrainerConfigLevers):
         problems = violations(self.choices())
         if problems:
             raise ValueError(describe(problems))
+        refusal = attention_refusal(self.sequence_parallel, self.attention,
+                                    self.dataset.packing or self.dataset.padding_free)
+        if refusal:
+            raise ValueError(f"sequenceParallel: {refusal}")
         if self.evaluation is not None and self.evaluation.keep_best and self.checkpoint is None:
             raise ValueError("evaluation.keepBest needs checkpoint (the best model is kept beside the checkpoints)")
         return self

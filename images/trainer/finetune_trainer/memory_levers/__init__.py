@@ -10,7 +10,7 @@ and TrainingSetup). Adding a lever is a new module and its line in `LEVERS`, plu
 in the memory model (and the trainer's code for it, unless TrainingArguments turn it on).
 
 Kubeflow Trainer registers its runtime plugins in one place and Kueue its job integrations; this
-is the same idea at the size of five levers: a plain tuple of plain dataclass instances.
+is the same idea at the size of six levers: a plain tuple of plain dataclass instances.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from collections import namedtuple
 from itertools import product
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from . import activation_offloading, liger_kernel, loss_chunks, master_weights, optimizer_in_backward
+from . import activation_offloading, liger_kernel, loss_chunks, master_weights, optimizer_in_backward, sequence_parallel
 from .fields import lever_fields_model, lever_setup_class, lever_spec_model, lever_value_checks
 from .lever import AutoOrInt, Lever, LeverField, Setting, camel
+from .sequence_parallel import attention_refusal
 
 # In the order the plan's words and its list of savings name them.
 LEVERS: tuple[Lever, ...] = (
@@ -30,6 +31,7 @@ LEVERS: tuple[Lever, ...] = (
     loss_chunks.LEVER,
     activation_offloading.LEVER,
     liger_kernel.LEVER,
+    sequence_parallel.LEVER,
 )
 BY_NAME: dict[str, Lever] = {lever.name: lever for lever in LEVERS}
 
@@ -90,6 +92,21 @@ class LeverAsk(NamedTuple):
 
     freedoms: tuple = ()
     fixed: frozenset = frozenset()
+
+    def first_resort(self) -> "LeverAsk | None":
+        """The ask with each `Lever.last_resort` lever the job left free held at its off value (the
+        planner's first search), or None when no such lever is free (one search is all there is)."""
+        if not self.freedoms:
+            return None
+        held, changed = [], False
+        for lever, freedom in zip(LEVERS, self.freedoms):
+            off = lever.off[lever.name]
+            if lever.last_resort and lever.settings is None and off in freedom and len(freedom) > 1:
+                held.append((off,))
+                changed = True
+            else:
+                held.append(freedom)
+        return self._replace(freedoms=tuple(held)) if changed else None
 
 
 def lever_ask(training: Any, method: str, logit_transform: bool) -> LeverAsk:
@@ -156,6 +173,24 @@ def _replaced_off(settings: Sequence[Setting]) -> tuple[Setting, ...]:
     """`settings` with every lever that a lever in use replaces turned off."""
     replaced = _replaced(settings)
     return tuple(dict(lever.off) if lever.name in replaced else setting for lever, setting in zip(LEVERS, settings))
+
+
+def ranks_per_replica(values: Any) -> int:
+    """How many GPUs run one micro-batch together under the levers `values` (a setup, a plan, a
+    config) has on (`Lever.ranks_per_replica`): 1 unless a lever splits the micro-batch's sequence.
+    The data-parallel size is the GPU count divided by it."""
+    ranks = 1
+    for lever in LEVERS:
+        if lever.ranks_per_replica is not None and lever.in_use(values):
+            ranks *= lever.ranks_per_replica(lever.setting_of(values))
+    return ranks
+
+
+def unsplit(levers: Levers) -> Levers:
+    """`levers` with every lever that splits a micro-batch over GPUs (`Lever.ranks_per_replica`) off:
+    how evaluation runs (the trainer evaluates each rank's sequences whole)."""
+    return levers._replace(**{field: value for lever in LEVERS if lever.ranks_per_replica is not None
+                              for field, value in lever.off.items()})
 
 
 def needs_whole_batch(levers: Levers) -> bool:
@@ -282,8 +317,11 @@ __all__ = [
     "lever_value_checks",
     "levers_of",
     "needs_whole_batch",
+    "ranks_per_replica",
     "savings",
     "sized_fields",
     "stops_clipping",
     "trainer_arguments",
+    "unsplit",
+    "attention_refusal",
 ]

@@ -105,6 +105,13 @@ class Lever:
     host_transfer_bytes: Callable[[Any, int, int], float] | None = None
     """(architecture, micro-batch, sequence length) -> bytes it moves over PCIe per micro-batch in
     use, which the planner prices as time."""
+    last_resort: bool = False
+    """Whether the planner tries its settings other than off only when no plan fits without them (the
+    job's `auto`): a lever that costs every step time and is worth it only to fit (sequence parallelism)."""
+    ranks_per_replica: Callable[[Setting], int] | None = None
+    """A setting in use as the number of GPUs that run one micro-batch together (sequence parallelism:
+    its degree). The GPU count must be a multiple of it; the data-parallel size is the GPU count divided
+    by it, and gradient accumulation is multiplied by it. None: each GPU runs its own micro-batches."""
     traced_by_profile: bool = False
     """Whether the pre-flight profile can size it in use (otherwise only its off setting)."""
     replaces: tuple[str, ...] = ()

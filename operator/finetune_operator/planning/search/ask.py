@@ -72,6 +72,7 @@ class Ask:
     # spec.evaluation.microBatchSize: evaluation's own micro-batch, which must fit beside what the
     # setup keeps resident (estimate.Estimates.eval_required); None: the plan's micro-batch.
     eval_micro_batch: int | None = None
+    evaluates: bool = False  # spec.evaluation is set
 
     def base_choices(self, strategy: str, offload: str, checkpointing: bool) -> Choices:
         """A group's choices before its levers, for combinations.py."""
@@ -156,6 +157,7 @@ def ask_from_spec(spec: api.FineTuneJobSpec, policy: ClusterPolicy, architecture
         export_host_bytes=exported.host_bytes if exported is not None else 0,
         pod_extra_host_bytes=UPLOAD_SIDECAR_HOST_BYTES if spec.output is not None and spec.output.s3 is not None else 0,
         eval_micro_batch=spec.evaluation.micro_batch_size if spec.evaluation is not None else None,
+        evaluates=spec.evaluation is not None,
     )
     if not ask.regions:
         wanted = ", ".join(spec.placement.regions)

@@ -36,6 +36,7 @@ cheapest pools are known (up to RUNNER_UP_SPAN times the cheapest cost).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable, Sequence, TypeVar
 
 from ..plan import PlanKey
@@ -123,7 +124,20 @@ def choose(found: list[Candidate], window: float) -> tuple[Candidate, list[Candi
 def find(ask: Ask, pools: Sequence[NodePool], work: JobWork, estimates: Estimates, excluded: set[PlanKey],
          calibration: float, window: float, *, exhaustive: bool) -> tuple[list[Candidate], Stats]:
     """The candidates of the job's space on `pools` (the best micro-batch of each group the branch
-    and bound sizes, or every micro-batch of every group when `exhaustive`), and what the search saw."""
+    and bound sizes, or every micro-batch of every group when `exhaustive`), and what the search saw.
+    A lever the job leaves to the planner as a last resort (`Lever.last_resort`: sequence parallelism)
+    is searched only when nothing fits without it."""
+    first = ask.levers.first_resort()
+    if first is not None:
+        found, stats = _find(replace(ask, levers=first), pools, work, estimates, excluded, calibration, window,
+                             exhaustive=exhaustive)
+        if found:
+            return found, stats
+    return _find(ask, pools, work, estimates, excluded, calibration, window, exhaustive=exhaustive)
+
+
+def _find(ask: Ask, pools: Sequence[NodePool], work: JobWork, estimates: Estimates, excluded: set[PlanKey],
+          calibration: float, window: float, *, exhaustive: bool) -> tuple[list[Candidate], Stats]:
     stats = Stats()
     space = groups(ask, pools, stats)  # stage 1: enumerate
     costs = Costs(work, ask.arch)  # stage 2: estimate (memory through `estimates`, when sized)

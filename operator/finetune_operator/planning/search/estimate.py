@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ...sizing import SizingError, TrainingSetup, estimate_memory
 from ...sizing.setup import declared_window
-from finetune_trainer.memory_levers import LEVERS, NO_LEVERS, Levers, savings
+from finetune_trainer.memory_levers import LEVERS, NO_LEVERS, Levers, ranks_per_replica, savings, unsplit
 
 from ..throughput import (
     PCIE_GBYTES,
@@ -153,14 +153,17 @@ class Estimates:
         self.cache[key] = hit
         return hit
 
-    def eval_required(self, world: int, strategy: str, offload: str, levers: Levers = NO_LEVERS) -> int | SizingError:
+    def eval_required(self, world: int, strategy: str, offload: str, levers: Levers = NO_LEVERS,
+                      micro: int | None = None) -> int | SizingError:
         """Required bytes per GPU while it evaluates at the job's eval micro-batch (ask.eval_micro_batch):
         the forward phase of that micro-batch with gradient checkpointing, which bounds a forward under
         no_grad from above (it keeps each block's input for backward; no_grad keeps nothing), with the
         resident states of the setup and the estimate's own allocator margin. An estimator that says
-        nothing of its phases counts its whole step (more, never less)."""
-        micro = self.ask.eval_micro_batch
+        nothing of its phases counts its whole step (more, never less). Evaluation runs each rank's
+        sequences whole (the trainer turns sequence parallelism off for it): sized unsplit."""
+        micro = micro or self.ask.eval_micro_batch
         assert micro is not None
+        levers = unsplit(levers)
         facts = self.get(world, strategy, offload, True, micro, levers, declared=False)
         if isinstance(facts, SizingError):
             return facts
@@ -179,7 +182,7 @@ class Estimates:
             precision=a.precision, optimizer=a.optimizer, micro_batch_size=micro,
             sequence_length=a.sequence_length, gradient_checkpointing=checkpointing, attention=a.attention,
             packing=a.packing, padding_free=a.padding_free, micro_batch_tokens=a.micro_batch_tokens if declared else (), strategy=strategy, world_size=world, offload=offload,
-            gradient_accumulation=max(1, a.global_batch_size // (micro * world)),
+            gradient_accumulation=max(1, a.global_batch_size * ranks_per_replica(levers) // (micro * world)),
             lora_target_experts=a.target_experts and a.method != "full", **levers.setup_fields(),
         )
 
@@ -225,16 +228,18 @@ class Costs:
         self.shared: dict[tuple, tuple[float, float]] = {}
 
     def of(self, group: Group, micro: int) -> tuple[float, float]:
-        key = (id(group.pool), group.nodes, group.gpus_per_node, group.strategy, group.checkpointing, micro)
+        replica = ranks_per_replica(group.levers)
+        key = (id(group.pool), group.nodes, group.gpus_per_node, group.strategy, group.checkpointing, micro, replica)
         parts = self.shared.get(key)
         if parts is None:
             parts = self.shared[key] = compute_and_communication(
                 self.work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, strategy=group.strategy,
                 gradient_checkpointing=group.checkpointing, micro_batch_size=micro, tflops=group.tflops,
+                sequence_parallel=replica,
             )
         transfers, cpu_step = offload_costs(
             self.work, group.pool, nodes=group.nodes, gpus_per_node=group.gpus_per_node, offload=group.offload,
-            gradient_checkpointing=group.checkpointing, micro_batch_size=micro,
+            gradient_checkpointing=group.checkpointing, micro_batch_size=micro, sequence_parallel=replica,
         )
         lever_bytes = [lever.host_transfer_bytes(self.arch, micro, self.work.sequence_length)
                        for lever in LEVERS if lever.host_transfer_bytes is not None and lever.in_use(group.levers)]
@@ -247,4 +252,5 @@ class Costs:
         """Seconds per step of the levers' host traffic (Lever.host_transfer_bytes: activation
         offloading's block inputs out in forward and back in backward), each micro-batch, over the
         GPU's PCIe link (hidden by compute as far as `combine` lets traffic hide)."""
-        return accumulation_steps(self.work, group.world, micro) * per_micro / (PCIE_GBYTES * 1e9)
+        return accumulation_steps(self.work, group.world, micro, ranks_per_replica(group.levers)) * per_micro / (
+            PCIE_GBYTES * 1e9)

@@ -11,7 +11,7 @@ from ..pools import GiB
 from .ask import Ask
 from .choose import COST_TIE, RUNNERS_UP
 from .fit import Candidate, pod_host_bytes
-from .space import Group, Stats
+from .space import Group, Stats, accumulation_of
 
 
 def gib(n: float) -> str:
@@ -139,7 +139,7 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
     searched = "every candidate" if exhaustive else f"{stats.groups_visited} of {stats.groups} setups"
     reason = (
         f"{shape(g)} in pool {pool.name} ({pool.region}) with {setup_words(g)}, micro-batch {winner.micro} x"
-        f" accumulation {ask.global_batch_size // (winner.micro * g.world)}: it needs {gib(required)} per GPU{calib}"
+        f" accumulation {accumulation_of(ask, g, winner.micro)}: it needs {gib(required)} per GPU{calib}"
         f" of {gib(usable)} usable ({pool.gpu_memory_bytes / GiB:.1f} GiB less {ask.headroom:.0%} headroom), peak in"
         f" {f.peak_phase or 'training'}, and {choice_words(winner, others, window)} ({cost_words}; searched {searched})."
         f" {free_words[0].upper() + free_words[1:]}."
@@ -158,7 +158,7 @@ def to_plan(ask: Ask, winner: Candidate, others: list[Candidate], stats: Stats, 
         offload=g.offload,
         optimizer=ask.optimizer,
         micro_batch_size=winner.micro,
-        gradient_accumulation=ask.global_batch_size // (winner.micro * g.world),
+        gradient_accumulation=accumulation_of(ask, g, winner.micro),
         gradient_checkpointing=g.checkpointing,
         attention=ask.attention,
         precision=ask.precision,

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from finetune_trainer.memory_levers import ranks_per_replica
+
 from ...sizing import SizingError
 from ..plan import PlanKey
 from .ask import Ask
@@ -190,10 +192,15 @@ class Fit:
 
     def eval_misfit(self, group: Group) -> str | None:
         """Why the group cannot evaluate at the job's own eval micro-batch ("eval", "unsupported"), or None
-        (it can, or the job evaluates at the training micro-batch, which the step's estimate covers)."""
-        if self.ask.eval_micro_batch is None:
+        (it can, or the job evaluates at the training micro-batch, which the step's estimate covers). A
+        group that splits sequences over GPUs evaluates them whole, one at a time unless the job names its
+        eval micro-batch (the trainer's eval_micro_batch): the step's estimate does not cover that."""
+        micro = self.ask.eval_micro_batch
+        if micro is None and self.ask.evaluates and ranks_per_replica(group.levers) > 1:
+            micro = 1
+        if micro is None:
             return None
-        need = self.estimates.eval_required(group.world, group.strategy, group.offload, group.levers)
+        need = self.estimates.eval_required(group.world, group.strategy, group.offload, group.levers, micro)
         if isinstance(need, SizingError):
             return "unsupported"
         return "eval" if need * self.calibration > group.usable else None

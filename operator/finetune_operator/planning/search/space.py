@@ -33,6 +33,7 @@ from finetune_trainer.memory_levers import (
     lever_changes,
     lever_options,
     needs_whole_batch,
+    ranks_per_replica,
 )
 
 from ..plan import Infeasible, PlanKey
@@ -196,6 +197,9 @@ def groups(ask: Ask, pools: Sequence[NodePool], stats: Stats) -> list[Group]:
                                 known = lever_memo[(strategy, offload, ckpt, bool(whole))] = _lever_options(
                                     ask.levers, ask.base_choices(strategy, offload, ckpt), bool(whole))
                             for levers in known:
+                                if world % ranks_per_replica(levers):
+                                    stats.reject("sequence-parallel degree does not divide the GPU count")
+                                    continue
                                 found.append(Group(pool, world, nodes, per_node, strategy, offload, ckpt,
                                                    whole if needs_whole_batch(levers) else micros, price,
                                                    order, usable, tflops, levers))
@@ -226,6 +230,12 @@ def changes(ask: Ask, group: Group) -> tuple[str, ...]:
         turned_on.append(f"strategy {group.strategy}")
     turned_on.extend(lever_changes(group.levers, ask.levers.fixed))
     return tuple(turned_on)
+
+
+def accumulation_of(ask: Ask, g: Group, micro: int) -> int:
+    """Micro-batches per optimizer step on each GPU: globalBatchSize over micro x the data-parallel size
+    (the GPUs, but for those that split one sequence: memory_levers.ranks_per_replica)."""
+    return ask.global_batch_size * ranks_per_replica(g.levers) // (micro * g.world)
 
 
 def key_of(ask: Ask, g: Group, micro: int) -> PlanKey:
