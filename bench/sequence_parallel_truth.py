@@ -17,22 +17,24 @@ holds (sequence s over 2 GPUs as a whole sequence of s/2), plus Ulysses' exchang
 each row runs three setups: the split (`split 2`), a whole sequence of half the length (`whole s/2`)
 and a whole one of the full length (`whole s`); `ratio` is split over whole s/2, measured and
 estimated. The last columns are the model's error on the unsplit run: the baseline, which is not
-the split's doing (on this CPU DeepSpeed's ZeRO-2 backward shows about one bf16 reduce bucket,
-where the model counts two fp32 ones: an over-estimate of the ZeRO-1/2 buffers).
+the split's doing (the model counts 381 MiB of DeepSpeed's ZeRO-2 buckets here; these runs' backward
+rises about 100 MiB above their forward at 1024 tokens, so most of that count is not seen on this
+CPU with LoRA's few trainable values; the cause is not established).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "images" / "trainer"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cpu_ranks import run_ranks  # noqa: E402
 
 RANK_SCRIPT = r'''
 import json, os, sys
@@ -101,20 +103,8 @@ def llama_config(kv_heads: int) -> dict:
 
 
 def measure(sp: int, seq: int, ckpt: bool, kv_heads: int, port: int) -> dict[str, int]:
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(ROOT / "images" / "trainer"), str(sp),
-                                       str(seq), "1" if ckpt else "0", json.dumps(llama_config(kv_heads))],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=1800)
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if p.returncode != 0 or not lines:
-            raise RuntimeError(f"sp {sp} seq {seq}: rank failed (exit {p.returncode}): {err[-3000:]}")
-        results.append(json.loads(lines[-1]))
+    results = run_ranks(RANK_SCRIPT, [str(sp), str(seq), "1" if ckpt else "0", json.dumps(llama_config(kv_heads))],
+                        2, port, f"sp {sp} seq {seq}")
     return {k: max(r[k] for r in results) for k in PHASES}  # the fullest rank per phase
 
 

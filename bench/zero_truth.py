@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -44,6 +43,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "images" / "trainer"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cpu_ranks import run_ranks  # noqa: E402
 
 RANK_SCRIPT = r'''
 import json, os, sys
@@ -208,21 +210,9 @@ def run(stage: int, world: int, width: int, layers: int, scale: int, port: int, 
 
 def _run(stage: int, world: int, width: int, layers: int, scale: int, port: int, nccl_like: bool,
          model: str) -> dict[str, int]:
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(ROOT / "images" / "trainer"), str(stage),
-                                       str(width), str(layers), str(scale), "1" if nccl_like else "0",
-                                       model, json.dumps(llama_config(width, layers))],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=1800)
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if p.returncode != 0 or not lines:
-            raise RuntimeError(f"stage {stage} world {world}: rank failed (exit {p.returncode}): {err[-2000:]}")
-        results.append(json.loads(lines[-1]))
+    results = run_ranks(RANK_SCRIPT, [str(stage), str(width), str(layers), str(scale), "1" if nccl_like else "0",
+                                      model, json.dumps(llama_config(width, layers))],
+                        world, port, f"stage {stage} world {world}")
     return {k: max(r[k] for r in results) for k in PHASES}  # the fullest rank per phase
 
 
