@@ -15,8 +15,8 @@ parameters), and the fullest rank's peak is printed beside finetune_operator.siz
 What the memory model says of the split is that a GPU of it holds what an unsplit run of its slice
 holds (sequence s over 2 GPUs as a whole sequence of s/2), plus Ulysses' exchange in backward. So
 each row runs three setups: the split (`split 2`), a whole sequence of half the length (`whole s/2`)
-and a whole one of the full length (`whole s`); `ratio` is split over whole s/2, measured and
-estimated. The last columns are the model's error on the unsplit run: the baseline, which is not
+and a whole one of the full length (`whole s`); `excess` is what the split holds more than the
+whole s/2, measured and estimated. The last columns are the model's error on the unsplit run: the baseline, which is not
 the split's doing (the model counts 381 MiB of DeepSpeed's ZeRO-2 buckets here; these runs' backward
 rises about 100 MiB above their forward at 1024 tokens, so most of that count is not seen on this
 CPU with LoRA's few trainable values; the cause is not established).
@@ -129,8 +129,8 @@ def main() -> None:
     rows = []
     port = 29610
     mib = 2 ** 20
-    print(f"{'kv':>3} {'seq':>6} {'ckpt':>5} | {'split 2':>8} {'whole s/2':>9} {'ratio':>6} | {'est split':>9}"
-          f" {'est s/2':>8} {'ratio':>6} | {'whole s':>8} {'est s':>8} {'error':>7}   (MiB, the fullest rank)")
+    print(f"{'kv':>3} {'seq':>6} {'ckpt':>5} | {'split 2':>8} {'whole s/2':>9} {'excess':>7} | {'est split':>9}"
+          f" {'est s/2':>8} {'excess':>7} | {'whole s':>8} {'est s':>8} {'error':>7}   (MiB, the fullest rank)")
     for kv in (int(k) for k in ns.kv_heads.split(",")):
         for seq in (int(s) for s in ns.seqs.split(",")):
             for ckpt in (False, True):
@@ -146,8 +146,8 @@ def main() -> None:
                              "estimated": {f"{sp}x{n}": v for (sp, n), v in estimated.items()}})
                 error = (estimated[whole] - measured[whole]) / measured[whole]
                 print(f"{kv:>3} {seq:>6} {str(ckpt):>5} | {measured[split] / mib:8.1f} {measured[half] / mib:9.1f}"
-                      f" {measured[split] / measured[half]:6.3f} | {estimated[split] / mib:9.1f}"
-                      f" {estimated[half] / mib:8.1f} {estimated[split] / estimated[half]:6.3f} |"
+                      f" {(measured[split] - measured[half]) / mib:+7.1f} | {estimated[split] / mib:9.1f}"
+                      f" {estimated[half] / mib:8.1f} {(estimated[split] - estimated[half]) / mib:+7.1f} |"
                       f" {measured[whole] / mib:8.1f} {estimated[whole] / mib:8.1f} {100 * error:+6.1f}%", flush=True)
     if ns.json:
         print(json.dumps(rows))

@@ -50,6 +50,16 @@ def test_a_sequence_split_over_two_ranks_trains_as_one_rank_and_resumes(assets, 
     # The tokens of a sequence-parallel group's micro-batches are counted once.
     assert split_again.of("summary")[0]["tokens"] == whole_again.of("summary")[0]["tokens"]
 
+    # The chunked loss on each rank's slice, inside transformers' loss of the split: the same losses.
+    work = tmp_path / "chunked"
+    config = trainer_config(assets, work, **BASE, sequenceParallel=2, maxSteps=6, lossChunks=4)
+    chunked = run_trainer(write_config(work, config), nproc=2, launcher=True)
+    assert chunked.returncode == 0, chunked.output[-3000:]
+    assert chunked.of("levers")[0]["lossChunks"] == 4
+    expected = {**split.losses(), **split_again.losses()}
+    for step, loss in chunked.losses().items():
+        assert loss == pytest.approx(expected[step], abs=1e-4), (expected, chunked.losses())
+
 
 def test_sequence_parallel_refusals_name_the_field(assets, tmp_path):
     """What the trainer cannot run split is a ConfigError naming sequenceParallel, before the model loads:

@@ -106,17 +106,33 @@ class ChunkedLoss:
 
         head.forward = types.MethodType(forward, head)
 
-    def arm(self, labels: torch.Tensor, divisor: torch.Tensor | int | float | None) -> None:
-        shifted = shift_labels(labels)
+    def arm(self, labels: torch.Tensor, divisor: torch.Tensor | int | float | None, *, shifted: bool = False) -> None:
+        """`shifted`: the labels are shifted already (sequence parallelism's `shift_labels`: a slice of
+        the sequence cannot shift its own last label, DeepSpeed's adapter shifted the whole row)."""
+        if not shifted:
+            labels = shift_labels(labels)
         if divisor is None:
-            divisor = shifted.ne(IGNORE_INDEX).sum()
-        self._pending = (shifted, divisor)
+            divisor = labels.ne(IGNORE_INDEX).sum()
+        self._pending = (labels, divisor)
 
     def loss(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """The model's forward with the chunked loss in place of logits."""
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         self.arm(labels, num_items_in_batch)
+        return self._forward(model, inputs)
+
+    def slice_mean(self, model, inputs: dict) -> torch.Tensor:
+        """Sequence parallelism: the mean loss of this rank's slice of the sequence, over its labelled
+        tokens (0 when it has none), from the slice's shifted labels; transformers'
+        deepspeed_sp_compute_loss weighs the slices of a sequence by their tokens."""
+        inputs = dict(inputs)
+        inputs.pop("labels", None)
+        shifted = inputs.pop("shift_labels")
+        self.arm(shifted, shifted.ne(IGNORE_INDEX).sum().clamp(min=1), shifted=True)
+        return self._forward(model, inputs)
+
+    def _forward(self, model, inputs: dict) -> torch.Tensor:
         try:
             outputs = model(**inputs)
         finally:

@@ -127,7 +127,10 @@ class FineTuneTrainer(Trainer):
         PROGRESS.enter(Phase.FORWARD, step)
         self.faults.maybe_fire(Phase.FORWARD, step)
         self._tokens = count if self._tokens is None else self._tokens + count
-        if self.chunked_loss is not None and "labels" in inputs:
+        if self.chunked_loss is not None and "shift_labels" in inputs:
+            loss = self._split_chunked(model, inputs)
+            result = (loss, None) if return_outputs else loss
+        elif self.chunked_loss is not None and "labels" in inputs:
             loss = self._chunked(model, inputs, num_items_in_batch)
             result = (loss, None) if return_outputs else loss
         else:
@@ -140,6 +143,22 @@ class FineTuneTrainer(Trainer):
             loss.register_hook(lambda grad: self.faults.maybe_fire(Phase.BACKWARD, step) or grad)
         return result
 
+
+    def _split_chunked(self, model, inputs):
+        """Sequence parallelism with lossChunks: transformers' own loss of the split (the slices' means
+        weighed by their tokens over the group, deepspeed_sp_compute_loss), each slice's mean computed
+        by the chunked loss, so the slice's logits never exist whole either."""
+        from types import SimpleNamespace
+
+        from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+        chunked = self.chunked_loss
+
+        def slice_loss(**slice_inputs):
+            return SimpleNamespace(loss=chunked.slice_mean(model, slice_inputs))
+
+        return deepspeed_sp_compute_loss(self.accelerator, slice_loss, inputs, False,
+                                         self.accelerator.parallelism_config)
 
     def _chunked(self, model, inputs, num_items_in_batch):
         loss = self.chunked_loss.loss(model, inputs, num_items_in_batch)

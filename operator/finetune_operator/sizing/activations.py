@@ -206,6 +206,11 @@ def _block_saved_bytes_per_token(arch: ModelArchitecture, setup: TrainingSetup, 
         # q, k, v, output, logsumexp (under sequence parallelism the kernel's, over the whole sequence
         # and a share of the heads: as many bytes per token, but for replicated key/value heads)
         saved += compute * (2 * q_width + 2 * _kernel_kv_width(arch, setup)) + 4 * heads
+        if setup.sequence_parallel > 1:
+            # Under Ulysses one more output-sized tensor per block stays until backward: the block's
+            # measured excess over an unsplit run of its slice (bench/sequence_parallel_truth.py: one
+            # q-wide tensor per block, with and without checkpointing; in-sample, added after those rows).
+            saved += compute * q_width
         if traits.fused_qkv:
             saved += compute * (q_width + kv_width)  # v is a view: the whole fused qkv output stays alive
         if _sdpa_needs_mask(arch, setup):

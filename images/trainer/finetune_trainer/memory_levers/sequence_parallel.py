@@ -16,8 +16,8 @@ The planner turns it on only when no plan fits without it (`last_resort`): it co
 every layer's attention inputs and outputs, which the step-time model prices. What stays out, each
 refused naming the field: strategies other than DeepSpeed's (zero1-3; the SP backend is DeepSpeed's),
 QLoRA, Liger's kernels and activation offloading (not run with it here), the optimizer step in
-backward (it needs one micro-batch per step), and the chunked loss (each
-GPU computes the logits of its slice only: the split does the chunks' work, `replaces`). The sizing
+backward (it needs one micro-batch per step). The chunked loss runs on each GPU's slice
+(training._split_chunked, inside transformers' loss of the split). The sizing
 refuses degrees that do not divide the attention heads and models with sliding-window or eager-only
 attention (the masks are dropped: causality comes from position ids alone); the API refuses eager
 attention and packed or padding-free data under sdpa (their block-diagonal mask would be dropped).
@@ -85,8 +85,8 @@ LEVER = Lever(
         activations and logits of its slice of the tokens, and attention trades the split for one of the heads
         by an all-to-all. For contexts whose activations do not fit one GPU. It must divide the GPU count and the
         model's attention heads; the data-parallel size is GPUs / degree. Needs strategy zero1, zero2 or zero3,
-        method full or lora, sdpa or flash attention (flash for packing and paddingFree), lossChunks 1, and none
-        of ligerKernel, activationOffloading and optimizerInBackward. 1: off. `auto`: the planner splits the
+        method full or lora, sdpa or flash attention (flash for packing and paddingFree), and none of
+        ligerKernel, activationOffloading and optimizerInBackward. 1: off. `auto`: the planner splits the
         sequence only when no plan fits without it.""")},
     ask=_ask,
     choice_values=_choice_values,
@@ -96,10 +96,6 @@ LEVER = Lever(
              "sequence parallelism runs on DeepSpeed (Ulysses): use strategy zero1, zero2 or zero3"),
         Rule("sequence-parallel-qlora", {"sequence_split": one_of(True), "method": one_of("qlora")},
              "sequence_split", "sequence parallelism is not run with qlora here: use method lora or full"),
-        Rule("sequence-parallel-chunked-loss", {"sequence_split": one_of(True), "chunked_loss": one_of(True)},
-             "chunked_loss",
-             "with sequence parallelism each GPU computes the logits of its slice of the sequence only, which does "
-             "the chunked loss's work: use lossChunks 1 (or auto)"),
         Rule("sequence-parallel-liger", {"sequence_split": one_of(True), "liger_kernel": one_of(True)},
              "sequence_split", "sequence parallelism is not run with Liger's kernels here: turn one of them off"),
         Rule("sequence-parallel-activation-offloading",
@@ -114,7 +110,6 @@ LEVER = Lever(
     last_resort=True,
     ranks_per_replica=_ranks,
     sized=_sized,
-    replaces=("loss_chunks",),
     rung="sequenceParallel",
     rung_after="moreGPUs",
     label="sequence parallelism",
