@@ -63,12 +63,21 @@ def test_a_sequence_split_over_two_ranks_trains_as_one_rank_and_resumes(assets, 
 
 def test_sequence_parallel_refusals_name_the_field(assets, tmp_path):
     """What the trainer cannot run split is a ConfigError naming sequenceParallel, before the model loads:
-    a degree that does not divide the ranks; and the config's own check refuses eager attention, and
-    padding-free rows under sdpa (Ulysses drops the masks they need)."""
+    a degree that does not divide the ranks or the accumulation (a step must run whole rounds of the
+    group's micro-batches, or a resume would skip samples); and the config's own check refuses eager
+    attention, and padding-free rows under sdpa (Ulysses drops the masks they need)."""
     config = trainer_config(assets, tmp_path, **BASE, sequenceParallel=2, maxSteps=2)
     run = run_trainer(write_config(tmp_path, config))  # one rank
     assert run.returncode == EXIT_CONFIG_ERROR, run.output[-2000:]
     assert "sequenceParallel 2 does not divide the 1 ranks" in read_report(tmp_path / "termination-log")["message"]
+
+    from finetune_trainer.errors import ConfigError
+    from finetune_trainer.model_setup import check_sequence_parallel
+
+    odd = TrainerConfig.model_validate(dict(config, gradientAccumulation=3))
+    with pytest.raises(ConfigError, match="sequenceParallel 2 must divide gradientAccumulation 3"):
+        check_sequence_parallel(odd, 2)
+    check_sequence_parallel(TrainerConfig.model_validate(config), 2)
 
     for attention, dataset in (("eager", {}), ("sdpa", {"paddingFree": True})):
         config = trainer_config(assets, tmp_path, **BASE, sequenceParallel=2, maxSteps=2, attention=attention,

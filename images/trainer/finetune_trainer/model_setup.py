@@ -72,6 +72,11 @@ def check_sequence_parallel(cfg: TrainerConfig, world_size: int) -> None:
     degree = cfg.sequence_parallel
     if degree > 1 and world_size % degree:
         raise ConfigError(f"sequenceParallel {degree} does not divide the {world_size} ranks of this attempt")
+    if degree > 1 and cfg.gradient_accumulation % degree:
+        # A step must run whole rounds of the group's micro-batches (one of each rank's): otherwise what
+        # it trained on is not a prefix of the sample order, and a resume would skip or repeat samples.
+        raise ConfigError(f"sequenceParallel {degree} must divide gradientAccumulation "
+                          f"{cfg.gradient_accumulation}")
     if degree > 1 and attention_for(cfg) == "eager":
         raise ConfigError(f"sequenceParallel: this model runs eager attention only ({_model_type(cfg)}), and Ulysses "
                           "drops the attention mask that eager attention needs")

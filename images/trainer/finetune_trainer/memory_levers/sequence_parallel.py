@@ -10,7 +10,9 @@ the ParallelismConfig, position ids in every batch (the causal order after the a
 them, not from a mask), each row padded to a multiple of the degree. The GPUs of one sequence read
 their own micro-batches, which the adapter of DeepSpeed then runs one after the other on all of them:
 so the data-parallel size is GPUs / degree, and accumulation is the degree times what it would be
-(`ranks_per_replica`). The memory term is sizing/activations.py (`TrainingSetup.sequence_shard`).
+(`ranks_per_replica`). The GPU count still divides globalBatchSize / micro-batch as without the split:
+a step then runs whole rounds of the group's micro-batches, so what a step trained on is a prefix of
+the run's sample order and a resume starts exactly after it. The memory term is sizing/activations.py (`TrainingSetup.sequence_shard`).
 
 The planner turns it on only when no plan fits without it (`last_resort`): it costs an all-to-all of
 every layer's attention inputs and outputs, which the step-time model prices. What stays out, each
@@ -33,7 +35,7 @@ from ..rules import Rule, one_of
 from .lever import AutoOrInt, Lever, LeverField, Setting
 
 # The degrees the planner tries when the job leaves it `auto` (and nothing fits without it).
-AUTO_DEGREES = (2, 4, 8)
+AUTO_DEGREES = (2, 4, 8, 16)
 MAX_DEGREE = 64
 
 
