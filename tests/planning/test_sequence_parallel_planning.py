@@ -104,6 +104,7 @@ def test_evaluation_of_a_split_plan_is_sized_whole():
     micro-batch): a 256k sequence whole fits no GPU, so the job cannot be planned, and says why."""
     result = plan_job(job(evaluation={"heldOutFraction": 0.05}), [pool("h100")], POLICY)
     assert isinstance(result, Infeasible)
+    assert "setups were left out because their evaluation does not fit" in result.message, result.message
     ask = ask_from_spec(job(**{"training.sequenceLength": 32768}, evaluation={"heldOutFraction": 0.05}),
                         POLICY, None)
     estimates = Estimates(ask, estimate_memory)

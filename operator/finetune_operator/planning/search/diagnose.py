@@ -17,7 +17,7 @@ from .ask import Ask
 from .choose import choose, find
 from .estimate import Estimates, JobWork
 from .explain import gib, setup_words, shape
-from .fit import weights_floor
+from .fit import EVAL_MISFIT, weights_floor
 from .space import Stats, divisors, pools_for
 
 
@@ -62,6 +62,13 @@ def infeasible(ask: Ask, all_pools: Sequence[NodePool], considered: Sequence[Nod
         parts.append("no candidate is left: " + "; ".join(f"{why} ({n})" for why, n in sorted(stats.rejected.items())))
     else:
         parts.append("no candidate is left")
+    evaluation = stats.rejected.get(EVAL_MISFIT, 0)
+    if evaluation:
+        # Checked before a group's training is sized: its closest miss above may be another setup.
+        parts.append(
+            f"{evaluation} setups were left out because their evaluation does not fit (at evaluation.microBatchSize;"
+            " a sequence the plan splits over GPUs is evaluated whole, one at a time): drop spec.evaluation, or"
+            " evaluate shorter sequences")
     if stats.closest_host is not None:
         _, group, needed, there = stats.closest_host
         parts.append(
