@@ -12,7 +12,7 @@ import traceback
 from . import checkpointing, optimizers
 from .contract import DEFAULT_CONFIG_PATH, DEFAULT_REPORT_PATH, ConfigLoadError, Phase, TrainerConfig, load_trainer_config
 from .errors import ConfigError
-from .memory_levers import ranks_per_replica, trainer_arguments
+from .memory_levers import eval_micro_batch, ranks_per_replica, trainer_arguments
 from .phases import PROGRESS
 from .provenance import AttemptFacts, write_attempt_record
 from .reporting import build_report, build_success, log_json, rank, world_size, write_report, write_success
@@ -162,10 +162,9 @@ def training_arguments(cfg: TrainerConfig, max_steps: int, cuda: bool):
         # its memory stays under the training peak the plan sized (README, "Evaluation").
         eval_strategy="steps" if cfg.evaluation and cfg.evaluation.every_steps else "no",
         eval_steps=cfg.evaluation.every_steps if cfg.evaluation else None,
-        # Under sequence parallelism evaluation runs each rank's sequences whole: one at a time unless the
-        # job names its eval micro-batch (what the planner sized).
-        per_device_eval_batch_size=(cfg.evaluation.micro_batch_size if cfg.evaluation else None)
-        or (1 if ranks_per_replica(cfg) > 1 else cfg.micro_batch_size),
+        # Under sequence parallelism evaluation runs each rank's sequences whole (memory_levers.eval_micro_batch).
+        per_device_eval_batch_size=eval_micro_batch(cfg.evaluation.micro_batch_size if cfg.evaluation else None,
+                                                    cfg.micro_batch_size, cfg),
         prediction_loss_only=True,
         save_strategy="no",  # our own atomic, reshardable checkpoints (checkpointing.py)
         report_to=[],

@@ -193,6 +193,15 @@ def unsplit(levers: Levers) -> Levers:
                               for field, value in lever.off.items()})
 
 
+def eval_micro_batch(named: int | None, training_micro: int | None, values: Any) -> int | None:
+    """The micro-batch evaluation runs at: the job's evaluation.microBatchSize when named; else, where
+    `values` (a config, a plan's levers) split sequences over GPUs, 1 (evaluation runs each sequence
+    whole); else the training micro-batch. The trainer runs it, the planner sizes it."""
+    if named is not None:
+        return named
+    return 1 if ranks_per_replica(values) > 1 else training_micro
+
+
 def needs_whole_batch(levers: Levers) -> bool:
     """Whether `levers` needs gradient accumulation 1."""
     return any(lever.whole_batch and lever.in_use(levers) for lever in LEVERS)
@@ -323,5 +332,6 @@ __all__ = [
     "stops_clipping",
     "trainer_arguments",
     "unsplit",
+    "eval_micro_batch",
     "attention_refusal",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from finetune_trainer.memory_levers import ranks_per_replica
+from finetune_trainer.memory_levers import eval_micro_batch
 
 from ...sizing import SizingError
 from ..plan import PlanKey
@@ -195,9 +195,7 @@ class Fit:
         (it can, or the job evaluates at the training micro-batch, which the step's estimate covers). A
         group that splits sequences over GPUs evaluates them whole, one at a time unless the job names its
         eval micro-batch (the trainer's eval_micro_batch): the step's estimate does not cover that."""
-        micro = self.ask.eval_micro_batch
-        if micro is None and self.ask.evaluates and ranks_per_replica(group.levers) > 1:
-            micro = 1
+        micro = eval_micro_batch(self.ask.eval_micro_batch, None, group.levers) if self.ask.evaluates else None
         if micro is None:
             return None
         need = self.estimates.eval_required(group.world, group.strategy, group.offload, group.levers, micro)
